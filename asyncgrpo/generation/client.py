@@ -1,0 +1,376 @@
+"""The async HTTP client for vLLM servers, used by the rollout worker and the trainer.
+
+Token ids in, token ids and log-probs out: the trainer never re-tokenizes what the sampler produced.
+Every sampling field is sent explicitly (an unset one would fall back to the model's
+generation_config), and every request carries its own seed so that data-parallel engines never
+return the same sample twice.
+
+Failure policy: connection errors and 5xx answers are transient (a server restarting, a proxy
+timing out) and retried with bounded exponential backoff, each retry counted
+(`rollout/vllm_retry_count`); a 4xx is the caller's mistake and fails at once, quoting the server.
+Nothing waits longer than `timeout` seconds: a generation request that times out is retried a few
+times, everything else raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from asyncgrpo.generation.responses import Completion, parse_completion_response, parse_generate_response
+from asyncgrpo.generation.server_load import ServerLoad, parse_server_load
+
+_json_encoder = msgspec.json.Encoder()
+_json_decoder = msgspec.json.Decoder()
+
+
+class VLLMError(RuntimeError):
+    """A vLLM server could not do what was asked."""
+
+
+class VLLMRequestError(VLLMError):
+    """The server rejected a request (4xx): retrying would not help."""
+
+    def __init__(self, url: str, status: int, server_message: str):
+        self.url, self.status, self.server_message = url, status, server_message
+        super().__init__(f"vLLM server rejected {url} with HTTP {status}: {server_message}")
+
+
+class VLLMUnavailableError(VLLMError):
+    """The server did not answer usefully within the time allowed."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one generation request. All are sent, none left to server defaults."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    num_top_logprobs: int = 0  # the sampler's top-N log-probs per token (score centering)
+    stop_token_ids: tuple[int, ...] = ()
+
+    def as_request_fields(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "stop_token_ids": list(self.stop_token_ids),
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "include_stop_str_in_output": True,
+            "ignore_eos": False,
+            "n": 1,
+        }
+
+
+def serve_hint(url: str) -> str:
+    port = url.rstrip("/").rsplit(":", 1)[-1] if url.count(":") >= 2 else "8000"
+    return f"start one with `asyncgrpo serve MODEL --port {port}` (or `vllm serve MODEL` with the flags in the README)"
+
+
+class VLLMClient:
+    """Talks to one or more vLLM servers (`base_urls`); generation goes to the least busy one.
+
+    Create it anywhere, use it inside one event loop: the HTTP session is opened on first use in
+    the running loop and closed by `close()` (or `async with`).
+    """
+
+    def __init__(
+        self,
+        base_urls: str | list[str],
+        timeout: float = 1800.0,
+        model: str | None = None,
+        generation_timeout_retries: int = 3,
+    ):
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError("VLLMClient needs at least one server URL")
+        self.base_urls = [url.rstrip("/") for url in urls]
+        self.timeout = float(timeout)
+        self.model = model
+        self.generation_timeout_retries = generation_timeout_retries
+        self.retry_count = 0
+        self._in_flight = dict.fromkeys(self.base_urls, 0)
+        self._tie_breaker = itertools.count()
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "VLLMClient":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # No connection cap here: the rollout worker's own concurrency limits govern.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    # -- transport -----------------------------------------------------------------------------
+
+    async def _request(
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        payload: Any = None,
+        params: dict[str, str] | None = None,
+        timeout_retries: int = 0,
+        timeout: float | None = None,
+    ) -> bytes:
+        """One HTTP call with the retry policy of this module; returns the body of a 2xx."""
+        url = base_url + path
+        budget = self.timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        body = None if payload is None else _json_encoder.encode(payload)
+        headers = {"Content-Type": "application/json"} if body is not None else None
+        backoff, timeouts_left = 0.25, timeout_retries
+        while True:
+            attempt_budget = max(deadline - loop.time(), 0.001) if timeout_retries == 0 else budget
+            try:
+                async with self._http().request(
+                    method,
+                    url,
+                    data=body,
+                    params=params,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=attempt_budget),
+                ) as response:
+                    data = await response.read()
+                    if response.status < 400:
+                        return data
+                    message = _server_message(data)
+                    if response.status < 500:
+                        raise VLLMRequestError(url, response.status, message)
+                    error: str = f"HTTP {response.status}: {message}"
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            except asyncio.TimeoutError:
+                if timeouts_left <= 0:
+                    raise VLLMUnavailableError(
+                        f"vLLM server {url} did not answer within {budget:.0f} s (vllm_server_timeout)"
+                    ) from None
+                timeouts_left -= 1
+                deadline = loop.time() + budget
+                error = "timed out"
+            self.retry_count += 1
+            if loop.time() + backoff > deadline:
+                raise VLLMUnavailableError(
+                    f"vLLM server {url} kept failing for {budget:.0f} s (last error: {error}); "
+                    f"is it running? {serve_hint(base_url)}"
+                )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _json(self, method: str, base_url: str, path: str, payload: Any = None, **kwargs) -> Any:
+        data = await self._request(method, base_url, path, payload, **kwargs)
+        return _json_decoder.decode(data) if data else None
+
+    async def _on_all(self, method: str, path: str, payload: Any = None, **kwargs) -> list[Any]:
+        """The same call on every server at once (pause, reload, metrics...)."""
+        return list(
+            await asyncio.gather(*(self._json(method, url, path, payload, **kwargs) for url in self.base_urls))
+        )
+
+    def _least_busy(self) -> str:
+        if len(self.base_urls) == 1:
+            return self.base_urls[0]
+        lowest = min(self._in_flight.values())
+        candidates = [url for url, count in self._in_flight.items() if count == lowest]
+        return candidates[next(self._tie_breaker) % len(candidates)]
+
+    # -- start-up and capabilities ---------------------------------------------------------------
+
+    async def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Poll every server's `/v1/models` until it answers; fail naming the URL that did not."""
+        budget = self.timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        for url in self.base_urls:
+            last_error = "no answer"
+            while True:
+                try:
+                    async with self._http().get(
+                        url + "/v1/models", timeout=aiohttp.ClientTimeout(total=max(deadline - loop.time(), 0.1))
+                    ) as response:
+                        if response.status == 200:
+                            break
+                        last_error = f"HTTP {response.status}"
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                if loop.time() + 1.0 > deadline:
+                    raise VLLMUnavailableError(
+                        f"no vLLM server answered at {url} within {budget:.0f} s ({last_error}); "
+                        f"{serve_hint(url)}"
+                    )
+                await asyncio.sleep(1.0)
+
+    async def models(self) -> list[dict[str, Any]]:
+        return (await self._json("GET", self.base_urls[0], "/v1/models"))["data"]
+
+    async def model_name(self) -> str:
+        if self.model is None:
+            self.model = (await self.models())[0]["id"]
+        return self.model
+
+    async def max_model_len(self) -> int:
+        """The smallest `max_model_len` over the servers: a request must fit on any of them."""
+        answers = await self._on_all("GET", "/v1/models")
+        return min(int(answer["data"][0]["max_model_len"]) for answer in answers)
+
+    async def version(self) -> str:
+        return (await self._json("GET", self.base_urls[0], "/version"))["version"]
+
+    async def server_info(self) -> dict[str, Any] | None:
+        """`/server_info` (dev mode); None on servers that do not have it."""
+        try:
+            return await self._json("GET", self.base_urls[0], "/server_info", params={"config_format": "json"})
+        except VLLMRequestError:
+            return None
+
+    async def world_size(self) -> int:
+        return sum(int(answer["world_size"]) for answer in await self._on_all("GET", "/get_world_size"))
+
+    async def supports_token_generate(self) -> bool:
+        """Whether `/inference/v1/generate` is enabled (`--enable-scale-out`) on every server."""
+        for url in self.base_urls:
+            try:
+                await self._json("POST", url, "/inference/v1/generate", {"token_ids": []})
+            except VLLMRequestError as error:
+                # 422/400: the route exists and rejected the empty request; 403/404: no route.
+                if error.status in (403, 404):
+                    return False
+        return True
+
+    async def supports_sampling_mask(self) -> bool:
+        """Whether every server reports top-k/top-p candidate sets (`--return-sampling-mask`
+        and `--enable-scale-out`)."""
+        info = await self.server_info()
+        model_config = ((info or {}).get("vllm_config") or {}).get("model_config") or {}
+        return bool(model_config.get("return_sampling_mask")) and await self.supports_token_generate()
+
+    # -- generation --------------------------------------------------------------------------------
+
+    async def complete(
+        self, prompt_ids: list[int], sampling: SamplingParams, seed: int, model: str | None = None
+    ) -> Completion:
+        """Sample one continuation through `/v1/completions` (works on every vLLM server)."""
+        payload = {
+            "model": model or await self.model_name(),
+            "prompt": prompt_ids,
+            "seed": seed,
+            "logprobs": sampling.num_top_logprobs,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "echo": False,
+            "stream": False,
+            **sampling.as_request_fields(),
+        }
+        body = await self._generation_call("/v1/completions", payload)
+        return parse_completion_response(body, sampling.num_top_logprobs)
+
+    async def generate_tokens(
+        self, prompt_ids: list[int], sampling: SamplingParams, seed: int, model: str | None = None
+    ) -> Completion:
+        """Sample one continuation through `/inference/v1/generate`, with each token's candidate
+        set when the server records it (top-k/top-p with `--return-sampling-mask`)."""
+        fields = sampling.as_request_fields()
+        fields.update(seed=seed, logprobs=sampling.num_top_logprobs, detokenize=False)
+        payload = {"token_ids": prompt_ids, "sampling_params": fields, "model": model or await self.model_name()}
+        body = await self._generation_call("/inference/v1/generate", payload)
+        return parse_generate_response(body, sampling.num_top_logprobs)
+
+    async def _generation_call(self, path: str, payload: dict[str, Any]) -> bytes:
+        url = self._least_busy()
+        self._in_flight[url] += 1
+        try:
+            return await self._request("POST", url, path, payload, timeout_retries=self.generation_timeout_retries)
+        finally:
+            self._in_flight[url] -= 1
+
+    # -- load --------------------------------------------------------------------------------------
+
+    async def load(self) -> ServerLoad | None:
+        """The servers' combined load from `/metrics`; None when a server has no usable metrics."""
+        try:
+            texts = await asyncio.gather(
+                *(self._request("GET", url, "/metrics", timeout=min(self.timeout, 30.0)) for url in self.base_urls)
+            )
+            return ServerLoad.combine([parse_server_load(text.decode()) for text in texts])
+        except (VLLMRequestError, ValueError):
+            return None
+
+    # -- control (dev mode: VLLM_SERVER_DEV_MODE=1) --------------------------------------------------
+
+    async def pause(self, mode: str = "keep") -> None:
+        """Stop scheduling. `keep` freezes running requests (they continue on resume), `wait`
+        lets them finish first, `abort` ends them."""
+        await self._on_all("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._on_all("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return all(answer["is_paused"] for answer in await self._on_all("GET", "/is_paused"))
+
+    async def reset_prefix_cache(self) -> None:
+        await self._on_all("POST", "/reset_prefix_cache")
+
+    async def reload_weights(self, weights_dir: str, version: str | None = None) -> None:
+        """Load new weights from a directory of safetensors (HF names) on every server, then drop
+        the prefix cache, whose KV entries were computed by the old weights."""
+        payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+        await self._on_all("POST", "/collective_rpc", payload)
+        await self.reset_prefix_cache()
+        if version is not None:
+            await self._on_all("POST", "/update_weight_version", {"new_version": version})
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """Per-tensor checksums of the weights the (first) server runs."""
+        answer = await self._json("POST", self.base_urls[0], "/weight_checker", {"action": "checksum"})
+        return answer["checksums"]
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await self._on_all("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._on_all("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+
+
+def _server_message(body: bytes) -> str:
+    """The human part of an error body: vLLM's `{"error": {"message"}}`, FastAPI's `{"detail"}`."""
+    try:
+        decoded = _json_decoder.decode(body)
+    except msgspec.DecodeError:
+        return body.decode(errors="replace").strip()[:2000] or "(empty body)"
+    if isinstance(decoded, dict):
+        error = decoded.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if error is not None:
+            return str(error)
+        if "detail" in decoded:
+            return str(decoded["detail"])
+        if "message" in decoded:
+            return str(decoded["message"])
+    return str(decoded)[:2000]

@@ -1,0 +1,56 @@
+"""The training sample: what the rollout worker queues and the trainer packs.
+
+A sample is one token sequence (prompt, completion, tool results) with a mask of the tokens the loss
+trains on. Every per-token array that only matters at trained tokens (sampler top-N log-probs,
+candidate sets) is stored for the trained tokens alone, in sequence order: a 2,000-token completion
+with top-8 log-probs is 16k numbers, a full-length copy would waste the queue's bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Sample:
+    token_ids: np.ndarray  # (L,) int64
+    trained: np.ndarray  # (L,) bool; trained[0] is always False (nothing predicts the first token)
+    sampler_logprobs: np.ndarray  # (T,) float32: the sampler's processed log-prob of each trained token
+    advantage: float
+    group_id: int
+    # Score centering: the sampler's top-N tokens at each trained token's position (-1 / -inf padded).
+    top_ids: np.ndarray | None = None  # (T, N) int64
+    top_logprobs: np.ndarray | None = None  # (T, N) float32
+    # top-k / top-p: the candidate set each trained token was drawn from; None = full vocabulary.
+    candidate_sets: list[np.ndarray] | None = None  # T arrays of token ids
+    model_version: int = 0  # policy version that generated it (the oldest turn's)
+    row_index: int = -1  # dataset row of its prompt
+    epoch: int = 0
+    reward: float = math.nan
+    rollout_id: str = ""
+    queued_at: float = 0.0  # time.time() when the worker queued it
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_trained(self) -> int:
+        return len(self.sampler_logprobs)
+
+    def validate(self) -> None:
+        """Internal invariants; a violation is a bug in whoever built the sample."""
+        length = len(self.token_ids)
+        assert self.trained.shape == (length,), "trained mask must match token_ids"
+        assert length == 0 or not self.trained[0], "the first token cannot be trained"
+        trained = int(self.trained.sum())
+        assert self.sampler_logprobs.shape == (trained,), "one sampler log-prob per trained token"
+        if self.top_ids is not None:
+            assert self.top_logprobs is not None and self.top_ids.shape == self.top_logprobs.shape
+            assert self.top_ids.shape[0] == trained
+        if self.candidate_sets is not None:
+            assert len(self.candidate_sets) == trained
