@@ -184,7 +184,12 @@ class VLLMClient:
 
     async def _json(self, method: str, base_url: str, path: str, payload: Any = None, **kwargs) -> Any:
         data = await self._request(method, base_url, path, payload, **kwargs)
-        return _json_decoder.decode(data) if data else None
+        if not data:
+            return None
+        try:
+            return _json_decoder.decode(data)
+        except msgspec.DecodeError:  # some control endpoints answer plain text
+            return data.decode(errors="replace")
 
     async def _on_all(self, method: str, path: str, payload: Any = None, **kwargs) -> list[Any]:
         """The same call on every server at once (pause, reload, metrics...)."""

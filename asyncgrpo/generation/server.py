@@ -1,0 +1,224 @@
+"""Starting `vllm serve` with the flags the trainer needs, for users (`asyncgrpo serve`) and tests.
+
+The trainer relies on: dev-mode endpoints (pause/resume, reload, weight transfer:
+`VLLM_SERVER_DEV_MODE=1`), log-probs of the distribution actually sampled
+(`--logprobs-mode processed_logprobs`), and sampling defaults that come from the request, not the
+model's generation_config (`--generation-config vllm`). On CPU, vLLM needs `--enforce-eager` to
+start in seconds and a bounded KV space; on GPU the native NCCL weight transfer is enabled.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ServerOptions:
+    model: str
+    port: int = 8000
+    host: str = "127.0.0.1"
+    max_model_len: int | None = None
+    dtype: str | None = None
+    enable_lora: bool = False
+    max_lora_rank: int | None = None
+    max_loras: int | None = None
+    # None: decide from torch.cuda.is_available() in this process.
+    cpu: bool | None = None
+    # CPU only: GiB of RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE); vLLM's default takes far more.
+    cpu_kv_cache_gib: int = 1
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def _on_cpu(options: ServerOptions) -> bool:
+    if options.cpu is not None:
+        return options.cpu
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def vllm_entry_point() -> list[str]:
+    """How to run vLLM's CLI: from this interpreter when it has vllm, else the `vllm` on PATH."""
+    if importlib.util.find_spec("vllm") is not None:
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    executable = shutil.which("vllm")
+    if executable is None:
+        raise RuntimeError(
+            "vLLM is not installed in this environment and no `vllm` is on PATH: install it "
+            "(`pip install vllm`, or `make venv` for the CPU build) or start the server yourself"
+        )
+    return [executable]
+
+
+def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
+    """The argv and the environment additions of the server process."""
+    on_cpu = _on_cpu(options)
+    argv = [
+        *vllm_entry_point(),
+        "serve",
+        options.model,
+        "--host",
+        options.host,
+        "--port",
+        str(options.port),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+    ]
+    if options.max_model_len is not None:
+        argv += ["--max-model-len", str(options.max_model_len)]
+    if options.dtype is not None:
+        argv += ["--dtype", options.dtype]
+    if on_cpu:
+        argv += ["--enforce-eager"]
+    else:
+        argv += ["--weight-transfer-config", '{"backend": "nccl"}']
+    env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    if on_cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_gib)
+    if options.enable_lora:
+        argv += ["--enable-lora"]
+        if options.max_lora_rank is not None:
+            argv += ["--max-lora-rank", str(options.max_lora_rank)]
+        if options.max_loras is not None:
+            argv += ["--max-loras", str(options.max_loras)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    argv += options.extra_args
+    return argv, env
+
+
+def format_command(argv: list[str], env: dict[str, str]) -> str:
+    return " ".join([*(f"{key}={shlex.quote(value)}" for key, value in env.items()), shlex.join(argv)])
+
+
+class VLLMServer:
+    """A `vllm serve` child process: `with VLLMServer(options) as server: ... server.url`.
+
+    The server runs in its own process group so that stopping it also stops the engine processes
+    it spawns; on exit it gets SIGTERM, then SIGKILL after `stop_timeout` seconds.
+    """
+
+    def __init__(
+        self,
+        options: ServerOptions,
+        log_path: str | Path | None = None,
+        start_timeout: float = 300.0,
+        stop_timeout: float = 15.0,
+    ):
+        self.options = options
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return self.options.url
+
+    def __enter__(self) -> "VLLMServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        argv, env_additions = build_command(self.options)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {format_command(argv, env_additions)}\n".encode())
+            self.process = subprocess.Popen(
+                argv,
+                env={**os.environ, **env_additions},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited with code {self.process.returncode} before it was ready; "
+                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"vllm serve was not ready at {self.url} after {self.start_timeout:.0f} s; "
+            f"last lines of {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        _signal_group(self.process, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.process, signal.SIGKILL)
+            self.process.wait(timeout=self.stop_timeout)
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def serve_foreground(options: ServerOptions) -> int:
+    """`asyncgrpo serve`: print the exact command, run it, forward SIGINT/SIGTERM, return its code."""
+    argv, env_additions = build_command(options)
+    print(format_command(argv, env_additions), flush=True)
+    process = subprocess.Popen(argv, env={**os.environ, **env_additions}, start_new_session=True)
+
+    def forward(signum, _frame):
+        _signal_group(process, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                return process.wait()
+            except KeyboardInterrupt:
+                _signal_group(process, signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if process.poll() is None:
+            _signal_group(process, signal.SIGKILL)

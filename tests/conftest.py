@@ -1,0 +1,91 @@
+"""Shared fixtures: the tiny model, and real `vllm serve` processes shared across the suite.
+
+A vLLM CPU server takes ~30-45 s and ~3 GB to start, so there is one per distinct set of flags for
+the whole session (`vllm_servers.get(...)`); tests that change a server's weights restore them.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncgrpo.generation.server import ServerOptions, VLLMServer
+from asyncgrpo.tiny_model import save_tiny_model
+
+MAX_MODEL_LEN = 1024
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+class ServerPool:
+    """Servers keyed by their flags, started on first use, stopped at the end of the session."""
+
+    def __init__(self, model_dir: Path, log_dir: Path):
+        self.model_dir = model_dir
+        self.log_dir = log_dir
+        self._servers: dict[tuple, VLLMServer] = {}
+
+    def get(self, *extra_args: str, enable_lora: bool = False, max_lora_rank=None, max_loras=None) -> VLLMServer:
+        key = (extra_args, enable_lora, max_lora_rank, max_loras)
+        if key not in self._servers:
+            options = ServerOptions(
+                model=str(self.model_dir),
+                port=free_port(),
+                max_model_len=MAX_MODEL_LEN,
+                dtype="float32",
+                cpu=True,
+                enable_lora=enable_lora,
+                max_lora_rank=max_lora_rank,
+                max_loras=max_loras,
+                extra_args=list(extra_args),
+            )
+            server = VLLMServer(options, log_path=self.log_dir / f"server-{len(self._servers)}.log")
+            server.start()
+            self._servers[key] = server
+        return self._servers[key]
+
+    def release(self, *extra_args: str, **kwargs) -> None:
+        """Stop a server with unusual flags once its tests are done, to free its ~3 GB."""
+        key = (extra_args, kwargs.get("enable_lora", False), kwargs.get("max_lora_rank"), kwargs.get("max_loras"))
+        server = self._servers.pop(key, None)
+        if server is not None:
+            server.stop()
+
+    def stop_all(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tiny_model_dir, tmp_path_factory):
+    pool = ServerPool(tiny_model_dir, tmp_path_factory.mktemp("vllm-logs"))
+    yield pool
+    pool.stop_all()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_servers) -> VLLMServer:
+    """The default server on the tiny model: what most integration tests share."""
+    return vllm_servers.get()

@@ -1,0 +1,148 @@
+"""The client's failure policy, against a tiny local HTTP server that misbehaves on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from aiohttp import web
+
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMRequestError, VLLMUnavailableError
+
+SAMPLING = SamplingParams(max_tokens=2)
+GOOD_BODY = {
+    "choices": [
+        {
+            "token_ids": [5, 6],
+            "logprobs": {"token_logprobs": [-0.5, -0.25], "top_logprobs": None},
+            "finish_reason": "length",
+        }
+    ]
+}
+
+
+async def serve(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def scripted(statuses: list[int]):
+    """A handler answering with the given statuses in turn, then 200 with a good completion."""
+    calls = []
+
+    async def handler(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        if len(calls) <= len(statuses):
+            status = statuses[len(calls) - 1]
+            return web.json_response({"error": {"message": f"scripted {status}"}}, status=status)
+        return web.json_response(GOOD_BODY)
+
+    return handler, calls
+
+
+def test_5xx_and_503_are_retried_then_succeed():
+    async def scenario():
+        handler, calls = scripted([500, 503])
+        runner, url = await serve(handler)
+        try:
+            async with VLLMClient(url, timeout=10, model="m") as client:
+                completion = await client.complete([1, 2], SAMPLING, seed=0)
+                return completion, client.retry_count, len(calls)
+        finally:
+            await runner.cleanup()
+
+    completion, retries, calls = asyncio.run(scenario())
+    assert completion.token_ids.tolist() == [5, 6]
+    assert retries == 2 and calls == 3
+
+
+def test_4xx_fails_at_once_quoting_the_server():
+    async def scenario():
+        handler, calls = scripted([400, 400, 400])
+        runner, url = await serve(handler)
+        try:
+            async with VLLMClient(url, timeout=10, model="m") as client:
+                with pytest.raises(VLLMRequestError) as error:
+                    await client.complete([1, 2], SAMPLING, seed=0)
+                return error.value, client.retry_count, len(calls)
+        finally:
+            await runner.cleanup()
+
+    error, retries, calls = asyncio.run(scenario())
+    assert error.status == 400 and "scripted 400" in str(error)
+    assert retries == 0 and calls == 1
+
+
+def test_a_server_that_never_answers_times_out_within_the_bound():
+    async def never(request: web.Request) -> web.Response:
+        await asyncio.sleep(3600)
+        return web.Response()
+
+    async def scenario():
+        runner, url = await serve(never)
+        try:
+            async with VLLMClient(url, timeout=1.0, model="m", generation_timeout_retries=1) as client:
+                started = time.monotonic()
+                with pytest.raises(VLLMUnavailableError) as error:
+                    await client.complete([1, 2], SAMPLING, seed=0)
+                generation_elapsed = time.monotonic() - started
+                started = time.monotonic()
+                with pytest.raises(VLLMUnavailableError):
+                    await client.pause()
+                control_elapsed = time.monotonic() - started
+                return error.value, generation_elapsed, control_elapsed, client.retry_count
+        finally:
+            await runner.cleanup()
+
+    error, generation_elapsed, control_elapsed, retries = asyncio.run(scenario())
+    # One timed-out attempt is retried (as the seed says generation requests are), then it fails.
+    assert 2.0 <= generation_elapsed < 4.0 and retries == 1
+    assert control_elapsed < 2.0
+    assert "did not answer within 1 s" in str(error)
+
+
+def test_an_unreachable_url_at_start_up_fails_in_time_naming_url_and_command():
+    async def scenario():
+        async with VLLMClient("http://127.0.0.1:9", timeout=2.0) as client:
+            started = time.monotonic()
+            with pytest.raises(VLLMUnavailableError) as error:
+                await client.wait_until_ready()
+            return error.value, time.monotonic() - started
+
+    error, elapsed = asyncio.run(scenario())
+    assert elapsed < 4.0
+    assert "http://127.0.0.1:9" in str(error) and "asyncgrpo serve" in str(error)
+
+
+def test_requests_spread_over_servers_by_least_in_flight():
+    async def scenario():
+        seen: list[str] = []
+
+        def slow_handler(name: str):
+            async def handler(request: web.Request) -> web.Response:
+                seen.append(name)
+                await asyncio.sleep(0.2)
+                return web.Response(body=json.dumps(GOOD_BODY), content_type="application/json")
+
+            return handler
+
+        runner_a, url_a = await serve(slow_handler("a"))
+        runner_b, url_b = await serve(slow_handler("b"))
+        try:
+            async with VLLMClient([url_a, url_b], timeout=10, model="m") as client:
+                await asyncio.gather(*(client.complete([1], SAMPLING, seed=s) for s in range(10)))
+        finally:
+            await runner_a.cleanup()
+            await runner_b.cleanup()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert seen.count("a") == 5 and seen.count("b") == 5

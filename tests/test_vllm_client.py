@@ -1,0 +1,140 @@
+"""The vLLM client against a real `vllm serve` on CPU (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncgrpo.generation.client import SamplingParams, VLLMClient
+
+pytestmark = pytest.mark.vllm
+
+
+def hf_logits(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """Logits (n, V) that predict each completion token, from one plain transformers forward."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    return logits[len(prompt_ids) - 1 : len(prompt_ids) + len(completion_ids) - 1]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_model_dir) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "user", "content": "What is 12 + 30? Answer with a number."}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def _complete(url: str, prompt_ids, sampling: SamplingParams, seed: int = 0, model: str | None = None):
+    async with VLLMClient(url, timeout=120) as client:
+        return await client.complete(prompt_ids, sampling, seed=seed, model=model)
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(vllm_server, hf_model, prompt_ids):
+    completion = run(_complete(vllm_server.url, prompt_ids, SamplingParams(max_tokens=24, temperature=0.0)))
+    assert completion.num_tokens == 24
+    logits = hf_logits(hf_model, prompt_ids, completion.token_ids.tolist())
+    assert completion.token_ids.tolist() == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+    np.testing.assert_allclose(completion.logprobs, expected.numpy(), atol=1e-4)
+
+
+def test_processed_logprobs_and_top_n_at_temperature(vllm_server, hf_model, prompt_ids):
+    sampling = SamplingParams(max_tokens=32, temperature=0.7, num_top_logprobs=5)
+    completion = run(_complete(vllm_server.url, prompt_ids, sampling, seed=1234))
+    logits = hf_logits(hf_model, prompt_ids, completion.token_ids.tolist())
+    logprobs = torch.log_softmax(logits / 0.7, -1)
+    sampled = logprobs.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+    np.testing.assert_allclose(completion.logprobs, sampled.numpy(), atol=1e-4)
+    # Top-N keys are token ids: the server's top 5 are the model's top 5, with their log-probs.
+    assert completion.top_ids.shape == (32, 5)
+    # (In vLLM's order: the sampled token first when it is among them.)
+    top_ids = logprobs.topk(5, dim=-1).indices
+    for position in range(32):
+        assert sorted(completion.top_ids[position].tolist()) == sorted(top_ids[position].tolist())
+        expected = logprobs[position, torch.tensor(completion.top_ids[position])]
+        np.testing.assert_allclose(completion.top_logprobs[position], expected.numpy(), atol=1e-4)
+
+
+def test_seeds_make_requests_reproducible_and_distinct(vllm_server, prompt_ids):
+    sampling = SamplingParams(max_tokens=16, temperature=1.0)
+    first = run(_complete(vllm_server.url, prompt_ids, sampling, seed=7))
+    again = run(_complete(vllm_server.url, prompt_ids, sampling, seed=7))
+    other = run(_complete(vllm_server.url, prompt_ids, sampling, seed=8))
+    assert first.token_ids.tolist() == again.token_ids.tolist()
+    assert first.token_ids.tolist() != other.token_ids.tolist()
+
+
+def test_pause_with_request_in_flight_then_resume_completes(vllm_server, prompt_ids):
+    async def scenario():
+        async with VLLMClient(vllm_server.url, timeout=120) as client:
+            sampling = SamplingParams(max_tokens=600, temperature=1.0, stop_token_ids=())
+            request = asyncio.create_task(
+                client.complete(prompt_ids, SamplingParams(**{**sampling.__dict__, "max_tokens": 600}), seed=3)
+            )
+            await asyncio.sleep(0.3)
+            await client.pause(mode="keep")
+            assert await client.is_paused()
+            await asyncio.sleep(1.5)
+            assert not request.done(), "a paused server must not finish the request"
+            await client.resume()
+            assert not await client.is_paused()
+            return await asyncio.wait_for(request, timeout=120)
+
+    completion = run(scenario())
+    assert completion.num_tokens > 0
+    assert completion.finish_reason in ("length", "stop")
+
+
+def test_metrics_move_under_load(vllm_server, prompt_ids):
+    async def scenario():
+        async with VLLMClient(vllm_server.url, timeout=120) as client:
+            idle = await client.load()
+            sampling = SamplingParams(max_tokens=300, temperature=1.0)
+            requests = [asyncio.create_task(client.complete(prompt_ids, sampling, seed=s)) for s in range(32)]
+            busiest = idle
+            while not all(request.done() for request in requests):
+                load = await client.load()
+                if load.running > busiest.running:
+                    busiest = load
+                await asyncio.sleep(0.2)
+            await asyncio.gather(*requests)
+            return idle, busiest
+
+    idle, busiest = run(scenario())
+    assert idle.kv_cache_tokens > 0
+    assert busiest.running >= 8
+    assert busiest.kv_cache_usage > 0.0
+
+
+def test_max_model_len_and_version(vllm_server):
+    async def scenario():
+        async with VLLMClient(vllm_server.url, timeout=30) as client:
+            return await client.max_model_len(), await client.version(), await client.server_info()
+
+    max_len, version, info = run(scenario())
+    assert max_len == 1024
+    assert version.startswith("0.")
+    assert info["vllm_config"]["model_config"]["logprobs_mode"] == "processed_logprobs"
+
+
+def test_prompt_longer_than_max_model_len_fails_with_server_message(vllm_server):
+    from asyncgrpo.generation.client import VLLMRequestError
+
+    with pytest.raises(VLLMRequestError) as error:
+        run(_complete(vllm_server.url, [5] * 1100, SamplingParams(max_tokens=8)))
+    assert error.value.status == 400
+    assert "1024" in error.value.server_message or "maximum" in error.value.server_message.lower()
