@@ -45,6 +45,11 @@ class PackedRow:
         return len(self.input_ids)
 
     @property
+    def num_shared_tokens(self) -> int:
+        """Tokens the trie saved: unpacked minus forwarded."""
+        return self.num_unpacked_tokens - self.num_tokens
+
+    @property
     def num_entries(self) -> int:
         return len(self.target_ids)
 

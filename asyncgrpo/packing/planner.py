@@ -1,0 +1,162 @@
+"""The row planner: which samples of the queue go into which process's row of a micro-batch.
+
+A micro-batch holds one row per training process; each row is packed as a prefix trie and may
+forward at most `token_budget` tokens, shared tokens counted once. Samples are offered one at a
+time, in queue order (SPEC section 5):
+  1. a sample longer than the budget on its own can never be trained: it is dropped and counted;
+  2. it goes to the row already holding its group, where its prompt is already forwarded;
+  3. when that row is full, it spills to another row if some row is still empty, or if adding it
+     to the least-loaded row that fits does not raise the most loaded row's attention cost: that
+     row sets the micro-batch's time, the others wait for it at the gradient all-reduce, so their
+     slack is free (spilling forwards the group's prompt a second time, so it must be free);
+  4. a sample whose group no row holds yet starts it in the row that fits with the lowest
+     attention cost after adding it (rows fill evenly);
+  5. otherwise the micro-batch closes and the sample opens the next one.
+Each row keeps its `PrefixTrie`, so "what would this sample add here" is one walk down the tree
+and the counts are exactly those of `pack_row`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from asyncgrpo.packing.row import PackedRow
+from asyncgrpo.packing.trie import PrefixTrie, prediction_targets
+from asyncgrpo.sample import Sample
+
+
+class Placement(enum.Enum):
+    PLACED = "placed"
+    CLOSED = "closed"  # the micro-batch is full: the sample was NOT placed, offer it to the next one
+    DROPPED_OVERSIZE = "dropped_oversize"  # longer than token_budget on its own: never trainable
+
+
+@dataclass
+class MicroBatchPlan:
+    """One micro-batch: a trie per process row (some possibly empty) and the `batch/*` counts."""
+
+    tries: list[PrefixTrie]  # (num_rows,)
+    token_budget: int
+    dropped_oversize_count: int  # samples dropped while this micro-batch was filling
+
+    @property
+    def rows(self) -> list[list[Sample]]:
+        return [trie.samples for trie in self.tries]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(trie.samples) for trie in self.tries)
+
+    @property
+    def row_tokens(self) -> list[int]:
+        """Forwarded tokens per row, shared tokens counted once."""
+        return [trie.num_tokens for trie in self.tries]
+
+    @property
+    def row_attention_costs(self) -> list[int]:
+        return [trie.attention_cost for trie in self.tries]
+
+    @property
+    def row_imbalance(self) -> float:
+        """Most expensive row's attention cost / the mean over non-empty rows; 1.0 is perfect."""
+        costs = [c for c in self.row_attention_costs if c > 0]
+        return max(costs) / (sum(costs) / len(costs)) if costs else 1.0
+
+    @property
+    def row_fill_frac(self) -> float:
+        """Mean forwarded tokens per row (empty rows included: their process idles) / token_budget."""
+        return float(np.mean(self.row_tokens)) / self.token_budget
+
+    def pack(self) -> list[PackedRow]:
+        """The rows laid out, one per process; equal to `pack_row(row)` for each of `rows`."""
+        return [trie.pack() for trie in self.tries]
+
+
+class TokenBudgetBatcher:
+    """Streams samples into micro-batches of `num_rows` rows of at most `token_budget` tokens.
+
+    Usage: `offer` each sample; on CLOSED call `close()` to take the plan and offer the same sample
+    again (it opens the next micro-batch); call `close()` at the end for the last partial one.
+    """
+
+    def __init__(self, token_budget: int, num_rows: int):
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if num_rows < 1:
+            raise ValueError(f"num_rows (one per training process) must be >= 1, got {num_rows}")
+        self.token_budget = token_budget
+        self.num_rows = num_rows
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tries = [PrefixTrie() for _ in range(self.num_rows)]
+        self._group_rows: dict[int, list[int]] = {}  # group_id -> rows holding some of its samples
+        self._dropped_oversize = 0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples placed in the micro-batch being filled."""
+        return sum(len(trie.samples) for trie in self._tries)
+
+    def offer(self, sample: Sample) -> Placement:
+        if sample.num_tokens > self.token_budget:
+            self._dropped_oversize += 1
+            return Placement.DROPPED_OVERSIZE
+        targets = prediction_targets(sample.token_ids, sample.trained)  # (L,) computed once per offer
+        if sample.group_id in self._group_rows:
+            row = self._group_row(sample, targets)
+            if row is None:
+                row = self._spill_row(sample, targets)
+        else:
+            row = self._cheapest_fitting_row(sample, targets)
+        if row is None:
+            return Placement.CLOSED
+        self._tries[row].add(sample, targets)
+        rows = self._group_rows.setdefault(sample.group_id, [])
+        if row not in rows:
+            rows.append(row)
+        return Placement.PLACED
+
+    def close(self) -> MicroBatchPlan:
+        """The micro-batch planned so far; the batcher starts an empty one."""
+        plan = MicroBatchPlan(self._tries, self.token_budget, self._dropped_oversize)
+        self._reset()
+        return plan
+
+    def _fits(self, row: int, added_tokens: int) -> bool:
+        return self._tries[row].num_tokens + added_tokens <= self.token_budget
+
+    def _group_row(self, sample: Sample, targets: np.ndarray) -> int | None:
+        """The row holding the sample's group where it adds the fewest tokens, if one fits."""
+        best, best_added = None, None
+        for row in self._group_rows.get(sample.group_id, ()):
+            added, _ = self._tries[row].growth(sample, targets)
+            if self._fits(row, added) and (best_added is None or added < best_added):
+                best, best_added = row, added
+        return best
+
+    def _spill_row(self, sample: Sample, targets: np.ndarray) -> int | None:
+        """For a sample whose group's rows are full: an empty row, else the cheapest fitting row
+        provided its cost does not exceed the most loaded row's; None closes the micro-batch."""
+        for row, trie in enumerate(self._tries):
+            if not trie.samples:
+                return row
+        max_cost = max(trie.attention_cost for trie in self._tries)
+        best, best_cost = self._cheapest(sample, targets)
+        return best if best_cost is not None and best_cost <= max_cost else None
+
+    def _cheapest_fitting_row(self, sample: Sample, targets: np.ndarray) -> int | None:
+        return self._cheapest(sample, targets)[0]
+
+    def _cheapest(self, sample: Sample, targets: np.ndarray) -> tuple[int | None, int | None]:
+        """The row that fits the sample with the lowest attention cost after adding it."""
+        best, best_cost = None, None
+        for row, trie in enumerate(self._tries):
+            added, added_cost = trie.growth(sample, targets)
+            cost = trie.attention_cost + added_cost
+            if self._fits(row, added) and (best_cost is None or cost < best_cost):
+                best, best_cost = row, cost
+        return best, best_cost

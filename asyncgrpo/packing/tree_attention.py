@@ -1,0 +1,334 @@
+"""Tree attention: one attention call over a packed prefix-trie row, through FlexAttention.
+
+A `PackedRow` lets packed index `q` attend to packed index `kv` iff `kv <= q < subtree_end[kv]`
+(ancestor segments and causal); sliding-window layers add `position[q] - position[kv] < window`,
+with positions = trie depths, which is exactly the window each sample would see alone. That rule is
+a FlexAttention `mask_mod`; `create_block_mask` turns it into a block-sparse `BlockMask`, so no
+dense (L, L) mask is ever built and fully masked 128 x 128 blocks are skipped.
+
+How it plugs into transformers: `enable_tree_attention(model)` registers `tree_attention_forward`
+under the name "asyncgrpo_tree" and switches the model to it. The caller passes the BlockMask (or
+a dict {layer type: BlockMask} for models with sliding-window layers, see `tree_attention_masks`)
+as `attention_mask`; transformers' mask creation returns a 4-D BlockMask unchanged, and since no
+mask function is registered for this name, nothing else builds a mask.
+
+Compilation (measured on torch 2.13 CPU): the row is padded to a multiple of 128 and the tensors
+the mask_mod reads are kept at a fixed capacity (a power of two >= 4096), so that torch.compile
+compiles `flex_attention` and `create_block_mask` twice (static, then dynamic in the row length)
+and then reuses them for every row length. A captured tensor whose size follows the row length
+makes the CPU flex kernel fail to compile under dynamic shapes (C++ error `cur_qSplitSize8`).
+
+Backward on CPU: FlexAttention has no CPU backward (torch 2.13 raises NotImplementedError), so on
+CPU the forward still runs the compiled flex kernel and the backward is computed block by block in
+plain torch from the same BlockMask (`_blockwise_attention_backward`). On CUDA the compiled flex
+kernel does both.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from transformers import AttentionInterface, PreTrainedModel
+
+TREE_ATTENTION = "asyncgrpo_tree"  # the name registered in transformers' AttentionInterface
+BLOCK_SIZE = 128  # FlexAttention's default sparse block: rows are padded to a multiple of it
+_MIN_CAPACITY = 4096
+# The mask's sliding window, stored on the BlockMask so that each layer can check it got the mask
+# built for its own window (a model that ignores the {layer type: mask} dict would otherwise give
+# a sliding layer the full mask silently).
+_WINDOW_ATTR = "asyncgrpo_sliding_window"
+# Layer types that are attention over the sequence with a causal (optionally windowed) mask.
+_PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Token mixers that are not attention: recurrent state would have to be forked per trie branch.
+_RECURRENT_MODULE = re.compile(r"Mamba|DeltaNet|ShortConv|RWKV|Recurrent|Lightning|LinearAttention|Rglru", re.I)
+
+# Compiled once per process; both recompile once (static -> dynamic row length), see module doc.
+_compiled_flex_attention = torch.compile(flex_attention)
+_compiled_create_block_mask = torch.compile(create_block_mask)
+
+
+def padded_length(num_tokens: int) -> int:
+    """Row length after padding to a multiple of BLOCK_SIZE (at least one block)."""
+    return max(1, -(-num_tokens // BLOCK_SIZE)) * BLOCK_SIZE
+
+
+def _capacity(length: int) -> int:
+    """Fixed size of the tensors a mask_mod reads: changes (and recompiles) only past 4096, 8192..."""
+    return max(_MIN_CAPACITY, 1 << (length - 1).bit_length())
+
+
+def build_tree_block_mask(
+    subtree_end: torch.Tensor, position_ids: torch.Tensor, sliding_window: int | None = None
+) -> BlockMask:
+    """The BlockMask of a packed row, over its padded length `padded_length(P)`.
+
+    subtree_end, position_ids: (P,) int64, the row's own (unpadded) arrays, on the device the
+    attention runs on. Padding token i (P <= i < padded length) attends only to itself, and no real
+    token sees a padding token: padding never produces NaN and never changes a real token's output.
+    """
+    if subtree_end.ndim != 1 or subtree_end.shape != position_ids.shape:
+        raise ValueError(
+            f"subtree_end {tuple(subtree_end.shape)} and position_ids {tuple(position_ids.shape)} must be "
+            "1-D of the same length: pass one PackedRow's arrays, not a batch"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    num_tokens = subtree_end.shape[0]
+    index = torch.arange(num_tokens, device=subtree_end.device)
+    if num_tokens and not bool(((subtree_end > index) & (subtree_end <= num_tokens)).all()):
+        raise ValueError("subtree_end[i] must lie in (i, P]: build rows with asyncgrpo.packing.trie.pack_row")
+    length = padded_length(num_tokens)
+    capacity = _capacity(length)
+    device = subtree_end.device
+
+    ends = torch.arange(1, capacity + 1, device=device)  # padding i: subtree end i + 1 -> itself only
+    ends[:num_tokens] = subtree_end
+    torch._dynamo.mark_static(ends, 0)  # see module doc: a dynamic captured size breaks the CPU kernel
+    if sliding_window is None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
+
+    else:
+        positions = torch.zeros(capacity, dtype=torch.int64, device=device)
+        positions[:num_tokens] = position_ids
+        torch._dynamo.mark_static(positions, 0)
+        window = int(sliding_window)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            tree = (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
+            return tree & (positions[q_idx] - positions[kv_idx] < window)
+
+    mask = _compiled_create_block_mask(mask_mod, None, None, length, length, device=device, BLOCK_SIZE=BLOCK_SIZE)
+    setattr(mask, _WINDOW_ATTR, sliding_window)
+    return mask
+
+
+def layer_windows(config) -> dict[str, int | None]:
+    """{layer type: sliding window or None} of a text config, for `tree_attention_masks`.
+
+    Models with per-layer `layer_types` (Gemma 2/3, Qwen2/3, gpt-oss...) pick a mask per layer type
+    from a dict; models without it (Mistral) apply `config.sliding_window` to every layer.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        if not getattr(config, "use_sliding_window", True):
+            window = None
+        return {"full_attention": window}
+    return {t: window if t == "sliding_attention" else None for t in dict.fromkeys(layer_types)}
+
+
+def tree_attention_masks(
+    config, subtree_end: torch.Tensor, position_ids: torch.Tensor
+) -> BlockMask | dict[str, BlockMask]:
+    """What to pass as the model's `attention_mask` for one row: one BlockMask, or a dict
+    {layer type: BlockMask} when the model has sliding-window layers."""
+    windows = layer_windows(config)
+    masks = {t: build_tree_block_mask(subtree_end, position_ids, w) for t, w in windows.items()}
+    if len(masks) == 1 and "full_attention" in masks:
+        return masks["full_attention"]
+    return masks
+
+
+@functools.lru_cache(maxsize=None)
+def _softcap_score_mod(softcap: float):
+    """Gemma-2 attention-logit softcapping. Cached: the same function object for the same cap, so
+    the compiled kernel is not re-traced."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_mask: BlockMask,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of query (B, Hq, L, D) over key/value (B, Hkv, L, D) -> (B, Hq, L, Dv).
+
+    Hq must be a multiple of Hkv (grouped-query attention); L = the BlockMask's length.
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if needs_grad and query.device.type == "cpu":
+        return _FlexForwardBlockwiseBackward.apply(query, key, value, block_mask, scale, softcap)
+    score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
+    return _compiled_flex_attention(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True
+    )
+
+
+class _FlexForwardBlockwiseBackward(torch.autograd.Function):
+    """CPU training: compiled flex forward, blockwise plain-torch backward (flex has none on CPU)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, block_mask, scale, softcap):
+        ctx.save_for_backward(query, key, value)
+        ctx.block_mask, ctx.scale, ctx.softcap = block_mask, scale, softcap
+        score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
+        # detach: flex refuses CPU inputs that require grad, even with grad mode off.
+        return _compiled_flex_attention(
+            query.detach(), key.detach(), value.detach(),
+            score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value = ctx.saved_tensors
+        grads = _blockwise_attention_backward(query, key, value, grad_out, ctx.block_mask, ctx.scale, ctx.softcap)
+        return (*grads, None, None, None)
+
+
+def _blockwise_attention_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    grad_out: torch.Tensor,
+    block_mask: BlockMask,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of masked (softcapped) attention, one 128-query block at a time.
+
+    Each query block recomputes its probabilities over the key blocks the BlockMask lists for it
+    (partial and full blocks), so the work and memory follow the mask's sparsity, never (L, L).
+    """
+    batch, num_heads, length, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    groups = num_heads // num_kv_heads
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    assert length % q_block == 0 and block_mask.kv_num_blocks.shape[:2] == (1, 1), "masks from this module"
+    dtype = torch.float32  # accumulate in fp32 whatever the model dtype
+    q = query.to(dtype).view(batch, num_kv_heads, groups, length, head_dim)
+    k, v = key.to(dtype), value.to(dtype)  # (B, Hkv, L, D)
+    do = grad_out.to(dtype).view(batch, num_kv_heads, groups, length, -1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    kv_offsets = torch.arange(kv_block, device=query.device)
+    num_blocks = block_mask.kv_num_blocks[0, 0].tolist()
+    full_blocks = block_mask.full_kv_num_blocks[0, 0].tolist() if block_mask.full_kv_num_blocks is not None else None
+    zero = torch.zeros((), dtype=torch.int64, device=query.device)
+    for i in range(length // q_block):
+        blocks = block_mask.kv_indices[0, 0, i, : num_blocks[i]]
+        if full_blocks is not None:
+            blocks = torch.cat([blocks, block_mask.full_kv_indices[0, 0, i, : full_blocks[i]]])
+        cols = (blocks[:, None] * kv_block + kv_offsets).flatten()  # (C,) key indices this block sees
+        rows = slice(i * q_block, (i + 1) * q_block)
+        q_idx = torch.arange(rows.start, rows.stop, device=query.device)
+        allowed = block_mask.mask_mod(zero, zero, q_idx[:, None], cols[None, :])  # (Bq, C)
+
+        qi, doi = q[:, :, :, rows], do[:, :, :, rows]  # (B, Hkv, G, Bq, D)
+        kc, vc = k[:, :, cols], v[:, :, cols]  # (B, Hkv, C, D)
+        scores = torch.einsum("bhgqd,bhcd->bhgqc", qi, kc) * scale
+        if softcap is not None:
+            capped = torch.tanh(scores / softcap)
+            scores = softcap * capped
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # each row sees itself
+        dv.index_add_(2, cols, torch.einsum("bhgqc,bhgqd->bhcd", probs, doi))
+        dprobs = torch.einsum("bhgqd,bhcd->bhgqc", doi, vc)
+        dscores = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
+        if softcap is not None:
+            dscores = dscores * (1 - capped * capped)
+        dq[:, :, :, rows] = torch.einsum("bhgqc,bhcd->bhgqd", dscores, kc) * scale
+        dk.index_add_(2, cols, torch.einsum("bhgqc,bhgqd->bhcd", dscores, qi) * scale)
+    dq = dq.view(batch, num_heads, length, head_dim)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: BlockMask | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query (B, Hq, L, D) -> output (B, L, Hq, D), no weights."""
+    if not isinstance(attention_mask, BlockMask):
+        raise ValueError(
+            f"{TREE_ATTENTION} attention needs the row's BlockMask as attention_mask (got "
+            f"{type(attention_mask).__name__}): build it with tree_attention_masks(config, subtree_end, "
+            "position_ids), or use asyncgrpo.logprobs.row_logprobs"
+        )
+    if s_aux is not None:
+        raise ValueError(f"{TREE_ATTENTION} attention does not support attention sinks (gpt-oss)")
+    if dropout:
+        raise ValueError(f"{TREE_ATTENTION} attention has no dropout: set config.attention_dropout = 0")
+    mask_window = getattr(attention_mask, _WINDOW_ATTR, None)
+    if mask_window != sliding_window:
+        raise ValueError(
+            f"layer {getattr(module, 'layer_idx', '?')} has sliding_window={sliding_window} but got a mask built "
+            f"for {mask_window}: pass tree_attention_masks(config, ...), which builds one mask per layer type"
+        )
+    if softcap is None:  # models that read the cap from the config instead of passing it
+        softcap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+    out = tree_attention(query, key, value, attention_mask, scale=scaling, softcap=softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+
+
+def _text_config(model: PreTrainedModel):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_tree_packable(model: PreTrainedModel) -> None:
+    """Raise ValueError naming what in `model` tree attention cannot run, and what to do."""
+    config = _text_config(model)
+    sinks = [name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"]
+    if sinks or getattr(config, "model_type", "") == "gpt_oss":
+        raise ValueError(
+            f"{type(model).__name__} has attention sinks ({sinks[0] if sinks else 'gpt_oss'}), which tree "
+            "attention does not implement yet: train this model without tree packing"
+        )
+    for layer_type in dict.fromkeys(getattr(config, "layer_types", None) or []):
+        if layer_type not in _PACKABLE_LAYER_TYPES:
+            raise ValueError(
+                f"{type(model).__name__} has '{layer_type}' layers; tree packing supports only full and "
+                "sliding-window attention layers (Mamba / linear-attention / other token mixers are not "
+                "supported yet): train this model without tree packing"
+            )
+    for name, module in model.named_modules():
+        if _RECURRENT_MODULE.search(type(module).__name__):
+            raise ValueError(
+                f"{type(model).__name__} has a {type(module).__name__} layer ({name}); tree packing supports only "
+                "attention layers (recurrent / linear-attention layers are not supported yet): train this "
+                "model without tree packing"
+            )
+    windows = layer_windows(config)
+    if "sliding_attention" in windows and windows["sliding_attention"] is None:
+        raise ValueError("config has 'sliding_attention' layers but no sliding_window: fix the model config")
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError(
+            f"tree attention has no attention dropout (config.attention_dropout={config.attention_dropout}): "
+            "set it to 0"
+        )
+
+
+def enable_tree_attention(model: PreTrainedModel) -> PreTrainedModel:
+    """Switch `model` to tree attention (in place; returns it). Sliding-window layers and attention
+    softcapping are handled per layer; models it cannot pack are refused with a ValueError."""
+    check_tree_packable(model)
+    model.set_attn_implementation(TREE_ATTENTION)
+    if _text_config(model)._attn_implementation != TREE_ATTENTION:
+        raise ValueError(
+            f"{type(model).__name__} cannot switch its attention implementation (its attention does not go "
+            "through transformers' AttentionInterface): train this model without tree packing"
+        )
+    return model
