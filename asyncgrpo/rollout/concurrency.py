@@ -1,0 +1,126 @@
+"""The three limits on how many rollouts run (SPEC section 4).
+
+1. Staleness budget, in tokens (`TokenAllowance`): the trainer publishes a cumulative limit on the
+   tokens the worker may have produced; queued plus in-flight tokens must stay under it. Until the
+   first group finishes nobody knows a rollout's size, so groups start one at a time.
+2. vLLM load (`next_cap`): a cap on running rollouts, started from KV capacity / max_model_len and
+   moved every 5 s from the server's `/metrics`.
+3. `max_concurrent_rollouts`, the user's bound (what environments and tools can take).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from asyncgrpo.generation.server_load import ServerLoad
+
+RAISE_BELOW_KV_USAGE = 0.60
+LOWER_ABOVE_KV_USAGE = 0.80
+RAISE_FACTOR = 1.25
+LOWER_FACTOR = 0.70
+LOAD_POLL_INTERVAL_S = 5.0
+
+
+def initial_cap(kv_cache_tokens: int, max_model_len: int, max_concurrent_rollouts: int) -> int:
+    """As many requests as fit in the KV cache at full length: the server is never overloaded at
+    start. Unknown capacity (no /metrics): the user's bound."""
+    if kv_cache_tokens <= 0 or max_model_len <= 0:
+        return max_concurrent_rollouts
+    return max(1, min(max_concurrent_rollouts, kv_cache_tokens // max_model_len))
+
+
+def next_cap(cap: int, load: ServerLoad, finished_since_raise: int, max_concurrent_rollouts: int) -> tuple[int, bool]:
+    """One adjustment from a `/metrics` reading: returns (new cap, whether it was raised).
+
+    Above 80% KV usage the cap drops by 30% (running requests continue; new ones wait). Below 60%
+    with nothing waiting it grows by 25%, at most once per cap's worth of finished rollouts, so a
+    raise is judged on a server that actually ran at the previous cap.
+    """
+    if load.kv_cache_usage > LOWER_ABOVE_KV_USAGE:
+        return max(1, math.floor(cap * LOWER_FACTOR)), False
+    if load.kv_cache_usage < RAISE_BELOW_KV_USAGE and load.waiting == 0 and finished_since_raise >= cap:
+        return min(max_concurrent_rollouts, max(cap + 1, math.ceil(cap * RAISE_FACTOR))), True
+    return min(cap, max_concurrent_rollouts), False
+
+
+class TokenAllowance:
+    """Worker-side bookkeeping of the staleness budget.
+
+    `produced` counts the tokens of samples queued for training (what the trainer will consume);
+    a group in flight is estimated at `num_generations` x the mean tokens per rollout seen so far.
+    """
+
+    def __init__(self, num_generations: int):
+        self.num_generations = num_generations
+        self.produced_tokens = 0
+        self.groups_in_flight = 0
+        self._rollout_tokens = 0
+        self._rollouts = 0
+
+    @property
+    def tokens_per_group_estimate(self) -> float | None:
+        if self._rollouts == 0:
+            return None
+        return self._rollout_tokens / self._rollouts * self.num_generations
+
+    def may_start_group(self, limit: float) -> bool:
+        estimate = self.tokens_per_group_estimate
+        if estimate is None:
+            return self.groups_in_flight == 0
+        return self.produced_tokens + self.groups_in_flight * estimate < limit
+
+    def group_started(self) -> None:
+        self.groups_in_flight += 1
+
+    def group_finished(self, rollout_tokens: list[int], queued_tokens: int) -> None:
+        """A group left generation: its rollouts' sizes refine the estimate; `queued_tokens` (0 for a
+        dropped group) now wait for the trainer."""
+        self.groups_in_flight -= 1
+        self._rollout_tokens += sum(rollout_tokens)
+        self._rollouts += len(rollout_tokens)
+        self.produced_tokens += queued_tokens
+
+
+class RolloutSlots:
+    """At most `limit` rollouts generate at once; `limit` = min(adaptive cap, max_concurrent_rollouts).
+
+    A group reserves its rollouts' places when it starts (synchronously), so the generate loop
+    sees them before their tasks run and never starts more groups than there is room for.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.running = 0
+        self.waiting = 0
+        self.reserved = 0
+        self._changed = asyncio.Condition()
+
+    def reserve(self, count: int) -> None:
+        self.reserved += count
+
+    async def acquire(self) -> None:
+        """Take a running place (consuming one reservation)."""
+        async with self._changed:
+            self.reserved -= 1
+            self.waiting += 1
+            try:
+                await self._changed.wait_for(lambda: self.running < self.limit)
+            finally:
+                self.waiting -= 1
+            self.running += 1
+
+    async def release(self) -> None:
+        async with self._changed:
+            self.running -= 1
+            self._changed.notify_all()
+
+    async def set_limit(self, limit: int) -> None:
+        async with self._changed:
+            self.limit = limit
+            self._changed.notify_all()
+
+    async def wait_for_room(self) -> None:
+        """Until a new group's rollouts could start without queueing behind others."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.running + self.waiting + self.reserved < self.limit)

@@ -1,0 +1,470 @@
+"""AsyncRolloutLoop: generates and scores rollouts in the spawned rollout process.
+
+The default implements GRPO; subclass it and override a hook to customize a run (set the subclass
+as `loop_cls` on a trainer subclass). Each prompt goes through, in order:
+  filter_prompt(row_index, row, epoch) -> generate_one(prompt, tools, group_id) per rollout, which
+  calls generate_one_turn(prompt_ids) per sampling request -> once the group is complete, scoring
+  (reward functions + Rollout.reward) -> compute_advantages(group) -> samples queued for training.
+`setup()` and `close()` run on the loop's event loop (create HTTP clients there, not in __init__).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+from asyncgrpo.generation.client import SamplingParams, VLLMClient
+from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.rollout.concurrency import (
+    LOAD_POLL_INTERVAL_S,
+    RolloutSlots,
+    TokenAllowance,
+    initial_cap,
+    next_cap,
+)
+from asyncgrpo.rollout.messages import GroupResult
+from asyncgrpo.rollout.prompts import PromptItem, prompt_stream
+from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
+from asyncgrpo.rollout.scoring import (
+    call_reward_functions,
+    group_advantages,
+    is_degenerate_group,
+    reward_function_name,
+    sum_rewards,
+)
+from asyncgrpo.rollout.sequences import build_training_sequences
+from asyncgrpo.rollout.types import Rollout, RolloutGroup, TurnRecord
+from asyncgrpo.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+METRICS_FLUSH_INTERVAL_S = 1.0
+SCORE_WORKERS = 4
+
+
+class AsyncRolloutLoop:
+    load_poll_interval_s: float = LOAD_POLL_INTERVAL_S  # how often the server's /metrics move the cap
+
+    def __init__(
+        self,
+        config,
+        model_name: str,
+        dataset,
+        reward_funcs: list[Callable],
+        processing_class,
+        eos_token_ids: list[int],
+        rollout_buffer,
+        model_version_value,
+        token_allowance,
+        heartbeat_value,
+        failed_event,
+        exception_info_queue,
+        metrics_queue,
+        tools: list[Callable] | None = None,
+        environment_factory=None,
+        score_queue_maxsize: int = 16,
+        lora_name: str | None = None,
+        dataset_start_index: int = 0,
+        skip_stream_indices: frozenset[int] = frozenset(),
+    ):
+        self.config = config
+        self.model_name = model_name
+        self.dataset = dataset
+        self.reward_funcs = list(reward_funcs)
+        self.tokenizer = processing_class
+        self.eos_token_ids = list(eos_token_ids)
+        self.rollout_buffer = rollout_buffer
+        self.model_version_value = model_version_value
+        self.token_allowance = token_allowance
+        self.heartbeat_value = heartbeat_value
+        self.failed_event = failed_event
+        self.exception_info_queue = exception_info_queue
+        self.metrics_queue = metrics_queue
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        self.score_queue_maxsize = score_queue_maxsize
+        self.lora_name = lora_name
+        self.dataset_start_index = dataset_start_index
+        self.skip_stream_indices = frozenset(skip_stream_indices)
+        self.metrics = MetricsWindow()
+        self.client: VLLMClient | None = None
+        self._request_seeds = random.Random(config.seed)
+        self._rendered: dict[int, list[int]] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- hooks ---------------------------------------------------------------------------------------
+
+    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
+        """Whether to generate for a prompt. A rejected prompt counts as consumed for the epoch."""
+        return True
+
+    async def setup(self) -> None:
+        """Create what the other hooks need (e.g. an HTTP client), on the loop's event loop."""
+
+    async def close(self) -> None:
+        """Release what setup() created. Runs when the loops stop, errors included."""
+
+    async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0) -> Rollout:
+        """One rollout for a prompt. The default samples one assistant turn (the multi-turn tool
+        loop builds on the same turn structure: every sampling request is one TurnRecord)."""
+        prompt_ids = self.render_prompt(prompt, tools, group_id)
+        turn = await self.generate_one_turn(prompt_ids)
+        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+        return Rollout(
+            completion=[{"role": "assistant", "content": text}],
+            completion_ids=list(turn.output_ids),
+            turns=[turn],
+        )
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """Sample one response from the vLLM server with the config's sampling settings."""
+        max_tokens = min(self.config.max_completion_length, self.max_model_len - len(prompt_ids))
+        if max_tokens < 1:
+            raise ValueError(
+                f"a prompt of {len(prompt_ids)} tokens leaves no room to generate under the server's "
+                f"max_model_len={self.max_model_len}: shorten the prompts or restart vLLM with a larger "
+                "--max-model-len"
+            )
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            top_k=self.config.top_k,
+            min_p=self.config.min_p or 0.0,
+            num_top_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else 0,
+        )
+        version = self.model_version_value.value
+        seed = self._request_seeds.getrandbits(62)
+        if self._candidate_sets:
+            completion = await self.client.generate_tokens(prompt_ids, sampling, seed, model=self.lora_name)
+        else:
+            completion = await self.client.complete(prompt_ids, sampling, seed, model=self.lora_name)
+        return TurnRecord(
+            prompt_ids=list(prompt_ids),
+            output_ids=completion.token_ids.tolist(),
+            output_log_probs=completion.logprobs.tolist(),
+            output_sampling_mask=[mask.tolist() for mask in completion.sampling_masks]
+            if completion.sampling_masks is not None
+            else None,
+            output_top_ids=completion.top_ids,
+            output_top_logprobs=completion.top_logprobs,
+            finish_reason=completion.finish_reason,
+            model_version=version,
+        )
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """One advantage per rollout: rewards normalized in the group; NaN rewards get 0."""
+        return group_advantages(group.rewards)
+
+    # -- helpers for hooks -------------------------------------------------------------------------------
+
+    def render_prompt(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int) -> list[int]:
+        """The prompt's token ids through the chat template (rendered once per group)."""
+        cached = self._rendered.get(group_id)
+        if cached is not None:
+            return cached
+        rendered = self.tokenizer.apply_chat_template(
+            prompt,
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=True,
+            **(self.config.chat_template_kwargs or {}),
+        )
+        ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        self._rendered[group_id] = ids
+        return ids
+
+    # -- the process's main -------------------------------------------------------------------------------
+
+    def run(self, ready_event=None) -> None:
+        """Run until cancelled (SIGTERM from the trainer) or until something fails."""
+        asyncio.run(self._main(ready_event))
+
+    async def _main(self, ready_event) -> None:
+        config = self.config
+        # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        self._tool_executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts)
+        self.client = VLLMClient(config.vllm_server_urls, timeout=config.vllm_server_timeout, model=self.model_name)
+        try:
+            await self.client.wait_until_ready()
+            self.max_model_len = await self.client.max_model_len()
+            self._candidate_sets = await self._wants_candidate_sets()
+            await self.setup()
+            await self._start_state()
+            if ready_event is not None:
+                ready_event.set()
+            self._fatal: asyncio.Future = asyncio.get_running_loop().create_future()
+            loops = [
+                self._generate_loop(),
+                self._heartbeat_loop(),
+                self._load_loop(),
+                self._metrics_loop(),
+                *(self._score_loop() for _ in range(SCORE_WORKERS)),
+            ]
+            for coroutine in loops:
+                self._watch(asyncio.create_task(coroutine))
+            await self._fatal
+        finally:
+            for task in getattr(self, "_tasks", ()):
+                task.cancel()
+            await asyncio.gather(*getattr(self, "_tasks", ()), return_exceptions=True)
+            try:
+                await self.close()
+            finally:
+                await self.client.close()
+                self._tool_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _wants_candidate_sets(self) -> bool:
+        if self.config.top_p >= 1.0 and self.config.top_k == 0 and not (self.config.min_p or 0) > 0:
+            return False
+        if await self.client.supports_sampling_mask():
+            return True
+        logger.warning(
+            "top_p/top_k/min_p are set but the vLLM server does not return candidate sets (start it with "
+            "--return-sampling-mask --enable-scale-out, vLLM >= 0.28): the trainer normalizes over the full "
+            "vocabulary, so importance ratios are biased"
+        )
+        return False
+
+    async def _start_state(self) -> None:
+        config = self.config
+        self.allowance = TokenAllowance(config.num_generations)
+        load = await self.client.load()
+        self._has_metrics = load is not None
+        cap = initial_cap(load.kv_cache_tokens if load else 0, self.max_model_len, config.max_concurrent_rollouts)
+        self.concurrency_cap = cap
+        self.slots = RolloutSlots(min(cap, config.max_concurrent_rollouts))
+        self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
+        self._finished_since_raise = 0
+        self._generated_tokens = 0
+        self._last_preemptions = load.preemptions if load else 0
+        self._reported_retries = 0
+        self._next_group_id = 0
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._fatal.done():
+            self._fatal.set_exception(error)
+
+    def _watch(self, task: asyncio.Task) -> None:
+        def done(finished: asyncio.Task) -> None:
+            self._tasks.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                self._fail(finished.exception())
+
+        self._tasks.add(task)
+        task.add_done_callback(done)
+
+    # -- generation ---------------------------------------------------------------------------------------
+
+    async def _generate_loop(self) -> None:
+        rejected_in_epoch: dict[int, int] = {}
+        stream = prompt_stream(
+            self.dataset, self.config.seed, self.dataset_start_index, self.skip_stream_indices, shuffle=True
+        )
+        num_rows = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        for item in stream:
+            if not self.filter_prompt(item.row_index, item.row, item.epoch):
+                rejected_in_epoch[item.epoch] = rejected_in_epoch.get(item.epoch, 0) + 1
+                if num_rows is not None and rejected_in_epoch[item.epoch] >= num_rows:
+                    raise RuntimeError(
+                        f"filter_prompt rejected every prompt of epoch {item.epoch}: no sample can reach the trainer"
+                    )
+                self._put_result(GroupResult(item.stream_index, item.epoch, item.row_index, -1, []))
+                continue
+            await self._wait_for_allowance()
+            await self.slots.wait_for_room()
+            group_id = self._next_group_id
+            self._next_group_id += 1
+            self.allowance.group_started()
+            self.slots.reserve(self.config.num_generations)
+            self._watch(asyncio.create_task(self._run_group(item, group_id)))
+
+    async def _wait_for_allowance(self) -> None:
+        if self.allowance.may_start_group(self.token_allowance.value):
+            return
+        started = time.monotonic()
+        while not self.allowance.may_start_group(self.token_allowance.value):
+            await asyncio.sleep(0.01)
+        self.metrics.record("rollout/backpressure_s", time.monotonic() - started)
+
+    async def _run_group(self, item: PromptItem, group_id: int) -> None:
+        if "prompt" not in item.row:
+            raise KeyError(f"dataset row {item.row_index} has no 'prompt' column")
+        prompt = item.row["prompt"]
+        model_version = self.model_version_value.value
+        rollouts = await asyncio.gather(
+            *(self._run_rollout(prompt, group_id) for _ in range(self.config.num_generations))
+        )
+        self._rendered.pop(group_id, None)
+        group = self._make_group(item, group_id, model_version, prompt, rollouts)
+        blocked_since = time.monotonic()
+        group.queued_at = blocked_since
+        if self.score_queue.full():
+            await self.score_queue.put(group)
+            self.metrics.record("rollout/score_block_s", time.monotonic() - blocked_since)
+        else:
+            self.score_queue.put_nowait(group)
+
+    async def _run_rollout(self, prompt, group_id: int) -> tuple[Rollout, float]:
+        await self.slots.acquire()
+        started = time.monotonic()
+        try:
+            rollout = await self.generate_one(prompt, self.tools, group_id)
+        finally:
+            await self.slots.release()
+        duration = time.monotonic() - started
+        self._finished_since_raise += 1
+        self._generated_tokens += sum(len(turn.output_ids) for turn in rollout.turns)
+        return rollout, duration
+
+    def _make_group(self, item: PromptItem, group_id: int, model_version: int, prompt, rollouts) -> RolloutGroup:
+        columns = {key: value for key, value in item.row.items() if key != "prompt"}
+        size = len(rollouts)
+        sequences, reconcile = [], []
+        for rollout, duration in rollouts:
+            built, stats = build_training_sequences(rollout.turns)
+            sequences.append(built)
+            reconcile.append(stats)
+            record_rollout_metrics(self.metrics, rollout, duration, len(built), stats, self.eos_token_ids)
+        return RolloutGroup(
+            prompts=[prompt] * size,
+            reward_kwargs={key: [value] * size for key, value in columns.items()},
+            completions=[rollout.completion for rollout, _ in rollouts],
+            completions_ids=[rollout.completion_ids for rollout, _ in rollouts],
+            completions_sequences=sequences,
+            tool_call_counts=[rollout.tool_call_count for rollout, _ in rollouts],
+            tool_failure_counts=[rollout.tool_failure_count for rollout, _ in rollouts],
+            model_version=model_version,
+            group_id=group_id,
+            row_index=item.row_index,
+            env_rewards=[None] * size,
+            rollout_rewards=[rollout.reward for rollout, _ in rollouts],
+            stream_index=item.stream_index,
+            epoch=item.epoch,
+            rollouts=[rollout for rollout, _ in rollouts],
+        )
+
+    # -- scoring --------------------------------------------------------------------------------------------
+
+    async def _score_loop(self) -> None:
+        while True:
+            group = await self.score_queue.get()
+            self.metrics.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
+            started = time.monotonic()
+            per_function = await call_reward_functions(
+                self.reward_funcs,
+                self._tool_executor,
+                group.prompts,
+                group.completions,
+                group.completions_ids,
+                group.reward_kwargs,
+            )
+            env_sources = [[None if reward is None else reward[1] for reward in group.env_rewards]]
+            group.rewards = sum_rewards([*per_function, *env_sources, group.rollout_rewards], len(group.prompts))
+            advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+            if advantages.shape != (len(group.prompts),):
+                raise ValueError(
+                    f"compute_advantages must return one advantage per rollout ({len(group.prompts)}), "
+                    f"got shape {advantages.shape}"
+                )
+            dropped = is_degenerate_group(group.rewards)
+            samples = [] if dropped else self._samples(group, advantages)
+            names = [reward_function_name(function) for function in self.reward_funcs]
+            record_group_metrics(self.metrics, group, per_function, names, dropped, len(samples))
+            self.metrics.record("rollout/score_s", time.monotonic() - started)
+            self.allowance.group_finished(
+                [int(sum(len(s.token_ids) for s in seqs)) for seqs in group.completions_sequences],
+                sum(sample.num_tokens for sample in samples),
+            )
+            self._put_result(GroupResult(group.stream_index, group.epoch, group.row_index, group.group_id, samples))
+
+    def _samples(self, group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:
+        """Training samples of a kept group. Unscored rollouts (advantage 0) add no gradient, only
+        forward cost, so they are not queued."""
+        samples = []
+        now = time.time()
+        for index, sequences in enumerate(group.completions_sequences):
+            if np.isnan(group.rewards[index]):
+                continue
+            for sequence in sequences:
+                samples.append(
+                    Sample(
+                        token_ids=sequence.token_ids,
+                        trained=sequence.trained,
+                        sampler_logprobs=sequence.sampler_logprobs,
+                        advantage=float(advantages[index]),
+                        group_id=group.group_id,
+                        top_ids=sequence.top_ids,
+                        top_logprobs=sequence.top_logprobs,
+                        candidate_sets=sequence.candidate_sets,
+                        model_version=sequence.model_version,
+                        row_index=group.row_index,
+                        epoch=group.epoch,
+                        reward=float(group.rewards[index]),
+                        rollout_id=group.rollouts[index].rollout_id,
+                        queued_at=now,
+                    )
+                )
+        return samples
+
+    def _put_result(self, result: GroupResult) -> None:
+        self.rollout_buffer.put(result)
+
+    # -- upkeep ---------------------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        parent = os.getppid()
+        while True:
+            self.heartbeat_value.value = time.time()
+            if os.getppid() != parent:  # the trainer died without stopping us: do not linger
+                raise RuntimeError("the trainer process is gone")
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _load_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.load_poll_interval_s)
+            load = await self.client.load()
+            if load is None:
+                cap = self.config.max_concurrent_rollouts
+            else:
+                cap, raised = next_cap(
+                    self.concurrency_cap, load, self._finished_since_raise, self.config.max_concurrent_rollouts
+                )
+                if raised:
+                    self._finished_since_raise = 0
+                self.metrics.record("rollout/vllm_kv_cache_usage_frac", load.kv_cache_usage)
+                self.metrics.record("rollout/vllm_running_requests", load.running)
+                self.metrics.record("rollout/vllm_queued_requests", load.waiting)
+                self.metrics.record(
+                    "rollout/vllm_preemption_count", max(0, load.preemptions - self._last_preemptions), Reduce.SUM
+                )
+                self._last_preemptions = load.preemptions
+            if cap != self.concurrency_cap:
+                self.concurrency_cap = cap
+                await self.slots.set_limit(cap)
+
+    async def _metrics_loop(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(METRICS_FLUSH_INTERVAL_S)
+            now = time.monotonic()
+            self.metrics.record_rate("rollout/generated_tokens_per_s", self._generated_tokens, now - last)
+            self._generated_tokens, last = 0, now
+            self.metrics.record("rollout/concurrency", self.slots.running)
+            self.metrics.record("rollout/concurrency_cap", self.concurrency_cap)
+            self.metrics.record("rollout/score_queue_size", self.score_queue.qsize())
+            retries = self.client.retry_count
+            self.metrics.record("rollout/vllm_retry_count", retries - self._reported_retries, Reduce.SUM)
+            self._reported_retries = retries
+            self.metrics_queue.put(self.metrics.stats())
+            self.metrics = MetricsWindow()

@@ -1,0 +1,84 @@
+"""The stream of prompts the worker generates for: epochs over the dataset, shuffled per epoch.
+
+Each prompt has a stream index `epoch * len(dataset) + k` (k = its place in that epoch's order).
+The order of epoch e is a permutation drawn from (seed, e), so a resumed run rebuilds exactly the
+same stream and starts at the first untrained index (`dataset_start_index`), skipping the indices
+after it that were already trained (`skip_stream_indices`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    stream_index: int
+    epoch: int
+    row_index: int
+    row: dict[str, Any]
+
+
+def _is_iterable_dataset(dataset: Any) -> bool:
+    return not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__")
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    if not shuffle:
+        return np.arange(num_rows)
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def prompt_stream(
+    dataset: Any,
+    seed: int,
+    start_index: int = 0,
+    skip_stream_indices: frozenset[int] = frozenset(),
+    shuffle: bool = True,
+) -> Iterator[PromptItem]:
+    """Endless stream of prompts (the trainer decides when to stop)."""
+    if _is_iterable_dataset(dataset):
+        yield from _iterable_stream(dataset, seed, start_index, shuffle)
+        return
+    num_rows = len(dataset)
+    if num_rows == 0:
+        raise ValueError("train_dataset is empty: there is nothing to generate from")
+    epoch, position = divmod(start_index, num_rows)
+    while True:
+        order = epoch_order(num_rows, seed, epoch, shuffle)
+        for k in range(position, num_rows):
+            stream_index = epoch * num_rows + k
+            if stream_index in skip_stream_indices:
+                continue
+            row_index = int(order[k])
+            yield PromptItem(stream_index, epoch, row_index, dataset[row_index])
+        epoch, position = epoch + 1, 0
+
+
+def _iterable_stream(dataset: Any, seed: int, start_index: int, shuffle: bool) -> Iterator[PromptItem]:
+    """A streaming dataset cannot seek: it restarts from its first prompt (the seed's behaviour)."""
+    if start_index > 0:
+        logger.warning(
+            "resuming with an IterableDataset: it cannot be repositioned, so the rollout worker restarts "
+            "from its first prompt (prompts trained before the checkpoint will be seen again)"
+        )
+    stream_index = 0
+    for epoch in itertools.count():
+        source = dataset
+        if shuffle and hasattr(dataset, "shuffle"):
+            source = dataset.shuffle(seed=seed + epoch, buffer_size=1000)
+        empty = True
+        for row_index, row in enumerate(source):
+            empty = False
+            yield PromptItem(stream_index, epoch, row_index, row)
+            stream_index += 1
+        if empty:
+            raise ValueError("train_dataset (IterableDataset) yielded no rows")

@@ -1,0 +1,110 @@
+"""Scoring a group: calling the reward functions, summing sources, group-normalized advantages.
+
+Reward functions receive `prompts`, `completions`, `completion_ids` and every dataset column except
+`prompt` as keyword arguments. Sync functions run in threads and async ones are awaited, all at
+once, so a slow judge's latency overlaps with the others'. A function may return None for an item:
+that item's sum leaves it out; an item no source scored is NaN (SPEC section 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+from concurrent.futures import Executor
+from typing import Any, Callable
+
+import numpy as np
+
+ADVANTAGE_EPSILON = 1e-4
+
+
+def reward_function_name(function: Callable) -> str:
+    """The name metrics use: the function's, a partial's target's, or a callable instance's class."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    name = getattr(function, "__name__", None)
+    return name if name else type(function).__name__
+
+
+def _is_async(function: Callable) -> bool:
+    while isinstance(function, functools.partial):
+        function = function.func
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+
+
+async def call_reward_functions(
+    functions: list[Callable],
+    executor: Executor,
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    reward_kwargs: dict[str, list[Any]],
+) -> list[list[float | None]]:
+    """Every function's rewards for the group (one list per function), computed concurrently."""
+    loop = asyncio.get_running_loop()
+    kwargs = dict(reward_kwargs, prompts=prompts, completions=completions, completion_ids=completion_ids)
+
+    async def one(function: Callable) -> list[float | None]:
+        if _is_async(function):
+            result = await function(**kwargs)
+        else:
+            result = await loop.run_in_executor(executor, functools.partial(function, **kwargs))
+        return _checked_rewards(function, result, len(completions))
+
+    return list(await asyncio.gather(*(one(function) for function in functions)))
+
+
+def _checked_rewards(function: Callable, result: Any, expected: int) -> list[float | None]:
+    name = reward_function_name(function)
+    if isinstance(result, np.ndarray):
+        result = result.tolist()
+    if not isinstance(result, (list, tuple)) or len(result) != expected:
+        raise TypeError(
+            f"reward function {name!r} must return a list of {expected} floats (one per completion, None "
+            f"where it does not apply), got {type(result).__name__}"
+            + (f" of length {len(result)}" if hasattr(result, "__len__") else "")
+        )
+    checked = []
+    for value in result:
+        if value is None:
+            checked.append(None)
+        elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+            checked.append(float(value))
+        elif isinstance(value, bool):
+            checked.append(float(value))
+        else:
+            raise TypeError(f"reward function {name!r} returned {value!r}; rewards must be floats or None")
+    return checked
+
+
+def sum_rewards(sources: list[list[float | None]], num_rollouts: int) -> np.ndarray:
+    """Per rollout, the sum over sources that scored it; NaN where none did. `sources` holds one
+    list per source (reward function, environment, Rollout.reward), None where it did not score."""
+    totals = np.full(num_rollouts, np.nan)
+    for source in sources:
+        for index, value in enumerate(source):
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                continue
+            totals[index] = value if np.isnan(totals[index]) else totals[index] + value
+    return totals
+
+
+def group_advantages(rewards: np.ndarray) -> np.ndarray:
+    """GRPO advantages over the scored (non-NaN) rollouts S: (R - mean_S) / (std_S + eps), with
+    the population std; unscored rollouts get 0. No scale_rewards option (SPEC section 3)."""
+    advantages = np.zeros(len(rewards), dtype=np.float64)
+    scored = ~np.isnan(rewards)
+    if scored.sum() < 2:
+        return advantages
+    values = rewards[scored]
+    advantages[scored] = (values - values.mean()) / (values.std() + ADVANTAGE_EPSILON)
+    return advantages
+
+
+def is_degenerate_group(rewards: np.ndarray) -> bool:
+    """A group carries no signal, and is dropped, when fewer than two rollouts were scored or all
+    scored rewards are equal: decided on the rewards, whatever the advantages are."""
+    scored = rewards[~np.isnan(rewards)]
+    return len(scored) < 2 or bool(np.all(scored == scored[0]))

@@ -1,0 +1,195 @@
+"""The rollout process: spawning it, watching it, hearing from it, stopping it.
+
+The loop runs in a spawned process with `CUDA_VISIBLE_DEVICES=""` (reward code must never take the
+trainer's GPU). Everything sent to it must pickle, so that is checked before spawning, naming the
+object that does not. The trainer never waits blindly: every wait watches the worker's failure
+event (its exception and traceback come back verbatim), its exit code and its heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Any
+
+from asyncgrpo.rollout.messages import GroupResult
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout process failed, hung or died; training cannot continue."""
+
+
+def check_picklable(objects: dict[str, Any]) -> None:
+    """Raise a TypeError naming the first object that cannot be sent to the rollout process."""
+    for description, value in objects.items():
+        try:
+            pickle.dumps(value)
+        except Exception as error:
+            raise TypeError(
+                f"{description} cannot be sent to the rollout worker process ({type(error).__name__}: {error}). "
+                "Everything the worker runs must pickle: use a module-level function, functools.partial or "
+                "an instance of a module-level callable class; lambdas and closures do not pickle."
+            ) from error
+
+
+def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event) -> None:
+    """Entry point of the spawned process."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # The trainer stops us with SIGTERM; Ctrl-C reaches the whole process group, and the trainer
+    # decides what happens then, so SIGINT is ignored here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        rollout_loop = loop_cls(**loop_kwargs)
+        rollout_loop.run(ready_event)
+    except BaseException as error:  # everything, so the trainer hears of it
+        if isinstance(error, (SystemExit, KeyboardInterrupt, asyncio.CancelledError)):
+            return  # a requested stop
+        loop_kwargs["exception_info_queue"].put(
+            (type(error).__name__, str(error), traceback.format_exc())
+        )
+        loop_kwargs["failed_event"].set()
+
+
+@contextmanager
+def _child_environment(**variables: str):
+    """Spawned children inherit os.environ at start(): set what the child needs around it."""
+    saved = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class RolloutWorker:
+    """Trainer-side handle of the rollout process."""
+
+    def __init__(self, loop_cls, loop_kwargs: dict[str, Any], initial_allowance: float, worker_timeout: float):
+        self.loop_cls = loop_cls
+        self.worker_timeout = worker_timeout
+        self._context = multiprocessing.get_context("spawn")
+        context = self._context
+        self.rollout_buffer = context.Queue()
+        self.metrics_queue = context.Queue()
+        self.exception_info_queue = context.Queue()
+        self.model_version_value = context.Value("q", 0)
+        self.token_allowance = context.Value("d", float(initial_allowance))
+        self.heartbeat_value = context.Value("d", 0.0)
+        self.failed_event = context.Event()
+        self.ready_event = context.Event()
+        self.loop_kwargs = dict(
+            loop_kwargs,
+            rollout_buffer=self.rollout_buffer,
+            model_version_value=self.model_version_value,
+            token_allowance=self.token_allowance,
+            heartbeat_value=self.heartbeat_value,
+            failed_event=self.failed_event,
+            exception_info_queue=self.exception_info_queue,
+            metrics_queue=self.metrics_queue,
+        )
+        self.process: multiprocessing.Process | None = None
+
+    def start(self, ready_timeout: float) -> None:
+        """Spawn the process and wait until it has reached the server and run `setup()`."""
+        check_picklable({"loop_cls": self.loop_cls})
+        for index, function in enumerate(self.loop_kwargs.get("reward_funcs") or []):
+            check_picklable({f"reward function #{index} ({getattr(function, '__name__', function)!r})": function})
+        for index, tool in enumerate(self.loop_kwargs.get("tools") or []):
+            check_picklable({f"tool #{index} ({getattr(tool, '__name__', tool)!r})": tool})
+        check_picklable({"environment_factory": self.loop_kwargs.get("environment_factory")})
+        self.process = self._context.Process(
+            target=_worker_main,
+            args=(self.loop_cls, self.loop_kwargs, self.ready_event),
+            name="asyncgrpo-rollout",
+            daemon=True,
+        )
+        with _child_environment(CUDA_VISIBLE_DEVICES=""):
+            self.process.start()
+        deadline = time.monotonic() + ready_timeout
+        while not self.ready_event.wait(0.2):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RolloutWorkerError(f"the rollout worker was not ready after {ready_timeout:.0f} s")
+        self.heartbeat_value.value = time.time()
+
+    def check_alive(self) -> None:
+        """Raise if the worker failed, exited or stopped beating."""
+        if self.failed_event.is_set():
+            try:
+                name, message, trace = self.exception_info_queue.get(timeout=5)
+            except queue.Empty:
+                name, message, trace = "UnknownError", "(no details)", ""
+            self.stop()
+            raise RolloutWorkerError(
+                f"the rollout worker failed with {name}: {message}\n\nWorker traceback:\n{trace}"
+            )
+        if self.process is None or not self.process.is_alive():
+            code = None if self.process is None else self.process.exitcode
+            raise RolloutWorkerError(f"the rollout worker process exited unexpectedly (exit code {code})")
+        beat = self.heartbeat_value.value
+        if beat and time.time() - beat > self.worker_timeout:
+            self.stop()
+            raise RolloutWorkerError(
+                f"no heartbeat from the rollout worker for {time.time() - beat:.0f} s "
+                f"(rollout_worker_timeout={self.worker_timeout:.0f}): it is hung, and was stopped"
+            )
+
+    def next_result(self, timeout: float) -> GroupResult | None:
+        """The next group result, or None if none arrived within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.rollout_buffer.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                self.check_alive()
+                if time.monotonic() >= deadline:
+                    return None
+
+    def queued_results(self) -> int:
+        try:
+            return self.rollout_buffer.qsize()
+        except NotImplementedError:  # macOS
+            return 0
+
+    def publish_allowance(self, cumulative_tokens: float) -> None:
+        self.token_allowance.value = float(cumulative_tokens)
+
+    def publish_model_version(self, version: int) -> None:
+        self.model_version_value.value = int(version)
+
+    def drain_metrics(self) -> list[dict]:
+        drained = []
+        while True:
+            try:
+                drained.append(self.metrics_queue.get_nowait())
+            except queue.Empty:
+                return drained
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout`; never leaves the process behind."""
+        process = self.process
+        if process is None:
+            return
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        for channel in (self.rollout_buffer, self.metrics_queue, self.exception_info_queue):
+            channel.cancel_join_thread()

@@ -1,0 +1,284 @@
+"""Pure pieces of the rollout side: advantages, reward sums, the cap rules, the allowance, prompt
+streams, turn reconciliation, and the seed's reward-function examples."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from asyncgrpo.generation.server_load import ServerLoad
+from asyncgrpo.metrics import MetricsWindow, Reduce, reduce_for_name
+from asyncgrpo.rollout.concurrency import TokenAllowance, initial_cap, next_cap
+from asyncgrpo.rollout.prompts import prompt_stream
+from asyncgrpo.rollout.scoring import (
+    call_reward_functions,
+    group_advantages,
+    is_degenerate_group,
+    reward_function_name,
+    sum_rewards,
+)
+from asyncgrpo.rollout.sequences import build_training_sequences
+from asyncgrpo.rollout.types import TurnRecord
+
+# -- advantages -----------------------------------------------------------------------------------
+
+
+def test_group_advantages_hand_values():
+    # rewards 1, 0, 0, 1: mean 0.5, population std 0.5 -> +-1 (up to the 1e-4 guard)
+    advantages = group_advantages(np.array([1.0, 0.0, 0.0, 1.0]))
+    np.testing.assert_allclose(advantages, np.array([1, -1, -1, 1]) * 0.5 / (0.5 + 1e-4))
+
+
+def test_unscored_rollouts_leave_mean_and_std_and_get_zero():
+    # Scored: 3, 1 -> mean 2, std 1; the NaN rollout gets 0 and does not move mean or std.
+    advantages = group_advantages(np.array([3.0, np.nan, 1.0]))
+    np.testing.assert_allclose(advantages, [1 / (1 + 1e-4), 0.0, -1 / (1 + 1e-4)])
+
+
+def test_degenerate_groups():
+    assert is_degenerate_group(np.array([1.0, 1.0, 1.0]))
+    assert is_degenerate_group(np.array([np.nan, 2.0, np.nan]))  # fewer than two scored
+    assert is_degenerate_group(np.array([np.nan, np.nan]))
+    assert is_degenerate_group(np.array([0.5, np.nan, 0.5]))  # scored ones all equal
+    assert not is_degenerate_group(np.array([0.5, np.nan, 0.25]))
+
+
+def test_sum_rewards_skips_none_and_marks_unscored_nan():
+    total = sum_rewards([[1.0, None, None], [0.5, 2.0, None], [None, None, None]], 3)
+    assert total[0] == 1.5 and total[1] == 2.0 and math.isnan(total[2])
+
+
+# -- the seed's reward-function examples, scored as the seed says --------------------------------
+
+
+def length_reward(completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def format_reward_func(completions, **kwargs):
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    return [1.0 if re.match(pattern, completion[0]["content"]) else 0.0 for completion in completions]
+
+
+def math_reward_func(prompts, completions, task, **kwargs):
+    return [(1.0 if "4" in c[0]["content"] else -1.0) if t == "math" else None for c, t in zip(completions, task)]
+
+
+def coding_reward_func(prompts, completions, task, **kwargs):
+    return [(1.0 if "def" in c[0]["content"] else -1.0) if t == "code" else None for c, t in zip(completions, task)]
+
+
+async def async_reward_func(prompts, completions, **kwargs):
+    await asyncio.sleep(0.2)
+    return [1.0 if completion else 0.0 for completion in completions]
+
+
+def score(functions, prompts, completions, completion_ids, **columns):
+    async def run():
+        with ThreadPoolExecutor(4) as pool:
+            return await call_reward_functions(functions, pool, prompts, completions, completion_ids, columns)
+
+    return asyncio.run(run())
+
+
+def test_seed_examples_length_and_format():
+    prompts = [[{"role": "user", "content": "The sky is"}], [{"role": "user", "content": "The sun is"}]]
+    completions = [
+        [{"role": "assistant", "content": "<think>3 * 4 = 12.</think><answer>(1 + 2) * 4 = 12</answer>"}],
+        [{"role": "assistant", "content": "So (3 + 1) * 2 = 8."}],
+    ]
+    rewards = score([length_reward, format_reward_func], prompts, completions, [[6303, 13], [304, 279, 12884, 13]])
+    assert rewards == [[2.0, 4.0], [1.0, 0.0]]
+
+
+def test_seed_example_multi_task_returns_none_for_other_tasks():
+    prompts = [[{"role": "user", "content": "What is 2+2?"}], [{"role": "user", "content": "Write a sum function."}]]
+    completions = [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "def f(a, b)"}]]
+    per_function = score([math_reward_func, coding_reward_func], prompts, completions, [[1], [2]], task=["math", "code"])
+    assert per_function == [[1.0, None], [None, 1.0]]
+    assert sum_rewards(per_function, 2).tolist() == [1.0, 1.0]
+
+
+def test_async_reward_functions_overlap():
+    prompts = [[{"role": "user", "content": "x"}]] * 2
+    completions = [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": ""}]]
+    started = time.monotonic()
+    rewards = score([async_reward_func] * 5, prompts, completions, [[1], []])
+    assert time.monotonic() - started < 0.6, "five 0.2 s async rewards must run together"
+    assert rewards == [[1.0, 1.0]] * 5
+
+
+def test_reward_function_must_return_one_float_per_completion():
+    def bad(**kwargs):
+        return [1.0]
+
+    with pytest.raises(TypeError, match="reward function 'bad' must return a list of 2 floats"):
+        score([bad], [[]] * 2, [[{"content": ""}]] * 2, [[], []])
+
+
+def test_reward_function_names():
+    import functools
+
+    class Judge:
+        def __call__(self, **kwargs):
+            return []
+
+    assert reward_function_name(length_reward) == "length_reward"
+    assert reward_function_name(functools.partial(length_reward)) == "length_reward"
+    assert reward_function_name(Judge()) == "Judge"
+
+
+# -- metrics: the reduction is declared at record time ----------------------------------------------
+
+
+def test_user_named_metric_is_averaged_whatever_its_name():
+    window = MetricsWindow()
+    window.record("rewards/max_score/mean", 1.0)
+    window.record("rewards/max_score/mean", 3.0)
+    window.record("sample/dropped_stale_count", 2, Reduce.SUM)
+    window.record("sample/dropped_stale_count", 5, Reduce.SUM)
+    window.record("completions/max_length", 7, Reduce.MAX)
+    window.record("completions/max_length", 3, Reduce.MAX)
+    window.record_rate("rollout/generated_tokens_per_s", 100, 2.0)
+    window.record_rate("rollout/generated_tokens_per_s", 300, 2.0)
+    assert window.summarize() == {
+        "completions/max_length": 7,
+        "rewards/max_score/mean": 2.0,
+        "rollout/generated_tokens_per_s": 100.0,
+        "sample/dropped_stale_count": 7,
+    }
+    assert reduce_for_name("sample/dropped_stale_count") is Reduce.SUM
+
+
+# -- the adaptive cap (SPEC section 4) -----------------------------------------------------------------
+
+
+def load(usage: float, waiting: int = 0) -> ServerLoad:
+    return ServerLoad(kv_cache_usage=usage, running=10, waiting=waiting, preemptions=0, kv_cache_tokens=0)
+
+
+def test_initial_cap_is_kv_capacity_over_max_model_len():
+    assert initial_cap(1_048_576, 1024, 512) == 512  # bounded by max_concurrent_rollouts
+    assert initial_cap(40_960, 1024, 512) == 40
+    assert initial_cap(640, 1024, 512) == 1  # never 0
+    assert initial_cap(0, 1024, 64) == 64  # no /metrics: the user's bound
+
+
+def test_cap_rules_hand_values():
+    assert next_cap(40, load(0.85), 0, 512) == (28, False)  # > 80%: -30%
+    assert next_cap(40, load(0.50), 40, 512) == (50, True)  # < 60%, none waiting, a cap's worth done: +25%
+    assert next_cap(40, load(0.50), 39, 512) == (40, False)  # not yet a cap's worth of finished rollouts
+    assert next_cap(40, load(0.50, waiting=3), 100, 512) == (40, False)  # requests waiting: hold
+    assert next_cap(40, load(0.70), 100, 512) == (40, False)  # between 60% and 80%: hold
+    assert next_cap(500, load(0.10), 1000, 512) == (512, True)  # bounded by max_concurrent_rollouts
+    assert next_cap(1, load(0.95), 0, 512) == (1, False)  # never below 1
+    assert next_cap(2, load(0.10), 5, 512) == (3, True)  # small caps still grow
+
+
+def test_allowance_starts_one_group_at_a_time_then_uses_the_estimate():
+    allowance = TokenAllowance(num_generations=4)
+    assert allowance.may_start_group(1000)
+    allowance.group_started()
+    assert not allowance.may_start_group(1e9), "until a group finishes, one at a time"
+    allowance.group_finished([100, 100, 100, 100], queued_tokens=400)
+    # produced 400, estimate 400 per group: may start while 400 + 400 * in_flight < limit
+    assert allowance.may_start_group(401)
+    allowance.group_started()
+    assert not allowance.may_start_group(800)
+    assert allowance.may_start_group(801)
+    allowance.group_finished([50, 50, 50, 50], queued_tokens=0)  # a dropped group queues nothing
+    assert allowance.produced_tokens == 400 and allowance.tokens_per_group_estimate == 300
+
+
+# -- prompt streams ---------------------------------------------------------------------------------------
+
+
+def rows(n):
+    return [{"prompt": [{"role": "user", "content": str(i)}], "i": i} for i in range(n)]
+
+
+def take(stream, n):
+    return [next(stream) for _ in range(n)]
+
+
+def test_epochs_are_shuffled_reproducibly_and_cover_every_prompt():
+    first = take(prompt_stream(rows(10), seed=3), 30)
+    again = take(prompt_stream(rows(10), seed=3), 30)
+    assert [item.row_index for item in first] == [item.row_index for item in again]
+    for epoch in range(3):
+        epoch_items = first[epoch * 10 : (epoch + 1) * 10]
+        assert sorted(item.row_index for item in epoch_items) == list(range(10))
+        assert {item.epoch for item in epoch_items} == {epoch}
+    assert [item.row_index for item in first[:10]] != [item.row_index for item in first[10:20]]
+    assert [item.stream_index for item in first] == list(range(30))
+
+
+def test_resume_starts_at_the_index_and_skips_trained_ones():
+    full = take(prompt_stream(rows(10), seed=3), 20)
+    resumed = take(prompt_stream(rows(10), seed=3, start_index=7, skip_stream_indices=frozenset({8, 12})), 5)
+    assert [item.stream_index for item in resumed] == [7, 9, 10, 11, 13]
+    assert [item.row_index for item in resumed] == [full[i].row_index for i in (7, 9, 10, 11, 13)]
+
+
+def test_iterable_dataset_streams_and_restarts(caplog):
+    from datasets import Dataset
+
+    iterable = Dataset.from_list(rows(4)).to_iterable_dataset()
+    items = take(prompt_stream(iterable, seed=0), 8)
+    assert [item.stream_index for item in items] == list(range(8))
+    assert sorted(item.row["i"] for item in items[:4]) == [0, 1, 2, 3]
+    take(prompt_stream(iterable, seed=0, start_index=5), 1)
+    assert "cannot be repositioned" in caplog.text
+
+
+# -- turns to training sequences -------------------------------------------------------------------------
+
+
+def turn(prompt, output, version=0):
+    return TurnRecord(prompt_ids=prompt, output_ids=output, output_log_probs=[-0.5] * len(output), model_version=version)
+
+
+def test_single_turn_sequence():
+    sequences, stats = build_training_sequences([turn([1, 2, 3], [4, 5])])
+    (sequence,) = sequences
+    assert sequence.token_ids.tolist() == [1, 2, 3, 4, 5]
+    assert sequence.trained.tolist() == [False, False, False, True, True]
+    assert sequence.sampler_logprobs.tolist() == [-0.5, -0.5] and stats.transitions == 0
+
+
+def test_prefix_preserving_turns_extend_one_sequence():
+    turns = [turn([1, 2], [3, 4], version=2), turn([1, 2, 3, 4, 9, 9], [5], version=1)]
+    (sequence,), stats = build_training_sequences(turns)
+    assert sequence.token_ids.tolist() == [1, 2, 3, 4, 9, 9, 5]
+    assert sequence.trained.tolist() == [False, False, True, True, False, False, True]
+    assert sequence.model_version == 1  # the oldest policy that produced any of it
+    assert stats.forks == 0 and stats.drift_tokens == [0]
+
+
+def test_a_re_rendered_history_forks_and_trains_each_token_once():
+    # Turn 2's prompt rewrites token 3 (e.g. the template dropped earlier reasoning).
+    turns = [turn([1, 2], [3, 4]), turn([1, 2, 7, 4, 9], [5, 6])]
+    sequences, stats = build_training_sequences(turns)
+    assert [s.token_ids.tolist() for s in sequences] == [[1, 2, 3, 4], [1, 2, 7, 4, 9, 5, 6]]
+    assert [s.trained.tolist() for s in sequences] == [
+        [False, False, True, True],
+        [False, False, False, False, False, True, True],
+    ]
+    assert stats.forks == 1 and stats.transitions == 1 and stats.drift_tokens == [2]
+
+
+def test_top_logprobs_follow_trained_tokens_and_masked_outputs_stay_context():
+    first = turn([1], [2, 3])
+    first.output_mask = [0, 1]
+    first.output_top_ids = np.array([[2, 8], [3, 9]])
+    first.output_top_logprobs = np.array([[-0.1, -2.0], [-0.2, -3.0]], dtype=np.float32)
+    (sequence,), _ = build_training_sequences([first])
+    assert sequence.trained.tolist() == [False, False, True]
+    assert sequence.top_ids.tolist() == [[3, 9]]
+    np.testing.assert_allclose(sequence.top_logprobs, [[-0.2, -3.0]])

@@ -1,0 +1,261 @@
+"""The rollout worker process against a real vLLM server (tiny model on CPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.scoring import group_advantages
+from asyncgrpo.rollout.worker import RolloutWorker, RolloutWorkerError
+
+pytestmark = pytest.mark.vllm
+
+
+def even_token_reward(completion_ids, **kwargs):
+    """A deterministic reward the test can recompute: the fraction of even token ids."""
+    return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+def nobody_scores(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def exploding_reward(completions, **kwargs):
+    raise ZeroDivisionError("the judge divided by zero on purpose")
+
+
+def prompts_dataset(n: int = 16) -> Dataset:
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(n)],
+            "target": list(range(n)),
+        }
+    )
+
+
+def make_worker(server_url, model_dir, reward_funcs, allowance=1e9, loop_cls=AsyncRolloutLoop, **config_overrides):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    options = dict(
+        output_dir="/tmp/unused",
+        vllm_server_base_url=server_url,
+        num_generations=4,
+        max_completion_length=24,
+        vllm_server_timeout=60,
+        report_to="none",
+    )
+    options.update(config_overrides)
+    config = AsyncGRPOConfig(**options)
+    return RolloutWorker(
+        loop_cls,
+        dict(
+            config=config,
+            model_name=str(model_dir),
+            dataset=prompts_dataset(),
+            reward_funcs=reward_funcs,
+            processing_class=tokenizer,
+            eos_token_ids=[tokenizer.eos_token_id],
+        ),
+        initial_allowance=allowance,
+        worker_timeout=60,
+    )
+
+
+def collect(worker, count: int, timeout: float = 120):
+    results, deadline = [], time.monotonic() + timeout
+    while len(results) < count and time.monotonic() < deadline:
+        result = worker.next_result(timeout=deadline - time.monotonic())
+        if result is not None:
+            results.append(result)
+    return results
+
+
+def merged_metrics(worker) -> dict[str, float]:
+    window = MetricsWindow()
+    for stats in worker.drain_metrics():
+        window.merge(stats)
+    return window.summarize()
+
+
+def test_worker_produces_scored_groups_with_correct_advantages(vllm_server, tiny_model_dir):
+    worker = make_worker(vllm_server.url, tiny_model_dir, [even_token_reward])
+    worker.start(ready_timeout=120)
+    try:
+        results = collect(worker, 6)
+        time.sleep(1.5)  # one metrics flush
+        metrics = merged_metrics(worker)
+    finally:
+        worker.stop()
+    assert len(results) == 6
+    assert sorted(r.stream_index for r in results) == sorted(set(r.stream_index for r in results))
+    kept = [r for r in results if r.samples]
+    assert kept, "with a per-token reward some groups must carry signal"
+    for result in kept:
+        assert len(result.samples) == 4 and {s.group_id for s in result.samples} == {result.group_id}
+        rewards = []
+        for sample in result.samples:
+            completion = sample.token_ids[sample.trained.argmax() :]
+            rewards.append(even_token_reward([completion.tolist()])[0])
+            assert sample.reward == pytest.approx(rewards[-1])
+            assert sample.num_trained == len(completion) and sample.top_ids.shape == (len(completion), 8)
+            assert np.all(sample.sampler_logprobs <= 0)
+        np.testing.assert_allclose([s.advantage for s in result.samples], group_advantages(np.array(rewards)))
+    for name in ("reward", "rewards/even_token_reward/mean", "frac_zero_std_groups", "completions/mean_length",
+                 "rollout/duration_s", "rollout/generated_tokens_per_s", "rollout/concurrency_cap"):
+        assert name in metrics, name
+    assert worker.process.exitcode is not None, "stopped worker must have exited"
+
+
+def test_groups_nobody_scores_are_dropped_and_counted(vllm_server, tiny_model_dir):
+    worker = make_worker(vllm_server.url, tiny_model_dir, [nobody_scores])
+    worker.start(ready_timeout=120)
+    try:
+        results = collect(worker, 3)
+        time.sleep(1.5)
+        metrics = merged_metrics(worker)
+    finally:
+        worker.stop()
+    assert len(results) == 3 and all(not r.samples for r in results)
+    assert metrics["frac_zero_std_groups"] == 1.0
+    assert "reward_zero_std_groups" not in metrics and "reward" not in metrics
+
+
+def test_a_raising_reward_stops_the_trainer_side_with_the_original_traceback(vllm_server, tiny_model_dir):
+    worker = make_worker(vllm_server.url, tiny_model_dir, [exploding_reward])
+    worker.start(ready_timeout=120)
+    started = time.monotonic()
+    with pytest.raises(RolloutWorkerError) as error:
+        collect(worker, 1, timeout=60)
+    assert time.monotonic() - started < 30
+    message = str(error.value)
+    assert "ZeroDivisionError" in message and "divided by zero on purpose" in message
+    assert "exploding_reward" in message, "the worker's traceback must reach the trainer"
+    assert not worker.process.is_alive()
+
+
+def test_a_lambda_reward_fails_before_spawning_naming_it(vllm_server, tiny_model_dir):
+    worker = make_worker(vllm_server.url, tiny_model_dir, [lambda completions, **kw: [0.0] * len(completions)])
+    with pytest.raises(TypeError, match="reward function #0 .*lambda.* cannot be sent to the rollout worker"):
+        worker.start(ready_timeout=10)
+    assert worker.process is None
+
+
+def test_backpressure_holds_queued_and_in_flight_tokens_within_the_allowance(vllm_server, tiny_model_dir):
+    allowance = 1500.0
+    worker = make_worker(vllm_server.url, tiny_model_dir, [even_token_reward], allowance=allowance)
+    worker.start(ready_timeout=120)
+    try:
+        results = collect(worker, 100, timeout=25)  # nobody trains: generation must stall
+        queued = sum(r.num_tokens for r in results)
+        largest_group = max(r.num_tokens for r in results)
+        stalled = collect(worker, 1, timeout=4)
+        metrics = merged_metrics(worker)
+        worker.publish_allowance(allowance + 2000)  # the trainer consumed: generation resumes
+        resumed = collect(worker, 2, timeout=60)
+    finally:
+        worker.stop()
+    # A group starts only while produced + in-flight estimate < allowance, so the overshoot is at
+    # most the group that started last (plus the estimate's error on it).
+    assert queued <= allowance + 2 * largest_group
+    assert not stalled
+    assert metrics.get("rollout/backpressure_s", 0) > 0
+    assert resumed
+
+
+class FastPollLoop(AsyncRolloutLoop):
+    """Polls /metrics every second instead of every 5 s, so the test sees several adjustments."""
+
+    load_poll_interval_s = 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_kv_server(vllm_servers):
+    # 6 blocks of 128 tokens = 768 tokens of KV cache: a few long requests fill it.
+    args = ("--num-gpu-blocks-override", "6", "--max-model-len", "512")
+    yield vllm_servers.get(*args)
+    vllm_servers.release(*args)
+
+
+def test_concurrency_cap_falls_under_kv_pressure_and_recovers(tiny_kv_server, tiny_model_dir):
+    worker = make_worker(
+        tiny_kv_server.url,
+        tiny_model_dir,
+        [even_token_reward],
+        loop_cls=FastPollLoop,
+        max_completion_length=300,
+        max_concurrent_rollouts=64,
+    )
+    worker.start(ready_timeout=120)
+    caps = []
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            worker.next_result(timeout=0.5)
+            for stats in worker.drain_metrics():
+                if "rollout/concurrency_cap" in stats:
+                    caps.append(stats["rollout/concurrency_cap"].result())
+            if _fell_and_recovered(caps):
+                break
+    finally:
+        worker.stop()
+    assert caps[0] == 1, "initial cap = KV tokens (768) // max_model_len (512)"
+    assert _fell_and_recovered(caps), f"cap history: {caps}"
+
+
+def _fell_and_recovered(caps: list[float]) -> bool:
+    """The cap rose, then fell (KV > 80%), then rose again."""
+    peak = None
+    for index in range(1, len(caps)):
+        if caps[index] < caps[index - 1]:
+            peak = index
+        if peak is not None and caps[index] > caps[index - 1] and index > peak:
+            return True
+    return False
+
+
+def test_worker_exits_when_the_trainer_process_is_killed(vllm_server, tiny_model_dir, tmp_path):
+    """No orphan: a trainer killed with SIGKILL leaves no rollout process behind."""
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, time
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            from test_rollout_worker import make_worker, even_token_reward
+            if __name__ == "__main__":
+                worker = make_worker({vllm_server.url!r}, {str(tiny_model_dir)!r}, [even_token_reward])
+                worker.start(ready_timeout=120)
+                print(worker.process.pid, flush=True)
+                time.sleep(600)
+            """
+        )
+    )
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    worker_pid = int(trainer.stdout.readline())
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _alive(worker_pid):
+        time.sleep(0.2)
+    assert not _alive(worker_pid), "the rollout process outlived its trainer"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) counts as gone.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
