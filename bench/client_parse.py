@@ -47,7 +47,7 @@ def vllm_shaped_response(rng: random.Random) -> bytes:
     }
     body = {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m", "choices": [choice]}
     body["usage"] = {"prompt_tokens": 300, "completion_tokens": NUM_TOKENS, "total_tokens": 300 + NUM_TOKENS}
-    return json.dumps(body).encode()
+    return json.dumps(body, separators=(",", ":")).encode()  # compact, as vLLM writes it
 
 
 def main() -> None:

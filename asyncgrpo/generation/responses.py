@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import itertools
+
 import msgspec
 import numpy as np
 
@@ -41,7 +43,8 @@ class Completion:
 
 class _CompletionLogprobs(msgspec.Struct):
     token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] | None = None
+    # Left raw: ~4,000 small dicts per response are parsed straight from the bytes (see _top_from_raw).
+    top_logprobs: msgspec.Raw = msgspec.Raw(b"null")
 
 
 class _CompletionChoice(msgspec.Struct):
@@ -86,6 +89,9 @@ class _GenerateResponse(msgspec.Struct):
 
 
 _completion_decoder = msgspec.json.Decoder(_CompletionResponse)
+_top_dicts_decoder = msgspec.json.Decoder(list[dict[str, float] | None] | None)
+_number_rows_decoder = msgspec.json.Decoder(list[list[float]])
+_TO_NUMBER_LISTS = bytes.maketrans(b"{}:", b"[],")
 _generate_decoder = msgspec.json.Decoder(_GenerateResponse)
 
 
@@ -118,35 +124,70 @@ def parse_completion_response(body: bytes, num_top: int) -> Completion:
     )
     top_ids = top_logprobs = None
     if num_top > 0:
-        tops = choice.logprobs.top_logprobs
-        if tops is None or len(tops) != n:
-            raise MalformedResponseError("/v1/completions response lacks the requested top log-probs")
-        top_ids, top_logprobs = _top_from_dicts(tops, choice.token_ids, num_top)
+        raw = bytes(choice.logprobs.top_logprobs)
+        parsed = _top_from_raw(raw, choice.token_ids, num_top)
+        if parsed is None:  # an unusual body (null entries...): the general path
+            tops = _top_dicts_decoder.decode(raw)
+            if tops is None or len(tops) != n:
+                raise MalformedResponseError("/v1/completions response lacks the requested top log-probs")
+            parsed = _top_from_dicts(tops, choice.token_ids, num_top)
+        top_ids, top_logprobs = parsed
     return Completion(token_ids, logprobs, choice.finish_reason, top_ids, top_logprobs)
 
 
+def _top_from_raw(raw: bytes, sampled: list[int], num_top: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Vectorized parse of `[{"token_id:ID": logprob, ...}, ...]`; None when the shape is unusual.
+
+    vLLM builds each dict from [sampled, top 1..N]; when the sampled token is among the top N its
+    key collapses, so a dict holds N entries, else N+1 with the sampled token first (dropped here).
+    """
+    n = len(sampled)
+    # Turn every {"token_id:ID": lp, ...} into [ID, lp, ...] so that msgspec parses all the numbers in C:
+    # one translate pass ({ -> [, } -> ], : -> ",", quotes dropped), then one replace of the key prefix.
+    text = raw.translate(_TO_NUMBER_LISTS, b'"').replace(b"token_id,", b"")
+    try:
+        number_rows = _number_rows_decoder.decode(text)
+    except msgspec.DecodeError:  # null entries, -Infinity...: not this shape
+        return None
+    if len(number_rows) != n:
+        return None
+    counts = np.fromiter(map(len, number_rows), dtype=np.int64, count=n) // 2
+    flat = np.fromiter(itertools.chain.from_iterable(number_rows), dtype=np.float64, count=int(counts.sum()) * 2)
+    ids = flat[0::2].astype(np.int64)
+    values = flat[1::2].astype(np.float32)
+    rows = np.repeat(np.arange(n), counts)
+    starts = np.cumsum(counts) - counts
+    columns = np.arange(len(ids)) - starts[rows]
+    extra = counts > num_top  # the sampled token sits first in these rows
+    if extra.any() and not np.array_equal(ids[starts[extra]], np.asarray(sampled, dtype=np.int64)[extra]):
+        return None
+    shift = extra[rows].astype(np.int64)
+    keep = (columns >= shift) & (columns - shift < num_top)
+    top_ids = np.full((n, num_top), -1, dtype=np.int64)
+    top_logprobs = np.full((n, num_top), -np.inf, dtype=np.float32)
+    top_ids[rows[keep], (columns - shift)[keep]] = ids[keep]
+    top_logprobs[rows[keep], (columns - shift)[keep]] = values[keep]
+    return top_ids, top_logprobs
+
+
 def _top_from_dicts(tops: list, sampled: list[int], num_top: int) -> tuple[np.ndarray, np.ndarray]:
+    """The general path: one dict (or None) per position."""
     n = len(tops)
-    ids = np.full((n, num_top), -1, dtype=np.int64)
-    values = np.full((n, num_top), -np.inf, dtype=np.float32)
-    id_rows = ids.tolist()
-    value_rows = values.tolist()
+    id_rows = [[-1] * num_top for _ in range(n)]
+    value_rows = [[-np.inf] * num_top for _ in range(n)]
     for position, entries in enumerate(tops):
         if not entries:
             continue
         drop_sampled = len(entries) > num_top
-        sampled_key = sampled[position]
         column = 0
-        id_row = id_rows[position]
-        value_row = value_rows[position]
         for key, value in entries.items():
             token = int(key[_PREFIX_LEN:])
-            if drop_sampled and token == sampled_key:
+            if drop_sampled and token == sampled[position]:
                 drop_sampled = False
                 continue
             if column < num_top:
-                id_row[column] = token
-                value_row[column] = value
+                id_rows[position][column] = token
+                value_rows[position][column] = value
                 column += 1
     return np.asarray(id_rows, dtype=np.int64), np.asarray(value_rows, dtype=np.float32)
 

@@ -48,7 +48,9 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 METRICS_FLUSH_INTERVAL_S = 1.0
-SCORE_WORKERS = 4
+# Groups scored at once. Scoring is mostly waiting (threads, async judges, the event loop running
+# generation callbacks between them), so many groups in flight keep it off the critical path.
+SCORE_CONCURRENCY = 64
 
 
 class AsyncRolloutLoop:
@@ -209,7 +211,7 @@ class AsyncRolloutLoop:
                 self._heartbeat_loop(),
                 self._load_loop(),
                 self._metrics_loop(),
-                *(self._score_loop() for _ in range(SCORE_WORKERS)),
+                *(self._score_loop() for _ in range(SCORE_CONCURRENCY)),
             ]
             for coroutine in loops:
                 self._watch(asyncio.create_task(coroutine))

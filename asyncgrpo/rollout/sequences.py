@@ -48,7 +48,7 @@ class _SequenceBuilder:
         self.logprobs: list[np.ndarray] = []
         self.top_ids: list[np.ndarray] = []
         self.top_logprobs: list[np.ndarray] = []
-        self.candidate_sets: list[np.ndarray] = []
+        self.candidate_sets: list[list[np.ndarray] | int] = []  # per turn: sets, or a count without
         self.has_top = self.has_candidates = False
         self.length = 0
         self.model_version = model_version
@@ -85,11 +85,11 @@ class _SequenceBuilder:
             self.top_logprobs.append(np.full((int(mask.sum()), 0), -np.inf, dtype=np.float32))
         if turn.output_sampling_mask is not None:
             self.has_candidates = True
-            self.candidate_sets.extend(
-                np.asarray(ids, dtype=np.int64) for ids, keep in zip(turn.output_sampling_mask, mask) if keep
+            self.candidate_sets.append(
+                [np.asarray(ids, dtype=np.int64) for ids, keep in zip(turn.output_sampling_mask, mask) if keep]
             )
         else:
-            self.candidate_sets.extend(np.zeros(0, dtype=np.int64) for _ in range(int(mask.sum())))
+            self.candidate_sets.append(int(mask.sum()))  # expanded to empty sets only if another turn has sets
         self.model_version = min(self.model_version, turn.model_version)
 
     def token_array(self) -> np.ndarray:
@@ -110,9 +110,17 @@ class _SequenceBuilder:
             sampler_logprobs=np.concatenate(self.logprobs),
             top_ids=top_ids,
             top_logprobs=top_logprobs,
-            candidate_sets=self.candidate_sets if self.has_candidates else None,
+            candidate_sets=self._candidate_sets() if self.has_candidates else None,
             model_version=self.model_version,
         )
+
+
+    def _candidate_sets(self) -> list[np.ndarray]:
+        """One set per trained token; an empty set means the full vocabulary."""
+        sets: list[np.ndarray] = []
+        for block in self.candidate_sets:
+            sets.extend(block if isinstance(block, list) else [np.zeros(0, dtype=np.int64)] * block)
+        return sets
 
 
 def _pad(block: np.ndarray, width: int, value) -> np.ndarray:

@@ -15,6 +15,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import time
 import traceback
 from contextlib import contextmanager
@@ -48,6 +49,9 @@ def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event) -> None:
     # The trainer stops us with SIGTERM; Ctrl-C reaches the whole process group, and the trainer
     # decides what happens then, so SIGINT is ignored here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Sync reward functions and tools run in threads while the event loop thread is nearly always
+    # busy: with the default 5 ms GIL switch interval a 10 us reward waited ~100 ms for its turn.
+    sys.setswitchinterval(0.0005)
     try:
         rollout_loop = loop_cls(**loop_kwargs)
         rollout_loop.run(ready_event)

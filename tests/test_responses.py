@@ -1,0 +1,101 @@
+"""Parsing vLLM responses: the vectorized top-N path agrees with the general one."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import numpy as np
+import pytest
+
+from asyncgrpo.generation.responses import (
+    MalformedResponseError,
+    _top_dicts_decoder,
+    _top_from_dicts,
+    parse_completion_response,
+    parse_generate_response,
+)
+
+
+def completion_body(token_ids, tops, compact=True) -> bytes:
+    choice = {
+        "index": 0,
+        "text": "",
+        "token_ids": token_ids,
+        "finish_reason": "length",
+        "logprobs": {
+            "token_logprobs": [next(iter(top.values())) if top else None for top in tops],
+            "top_logprobs": tops,
+        },
+    }
+    separators = (",", ":") if compact else (", ", ": ")
+    return json.dumps({"choices": [choice]}, separators=separators).encode()
+
+
+def test_sampled_token_outside_the_top_n_is_dropped_and_inside_it_is_kept():
+    # Position 0: sampled 7 is among the top 2 (dict of 2). Position 1: sampled 9 is not (dict of 3).
+    tops = [{"token_id:7": -0.1, "token_id:3": -2.5}, {"token_id:9": -4.0, "token_id:1": -0.2, "token_id:2": -1.7}]
+    for compact in (True, False):
+        completion = parse_completion_response(completion_body([7, 9], tops, compact), num_top=2)
+        assert completion.token_ids.tolist() == [7, 9]
+        assert completion.top_ids.tolist() == [[7, 3], [1, 2]]
+        np.testing.assert_allclose(completion.top_logprobs, [[-0.1, -2.5], [-0.2, -1.7]])
+        np.testing.assert_allclose(completion.logprobs, [-0.1, -4.0])
+
+
+def test_fast_path_matches_the_general_path_on_random_bodies():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n, top = int(rng.integers(1, 40)), int(rng.integers(1, 9))
+        sampled = rng.integers(0, 500, n).tolist()
+        tops = []
+        for token in sampled:
+            entries = {f"token_id:{token}": float(-rng.random())}
+            while len(entries) < top + int(rng.integers(0, 2)):
+                entries[f"token_id:{int(rng.integers(0, 500))}"] = float(-rng.random() * 9)
+            tops.append(entries)
+        body = completion_body(sampled, tops)
+        fast = parse_completion_response(body, top)
+        raw = msgspec.json.encode(tops)
+        general_ids, general_values = _top_from_dicts(_top_dicts_decoder.decode(raw), sampled, top)
+        np.testing.assert_array_equal(fast.top_ids, general_ids)
+        np.testing.assert_array_equal(fast.top_logprobs, general_values)
+
+
+def test_null_entries_take_the_general_path():
+    tops = [{"token_id:7": -0.1, "token_id:3": -2.5}, None]
+    completion = parse_completion_response(completion_body([7, 9], tops), num_top=2)
+    assert completion.top_ids.tolist() == [[7, 3], [-1, -1]]
+    assert np.isneginf(completion.top_logprobs[1]).all()
+
+
+def test_missing_logprobs_is_a_clear_error():
+    body = json.dumps({"choices": [{"token_ids": [1, 2], "logprobs": None}]}).encode()
+    with pytest.raises(MalformedResponseError, match="one log-prob per generated token"):
+        parse_completion_response(body, num_top=0)
+
+
+def test_generate_endpoint_body():
+    body = json.dumps(
+        {
+            "choices": [
+                {
+                    "token_ids": [5, 6],
+                    "finish_reason": "stop",
+                    "sampling_mask": [[5, 8], [6]],
+                    "logprobs": {
+                        "content": [
+                            {"token_id": 5, "logprob": -0.3, "top_logprobs": [
+                                {"token_id": 5, "logprob": -0.3}, {"token_id": 8, "logprob": -1.4}]},
+                            {"token_id": 6, "logprob": -2.0, "top_logprobs": [
+                                {"token_id": 6, "logprob": -2.0}, {"token_id": 1, "logprob": -0.1},
+                                {"token_id": 6, "logprob": -2.0}]},
+                        ]
+                    },
+                }
+            ]
+        }
+    ).encode()
+    completion = parse_generate_response(body, num_top=2)
+    assert completion.top_ids.tolist() == [[5, 8], [1, 6]]
+    assert [mask.tolist() for mask in completion.sampling_masks] == [[5, 8], [6]]
