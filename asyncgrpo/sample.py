@@ -28,6 +28,7 @@ class Sample:
     candidate_sets: list[np.ndarray] | None = None  # T arrays of token ids
     model_version: int = 0  # policy version that generated it (the oldest turn's)
     row_index: int = -1  # dataset row of its prompt
+    stream_index: int = -1  # the prompt's place in the stream of prompts (epoch * len(dataset) + k)
     epoch: int = 0
     reward: float = math.nan
     rollout_id: str = ""

@@ -411,6 +411,7 @@ class AsyncRolloutLoop:
                         candidate_sets=sequence.candidate_sets,
                         model_version=sequence.model_version,
                         row_index=group.row_index,
+                        stream_index=group.stream_index,
                         epoch=group.epoch,
                         reward=float(group.rewards[index]),
                         rollout_id=group.rollouts[index].rollout_id,

@@ -62,6 +62,10 @@ def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event) -> None:
             (type(error).__name__, str(error), traceback.format_exc())
         )
         loop_kwargs["failed_event"].set()
+    finally:
+        # Exit without waiting to flush queued samples into a pipe the trainer no longer reads.
+        loop_kwargs["rollout_buffer"].cancel_join_thread()
+        loop_kwargs["metrics_queue"].cancel_join_thread()
 
 
 @contextmanager

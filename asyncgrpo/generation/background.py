@@ -1,0 +1,30 @@
+"""A private event loop in a daemon thread, so synchronous code (the training loop) can await the
+async vLLM client without owning an event loop of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class BackgroundLoop:
+    def __init__(self, name: str = "asyncgrpo-http"):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the loop and wait for its result (its exception is re-raised here)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return future.result(timeout)
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()

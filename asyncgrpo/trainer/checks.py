@@ -1,0 +1,94 @@
+"""The seed's compatibility rules, each a clear error at construction instead of a late crash."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import transformers
+from packaging.version import Version
+
+MIN_TRANSFORMERS = "5.2.0"
+
+
+def check_transformers_version() -> None:
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ImportError(
+            f"AsyncGRPOTrainer needs transformers>={MIN_TRANSFORMERS}, found {transformers.__version__}: "
+            f"pip install -U 'transformers>={MIN_TRANSFORMERS}'"
+        )
+
+
+def check_reward_funcs(reward_funcs: list[Any]) -> None:
+    for index, function in enumerate(reward_funcs):
+        if isinstance(function, str) or isinstance(function, torch.nn.Module):
+            raise ValueError(
+                f"reward_funcs[{index}] is {'a model id' if isinstance(function, str) else 'a model'} "
+                f"({function if isinstance(function, str) else type(function).__name__}): reward models are not "
+                "supported. Pass a Python callable; to score with a model, serve it (vLLM, TGI...) and call it "
+                "from an async reward function."
+            )
+        if not callable(function):
+            raise ValueError(f"reward_funcs[{index}] ({function!r}) is not callable")
+
+
+def check_parallelism(args) -> None:
+    config = getattr(args, "parallelism_config", None)
+    if config is None:
+        return
+    for name in ("cp_size", "sp_size"):
+        if (getattr(config, name, 1) or 1) > 1:
+            raise ValueError(
+                f"parallelism_config.{name}={getattr(config, name)} is not supported: context and sequence "
+                "parallelism do not apply to tree-packed rows; use FSDP2 (data parallel) only"
+            )
+
+
+def check_conversational(dataset, environment_factory: Callable | None) -> None:
+    """Prompts must be lists of {role, content} messages; images are not supported."""
+    if dataset is None:
+        return
+    column_names = getattr(dataset, "column_names", None) or []
+    if "prompt" not in column_names:
+        if environment_factory is not None:
+            return  # the environment's reset() provides the prompt
+        raise ValueError(
+            f"train_dataset has no 'prompt' column (columns: {column_names}); each row needs "
+            "prompt=[{'role': 'user', 'content': ...}]"
+        )
+    for image_column in ("image", "images"):
+        if image_column in column_names:
+            raise ValueError(
+                f"train_dataset has an {image_column!r} column: prompts with images are not supported yet "
+                "(vision-language models train on text-only data)"
+            )
+    row = next(iter(dataset))
+    prompt = row["prompt"]
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m for m in prompt):
+        raise ValueError(
+            "prompts must be in conversational format, e.g. [{'role': 'user', 'content': 'What is 2+2?'}]; "
+            f"got {type(prompt).__name__}: {str(prompt)[:80]!r}. Wrap a plain-text prompt as "
+            "[{'role': 'user', 'content': text}]."
+        )
+    for message in prompt:
+        content = message.get("content")
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and part.get("type") in ("image", "image_url") for part in content
+        ):
+            raise ValueError("prompts with images are not supported yet; use text-only prompts")
+
+
+def check_prompt_lengths(dataset, render: Callable[[list], int], max_model_len: int, limit: int = 20_000) -> None:
+    """Fail before training when a prompt leaves no room to generate under the server's
+    max_model_len (the first `limit` rows of a map-style dataset are checked)."""
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__") or "prompt" not in dataset.column_names:
+        return
+    prompts = dataset[: min(len(dataset), limit)]["prompt"]
+    for index, prompt in enumerate(prompts):
+        length = render(prompt)
+        if length >= max_model_len:
+            raise ValueError(
+                f"train_dataset row {index}: its prompt is {length} tokens after the chat template, which leaves "
+                f"no room to generate under the vLLM server's max_model_len={max_model_len}. Shorten or filter "
+                "such prompts, or restart the server with a larger --max-model-len."
+            )

@@ -1,0 +1,116 @@
+"""The trainer's side of the rollout queue: taking samples, dropping stale ones, planning a step.
+
+Samples come off the worker's queue into a local buffer (so its size is the queue's size when the
+trainer takes from it). A sample older than `max_staleness` weight updates when taken is dropped.
+A step is `gradient_accumulation_steps` micro-batches planned by the TokenBudgetBatcher; a sample
+that closes a micro-batch is the first of the next one (it waits at the head of the buffer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.packing.planner import MicroBatchPlan, Placement, TokenBudgetBatcher
+from asyncgrpo.trainer.prompt_ledger import PromptLedger
+from asyncgrpo.rollout.worker import RolloutWorker
+from asyncgrpo.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+WAIT_LOG_INTERVAL_S = 30.0
+
+
+@dataclass
+class StepBatch:
+    plans: list[MicroBatchPlan]
+    wait_s: float = 0.0  # time the step waited on an empty queue
+    samples: list[Sample] = field(default_factory=list)
+
+
+class SampleIntake:
+    def __init__(self, worker: RolloutWorker, ledger: PromptLedger, max_staleness: int, token_budget: int, num_rows: int):
+        self.worker = worker
+        self.ledger = ledger
+        self.max_staleness = max_staleness
+        self.token_budget = token_budget
+        self.num_rows = num_rows
+        self.buffer: deque[Sample] = deque()
+        self.consumed_tokens_total = 0
+        self._warned_oversize = False
+
+    def _drain(self, wait_s: float) -> bool:
+        """Move what the worker queued into the buffer; wait up to `wait_s` for the first result."""
+        result = self.worker.next_result(timeout=wait_s)
+        got = False
+        while result is not None:
+            got = True
+            self.ledger.add_group(result.stream_index, len(result.samples))
+            self.buffer.extend(result.samples)
+            result = self.worker.next_result(timeout=0.0)
+        return got
+
+    def _next_sample(self, batch: StepBatch, metrics: MetricsWindow, model_version: int) -> Sample:
+        """The next sample that is fresh enough, waiting for the worker when the buffer is empty."""
+        while True:
+            if not self.buffer:
+                self._drain(0.0)
+            if not self.buffer:
+                started = time.monotonic()
+                last_note = started
+                while not self._drain(1.0):
+                    if time.monotonic() - last_note > WAIT_LOG_INTERVAL_S:
+                        logger.info("waiting for rollouts (%.0f s so far)", time.monotonic() - started)
+                        last_note = time.monotonic()
+                batch.wait_s += time.monotonic() - started
+            sample = self.buffer.popleft()
+            staleness = model_version - sample.model_version
+            if staleness > self.max_staleness:
+                self._consumed(sample)
+                metrics.record("sample/dropped_stale_count", 1, Reduce.SUM)
+                continue
+            return sample
+
+    def _consumed(self, sample: Sample) -> None:
+        self.ledger.sample_done(sample.stream_index)
+        self.consumed_tokens_total += sample.num_tokens
+
+    def next_step(self, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int) -> StepBatch:
+        """Plan one optimizer step's micro-batches from the queue."""
+        batch = StepBatch(plans=[])
+        metrics.record("rollout/queue_size", len(self.buffer) + self.worker.queued_results())
+        batcher = TokenBudgetBatcher(self.token_budget, self.num_rows)
+        while len(batch.plans) < gradient_accumulation_steps:
+            sample = self._next_sample(batch, metrics, model_version)
+            placement = batcher.offer(sample)
+            if placement is Placement.PLACED:
+                batch.samples.append(sample)
+                self._record_taken(sample, metrics, model_version)
+            elif placement is Placement.DROPPED_OVERSIZE:
+                self._consumed(sample)
+                metrics.record("batch/dropped_oversize_count", 1, Reduce.SUM)
+                if not self._warned_oversize:
+                    self._warned_oversize = True
+                    logger.warning(
+                        "dropped a sample of %d tokens: longer than token_budget=%d (raise token_budget or "
+                        "lower max_completion_length)", sample.num_tokens, self.token_budget,
+                    )
+            else:  # CLOSED: this sample opens the next micro-batch
+                self.buffer.appendleft(sample)
+                batch.plans.append(batcher.close())
+        for sample in batch.samples:
+            self._consumed(sample)
+        return batch
+
+    def _record_taken(self, sample: Sample, metrics: MetricsWindow, model_version: int) -> None:
+        staleness = model_version - sample.model_version
+        metrics.record("sample/staleness_mean", staleness)
+        metrics.record("sample/staleness_max", staleness, Reduce.MAX)
+        metrics.record("sample/time_in_queue_s", max(0.0, time.time() - sample.queued_at))
+        metrics.record("sample/forwarded_tokens_mean", sample.num_tokens)
+        metrics.record("sample/forwarded_tokens_max", sample.num_tokens, Reduce.MAX)
+        metrics.record("sample/trained_tokens_mean", sample.num_trained)
+        metrics.record("reward_trained", sample.reward)

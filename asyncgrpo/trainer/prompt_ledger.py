@@ -1,0 +1,82 @@
+"""Which prompts the trainer has consumed: the epoch counter and the resume position.
+
+A prompt is consumed when every sample of its group has been trained or dropped (stale, oversize),
+or at once when it carried none (filtered out, or a group without reward signal). The worker runs
+ahead of training by the queue's depth, and groups finish out of order, so the resume position is
+the first stream index not yet consumed (the watermark) plus the consumed indices after it: a
+resumed worker starts at the watermark and skips those, so no prompt is trained twice or skipped.
+Samples still queued when a run stops are lost; their prompts are regenerated on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLLOUT_STATE_NAME = "rollout_state.json"
+
+
+@dataclass
+class RolloutState:
+    """What `rollout_state.json` holds."""
+
+    first_untrained_index: int = 0
+    consumed_after: list[int] = field(default_factory=list)
+    consumed_prompts: int = 0
+    model_version: int = 0
+    num_tokens: int = 0
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write atomically: a crash leaves the old file or the new one, never half of one."""
+        path = Path(directory) / ROLLOUT_STATE_NAME
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(self.__dict__, indent=2))
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "RolloutState | None":
+        path = Path(directory) / ROLLOUT_STATE_NAME
+        if not path.exists():
+            return None
+        return cls(**json.loads(path.read_text()))
+
+
+class PromptLedger:
+    def __init__(self, start_index: int = 0, consumed_after: list[int] | None = None, consumed_prompts: int = 0):
+        self.watermark = start_index
+        self._consumed_ahead: set[int] = set(consumed_after or ())
+        self._pending: dict[int, int] = {}
+        self.consumed_prompts = consumed_prompts
+        self._advance()
+
+    def add_group(self, stream_index: int, num_samples: int) -> None:
+        """A group result arrived with `num_samples` samples for training."""
+        if num_samples == 0:
+            self._consume(stream_index)
+        else:
+            self._pending[stream_index] = num_samples
+
+    def sample_done(self, stream_index: int) -> None:
+        """One of the group's samples was trained or dropped."""
+        remaining = self._pending[stream_index] - 1
+        if remaining:
+            self._pending[stream_index] = remaining
+        else:
+            del self._pending[stream_index]
+            self._consume(stream_index)
+
+    def _consume(self, stream_index: int) -> None:
+        self.consumed_prompts += 1
+        self._consumed_ahead.add(stream_index)
+        self._advance()
+
+    def _advance(self) -> None:
+        while self.watermark in self._consumed_ahead:
+            self._consumed_ahead.discard(self.watermark)
+            self.watermark += 1
+
+    def state(self) -> tuple[int, list[int]]:
+        """(first unconsumed stream index, consumed indices after it)."""
+        return self.watermark, sorted(self._consumed_ahead)

@@ -1,0 +1,49 @@
+"""Filesystem weight sync: safetensors under `<output_dir>/.vllm_weights/`, reloaded by the servers.
+
+Works everywhere vLLM runs (CPU included) and across nodes that share a filesystem. Each version
+goes to its own directory, written completely before the servers are told about it; the previous
+version's directory is removed once the servers have moved on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from asyncgrpo.weight_sync.base import WeightSyncBackend, serving_state_dict
+
+
+class FilesystemWeightSync(WeightSyncBackend):
+    name = "filesystem"
+
+    def __init__(self, client, loop, directory: str | os.PathLike):
+        super().__init__(client, loop)
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._current: Path | None = None
+        self._prepared: Path | None = None
+
+    def prepare(self, model: torch.nn.Module, version: int) -> None:
+        target = self.directory / f"v{version}"
+        staging = self.directory / f".v{version}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        tensors = {name: tensor.to("cpu").contiguous() for name, tensor in serving_state_dict(model).items()}
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)  # a reader never sees a half-written version
+        self._prepared = target
+
+    def apply(self, version: int) -> None:
+        assert self._prepared is not None, "apply() without prepare()"
+        self.loop.run(self.client.reload_weights(str(self._prepared), version=str(version)))
+        previous, self._current, self._prepared = self._current, self._prepared, None
+        if previous is not None and previous != self._current:
+            shutil.rmtree(previous, ignore_errors=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
