@@ -12,11 +12,12 @@ a dict {layer type: BlockMask} for models with sliding-window layers, see `tree_
 as `attention_mask`; transformers' mask creation returns a 4-D BlockMask unchanged, and since no
 mask function is registered for this name, nothing else builds a mask.
 
-Compilation (measured on torch 2.13 CPU): the row is padded to a multiple of 128 and the tensors
-the mask_mod reads are kept at a fixed capacity (a power of two >= 4096), so that torch.compile
-compiles `flex_attention` and `create_block_mask` twice (static, then dynamic in the row length)
-and then reuses them for every row length. A captured tensor whose size follows the row length
-makes the CPU flex kernel fail to compile under dynamic shapes (C++ error `cur_qSplitSize8`).
+Compilation (measured on torch 2.13 CPU): `flex_attention` and `create_block_mask` are compiled
+with dynamic shapes, once per mask/score variant (tree, + window, + softcap), and reused for every
+row length. For that, the row is padded to a multiple of 128 and to at least two blocks (a size-1
+block dimension would be specialized and compiled apart), and the tensors the mask_mod reads are
+kept at a fixed capacity (a power of two >= 4096, marked static): a captured tensor whose size
+follows the row length makes the CPU flex kernel fail to compile (C++ error `cur_qSplitSize8`).
 
 Backward on CPU: FlexAttention has no CPU backward (torch 2.13 raises NotImplementedError), so on
 CPU the forward still runs the compiled flex kernel and the backward is computed block by block in
@@ -43,16 +44,21 @@ _WINDOW_ATTR = "asyncgrpo_sliding_window"
 # Layer types that are attention over the sequence with a causal (optionally windowed) mask.
 _PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Token mixers that are not attention: recurrent state would have to be forked per trie branch.
-_RECURRENT_MODULE = re.compile(r"Mamba|DeltaNet|ShortConv|RWKV|Recurrent|Lightning|LinearAttention|Rglru", re.I)
+_RECURRENT_MODULE = re.compile(
+    r"Mamba|DeltaNet|ShortConv|RWKV|Recurrent|Lightning|LinearAttention|Rglru", re.IGNORECASE
+)
 
-# Compiled once per process; both recompile once (static -> dynamic row length), see module doc.
-_compiled_flex_attention = torch.compile(flex_attention)
-_compiled_create_block_mask = torch.compile(create_block_mask)
+# Compiled once per process (per mask/score variant), for all row lengths: see the module doc.
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
+_compiled_create_block_mask = torch.compile(create_block_mask, dynamic=True)
+# Variants (full / window / softcap x grad / no grad x device) can pass dynamo's default limit of 8
+# compiled versions per function, past which it silently runs flex eagerly (dense scores, slow).
+_RECOMPILE_LIMIT = 64
 
 
 def padded_length(num_tokens: int) -> int:
-    """Row length after padding to a multiple of BLOCK_SIZE (at least one block)."""
-    return max(1, -(-num_tokens // BLOCK_SIZE)) * BLOCK_SIZE
+    """Row length after padding to a multiple of BLOCK_SIZE, and to at least two blocks."""
+    return max(2, -(-num_tokens // BLOCK_SIZE)) * BLOCK_SIZE
 
 
 def _capacity(length: int) -> int:
@@ -102,7 +108,10 @@ def build_tree_block_mask(
             tree = (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
             return tree & (positions[q_idx] - positions[kv_idx] < window)
 
-    mask = _compiled_create_block_mask(mask_mod, None, None, length, length, device=device, BLOCK_SIZE=BLOCK_SIZE)
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        mask = _compiled_create_block_mask(
+            mask_mod, None, None, length, length, device=device, BLOCK_SIZE=BLOCK_SIZE
+        )
     setattr(mask, _WINDOW_ATTR, sliding_window)
     return mask
 
@@ -134,13 +143,15 @@ def tree_attention_masks(
     return masks
 
 
-@functools.lru_cache(maxsize=None)
-def _softcap_score_mod(softcap: float):
+@functools.cache
+def _softcap_score_mod(softcap: float, device: torch.device):
     """Gemma-2 attention-logit softcapping. Cached: the same function object for the same cap, so
-    the compiled kernel is not re-traced."""
+    the compiled kernel is not re-traced. The cap is a 0-d tensor: with dynamic shapes a captured
+    Python float becomes a symbolic scalar that the CPU flex lowering fails on (unbacked_bindings)."""
+    cap = torch.tensor(softcap, dtype=torch.float32, device=device)
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return softcap * torch.tanh(score / softcap)
+        return cap * torch.tanh(score / cap)
 
     return score_mod
 
@@ -162,10 +173,19 @@ def tree_attention(
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     if needs_grad and query.device.type == "cpu":
         return _FlexForwardBlockwiseBackward.apply(query, key, value, block_mask, scale, softcap)
-    score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
-    return _compiled_flex_attention(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True
-    )
+    if needs_grad:
+        return _flex(query, key, value, block_mask, scale, softcap)
+    # No gradient wanted: detach, since flex refuses CPU inputs that require grad even under no_grad.
+    return _flex(query.detach(), key.detach(), value.detach(), block_mask, scale, softcap)
+
+
+def _flex(query, key, value, block_mask: BlockMask, scale: float, softcap: float | None) -> torch.Tensor:
+    score_mod = None if softcap is None else _softcap_score_mod(float(softcap), query.device)
+    kwargs = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale, "enable_gqa": True}
+    if torch.compiler.is_compiling():  # inside a compiled model: let its compiler trace flex
+        return flex_attention(query, key, value, **kwargs)
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        return _compiled_flex_attention(query, key, value, **kwargs)
 
 
 class _FlexForwardBlockwiseBackward(torch.autograd.Function):
@@ -175,17 +195,14 @@ class _FlexForwardBlockwiseBackward(torch.autograd.Function):
     def forward(ctx, query, key, value, block_mask, scale, softcap):
         ctx.save_for_backward(query, key, value)
         ctx.block_mask, ctx.scale, ctx.softcap = block_mask, scale, softcap
-        score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
-        # detach: flex refuses CPU inputs that require grad, even with grad mode off.
-        return _compiled_flex_attention(
-            query.detach(), key.detach(), value.detach(),
-            score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
-        )  # fmt: skip
+        return _flex(query.detach(), key.detach(), value.detach(), block_mask, scale, softcap)
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value = ctx.saved_tensors
-        grads = _blockwise_attention_backward(query, key, value, grad_out, ctx.block_mask, ctx.scale, ctx.softcap)
+        grads = _blockwise_attention_backward(
+            query, key, value, grad_out, ctx.block_mask, ctx.scale, ctx.softcap
+        )
         return (*grads, None, None, None)
 
 
@@ -215,7 +232,9 @@ def _blockwise_attention_backward(
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     kv_offsets = torch.arange(kv_block, device=query.device)
     num_blocks = block_mask.kv_num_blocks[0, 0].tolist()
-    full_blocks = block_mask.full_kv_num_blocks[0, 0].tolist() if block_mask.full_kv_num_blocks is not None else None
+    full_blocks = (
+        block_mask.full_kv_num_blocks[0, 0].tolist() if block_mask.full_kv_num_blocks is not None else None
+    )
     zero = torch.zeros((), dtype=torch.int64, device=query.device)
     for i in range(length // q_block):
         blocks = block_mask.kv_indices[0, 0, i, : num_blocks[i]]
@@ -271,8 +290,9 @@ def tree_attention_forward(
     mask_window = getattr(attention_mask, _WINDOW_ATTR, None)
     if mask_window != sliding_window:
         raise ValueError(
-            f"layer {getattr(module, 'layer_idx', '?')} has sliding_window={sliding_window} but got a mask built "
-            f"for {mask_window}: pass tree_attention_masks(config, ...), which builds one mask per layer type"
+            f"layer {getattr(module, 'layer_idx', '?')} has sliding_window={sliding_window} but got a "
+            f"mask built for {mask_window}: pass tree_attention_masks(config, ...), which builds one mask "
+            "per layer type"
         )
     if softcap is None:  # models that read the cap from the config instead of passing it
         softcap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
@@ -307,9 +327,9 @@ def check_tree_packable(model: PreTrainedModel) -> None:
     for name, module in model.named_modules():
         if _RECURRENT_MODULE.search(type(module).__name__):
             raise ValueError(
-                f"{type(model).__name__} has a {type(module).__name__} layer ({name}); tree packing supports only "
-                "attention layers (recurrent / linear-attention layers are not supported yet): train this "
-                "model without tree packing"
+                f"{type(model).__name__} has a {type(module).__name__} layer ({name}); tree packing "
+                "supports only attention layers (recurrent / linear-attention layers are not supported "
+                "yet): train this model without tree packing"
             )
     windows = layer_windows(config)
     if "sliding_attention" in windows and windows["sliding_attention"] is None:

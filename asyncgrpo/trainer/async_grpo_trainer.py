@@ -222,8 +222,6 @@ class AsyncGRPOTrainer(Trainer):
         self.token_budget = args.token_budget or max_model_len
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
         self._weight_sync = self._make_weight_sync(args)
-        rows_per_step = args.gradient_accumulation_steps * self.accelerator.num_processes
-        self._allowance_factor = max(args.max_staleness, 1)
         self._worker = RolloutWorker(
             self.loop_cls,
             dict(
@@ -236,15 +234,19 @@ class AsyncGRPOTrainer(Trainer):
                 dataset_start_index=rollout_state.first_untrained_index,
                 skip_stream_indices=frozenset(rollout_state.consumed_after),
             ),
-            # Before the first step, assume every row of a step is full.
-            initial_allowance=self._allowance_factor * self.token_budget * rows_per_step,
+            initial_allowance=0.0,  # SampleIntake publishes the allowance
             worker_timeout=args.rollout_worker_timeout,
+        )
+        self._intake = SampleIntake(
+            self._worker,
+            self._ledger,
+            args.max_staleness,
+            self.token_budget,
+            num_rows=self.accelerator.num_processes,
+            rows_per_step=args.gradient_accumulation_steps * self.accelerator.num_processes,
         )
         self._worker.publish_model_version(self._model_version)
         self._worker.start(ready_timeout=args.vllm_server_timeout + 300)
-        self._intake = SampleIntake(
-            self._worker, self._ledger, args.max_staleness, self.token_budget, self.accelerator.num_processes
-        )
         self._flops = flop_model(self.model)
         self._peak_flops = device_peak_flops(self.args.device, self._compute_dtype())
 
@@ -286,8 +288,6 @@ class AsyncGRPOTrainer(Trainer):
         if (self.state.global_step + 1) % args.weight_sync_steps == 0:
             self._model_version += 1
             self._sync_weights(model)
-        step_tokens = sum(sample.num_tokens for sample in batch.samples)
-        self._worker.publish_allowance(self._intake.consumed_tokens_total + self._allowance_factor * step_tokens)
         self._train_loss_sum += loss
         self._record_step(batch, loss, fwd_s, fwd_bwd_s, optimizer_s, time.perf_counter() - started)
         for stats in self._worker.drain_metrics():

@@ -32,7 +32,24 @@ class StepBatch:
 
 
 class SampleIntake:
-    def __init__(self, worker: RolloutWorker, ledger: PromptLedger, max_staleness: int, token_budget: int, num_rows: int):
+    """Takes samples for the trainer and publishes the worker's token allowance (staleness budget).
+
+    All token counts are sample tokens (unpacked): what the worker produces and the trainer takes.
+    The worker may hold `factor` x (the last step's tokens) queued or in flight beyond what the
+    trainer consumed. Samples the trainer already holds for the step it is planning are not queued
+    any more: while it waits for more, they are added to the allowance, or a step that needs more
+    tokens than the budget allows would wait forever.
+    """
+
+    def __init__(
+        self,
+        worker: RolloutWorker,
+        ledger: PromptLedger,
+        max_staleness: int,
+        token_budget: int,
+        num_rows: int,
+        rows_per_step: int,
+    ):
         self.worker = worker
         self.ledger = ledger
         self.max_staleness = max_staleness
@@ -40,32 +57,44 @@ class SampleIntake:
         self.num_rows = num_rows
         self.buffer: deque[Sample] = deque()
         self.consumed_tokens_total = 0
+        self.allowance_factor = max(max_staleness, 1)
+        # Before the first step, assume every row of a step is full.
+        self.last_step_tokens = token_budget * rows_per_step
         self._warned_oversize = False
+        self._publish_allowance(held_tokens=0)
 
-    def _drain(self, wait_s: float) -> bool:
+    def _publish_allowance(self, held_tokens: int) -> None:
+        self.worker.publish_allowance(
+            self.consumed_tokens_total + held_tokens + self.allowance_factor * self.last_step_tokens
+        )
+
+    def _drain(self, wait_s: float) -> None:
         """Move what the worker queued into the buffer; wait up to `wait_s` for the first result."""
         result = self.worker.next_result(timeout=wait_s)
-        got = False
         while result is not None:
-            got = True
             self.ledger.add_group(result.stream_index, len(result.samples))
             self.buffer.extend(result.samples)
             result = self.worker.next_result(timeout=0.0)
-        return got
+
+    def _wait_for_samples(self, batch: StepBatch) -> None:
+        """Until the buffer holds a sample (results without samples only move the ledger)."""
+        self._drain(0.0)
+        if self.buffer:
+            return
+        self._publish_allowance(held_tokens=sum(sample.num_tokens for sample in batch.samples))
+        started = last_note = time.monotonic()
+        while not self.buffer:
+            self._drain(1.0)
+            if time.monotonic() - last_note > WAIT_LOG_INTERVAL_S:
+                logger.info("waiting for rollouts (%.0f s so far)", time.monotonic() - started)
+                last_note = time.monotonic()
+        batch.wait_s += time.monotonic() - started
 
     def _next_sample(self, batch: StepBatch, metrics: MetricsWindow, model_version: int) -> Sample:
         """The next sample that is fresh enough, waiting for the worker when the buffer is empty."""
         while True:
             if not self.buffer:
-                self._drain(0.0)
-            if not self.buffer:
-                started = time.monotonic()
-                last_note = started
-                while not self._drain(1.0):
-                    if time.monotonic() - last_note > WAIT_LOG_INTERVAL_S:
-                        logger.info("waiting for rollouts (%.0f s so far)", time.monotonic() - started)
-                        last_note = time.monotonic()
-                batch.wait_s += time.monotonic() - started
+                self._wait_for_samples(batch)
             sample = self.buffer.popleft()
             staleness = model_version - sample.model_version
             if staleness > self.max_staleness:
@@ -103,6 +132,8 @@ class SampleIntake:
                 batch.plans.append(batcher.close())
         for sample in batch.samples:
             self._consumed(sample)
+        self.last_step_tokens = sum(sample.num_tokens for sample in batch.samples)
+        self._publish_allowance(held_tokens=0)
         return batch
 
     def _record_taken(self, sample: Sample, metrics: MetricsWindow, model_version: int) -> None:

@@ -1,0 +1,207 @@
+"""Trainer log-probabilities of the trained tokens of a packed row.
+
+Only the E trained entries need a distribution over the vocabulary, so the head runs on the hidden
+states gathered at `PackedRow.predict_index`, never on every packed position. Even then (E, V)
+fp32 logits are large (8k entries x 150k vocabulary = 4.9 GB), so entries are processed in chunks
+whose logits are recomputed in backward (`torch.utils.checkpoint`): at most one chunk's (C, V)
+logits and their softmax are alive at a time.
+
+The distribution is the sampler's: softmax(logits / temperature), restricted and renormalized to
+the entry's candidate set when the sampler used top-k / top-p (an empty set = full vocabulary),
+so that the importance ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from asyncgrpo.packing.row import PackedRow
+from asyncgrpo.packing.tree_attention import TREE_ATTENTION, padded_length, tree_attention_masks
+
+
+@dataclass
+class TokenLogprobs:
+    logprobs: torch.Tensor  # (E,) log p(target)
+    entropy: torch.Tensor  # (E,) entropy of the (renormalized) distribution
+    top_logprobs: torch.Tensor | None  # (E, N) log p_v at the sampler's top-N ids; -inf where id is -1
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """The model's hidden -> logits map: `softcap(scale * (hidden @ weight.T + bias))`."""
+
+    weight: torch.Tensor  # (V, H)
+    bias: torch.Tensor | None = None  # (V,)
+    scale: float = 1.0  # Cohere's logit_scale, Granite's 1 / logits_scaling
+    softcap: float | None = None  # Gemma-2's final_logit_softcapping
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (C, H) -> logits (C, V) in fp32 at least (a bf16 log-softmax is too coarse)."""
+        logits = torch.nn.functional.linear(hidden, self.weight, self.bias)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def output_head(model) -> OutputHead:
+    """The output head of a HF causal LM, with the logit transforms its forward applies."""
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(f"{type(model).__name__} has no linear output head (get_output_embeddings())")
+    config = model.config.get_text_config()
+    scale = float(getattr(model, "logit_scale", None) or getattr(config, "logit_scale", None) or 1.0)
+    if getattr(config, "logits_scaling", None):
+        scale /= float(config.logits_scaling)
+    return OutputHead(
+        head.weight, getattr(head, "bias", None), scale, getattr(config, "final_logit_softcapping", None)
+    )
+
+
+def candidate_mask(sizes: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(C, V) bool: entry e may be sampled as token v. An empty set = full vocabulary.
+
+    sizes: (C,) set sizes; ids: (sizes.sum(),) the sets' token ids, concatenated.
+    """
+    rows = torch.repeat_interleave(torch.arange(len(sizes), device=ids.device), sizes)
+    mask = torch.zeros(len(sizes), vocab_size, dtype=torch.bool, device=ids.device)
+    mask[rows, ids] = True
+    mask[sizes == 0] = True
+    return mask
+
+
+def _chunk_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    top_ids: torch.Tensor | None,
+    candidates: tuple[torch.Tensor, torch.Tensor] | None,
+    head: OutputHead,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk: hidden (C, H), targets (C,), top_ids (C, N), candidates (set sizes (C,), ids)
+    -> (C,), (C,), (C, N). Everything (C, V) is built here, so checkpointing frees it."""
+    logits = head.logits(hidden) / temperature  # (C, V)
+    if candidates is not None:
+        logits = logits.masked_fill(~candidate_mask(*candidates, logits.shape[-1]), float("-inf"))
+    logp = torch.log_softmax(logits, dim=-1)  # (C, V)
+    target_logp = logp.gather(1, targets[:, None])[:, 0]
+    # Outside the set p = 0 and logp = -inf: 0 * -inf would be NaN in forward or in backward.
+    entropy = -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(-1)
+    top_logp = None
+    if top_ids is not None:
+        valid = top_ids >= 0
+        top_logp = logp.gather(1, top_ids.clamp(min=0)).masked_fill(~valid, float("-inf"))
+    return target_logp, entropy, top_logp
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    head: OutputHead | torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    top_ids: torch.Tensor | None = None,
+    candidate_offsets: torch.Tensor | None = None,
+    candidate_ids: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+) -> TokenLogprobs:
+    """Log p(target), entropy and log p at the sampler's top-N ids, per entry.
+
+    hidden: (E, H) hidden states that predict the entries; head: an OutputHead or an lm_head weight
+    (V, H); targets: (E,) int64; top_ids: (E, N) int64, -1 padded; candidate_offsets (E + 1,) /
+    candidate_ids: ragged candidate sets as in `PackedRow`. Entries are processed `chunk_size` at a
+    time and each chunk's logits are recomputed in backward: peak memory is a few (chunk_size, V)
+    fp32 tensors (about 4 x 1024 x 150k x 4 bytes = 2.5 GB at the default and a 150k vocabulary).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if (candidate_offsets is None) != (candidate_ids is None):
+        raise ValueError("pass both candidate_offsets and candidate_ids, or neither")
+    if candidate_offsets is not None and candidate_offsets.shape != (hidden.shape[0] + 1,):
+        raise ValueError(
+            f"candidate_offsets must have E + 1 = {hidden.shape[0] + 1} entries, "
+            f"got {tuple(candidate_offsets.shape)}"
+        )
+    if not isinstance(head, OutputHead):
+        head = OutputHead(head)
+    num_entries = hidden.shape[0]
+    if targets.shape != (num_entries,) or (top_ids is not None and top_ids.shape[0] != num_entries):
+        raise ValueError(f"hidden has {num_entries} entries; targets and top_ids must have as many rows")
+    if candidate_offsets is not None:
+        offsets = candidate_offsets.tolist()  # (E + 1,): slicing bounds, read once
+        sizes = candidate_offsets[1:] - candidate_offsets[:-1]  # (E,)
+    parts = []
+    for start in range(0, num_entries, chunk_size):
+        stop = min(start + chunk_size, num_entries)
+        candidates = None
+        if candidate_offsets is not None:
+            candidates = (sizes[start:stop], candidate_ids[offsets[start] : offsets[stop]])
+        chunk_top = None if top_ids is None else top_ids[start:stop]
+        args = (hidden[start:stop], targets[start:stop], chunk_top, candidates, head, temperature)
+        if torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
+            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(*args))
+    if not parts:  # no trained token in this row: empty (0,) outputs that still reach the graph
+        empty = hidden.float().sum(-1)
+        top = None if top_ids is None else empty[:, None].expand(0, top_ids.shape[1])
+        return TokenLogprobs(empty, empty, top)
+    return TokenLogprobs(
+        torch.cat([p[0] for p in parts]),
+        torch.cat([p[1] for p in parts]),
+        None if top_ids is None else torch.cat([p[2] for p in parts]),
+    )
+
+
+def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+    return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def row_logprobs(model, row: PackedRow, temperature: float = 1.0, chunk_size: int = 1024) -> TokenLogprobs:
+    """Forward one packed row through `model` (switched with `enable_tree_attention`) and return the
+    log-probs of its E loss entries, in entry order.
+
+    It calls the decoder (`model.get_decoder()`) and the output head's weight directly, not
+    `model.forward`: under FSDP2 the caller must have the root module's parameters (embeddings,
+    final norm, head) unsharded around this call, e.g. `model.unshard()` / `model.reshard()`.
+    """
+    config = model.config.get_text_config()
+    if config._attn_implementation != TREE_ATTENTION:
+        raise ValueError(
+            f"model uses attn_implementation={config._attn_implementation!r}: call "
+            "asyncgrpo.packing.tree_attention.enable_tree_attention(model) before packing rows"
+        )
+    device = model.get_input_embeddings().weight.device
+    head_device = model.get_output_embeddings().weight.device
+    num_tokens = row.num_tokens
+    length = padded_length(num_tokens)
+    # Padding: token 0 at position 0; it attends only to itself and no entry reads it.
+    input_ids = torch.zeros(length, dtype=torch.int64, device=device)
+    position_ids = torch.zeros(length, dtype=torch.int64, device=device)
+    input_ids[:num_tokens] = _tensor(row.input_ids, device)
+    position_ids[:num_tokens] = _tensor(row.position_ids, device)
+    masks = tree_attention_masks(config, _tensor(row.subtree_end, device), position_ids[:num_tokens])
+
+    decoder = model.get_decoder()
+    out = decoder(
+        input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=masks, use_cache=False
+    )
+    hidden = out.last_hidden_state[0]  # (L, H)
+    predict_index = _tensor(row.predict_index, hidden.device)
+    return token_logprobs(
+        hidden[predict_index].to(head_device),
+        output_head(model),
+        _tensor(row.target_ids, head_device),
+        temperature,
+        top_ids=_tensor(row.top_ids, head_device),
+        candidate_offsets=_tensor(row.candidate_offsets, head_device),
+        candidate_ids=_tensor(row.candidate_ids, head_device),
+        chunk_size=chunk_size,
+    )

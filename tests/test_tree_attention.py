@@ -1,0 +1,223 @@
+"""Tree attention: the BlockMask rule, the compiled flex kernel against a dense SDPA reference
+(forward and the CPU blockwise backward), sliding windows, softcapping, recompilation, and the
+models enable_tree_attention must refuse."""
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import GptOssConfig, GptOssForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+
+from asyncgrpo.packing.tree_attention import (
+    TREE_ATTENTION,
+    build_tree_block_mask,
+    enable_tree_attention,
+    padded_length,
+    tree_attention,
+    tree_attention_forward,
+)
+from asyncgrpo.tiny_model import build_model, build_tokenizer
+
+
+def random_tree(rng: np.random.Generator, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(subtree_end, position_ids) of a random trie with exactly num_tokens packed tokens.
+
+    Segments pick a random earlier segment (or the root) as parent; the layout is depth-first, as
+    in PackedRow. Built independently of trie.py so the attention tests do not depend on it.
+    """
+    parents, lengths = [], []
+    while sum(lengths) < num_tokens:
+        parents.append(int(rng.integers(-1, len(parents))))
+        lengths.append(int(min(rng.integers(1, 40), num_tokens - sum(lengths))))
+    children = {i: [] for i in range(-1, len(parents))}
+    for i, p in enumerate(parents):
+        children[p].append(i)
+    order, stack = [], children[-1][::-1]
+    while stack:
+        s = stack.pop()
+        order.append(s)
+        stack.extend(children[s][::-1])
+    depth = {-1: 0}
+    start, subtree = {}, {}
+    pos = 0
+    for s in order:
+        depth[s] = depth[parents[s]] + (lengths[parents[s]] if parents[s] >= 0 else 0)
+        start[s] = pos
+        pos += lengths[s]
+    for s in reversed(order):
+        subtree[s] = lengths[s] + sum(subtree[c] for c in children[s])
+    subtree_end = np.concatenate([np.full(lengths[s], start[s] + subtree[s]) for s in order])
+    positions = np.concatenate([depth[s] + np.arange(lengths[s]) for s in order])
+    return subtree_end.astype(np.int64), positions.astype(np.int64)
+
+
+def dense_allowed(subtree_end: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(P, P) bool: the rule of PackedRow written out densely."""
+    index = torch.arange(len(subtree_end), device=subtree_end.device)
+    q, kv = index[:, None], index[None, :]
+    allowed = (kv <= q) & (q < subtree_end[None, :])
+    if window is not None:
+        allowed &= positions[:, None] - positions[None, :] < window
+    return allowed
+
+
+def reference_attention(q, k, v, allowed, scale, softcap=None):
+    """Dense masked attention: SDPA with the boolean mask, or eager when softcapped."""
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True
+        )
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scale / softcap)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def compare_with_reference(rng, num_tokens, window=None, softcap=None, heads=(4, 2), dim=32, device="cpu"):
+    """Fresh random q/k/v (padded rows random too): forward and gradients vs the dense reference."""
+    subtree_end, positions = (torch.from_numpy(a).to(device) for a in random_tree(rng, num_tokens))
+    mask = build_tree_block_mask(subtree_end, positions, window)
+    length = padded_length(num_tokens)
+    assert mask.shape[-2:] == (length, length)
+    # Laid out as transformers does, (B, L, H, D) transposed to (B, H, L, D): same strides as in the
+    # model, so the tests exercise (and warm) the kernel the model uses.
+    leaves = [
+        torch.randn(1, length, h, dim, device=device, requires_grad=True)
+        for h in (heads[0], heads[1], heads[1])
+    ]
+    q, k, v = (t.transpose(1, 2) for t in leaves)
+    weight = torch.randn(1, heads[0], num_tokens, dim, device=device)
+    scale = dim**-0.5  # the tiny model's: a new scale is a new compiled kernel
+
+    out = tree_attention(q, k, v, mask, scale=scale, softcap=softcap)
+    assert torch.isfinite(out).all(), "padding rows must not produce NaN"
+    (out[:, :, :num_tokens] * weight).sum().backward()
+    grads = [t.grad.transpose(1, 2) for t in leaves]
+
+    q_, k_, v_ = (t.detach()[:, :, :num_tokens].clone().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(q_, k_, v_, dense_allowed(subtree_end, positions, window), scale, softcap)
+    (ref * weight).sum().backward()
+    torch.testing.assert_close(out[:, :, :num_tokens], ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, (q_.grad, k_.grad, v_.grad)):
+        torch.testing.assert_close(got[:, :, :num_tokens], want, atol=1e-4, rtol=1e-4)
+        assert (got[:, :, num_tokens:] == 0).all(), "no gradient may flow through padding"
+    with torch.no_grad():  # the no-grad path (pure compiled flex) on the same inputs
+        torch.testing.assert_close(tree_attention(q, k, v, mask, scale=scale, softcap=softcap), out.detach())
+    return out.detach()
+
+
+def test_mask_rule_on_seed_example():
+    """The seed's worked example: [p1 p2] -> [p3 a1 a2] | [p3 b1 b2]."""
+    subtree_end = torch.tensor([8, 8, 5, 5, 5, 8, 8, 8])
+    positions = torch.tensor([0, 1, 2, 3, 4, 2, 3, 4])
+    mask = build_tree_block_mask(subtree_end, positions)
+    q, kv = torch.arange(16)[:, None], torch.arange(16)[None, :]
+    dense = mask.mask_mod(0, 0, q, kv)
+    seen = {i: torch.nonzero(dense[i]).flatten().tolist() for i in range(10)}
+    assert seen[1] == [0, 1]
+    assert seen[4] == [0, 1, 2, 3, 4]
+    assert seen[5] == [0, 1, 5]
+    assert seen[7] == [0, 1, 5, 6, 7]
+    assert seen[8] == [8] and seen[9] == [9]  # padding sees only itself
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 128, 200, 300, 513])
+def test_flex_matches_dense_reference(num_tokens):
+    rng = np.random.default_rng(num_tokens)
+    for _ in range(3):  # fresh inputs each call: a first compiled CPU call was once seen wrong
+        compare_with_reference(rng, num_tokens)
+
+
+def test_sliding_window_matches_dense_reference():
+    rng = np.random.default_rng(1)
+    for num_tokens in (90, 260):
+        windowed = compare_with_reference(rng, num_tokens, window=6)
+    rng = np.random.default_rng(1)
+    for num_tokens in (90, 260):
+        full = compare_with_reference(rng, num_tokens)
+    assert not torch.allclose(windowed, full, atol=1e-3), "a window of 6 must change the output"
+
+
+def test_softcap_score_mod_matches_dense_reference():
+    rng = np.random.default_rng(2)
+    for num_tokens in (100, 300):
+        capped = compare_with_reference(rng, num_tokens, softcap=0.5)
+    rng = np.random.default_rng(2)
+    for num_tokens in (100, 300):
+        plain = compare_with_reference(rng, num_tokens)
+    assert not torch.allclose(capped, plain, atol=1e-3), "a cap of 0.5 must change the output"
+
+
+@pytest.mark.gpu
+def test_cuda_flex_matches_dense_reference():
+    """CUDA: compiled flex forward and its own backward, plain / sliding window / softcap."""
+    rng = np.random.default_rng(4)
+    for num_tokens in (7, 200, 513, 1000):
+        compare_with_reference(rng, num_tokens, device="cuda")
+        compare_with_reference(rng, num_tokens, window=6, device="cuda")
+        compare_with_reference(rng, num_tokens, softcap=0.5, device="cuda")
+
+
+def test_new_row_lengths_do_not_recompile():
+    rng = np.random.default_rng(3)
+    for num_tokens in (140, 333):  # warm up: compiled once, with dynamic shapes
+        compare_with_reference(rng, num_tokens)
+    graphs = counters["stats"]["unique_graphs"]
+    for num_tokens in (500, 777, 1000, 1500):
+        compare_with_reference(rng, num_tokens)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_invalid_subtree_end_rejected():
+    with pytest.raises(ValueError, match="subtree_end"):
+        build_tree_block_mask(torch.tensor([1, 1, 3]), torch.tensor([0, 1, 2]))  # token 1 cannot see itself
+
+
+def tiny_qwen3():
+    return build_model(build_tokenizer())
+
+
+def test_enable_switches_attention_and_requires_block_mask():
+    model = enable_tree_attention(tiny_qwen3())
+    assert model.config._attn_implementation == TREE_ATTENTION
+    with pytest.raises(ValueError, match="BlockMask"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_mask_window_must_match_layer():
+    """A sliding-window layer given the full mask (or the reverse) is an error, not a silent mismatch."""
+    subtree_end, positions = torch.tensor([3, 3, 3]), torch.tensor([0, 1, 2])
+    full_mask = build_tree_block_mask(subtree_end, positions)
+    length = padded_length(3)
+    q, kv = torch.randn(1, length, 4, 32).transpose(1, 2), torch.randn(1, length, 2, 32).transpose(1, 2)
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        tree_attention_forward(torch.nn.Module(), q, kv, kv, full_mask, sliding_window=4)
+    out, weights = tree_attention_forward(torch.nn.Module(), q, kv, kv, full_mask)
+    assert out.shape == (1, length, 4, 32) and weights is None  # HF layout (B, L, H, D)
+
+
+def test_attention_sink_model_refused():
+    config = GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="attention sinks"):
+        enable_tree_attention(GptOssForCausalLM(config))
+
+
+def test_linear_attention_model_refused():
+    config = Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"], num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="'linear_attention' layers.*not supported yet"):
+        enable_tree_attention(Qwen3NextForCausalLM(config))
+
+
+def test_attention_dropout_refused():
+    model = tiny_qwen3()
+    model.config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="attention_dropout"):
+        enable_tree_attention(model)
