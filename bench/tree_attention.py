@@ -25,59 +25,20 @@ import numpy as np
 import torch
 
 from asyncgrpo.logprobs import row_logprobs
-from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
-from asyncgrpo.sample import Sample
 from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer
+from workloads import GROUP_SIZE, make_groups, plain_row
 
 SPEC = TinyModelSpec(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64)  # fmt: skip
-GROUP_SIZE = 8
 # (prompt length, completion length) of one group -> packing ratio 8 (P + C) / (P - 1 + 8 (C + 1)):
 # the last prompt token predicts a different first completion token per sample, so it is not shared.
 WORKLOADS = [(8, 256), (173, 128), (272, 64)]  # ratios 1.02, 2.00, 3.40
 GROUPS_PER_ROW = 2
 
 
-def make_samples(rng, prompt_len: int, completion_len: int, vocab: int) -> list[Sample]:
-    samples = []
-    for group in range(GROUPS_PER_ROW):
-        prompt = rng.integers(0, vocab, prompt_len)
-        for _ in range(GROUP_SIZE):
-            tokens = np.concatenate([prompt, rng.integers(0, vocab, completion_len)])
-            trained = np.arange(len(tokens)) >= prompt_len
-            samples.append(Sample(tokens, trained, np.zeros(completion_len, np.float32), 1.0, group))
-    return samples
-
-
-def plain_row(samples: list[Sample]) -> PackedRow:
-    """Padding-free packing of the same samples: one segment per sample, nothing shared."""
-    lengths = np.array([s.num_tokens for s in samples])
-    starts = np.cumsum(lengths) - lengths
-    packed = pack_row(samples)  # reuse its loss entries (same order: sample, then token)
-    return PackedRow(
-        input_ids=np.concatenate([s.token_ids for s in samples]),
-        position_ids=np.concatenate([np.arange(n) for n in lengths]),
-        segment_ids=np.repeat(np.arange(len(samples), dtype=np.int32), lengths),
-        subtree_end=np.repeat(starts + lengths, lengths),
-        predict_index=np.concatenate(
-            [start + np.flatnonzero(s.trained) - 1 for s, start in zip(samples, starts)]
-        ),
-        target_ids=packed.target_ids,
-        advantages=packed.advantages,
-        sampler_logprobs=packed.sampler_logprobs,
-        entry_sample=packed.entry_sample,
-        top_ids=None,
-        top_logprobs=None,
-        candidate_offsets=None,
-        candidate_ids=None,
-        num_samples=len(samples),
-        num_unpacked_tokens=int(lengths.sum()),
-    )
-
-
-def fwd_bwd_seconds(model, row: PackedRow, repeats: int) -> float:
+def fwd_bwd_seconds(model, row, repeats: int) -> float:
     """Median seconds of forward + backward of the row's summed log-probs (after two warm-ups)."""
     times = []
     for i in range(repeats + 2):
@@ -107,7 +68,7 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     speedups = []
     for prompt_len, completion_len in WORKLOADS:
-        samples = make_samples(rng, prompt_len, completion_len, vocab)
+        samples = make_groups(rng, GROUPS_PER_ROW, prompt_len, completion_len, vocab)
         tree, plain = pack_row(samples), plain_row(samples)
         assert plain.num_tokens == tree.num_unpacked_tokens
         tree_s = fwd_bwd_seconds(model, tree, args.repeats)

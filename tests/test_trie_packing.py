@@ -318,3 +318,21 @@ def test_trie_counters_match_the_packed_row(seed):
             after.num_tokens - before.num_tokens,
             after.attention_cost - before.attention_cost,
         )
+
+
+def test_short_prefixes_of_long_tails_are_not_shared_but_short_samples_share():
+    prompt = np.arange(16)
+    long_samples = [
+        Sample(np.concatenate([prompt, 1000 + 300 * k + np.arange(300)]), np.arange(316) >= 16,
+               np.zeros(300, np.float32), 1.0, 0)
+        for k in range(3)
+    ]  # fmt: skip
+    assert pack_row(long_samples).num_tokens == 15 + 3 * 301  # shared: all but the last prompt token
+    unshared = pack_row(long_samples, min_shared_tokens=128)
+    assert unshared.num_tokens == 3 * 316 and unshared.packing_ratio == 1.0
+    assert unshared.subtree_end.tolist() == [316] * 316 + [632] * 316 + [948] * 316  # plain packing
+    short_samples = [
+        Sample(np.concatenate([prompt, [500 + k, 600 + k]]), np.arange(18) >= 16, np.zeros(2, np.float32), 1.0, 0)
+        for k in range(3)
+    ]
+    assert pack_row(short_samples, min_shared_tokens=128).num_tokens == 15 + 3 * 3

@@ -82,17 +82,18 @@ class TokenBudgetBatcher:
     again (it opens the next micro-batch); call `close()` at the end for the last partial one.
     """
 
-    def __init__(self, token_budget: int, num_rows: int):
+    def __init__(self, token_budget: int, num_rows: int, min_shared_tokens: int = 0):
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if num_rows < 1:
             raise ValueError(f"num_rows (one per training process) must be >= 1, got {num_rows}")
         self.token_budget = token_budget
         self.num_rows = num_rows
+        self.min_shared_tokens = min_shared_tokens  # see PrefixTrie
         self._reset()
 
     def _reset(self) -> None:
-        self._tries = [PrefixTrie() for _ in range(self.num_rows)]
+        self._tries = [PrefixTrie(self.min_shared_tokens) for _ in range(self.num_rows)]
         self._group_rows: dict[int, list[int]] = {}  # group_id -> rows holding some of its samples
         self._dropped_oversize = 0
 

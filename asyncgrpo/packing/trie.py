@@ -75,9 +75,17 @@ class PrefixTrie:
 
     The planner keeps one per row, so what a sample would add to a row (`growth`) is one walk down
     the tree, and the counters equal what `pack_row` gives for the same samples in the same order.
+
+    `min_shared_tokens`: a sample that would share fewer tokens than this with the row, while its
+    own remaining tokens fill at least that many, shares nothing and starts its own branch.
+    Attention runs in blocks of 128 queries x 128 keys: a short shared prefix saves a handful of
+    tokens but makes every query block of the long tails below it visit one more key block (measured
+    on an H200: 16-token prompts shared by 1,024-token completions ran 4% slower than not sharing).
+    Short samples still share short prefixes: there the prefix is most of what they forward.
     """
 
-    def __init__(self):
+    def __init__(self, min_shared_tokens: int = 0):
+        self.min_shared_tokens = min_shared_tokens
         empty = np.zeros(0, dtype=np.int64)
         self._root = _Segment(empty, empty, 0, None)
         self.samples: list[Sample] = []
@@ -151,6 +159,8 @@ class PrefixTrie:
             if best_k < len(best.tokens):
                 break
             node = best
+        if 0 < pos < self.min_shared_tokens <= length - pos:
+            return [], 0  # too little to share for such a long tail: see min_shared_tokens
         return pieces, pos
 
     @staticmethod
@@ -267,9 +277,9 @@ def _loss_entries(samples: list[Sample]) -> dict:
     return fields
 
 
-def pack_row(samples: list[Sample]) -> PackedRow:
+def pack_row(samples: list[Sample], min_shared_tokens: int = 0) -> PackedRow:
     """Pack `samples` (in this order) into one row as a prefix trie."""
-    trie = PrefixTrie()
+    trie = PrefixTrie(min_shared_tokens)
     for sample in samples:
         trie.add(sample)
     return trie.pack()

@@ -32,7 +32,7 @@ def _quiet_timeout_args() -> dict[str, Any]:
 def _parse_reference(solution: str):
     math_verify, _ = _math_verify()
     kwargs = _quiet_timeout_args()
-    for text in (solution, f"${solution}$", f"\\boxed{{{solution}}}"):
+    for text in (f"${solution}$", f"\\boxed{{{solution}}}", solution):
         parsed = math_verify.parse(text, **kwargs)
         if parsed:
             return parsed

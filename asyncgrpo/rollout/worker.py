@@ -43,6 +43,16 @@ def check_picklable(objects: dict[str, Any]) -> None:
             ) from error
 
 
+def check_worker_payload(reward_funcs, loop_cls, tools=None, environment_factory=None) -> None:
+    """Everything the worker process will run, checked one by one so the error names the culprit."""
+    check_picklable({"loop_cls": loop_cls})
+    for index, function in enumerate(reward_funcs or []):
+        check_picklable({f"reward function #{index} ({getattr(function, '__name__', function)!r})": function})
+    for index, tool in enumerate(tools or []):
+        check_picklable({f"tool #{index} ({getattr(tool, '__name__', tool)!r})": tool})
+    check_picklable({"environment_factory": environment_factory})
+
+
 def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event) -> None:
     """Entry point of the spawned process."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -113,12 +123,12 @@ class RolloutWorker:
 
     def start(self, ready_timeout: float) -> None:
         """Spawn the process and wait until it has reached the server and run `setup()`."""
-        check_picklable({"loop_cls": self.loop_cls})
-        for index, function in enumerate(self.loop_kwargs.get("reward_funcs") or []):
-            check_picklable({f"reward function #{index} ({getattr(function, '__name__', function)!r})": function})
-        for index, tool in enumerate(self.loop_kwargs.get("tools") or []):
-            check_picklable({f"tool #{index} ({getattr(tool, '__name__', tool)!r})": tool})
-        check_picklable({"environment_factory": self.loop_kwargs.get("environment_factory")})
+        check_worker_payload(
+            self.loop_kwargs.get("reward_funcs"),
+            self.loop_cls,
+            self.loop_kwargs.get("tools"),
+            self.loop_kwargs.get("environment_factory"),
+        )
         self.process = self._context.Process(
             target=_worker_main,
             args=(self.loop_cls, self.loop_kwargs, self.ready_event),

@@ -35,7 +35,8 @@ from asyncgrpo.trainer.progress import AsyncProgressCallback
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
-from asyncgrpo.rollout.worker import RolloutWorker
+from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
+from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.checks import (
     check_conversational,
     check_parallelism,
@@ -111,6 +112,10 @@ class AsyncGRPOTrainer(Trainer):
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
 
+        # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
+        # base Trainer would compile the whole model, whose forward this trainer does not call.
+        self._compile_layers = args.torch_compile
+        args.torch_compile = False
         self.reward_funcs = list(reward_funcs)
         self.model_id = model_id
         self.streaming = streaming
@@ -148,6 +153,8 @@ class AsyncGRPOTrainer(Trainer):
         self.accelerator.free_memory()
         rollout_state = self._restore_state(args, resume_from_checkpoint)
         model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
+        if self._compile_layers:
+            compile_decoder_layers(self.accelerator.unwrap_model(model))
         self.state.init_training_references(self, self.state.max_steps, args.num_train_epochs, trial)
         started = time.time()
         self._setup_generation(args, rollout_state)
@@ -212,6 +219,7 @@ class AsyncGRPOTrainer(Trainer):
 
     def _setup_generation(self, args: AsyncGRPOConfig, rollout_state: RolloutState) -> None:
         """Reach the servers, size the rows, start the rollout worker and the weight-sync backend."""
+        check_worker_payload(self.reward_funcs, self.loop_cls)  # before anything slow: a lambda fails here
         self._http = BackgroundLoop()
         self._client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
         logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.packing.tree_attention import BLOCK_SIZE
 from asyncgrpo.packing.planner import MicroBatchPlan, Placement, TokenBudgetBatcher
 from asyncgrpo.trainer.prompt_ledger import PromptLedger
 from asyncgrpo.rollout.worker import RolloutWorker
@@ -111,7 +112,7 @@ class SampleIntake:
         """Plan one optimizer step's micro-batches from the queue."""
         batch = StepBatch(plans=[])
         metrics.record("rollout/queue_size", len(self.buffer) + self.worker.queued_results())
-        batcher = TokenBudgetBatcher(self.token_budget, self.num_rows)
+        batcher = TokenBudgetBatcher(self.token_budget, self.num_rows, min_shared_tokens=BLOCK_SIZE)
         while len(batch.plans) < gradient_accumulation_steps:
             sample = self._next_sample(batch, metrics, model_version)
             placement = batcher.offer(sample)

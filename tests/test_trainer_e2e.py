@@ -1,0 +1,287 @@
+"""AsyncGRPOTrainer end to end on CPU against a real vLLM server (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.generation.client import SamplingParams, VLLMClient
+from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+
+pytestmark = pytest.mark.vllm
+
+# The seed's metric names that a plain single-turn run must log (tools/env ones need agents).
+SEED_METRICS = [
+    "num_tokens", "loss", "grad_norm", "learning_rate", "entropy", "reward", "reward_trained", "reward_group_std",
+    "frac_zero_std_groups", "completions/mean_length", "completions/min_length", "completions/max_length",
+    "completions/clipped_ratio", "completions/duplicate_frac", "rewards/token_parity_reward/mean",
+    "rewards/token_parity_reward/group_std", "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max", "sampling/masked_mean",
+    "sampling/sampler_mass", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/low_min",
+    "clip_ratio/high_mean", "clip_ratio/high_max", "rollout/duration_s", "rollout/generated_tokens_per_s",
+    "rollout/concurrency", "rollout/concurrency_cap", "rollout/turns_mean", "rollout/turns_max",
+    "rollout/samples_per_rollout", "rollout/score_queue_size", "rollout/queue_size", "rollout/score_s",
+    "rollout/score_wait_s", "rollout/vllm_retry_count", "rollout/vllm_kv_cache_usage_frac",
+    "rollout/vllm_running_requests", "rollout/vllm_queued_requests", "rollout/vllm_preemption_count",
+    "sample/forwarded_tokens_mean", "sample/forwarded_tokens_max", "sample/trained_tokens_mean",
+    "sample/time_in_queue_s", "sample/staleness_mean", "sample/staleness_max",
+    "batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step", "batch/samples_per_step",
+    "batch/groups_per_step", "batch/microbatches_per_step", "batch/masked_token_frac", "batch/samples_per_row",
+    "batch/row_tokens_mean", "batch/row_tokens_max", "batch/row_fill_frac", "batch/row_imbalance",
+    "batch/packing_ratio", "batch/pad_frac", "perf/step_s", "perf/fwd_bwd_s", "perf/fwd_s", "perf/optimizer_s",
+    "perf/rollout_wait_s", "perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_barrier_s",
+    "perf/weight_sync_transfer_s", "perf/fwd_bwd_forwarded_tokens_per_s", "perf/wall_clock_forwarded_tokens_per_s",
+    "perf/wall_clock_trained_tokens_per_s",
+]
+PROBE = [952, 648, 198, 287, 260, 294, 10, 18, 30, 950, 198, 952, 653, 198]
+
+
+def token_parity_reward(completion_ids, **kwargs):
+    return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+def prompts(n: int = 40) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say something about {i}."}] for i in range(n)]})
+
+
+def make_config(server, output_dir, config_class=AsyncGRPOConfig, **overrides) -> AsyncGRPOConfig:
+    options = dict(
+        output_dir=str(output_dir),
+        vllm_server_base_url=server.url,
+        num_generations=4,
+        max_completion_length=16,
+        token_budget=256,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        vllm_server_timeout=60,
+        seed=0,
+    )
+    options.update(overrides)
+    return config_class(**options)
+
+
+def server_greedy(url: str) -> list[int]:
+    async def run():
+        async with VLLMClient(url, timeout=60) as client:
+            return (await client.complete(PROBE, SamplingParams(max_tokens=12, temperature=0.0), seed=0)).token_ids.tolist()
+
+    return asyncio.run(run())
+
+
+def hf_greedy(model, steps: int = 12) -> list[int]:
+    ids = list(PROBE)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(PROBE) :]
+
+
+def restore_server(url: str, model_dir) -> None:
+    async def run():
+        async with VLLMClient(url, timeout=60) as client:
+            await client.reload_weights(str(model_dir), version="0")
+
+    asyncio.run(run())
+
+
+def test_training_steps_change_the_weights_the_server_runs_and_log_the_seed_metrics(vllm_server, tiny_model_dir, tmp_path):
+    before_server = server_greedy(vllm_server.url)
+    args = make_config(vllm_server, tmp_path, max_steps=3, learning_rate=3e-2, max_grad_norm=0.0, score_centering=False)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    try:
+        output = trainer.train()
+        after_server = server_greedy(vllm_server.url)
+        trained_model = trainer.model.eval()
+        expected = hf_greedy(trained_model)
+    finally:
+        restore_server(vllm_server.url, tiny_model_dir)
+    assert output.global_step == 3
+    changed = [name for name, p in trained_model.named_parameters() if not torch.equal(p.detach(), initial[name])]
+    assert len(changed) == len(initial), "every parameter must have moved"
+    # The server really runs the new weights: its greedy output is the trained model's, not the old one.
+    assert after_server == expected
+    assert after_server != before_server
+    logged = set().union(*(entry.keys() for entry in trainer.state.log_history))
+    missing = [name for name in SEED_METRICS if name not in logged]
+    assert not missing, f"metrics never logged: {missing}"
+    first = trainer.state.log_history[0]
+    assert first["batch/microbatches_per_step"] == 1 and first["batch/samples_per_step"] > 0
+    assert 0.0 <= first["frac_zero_std_groups"] <= 1.0
+
+
+# -- the seed's code examples, with only the import changed ---------------------------------------
+
+
+def reward_len(completion_ids, **kwargs):
+    """Seed example 1: longer completions score higher."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def format_reward_func(completions, **kwargs):
+    import re
+
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    return [1.0 if re.match(pattern, completion[0]["content"]) else 0.0 for completion in completions]
+
+
+def math_reward_func(prompts, completions, task, **kwargs):
+    return [(1.0 if len(c[0]["content"]) % 2 else -1.0) if t == "math" else None for c, t in zip(completions, task)]
+
+
+def coding_reward_func(prompts, completions, task, **kwargs):
+    return [(1.0 if len(c[0]["content"]) % 3 else -1.0) if t == "code" else None for c, t in zip(completions, task)]
+
+
+async def async_reward_func(prompts, completions, **kwargs):
+    await asyncio.sleep(0.01)
+    return [1.0 if completion else 0.0 for completion in completions]
+
+
+def test_seed_reward_examples_train(vllm_server, tiny_model_dir, tmp_path):
+    dataset = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": "What is 2+2?"}], "task": "math"},
+            {"prompt": [{"role": "user", "content": "Write a function that returns the sum."}], "task": "code"},
+            {"prompt": [{"role": "user", "content": "What is 3*4?"}], "task": "math"},
+            {"prompt": [{"role": "user", "content": "Write a function that returns the product."}], "task": "code"},
+        ]
+    )
+    trainer = AsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=[reward_len, format_reward_func, math_reward_func, coding_reward_func, async_reward_func],
+        args=make_config(vllm_server, tmp_path, max_steps=2),
+        train_dataset=dataset,
+    )
+    trainer.train()
+    logged = set().union(*(entry.keys() for entry in trainer.state.log_history))
+    for name in ("reward_len", "format_reward_func", "math_reward_func", "coding_reward_func", "async_reward_func"):
+        assert f"rewards/{name}/mean" in logged
+
+
+# The seed's CurriculumRolloutLoop, defined at module level as the seed says (the worker re-imports it).
+from dataclasses import dataclass  # noqa: E402
+
+from asyncgrpo.trainer.async_grpo_trainer import AsyncRolloutLoop  # noqa: E402
+
+
+@dataclass
+class CurriculumConfig(AsyncGRPOConfig):
+    pass_rate_cap: float = 0.9
+
+
+class CurriculumRolloutLoop(AsyncRolloutLoop):
+    def filter_prompt(self, row_index, row, epoch):
+        return self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
+
+    async def setup(self):
+        self.pass_rates = {}
+
+    def compute_advantages(self, group):
+        scored = group.rewards[~np.isnan(group.rewards)]
+        if len(scored):
+            self.pass_rates[group.row_index] = float(np.mean(scored > 0))
+        return super().compute_advantages(group)
+
+
+class CurriculumTrainer(AsyncGRPOTrainer):
+    loop_cls = CurriculumRolloutLoop
+
+
+def positive_if_even_start(completion_ids, **kwargs):
+    return [1.0 if ids and ids[0] % 2 == 0 else 0.0 for ids in completion_ids]
+
+
+def test_seed_curriculum_loop_with_config_subclass(vllm_server, tiny_model_dir, tmp_path):
+    config = make_config(vllm_server, tmp_path, config_class=CurriculumConfig, max_steps=2, pass_rate_cap=0.5)
+    assert config.pass_rate_cap == 0.5
+    trainer = CurriculumTrainer(
+        model=str(tiny_model_dir), reward_funcs=positive_if_even_start, args=config, train_dataset=prompts(12)
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_quick_start_shape_with_accuracy_reward(vllm_server, tiny_model_dir, tmp_path):
+    from asyncgrpo.rewards import accuracy_reward
+
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} + {i}? Put it in \\boxed{{}}."}] for i in range(8)],
+            "solution": [str(2 * i) for i in range(8)],
+        }
+    )
+    trainer = AsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=accuracy_reward,
+        train_dataset=dataset,
+        args=make_config(vllm_server, tmp_path, max_steps=1),
+    )
+    trainer.train()
+    assert any("rewards/accuracy_reward/mean" in entry for entry in trainer.state.log_history)
+
+
+# -- checkpoint and resume ------------------------------------------------------------------------------
+
+
+def record_consumed(monkeypatch) -> list[int]:
+    consumed: list[int] = []
+    original = PromptLedger._consume
+
+    def recording(self, stream_index):
+        consumed.append(stream_index)
+        original(self, stream_index)
+
+    monkeypatch.setattr(PromptLedger, "_consume", recording)
+    return consumed
+
+
+def test_checkpoint_then_resume_continues_prompts_and_versions(vllm_server, tiny_model_dir, tmp_path, monkeypatch):
+    dataset = prompts(60)
+    args = make_config(vllm_server, tmp_path, max_steps=3, save_strategy="steps", save_steps=3)
+    first_run = record_consumed(monkeypatch)
+    AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=dataset).train()
+    checkpoint = Path(tmp_path) / "checkpoint-3"
+    state = RolloutState.load(checkpoint)
+    assert state is not None and state.model_version == 3
+    assert json.loads((checkpoint / "rollout_state.json").read_text())["first_untrained_index"] == state.first_untrained_index
+    trained_before = set(range(state.first_untrained_index)) | set(state.consumed_after)
+    assert trained_before == set(first_run), "the checkpoint records exactly the prompts consumed"
+
+    monkeypatch.undo()
+    second_run = record_consumed(monkeypatch)
+    resumed_args = make_config(vllm_server, tmp_path, max_steps=5, save_strategy="steps", save_steps=5)
+    resumed = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, resumed_args, train_dataset=dataset)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    try:
+        assert resumed.state.global_step == 5
+        assert RolloutState.load(Path(tmp_path) / "checkpoint-5").model_version == 5
+        assert not trained_before & set(second_run), "a prompt trained before the checkpoint came back"
+        assert len(second_run) == len(set(second_run))
+        everything = trained_before | set(second_run)
+        watermark = RolloutState.load(Path(tmp_path) / "checkpoint-5").first_untrained_index
+        assert set(range(watermark)) <= everything, "a prompt before the resume position was skipped"
+        assert min(second_run) >= state.first_untrained_index
+    finally:
+        restore_server(vllm_server.url, tiny_model_dir)
+
+
+def test_trainer_tokenizer_and_model_defaults(vllm_server, tiny_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.pad_token = None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trainer = AsyncGRPOTrainer(model, token_parity_reward, make_config(vllm_server, tmp_path), prompts(), processing_class=tokenizer)
+    assert trainer.processing_class.pad_token == tokenizer.eos_token
+    assert trainer.model.config._attn_implementation == "asyncgrpo_tree"

@@ -1,0 +1,145 @@
+"""Bad input fails fast with a message that says what is wrong (no server needed for most)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from datasets import Dataset
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.generation.client import VLLMUnavailableError
+from asyncgrpo.trainer.checks import check_parallelism
+
+
+def some_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def conversational(n: int = 4) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"q{i}"}] for i in range(n)]})
+
+
+def config(tmp_path, **overrides) -> AsyncGRPOConfig:
+    options = dict(output_dir=str(tmp_path), report_to="none", max_steps=1, vllm_server_timeout=2.0)
+    options.update(overrides)
+    return AsyncGRPOConfig(**options)
+
+
+def test_unknown_config_value_is_rejected():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_generation'"):
+        AsyncGRPOConfig(output_dir="x", num_generation=8)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"top_p": 0.9}, "needs top_k > 0"),
+        ({"num_generations": 1}, "at least 2 rollouts"),
+        ({"vllm_importance_sampling_clip_min": 2.0}, "clip_min <= 1"),
+        ({"weight_sync_backend": "carrier-pigeon"}, "weight_sync_backend"),
+        ({"remove_unused_columns": True}, "remove_unused_columns must stay False"),
+        ({"use_liger_kernel": True}, "use_liger_kernel=True is not supported"),
+        ({"vllm_server_base_url": "localhost:8000"}, "must start with http"),
+        ({"score_centering": True, "num_sampler_logprobs": 0}, "num_sampler_logprobs > 0"),
+    ],
+)
+def test_bad_config_values_fail_at_construction(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        AsyncGRPOConfig(output_dir="x", **overrides)
+
+
+def test_seed_defaults():
+    args = AsyncGRPOConfig(output_dir="x")
+    assert (args.logging_steps, args.learning_rate, args.gradient_checkpointing) == (1, 1e-6, True)
+    assert args.lr_scheduler_type == "constant" and args.ignore_data_skip and not args.remove_unused_columns
+    assert (args.num_generations, args.max_completion_length, args.max_concurrent_rollouts) == (8, 2048, 512)
+    assert (args.max_staleness, args.weight_sync_steps, args.num_sampler_logprobs) == (4, 1, 8)
+    assert (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) == (0.5, 5.0)
+    assert args.score_centering and args.dtype == "float32" and args.epsilon_high == args.epsilon == 0.2
+    assert args.vllm_server_urls == ["http://localhost:8000"]
+    assert args.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def test_several_server_urls():
+    args = AsyncGRPOConfig(output_dir="x", vllm_server_base_url="http://a:8000, http://b:8000")
+    assert args.vllm_server_urls == ["http://a:8000", "http://b:8000"]
+
+
+def test_non_conversational_prompts_are_rejected(tiny_model_dir, tmp_path):
+    dataset = Dataset.from_dict({"prompt": ["What is 2+2?"]})
+    with pytest.raises(ValueError, match="conversational format"):
+        AsyncGRPOTrainer(str(tiny_model_dir), some_reward, config(tmp_path), train_dataset=dataset)
+
+
+def test_prompts_with_images_are_rejected(tiny_model_dir, tmp_path):
+    dataset = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]]}
+    )
+    with pytest.raises(ValueError, match="images are not supported"):
+        AsyncGRPOTrainer(str(tiny_model_dir), some_reward, config(tmp_path), train_dataset=dataset)
+
+
+def test_reward_models_are_rejected(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="reward models are not supported"):
+        AsyncGRPOTrainer(str(tiny_model_dir), "some-org/reward-model", config(tmp_path), train_dataset=conversational())
+    with pytest.raises(ValueError, match="reward models are not supported"):
+        AsyncGRPOTrainer(
+            str(tiny_model_dir), [some_reward, torch.nn.Linear(2, 1)], config(tmp_path), train_dataset=conversational()
+        )
+
+
+def test_context_and_sequence_parallelism_are_rejected():
+    with pytest.raises(ValueError, match="cp_size=2 is not supported"):
+        check_parallelism(SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=2, sp_size=1)))
+    with pytest.raises(ValueError, match="sp_size=4 is not supported"):
+        check_parallelism(SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=1, sp_size=4)))
+
+
+def test_deepspeed_is_rejected():
+    with pytest.raises(ValueError, match="DeepSpeed is not supported"):
+        AsyncGRPOConfig(output_dir="x", deepspeed={"zero_optimization": {"stage": 2}})
+
+
+def test_iterable_dataset_needs_max_steps(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="set max_steps > 0"):
+        AsyncGRPOTrainer(
+            str(tiny_model_dir), some_reward, config(tmp_path, max_steps=-1), train_dataset=conversational().to_iterable_dataset()
+        )
+
+
+def test_a_lambda_reward_fails_at_train_naming_it(tiny_model_dir, tmp_path):
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir), lambda completions, **kw: [0.0] * len(completions), config(tmp_path), train_dataset=conversational()
+    )
+    with pytest.raises(TypeError, match="reward function #0 .*lambda.* cannot be sent to the rollout worker"):
+        trainer.train()
+
+
+def test_an_unreachable_server_fails_within_the_timeout_naming_it(tiny_model_dir, tmp_path):
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir),
+        some_reward,
+        config(tmp_path, vllm_server_base_url="http://127.0.0.1:9", vllm_server_timeout=2.0),
+        train_dataset=conversational(),
+    )
+    started = time.monotonic()
+    with pytest.raises(VLLMUnavailableError, match=r"http://127\.0\.0\.1:9.*asyncgrpo serve"):
+        trainer.train()
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.vllm
+def test_a_prompt_longer_than_max_model_len_fails_before_training(vllm_server, tiny_model_dir, tmp_path):
+    long_prompt = [{"role": "user", "content": " ".join(["word"] * 1500)}]
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}], long_prompt]})
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir),
+        some_reward,
+        config(tmp_path, vllm_server_base_url=vllm_server.url, vllm_server_timeout=30),
+        train_dataset=dataset,
+    )
+    with pytest.raises(ValueError, match="row 1: its prompt is .* tokens .* max_model_len=1024"):
+        trainer.train()
