@@ -16,14 +16,15 @@ import os
 import random
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-WARM_START_STEPS = int(os.environ.get("ASYNCGRPO_DEMO_WARM_STEPS", 130))
+WARM_START_STEPS = int(os.environ.get("ASYNCGRPO_DEMO_WARM_STEPS", 115))
 WARM_START_LR = 3e-3
-GRPO_STEPS = int(os.environ.get("ASYNCGRPO_DEMO_STEPS", 90))
+GRPO_STEPS = int(os.environ.get("ASYNCGRPO_DEMO_STEPS", 120))
 GRPO_LR = float(os.environ.get("ASYNCGRPO_DEMO_LR", 6e-4))
 
 
@@ -98,7 +99,7 @@ def run_demo(workdir: str = ".demo") -> int:
     options = ServerOptions(model=str(base_dir), port=_free_port(), max_model_len=512, dtype="float32", cpu=True)
     server = VLLMServer(options, log_path=work / "vllm.log")
     print(f"[demo] starting vLLM on CPU at {options.url} (log: {server.log_path})", flush=True)
-    server_starting = _start_in_background(server)
+    server_starting = _Background(server.start)  # ~45 s: overlaps the warm start
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
@@ -124,7 +125,7 @@ def run_demo(workdir: str = ".demo") -> int:
             output_dir=str(work / "grpo"),
             vllm_server_base_url=options.url,
             max_steps=GRPO_STEPS,
-            num_generations=8,
+            num_generations=int(os.environ.get("ASYNCGRPO_DEMO_GENERATIONS", 16)),
             max_completion_length=8,
             temperature=1.0,
             learning_rate=GRPO_LR,
@@ -159,9 +160,9 @@ def _mean(values: list[float]) -> float:
 
 
 class _Background:
-    def __init__(self, target):
-        import threading
+    """Run `target` in a thread; `join()` then look at `error`."""
 
+    def __init__(self, target):
         self.error: BaseException | None = None
 
         def run():
@@ -175,10 +176,6 @@ class _Background:
 
     def join(self) -> None:
         self._thread.join()
-
-
-def _start_in_background(server) -> _Background:
-    return _Background(server.start)
 
 
 if __name__ == "__main__":

@@ -282,3 +282,19 @@ def test_top_logprobs_follow_trained_tokens_and_masked_outputs_stay_context():
     assert sequence.trained.tolist() == [False, False, True]
     assert sequence.top_ids.tolist() == [[3, 9]]
     np.testing.assert_allclose(sequence.top_logprobs, [[-0.2, -3.0]])
+
+
+def test_completions_table_prints_prompt_completion_and_reward(capsys):
+    from asyncgrpo.sample import Sample
+    from asyncgrpo.tiny_model import build_tokenizer
+    from asyncgrpo.trainer.completions_table import print_completions
+
+    tokenizer = build_tokenizer()
+    prompt = tokenizer.encode("What is 2 + 2?")
+    answer = tokenizer.encode("4")
+    tokens = np.array(prompt + answer)
+    trained = np.arange(len(tokens)) >= len(prompt)
+    sample = Sample(tokens, trained, np.zeros(len(answer), np.float32), 0.75, 0, reward=1.0)
+    print_completions([sample], tokenizer, step=3)
+    out = capsys.readouterr().out
+    assert "completions at step 3" in out and "What is 2 + 2?" in out and "1.000" in out and "+0.750" in out

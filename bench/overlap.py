@@ -1,0 +1,94 @@
+"""Does asynchrony pay? The async default vs a synchronous schedule, same model, data and server.
+
+Synchronous (a benchmark mode): the server is paused while the trainer runs forward/backward, the
+optimizer and the weight sync, so generation and training alternate; a step then costs generation
+(`perf/rollout_wait_s`) plus training (the rest of `perf/step_s`). The async default overlaps them,
+so its ideal step is max(generation, training) measured in the synchronous run.
+Target: the async step within 10% of that ideal.
+
+Here both run on the 2-core CPU machine with the vLLM CPU server, the worker and the trainer
+sharing the two cores: generation and training compete for the same cores, so the ideal (which
+assumes they do not) is out of reach by construction; on separate GPUs they do not compete.
+Run: `.venv/bin/python bench/overlap.py`.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.generation.server import ServerOptions, VLLMServer
+from asyncgrpo.tiny_model import save_tiny_model
+
+STEPS = 24
+WARMUP_STEPS = 4  # compilation and the first fill of the queue
+TARGET = 1.10
+
+
+def token_parity_reward(completion_ids, **kwargs):
+    return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+class SynchronousTrainer(AsyncGRPOTrainer):
+    """Generation stops while the trainer trains: the server is paused before forward/backward and
+    resumed by the weight sync that ends every step (weight_sync_steps=1)."""
+
+    def _forward_backward(self, model, batch):
+        self._http.run(self._client.pause(mode="keep"))
+        return super()._forward_backward(model, batch)
+
+
+def run(trainer_class, server_url: str, model_dir: Path, output_dir: Path) -> list[dict]:
+    args = AsyncGRPOConfig(
+        output_dir=str(output_dir),
+        vllm_server_base_url=server_url,
+        max_steps=STEPS,
+        num_generations=8,
+        max_completion_length=64,
+        token_budget=1024,
+        learning_rate=1e-5,
+        gradient_checkpointing=False,
+        weight_sync_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Tell me about {i}."}] for i in range(500)]})
+    trainer = trainer_class(str(model_dir), token_parity_reward, args, train_dataset=dataset)
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "perf/step_s" in entry][WARMUP_STEPS:]
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # the server needs the other core (see demo.py)
+    work = Path(tempfile.mkdtemp(prefix="overlap-"))
+    model_dir = save_tiny_model(work / "model")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    options = ServerOptions(model=str(model_dir), port=port, max_model_len=1024, dtype="float32", cpu=True)
+    with VLLMServer(options, log_path=work / "vllm.log"):
+        synchronous = run(SynchronousTrainer, options.url, model_dir, work / "sync")
+        asynchronous = run(AsyncGRPOTrainer, options.url, model_dir, work / "async")
+    generation = statistics.mean(e["perf/rollout_wait_s"] for e in synchronous)
+    training = statistics.mean(e["perf/step_s"] - e["perf/rollout_wait_s"] for e in synchronous)
+    sync_step = statistics.mean(e["perf/step_s"] for e in synchronous)
+    async_step = statistics.mean(e["perf/step_s"] for e in asynchronous)
+    ideal = max(generation, training)
+    print(f"synchronous: {sync_step:.3f} s/step = generation {generation:.3f} + training {training:.3f}")
+    print(f"async:       {async_step:.3f} s/step (waiting {statistics.mean(e['perf/rollout_wait_s'] for e in asynchronous):.3f})")
+    print(f"ideal async: {ideal:.3f} s/step = max(generation, training)")
+    print(f"overlap async_step_s={async_step:.3f} sync_step_s={sync_step:.3f} ideal_s={ideal:.3f} "
+          f"ratio={async_step / ideal:.2f} target={TARGET:.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""`asyncgrpo serve`: the flags it adds, the command it prints, and no server left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from asyncgrpo.generation.server import ServerOptions, build_command
+from conftest import free_port
+
+
+def test_cpu_command_and_environment():
+    argv, env = build_command(ServerOptions(model="m", port=8123, max_model_len=512, cpu=True, extra_args=["--seed", "3"]))
+    joined = " ".join(argv)
+    assert "serve m --host 127.0.0.1 --port 8123" in joined
+    assert "--logprobs-mode processed_logprobs" in joined and "--generation-config vllm" in joined
+    assert "--enforce-eager" in argv and "--weight-transfer-config" not in argv
+    assert argv[-2:] == ["--seed", "3"] and "--max-model-len 512" in joined
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_gpu_and_lora_command():
+    argv, env = build_command(
+        ServerOptions(model="m", cpu=False, enable_lora=True, max_lora_rank=32, max_loras=6)
+    )
+    assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    assert "--enforce-eager" not in argv
+    assert argv[argv.index("--max-lora-rank") + 1] == "32" and argv[argv.index("--max-loras") + 1] == "6"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+
+
+def _children(pid: int) -> set[int]:
+    """Every process whose parent chain leads to `pid` (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.vllm
+def test_serve_prints_the_command_and_sigterm_leaves_no_process(tiny_model_dir):
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "asyncgrpo.cli", "serve", str(tiny_model_dir), "--port", str(port),
+         "--max-model-len", "256", "--cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    try:
+        printed = process.stdout.readline()
+        assert "VLLM_SERVER_DEV_MODE=1" in printed and "--logprobs-mode processed_logprobs" in printed
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("the server did not start")
+        children = _children(process.pid)
+        assert children, "vllm serve runs as a child process"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) is not None
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+            time.sleep(0.2)
+        assert not [pid for pid in children if _alive(pid)], "processes outlived `asyncgrpo serve`"
+    finally:
+        if process.poll() is None:
+            process.kill()
