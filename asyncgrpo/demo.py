@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -91,6 +92,8 @@ def run_demo(workdir: str = ".demo") -> int:
     from asyncgrpo.tiny_model import build_model, build_tokenizer, save_tiny_model
 
     logging.basicConfig(level=logging.WARNING)
+    # SIGTERM (a timeout, `kill`) unwinds like Ctrl-C, so the vLLM server is stopped, not orphaned.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     started = time.time()
     work = Path(workdir).resolve()
     shutil.rmtree(work, ignore_errors=True)

@@ -6,6 +6,7 @@ the whole session (`vllm_servers.get(...)`); tests that change a server's weight
 
 from __future__ import annotations
 
+import signal
 import socket
 from pathlib import Path
 
@@ -16,6 +17,12 @@ from asyncgrpo.generation.server import ServerOptions, VLLMServer
 from asyncgrpo.tiny_model import save_tiny_model
 
 MAX_MODEL_LEN = 1024
+
+
+def pytest_configure(config):
+    # A CI timeout stops pytest with SIGTERM: turn it into KeyboardInterrupt so fixtures tear down
+    # and no vLLM server outlives the run.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

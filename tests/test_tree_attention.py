@@ -221,3 +221,20 @@ def test_attention_dropout_refused():
     model.config.attention_dropout = 0.1
     with pytest.raises(ValueError, match="attention_dropout"):
         enable_tree_attention(model)
+
+
+def test_a_tree_attention_model_still_runs_ordinary_forwards_as_sdpa():
+    """After training (generation, evaluation, a plain forward) the model behaves exactly like SDPA."""
+    from asyncgrpo.tiny_model import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    reference = build_model(tokenizer).eval()
+    tree = enable_tree_attention(build_model(tokenizer)).eval()
+    ids = torch.tensor([[5, 17, 300, 42, 9, 77], [0, 0, 12, 13, 14, 15]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+        got = tree(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    generated = tree.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 10)

@@ -9,8 +9,9 @@ dense (L, L) mask is ever built and fully masked 128 x 128 blocks are skipped.
 How it plugs into transformers: `enable_tree_attention(model)` registers `tree_attention_forward`
 under the name "asyncgrpo_tree" and switches the model to it. The caller passes the BlockMask (or
 a dict {layer type: BlockMask} for models with sliding-window layers, see `tree_attention_masks`)
-as `attention_mask`; transformers' mask creation returns a 4-D BlockMask unchanged, and since no
-mask function is registered for this name, nothing else builds a mask.
+as `attention_mask`; transformers' mask creation returns a 4-D BlockMask unchanged. Any other call
+(generation, evaluation, a plain forward after training) gets SDPA's mask and SDPA attention: the
+model stays usable as an ordinary transformers model.
 
 Compilation (measured on torch 2.13 CPU): `flex_attention` and `create_block_mask` are compiled
 with dynamic shapes, once per mask/score variant (tree, + window, + softcap), and reused for every
@@ -33,6 +34,8 @@ import re
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 TREE_ATTENTION = "asyncgrpo_tree"  # the name registered in transformers' AttentionInterface
 BLOCK_SIZE = 128  # FlexAttention's default sparse block: rows are padded to a multiple of it
@@ -277,11 +280,9 @@ def tree_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query (B, Hq, L, D) -> output (B, L, Hq, D), no weights."""
-    if not isinstance(attention_mask, BlockMask):
-        raise ValueError(
-            f"{TREE_ATTENTION} attention needs the row's BlockMask as attention_mask (got "
-            f"{type(attention_mask).__name__}): build it with tree_attention_masks(config, subtree_end, "
-            "position_ids), or use asyncgrpo.logprobs.row_logprobs"
+    if not isinstance(attention_mask, BlockMask):  # an ordinary forward: exactly SDPA
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, s_aux=s_aux, **kwargs
         )
     if s_aux is not None:
         raise ValueError(f"{TREE_ATTENTION} attention does not support attention sinks (gpt-oss)")
@@ -301,6 +302,7 @@ def tree_attention_forward(
 
 
 AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)  # for ordinary (non-packed) forwards
 
 
 def _text_config(model: PreTrainedModel):

@@ -25,7 +25,7 @@ from transformers.trainer_utils import TrainOutput
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
-from asyncgrpo.trainer.intake import SampleIntake, StepBatch
+from asyncgrpo.trainer.intake import SampleIntake, StepBatch, TrainingComplete
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.loss import LossInputs, clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
@@ -164,7 +164,10 @@ class AsyncGRPOTrainer(Trainer):
             self._sync_weights(model)  # the server runs exactly the weights training starts from
             while not self._should_stop(args):
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                self._train_step(model)
+                try:
+                    self._train_step(model)
+                except TrainingComplete:  # the last prompts were consumed while the step waited
+                    break
                 self.state.global_step += 1
                 self.state.epoch = self._epoch()
                 self._progress.advance_to(self.state.global_step if args.max_steps > 0 else self._ledger.consumed_prompts)
@@ -252,6 +255,8 @@ class AsyncGRPOTrainer(Trainer):
             self.token_budget,
             num_rows=self.accelerator.num_processes,
             rows_per_step=args.gradient_accumulation_steps * self.accelerator.num_processes,
+            prompts_per_epoch=None if self.streaming else len(self.train_dataset),
+            stop_condition=lambda: self._should_stop(args),
         )
         self._worker.publish_model_version(self._model_version)
         self._worker.start(ready_timeout=args.vllm_server_timeout + 300)
@@ -347,9 +352,9 @@ class AsyncGRPOTrainer(Trainer):
 
     def _optimizer_step(self, model) -> float:
         started = self._now()
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
-            self._window.record("grad_norm", float(grad_norm))
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else math.inf
+        grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)  # inf: measure only
+        self._window.record("grad_norm", float(grad_norm))
         self.optimizer.step()
         self.lr_scheduler.step()
         model.zero_grad(set_to_none=True)

@@ -25,6 +25,14 @@ logger = logging.getLogger(__name__)
 WAIT_LOG_INTERVAL_S = 30.0
 
 
+class NoTrainingSignalError(RuntimeError):
+    """A whole pass over the prompts produced nothing to train on."""
+
+
+class TrainingComplete(Exception):
+    """The stop condition was met while waiting for samples (epochs counted in prompts)."""
+
+
 @dataclass
 class StepBatch:
     plans: list[MicroBatchPlan]
@@ -50,8 +58,12 @@ class SampleIntake:
         token_budget: int,
         num_rows: int,
         rows_per_step: int,
+        prompts_per_epoch: int | None = None,
+        stop_condition=lambda: False,
     ):
         self.worker = worker
+        self.prompts_per_epoch = prompts_per_epoch
+        self.stop_condition = stop_condition
         self.ledger = ledger
         self.max_staleness = max_staleness
         self.token_budget = token_budget
@@ -86,10 +98,29 @@ class SampleIntake:
         started = last_note = time.monotonic()
         while not self.buffer:
             self._drain(1.0)
+            self._check_progress_possible()
             if time.monotonic() - last_note > WAIT_LOG_INTERVAL_S:
-                logger.info("waiting for rollouts (%.0f s so far)", time.monotonic() - started)
+                logger.warning(
+                    "waiting for rollouts for %.0f s; the last %d prompts brought no sample to train on "
+                    "(groups with equal rewards are dropped)",
+                    time.monotonic() - started,
+                    self.ledger.prompts_without_samples_streak,
+                )
                 last_note = time.monotonic()
         batch.wait_s += time.monotonic() - started
+
+    def _check_progress_possible(self) -> None:
+        """Never wait forever: stop when training is over, fail when nothing can ever be trained."""
+        if self.stop_condition():
+            raise TrainingComplete
+        streak = self.ledger.prompts_without_samples_streak
+        if self.prompts_per_epoch and streak >= self.prompts_per_epoch:
+            raise NoTrainingSignalError(
+                f"the last {streak} prompts (a whole pass over the dataset) produced nothing to train on: every "
+                "group's rollouts got equal rewards (or every prompt was filtered out), so no advantage is "
+                "non-zero. Check the reward functions (logged as rewards/<name>/mean) against a few "
+                "completions, or make the task easier for the model."
+            )
 
     def _next_sample(self, batch: StepBatch, metrics: MetricsWindow, model_version: int) -> Sample:
         """The next sample that is fresh enough, waiting for the worker when the buffer is empty."""

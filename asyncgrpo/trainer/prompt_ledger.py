@@ -49,13 +49,17 @@ class PromptLedger:
         self._consumed_ahead: set[int] = set(consumed_after or ())
         self._pending: dict[int, int] = {}
         self.consumed_prompts = consumed_prompts
+        # Prompts in a row whose groups brought nothing to train (filtered, or equal rewards).
+        self.prompts_without_samples_streak = 0
         self._advance()
 
     def add_group(self, stream_index: int, num_samples: int) -> None:
         """A group result arrived with `num_samples` samples for training."""
         if num_samples == 0:
+            self.prompts_without_samples_streak += 1
             self._consume(stream_index)
         else:
+            self.prompts_without_samples_streak = 0
             self._pending[stream_index] = num_samples
 
     def sample_done(self, stream_index: int) -> None:
