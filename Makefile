@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(PY) -m asyncgrpo.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The unit tests only: no vLLM server is started.
 test-fast: $(STAMP)

@@ -34,7 +34,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import make_groups, plain_row  # noqa: E402
 
 from asyncgrpo.logprobs import row_logprobs  # noqa: E402
-from asyncgrpo.packing.tree_attention import build_tree_block_mask, enable_tree_attention, tree_attention  # noqa: E402
+from asyncgrpo.packing.tree_attention import (  # noqa: E402
+    BLOCK_SIZE,
+    build_tree_block_mask,
+    enable_tree_attention,
+    tree_attention,
+)
 from asyncgrpo.packing.trie import pack_row  # noqa: E402
 from asyncgrpo.perf import flop_model  # noqa: E402
 from asyncgrpo.trainer.compile import compile_decoder_layers  # noqa: E402
@@ -173,60 +178,65 @@ def fwd_bwd(model, row) -> None:
     row_logprobs(model, row).logprobs.sum().backward()
 
 
+def compare_packings(model, flops, rng, workload, smoke: bool, peak: float, repeats: int) -> dict:
+    """Tree vs plain padding-free packing of the same GRPO groups, through the same code."""
+    prompt_len, completion_len, groups = workload
+    if smoke:
+        prompt_len, completion_len, groups = max(prompt_len // 16, 2), max(completion_len // 16, 2), 1
+    samples = make_groups(rng, groups, prompt_len, completion_len, model.config.vocab_size)
+    tree, plain = pack_row(samples, min_shared_tokens=BLOCK_SIZE), plain_row(samples)  # as the trainer packs
+    tree_s = cuda_time(lambda: fwd_bwd(model, tree), repeats)
+    plain_s = cuda_time(lambda: fwd_bwd(model, plain), repeats)
+    tree_flops = flops.step_flops(tree.num_tokens, tree.num_entries, tree.attention_cost)
+    plain_flops = flops.step_flops(plain.num_tokens, plain.num_entries, plain.attention_cost)
+    return {
+        "prompt": prompt_len,
+        "completion": completion_len,
+        "ratio": tree.packing_ratio,
+        "tree_tokens": tree.num_tokens,
+        "unpacked_tokens": tree.num_unpacked_tokens,
+        "tree_tokens_per_s": tree.num_unpacked_tokens / tree_s,
+        "plain_tokens_per_s": tree.num_unpacked_tokens / plain_s,
+        "speedup": plain_s / tree_s,
+        "flop_ratio": plain_flops / tree_flops,
+        "tree_mfu": tree_flops / tree_s / peak,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
+    }
+
+
+def mfu_row(model, flops, rng, budget: int, smoke: bool, peak: float, repeats: int) -> dict:
+    """fwd+bwd model FLOP/s on a realistic row: groups of a 512-token prompt + 8 x 1,024 tokens."""
+    completion = 1024 if not smoke else 16
+    groups = max(1, budget // (512 + 8 * completion)) if not smoke else 1
+    row = pack_row(make_groups(rng, groups, 512 if not smoke else 8, completion, model.config.vocab_size))
+    seconds = cuda_time(lambda: fwd_bwd(model, row), repeats)
+    model_flops = flops.step_flops(row.num_tokens, row.num_entries, row.attention_cost)
+    return {"token_budget": budget, "row_tokens": row.num_tokens, "seconds": seconds,
+            "tflops": model_flops / seconds / 1e12, "mfu": model_flops / seconds / peak}  # fmt: skip
+
+
 def speed(shape: str, device, smoke: bool, peak: float, repeats: int) -> list[dict]:
     # Activation checkpointing (the trainer's default): an unpacked 64k-token row would not fit without.
     model = enable_tree_attention(build(shape, device, smoke, checkpointing=True))
     model.train()
-    flops = flop_model(model)
-    rng = np.random.default_rng(3)
+    flops, rng = flop_model(model), np.random.default_rng(3)
     results = []
-    for prompt_len, completion_len, groups in SPEED_WORKLOADS:
-        if smoke:
-            prompt_len, completion_len, groups = max(prompt_len // 16, 2), max(completion_len // 16, 2), 1
-        samples = make_groups(rng, groups, prompt_len, completion_len, model.config.vocab_size)
-        tree, plain = pack_row(samples), plain_row(samples)
-        tree_s = cuda_time(lambda: fwd_bwd(model, tree), repeats)
-        plain_s = cuda_time(lambda: fwd_bwd(model, plain), repeats)
-        tree_flops = flops.step_flops(tree.num_tokens, tree.num_entries, tree.attention_cost)
-        results.append(
-            {
-                "shape": shape,
-                "prompt": prompt_len,
-                "completion": completion_len,
-                "ratio": tree.packing_ratio,
-                "tree_tokens": tree.num_tokens,
-                "unpacked_tokens": tree.num_unpacked_tokens,
-                "tree_tokens_per_s": tree.num_unpacked_tokens / tree_s,
-                "plain_tokens_per_s": tree.num_unpacked_tokens / plain_s,
-                "speedup": plain_s / tree_s,
-                "tree_mfu": tree_flops / tree_s / peak,
-                "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0.0,
-            }
-        )
+    for workload in SPEED_WORKLOADS:
+        results.append({"shape": shape, **compare_packings(model, flops, rng, workload, smoke, peak, repeats)})
         log(f"speed {results[-1]}")
     del model
     return results
 
 
 def mfu_rows(device, smoke: bool, peak: float, repeats: int) -> list[dict]:
-    """1.7B on realistic rows of 8k-32k tokens (groups of a 512-token prompt + 8 completions), no
-    activation checkpointing (it fits; recomputation is not model FLOPs)."""
+    """1.7B on rows of 8k-32k tokens, no activation checkpointing (it fits; recomputation is not
+    model FLOPs)."""
     model = enable_tree_attention(build("1.7B", device, smoke))
     model.train()
-    flops = flop_model(model)
-    rng = np.random.default_rng(4)
+    flops, rng = flop_model(model), np.random.default_rng(4)
     results = []
     for budget in (8192, 16384, 32768):
-        completion = 1024 if not smoke else 16
-        groups = max(1, budget // (512 + 8 * completion)) if not smoke else 1
-        samples = make_groups(rng, groups, 512 if not smoke else 8, completion, model.config.vocab_size)
-        row = pack_row(samples)
-        seconds = cuda_time(lambda: fwd_bwd(model, row), repeats)
-        model_flops = flops.step_flops(row.num_tokens, row.num_entries, row.attention_cost)
-        results.append(
-            {"token_budget": budget, "row_tokens": row.num_tokens, "seconds": seconds,
-             "tflops": model_flops / seconds / 1e12, "mfu": model_flops / seconds / peak}  # fmt: skip
-        )
+        results.append(mfu_row(model, flops, rng, budget, smoke, peak, repeats))
         log(f"mfu {results[-1]}")
     del model
     return results
@@ -238,31 +248,14 @@ def compiled(device, smoke: bool, peak: float, repeats: int) -> dict:
     model = enable_tree_attention(build("1.7B", device, smoke))
     model.train()
     compile_decoder_layers(model)
-    flops = flop_model(model)
-    rng = np.random.default_rng(6)
+    flops, rng = flop_model(model), np.random.default_rng(6)
     out = {"mfu": [], "speed": []}
     for budget in (8192, 16384, 32768):
-        completion = 1024 if not smoke else 16
-        groups = max(1, budget // (512 + 8 * completion)) if not smoke else 1
-        row = pack_row(make_groups(rng, groups, 512 if not smoke else 8, completion, model.config.vocab_size))
-        seconds = cuda_time(lambda: fwd_bwd(model, row), repeats)
-        model_flops = flops.step_flops(row.num_tokens, row.num_entries, row.attention_cost)
-        out["mfu"].append({"token_budget": budget, "row_tokens": row.num_tokens, "seconds": seconds,
-                           "tflops": model_flops / seconds / 1e12, "mfu": model_flops / seconds / peak})  # fmt: skip
+        out["mfu"].append(mfu_row(model, flops, rng, budget, smoke, peak, repeats))
         log(f"compiled mfu {out['mfu'][-1]}")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for prompt_len, completion_len, groups in (SPEED_WORKLOADS[0], SPEED_WORKLOADS[2]):
-        if smoke:
-            prompt_len, completion_len, groups = max(prompt_len // 16, 2), max(completion_len // 16, 2), 1
-        samples = make_groups(rng, groups, prompt_len, completion_len, model.config.vocab_size)
-        tree, plain = pack_row(samples), plain_row(samples)
-        tree_s = cuda_time(lambda: fwd_bwd(model, tree), repeats)
-        plain_s = cuda_time(lambda: fwd_bwd(model, plain), repeats)
-        tree_flops = flops.step_flops(tree.num_tokens, tree.num_entries, tree.attention_cost)
-        plain_flops = flops.step_flops(plain.num_tokens, plain.num_entries, plain.attention_cost)
-        out["speed"].append({"ratio": tree.packing_ratio, "speedup": plain_s / tree_s, "flop_ratio": plain_flops / tree_flops,
-                             "tree_tokens_per_s": tree.num_unpacked_tokens / tree_s,
-                             "plain_tokens_per_s": tree.num_unpacked_tokens / plain_s})  # fmt: skip
+    for workload in (SPEED_WORKLOADS[0], SPEED_WORKLOADS[2]):
+        out["speed"].append(compare_packings(model, flops, rng, workload, smoke, peak, repeats))
         log(f"compiled speed {out['speed'][-1]}")
     return out
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.logprobs import row_logprobs
-from asyncgrpo.packing.tree_attention import enable_tree_attention
+from asyncgrpo.packing.tree_attention import BLOCK_SIZE, enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer
 from workloads import GROUP_SIZE, make_groups, plain_row
@@ -69,7 +69,7 @@ def main() -> None:
     speedups = []
     for prompt_len, completion_len in WORKLOADS:
         samples = make_groups(rng, GROUPS_PER_ROW, prompt_len, completion_len, vocab)
-        tree, plain = pack_row(samples), plain_row(samples)
+        tree, plain = pack_row(samples, min_shared_tokens=BLOCK_SIZE), plain_row(samples)  # as the trainer packs
         assert plain.num_tokens == tree.num_unpacked_tokens
         tree_s = fwd_bwd_seconds(model, tree, args.repeats)
         plain_s = fwd_bwd_seconds(model, plain, args.repeats)

@@ -146,3 +146,22 @@ def test_requests_spread_over_servers_by_least_in_flight():
 
     seen = asyncio.run(scenario())
     assert seen.count("a") == 5 and seen.count("b") == 5
+
+
+def test_a_dead_engine_fails_at_once_instead_of_retrying_for_the_whole_timeout():
+    async def dead(request: web.Request) -> web.Response:
+        message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+        return web.json_response({"error": {"message": message, "type": "EngineDeadError"}}, status=500)
+
+    async def scenario():
+        runner, url = await serve(dead)
+        try:
+            async with VLLMClient(url, timeout=60, model="m") as client:
+                started = time.monotonic()
+                with pytest.raises(VLLMUnavailableError, match="has died and will not recover"):
+                    await client.complete([1, 2], SAMPLING, seed=0)
+                return time.monotonic() - started
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(scenario()) < 5

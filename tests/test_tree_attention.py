@@ -177,11 +177,9 @@ def tiny_qwen3():
     return build_model(build_tokenizer())
 
 
-def test_enable_switches_attention_and_requires_block_mask():
+def test_enable_switches_attention():
     model = enable_tree_attention(tiny_qwen3())
     assert model.config._attn_implementation == TREE_ATTENTION
-    with pytest.raises(ValueError, match="BlockMask"):
-        model(input_ids=torch.tensor([[1, 2, 3]]))
 
 
 def test_mask_window_must_match_layer():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,12 @@ import msgspec
 from asyncgrpo.generation.responses import Completion, parse_completion_response, parse_generate_response
 from asyncgrpo.generation.server_load import ServerLoad, parse_server_load
 
+logger = logging.getLogger(__name__)
+
 _json_encoder = msgspec.json.Encoder()
+RETRY_WARNING_INTERVAL_S = 10.0
+# 5xx answers that no retry will fix: the engine process is gone.
+_DEAD_ENGINE_MARKERS = ("EngineDeadError", "EngineCore encountered an issue", "Engine loop is not running")
 _json_decoder = msgspec.json.Decoder()
 
 
@@ -145,6 +151,7 @@ class VLLMClient:
         body = None if payload is None else _json_encoder.encode(payload)
         headers = {"Content-Type": "application/json"} if body is not None else None
         backoff, timeouts_left = 0.25, timeout_retries
+        last_warning = loop.time()
         while True:
             attempt_budget = max(deadline - loop.time(), 0.001) if timeout_retries == 0 else budget
             try:
@@ -162,6 +169,11 @@ class VLLMClient:
                     message = _server_message(data)
                     if response.status < 500:
                         raise VLLMRequestError(url, response.status, message)
+                    if any(marker in message for marker in _DEAD_ENGINE_MARKERS):
+                        raise VLLMUnavailableError(
+                            f"the vLLM engine behind {url} has died and will not recover: {message} "
+                            "(its log has the cause); restart the server"
+                        )
                     error: str = f"HTTP {response.status}: {message}"
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
@@ -174,6 +186,9 @@ class VLLMClient:
                 deadline = loop.time() + budget
                 error = "timed out"
             self.retry_count += 1
+            if loop.time() - last_warning > RETRY_WARNING_INTERVAL_S:
+                last_warning = loop.time()
+                logger.warning("vLLM server %s: %s; retrying for up to %.0f s more", url, error, deadline - loop.time())
             if loop.time() + backoff > deadline:
                 raise VLLMUnavailableError(
                     f"vLLM server {url} kept failing for {budget:.0f} s (last error: {error}); "

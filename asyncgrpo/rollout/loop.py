@@ -434,8 +434,8 @@ class AsyncRolloutLoop:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _load_loop(self) -> None:
+        """Read the servers' load now and every `load_poll_interval_s`, and move the cap."""
         while True:
-            await asyncio.sleep(self.load_poll_interval_s)
             load = await self.client.load()
             if load is None:
                 cap = self.config.max_concurrent_rollouts
@@ -455,6 +455,7 @@ class AsyncRolloutLoop:
             if cap != self.concurrency_cap:
                 self.concurrency_cap = cap
                 await self.slots.set_limit(cap)
+            await asyncio.sleep(self.load_poll_interval_s)
 
     async def _metrics_loop(self) -> None:
         last = time.monotonic()
