@@ -104,7 +104,9 @@ class AsyncGRPOConfig(TrainingArguments):
         default="auto",
         metadata={
             "help": "'auto': nccl when the trainer has a GPU and the server runs the NCCL engine, filesystem "
-            "otherwise; 'filesystem': safetensors under output_dir reloaded by the server; 'nccl'."
+            "otherwise; 'filesystem': safetensors under output_dir reloaded by the server (CPU, shared "
+            "filesystems); 'nccl': GPU-to-GPU broadcast with vLLM's native weight-transfer protocol "
+            "(serve with --weight-transfer-config '{\"backend\":\"nccl\"}')."
         },
     )
 

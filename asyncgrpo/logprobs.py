@@ -164,14 +164,15 @@ def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | No
     return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
+# Under FSDP2 the packed forward is registered as a forward method of the root module (see
+# `trainer/distributed.py`), so the root's parameters (embeddings, final norm, head), which this
+# forward reads directly, are gathered around it and their gradients reduced after backward.
+PACKED_FORWARD_METHOD = "asyncgrpo_packed_forward"
+
+
 def row_logprobs(model, row: PackedRow, temperature: float = 1.0, chunk_size: int = 1024) -> TokenLogprobs:
     """Forward one packed row through `model` (switched with `enable_tree_attention`) and return the
-    log-probs of its E loss entries, in entry order.
-
-    It calls the decoder (`model.get_decoder()`) and the output head's weight directly, not
-    `model.forward`: under FSDP2 the caller must have the root module's parameters (embeddings,
-    final norm, head) unsharded around this call, e.g. `model.unshard()` / `model.reshard()`.
-    """
+    log-probs of its E loss entries, in entry order."""
     config = model.config.get_text_config()
     if config._attn_implementation != TREE_ATTENTION:
         raise ValueError(
@@ -188,20 +189,50 @@ def row_logprobs(model, row: PackedRow, temperature: float = 1.0, chunk_size: in
     input_ids[:num_tokens] = _tensor(row.input_ids, device)
     position_ids[:num_tokens] = _tensor(row.position_ids, device)
     masks = tree_attention_masks(config, _tensor(row.subtree_end, device), position_ids[:num_tokens])
+    forward = getattr(model, PACKED_FORWARD_METHOD, None) or (lambda *args: packed_forward(model, *args))
+    logprobs, entropy, top_logprobs = forward(
+        input_ids,
+        position_ids,
+        masks,
+        _tensor(row.predict_index, device),
+        _tensor(row.target_ids, head_device),
+        temperature,
+        _tensor(row.top_ids, head_device),
+        _tensor(row.candidate_offsets, head_device),
+        _tensor(row.candidate_ids, head_device),
+        chunk_size,
+    )
+    return TokenLogprobs(logprobs, entropy, top_logprobs)
 
-    decoder = model.get_decoder()
-    out = decoder(
+
+def packed_forward(
+    model,
+    input_ids: torch.Tensor,  # (L,) padded row
+    position_ids: torch.Tensor,  # (L,) trie depths
+    masks,  # tree_attention_masks(...)
+    predict_index: torch.Tensor,  # (E,) packed index predicting each entry
+    targets: torch.Tensor,  # (E,)
+    temperature: float,
+    top_ids: torch.Tensor | None,
+    candidate_offsets: torch.Tensor | None,
+    candidate_ids: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The decoder on the packed row, then the head on the E predicting positions only. Returns a
+    tuple of tensors (what FSDP2's forward hooks can track): logprobs, entropy, top_logprobs."""
+    out = model.get_decoder()(
         input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=masks, use_cache=False
     )
     hidden = out.last_hidden_state[0]  # (L, H)
-    predict_index = _tensor(row.predict_index, hidden.device)
-    return token_logprobs(
-        hidden[predict_index].to(head_device),
-        output_head(model),
-        _tensor(row.target_ids, head_device),
+    head = output_head(model)
+    result = token_logprobs(
+        hidden[predict_index.to(hidden.device)].to(head.weight.device),
+        head,
+        targets,
         temperature,
-        top_ids=_tensor(row.top_ids, head_device),
-        candidate_offsets=_tensor(row.candidate_offsets, head_device),
-        candidate_ids=_tensor(row.candidate_ids, head_device),
+        top_ids=top_ids,
+        candidate_offsets=candidate_offsets,
+        candidate_ids=candidate_ids,
         chunk_size=chunk_size,
     )
+    return result.logprobs, result.entropy, result.top_logprobs

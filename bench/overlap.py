@@ -10,10 +10,12 @@ On the 2-core CPU machine, generation and training would compete for the same tw
 ideal assumes they do not (on GPUs they run on different devices). So, standing in for separate
 devices, the vLLM server is pinned to core 0 and the trainer (and the worker it spawns) to core 1
 (`--shared-cores` runs them unpinned instead).
-Run: `.venv/bin/python bench/overlap.py`.
+Run: `.venv/bin/python bench/overlap.py [--weight-sync-steps N] [--shared-cores]`.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import os
 import socket
@@ -40,14 +42,18 @@ def token_parity_reward(completion_ids, **kwargs):
 
 class SynchronousTrainer(AsyncGRPOTrainer):
     """Generation stops while the trainer trains: the server is paused before forward/backward and
-    resumed by the weight sync that ends every step (weight_sync_steps=1)."""
+    resumed once the step (and its weight sync, if any) is done."""
 
     def _forward_backward(self, model, batch):
         self._http.run(self._client.pause(mode="keep"))
         return super()._forward_backward(model, batch)
 
+    def _train_step(self, model) -> None:
+        super()._train_step(model)
+        self._http.run(self._client.resume())
 
-def run(trainer_class, server_url: str, model_dir: Path, output_dir: Path) -> list[dict]:
+
+def run(trainer_class, server_url: str, model_dir: Path, output_dir: Path, weight_sync_steps: int) -> list[dict]:
     args = AsyncGRPOConfig(
         output_dir=str(output_dir),
         vllm_server_base_url=server_url,
@@ -57,7 +63,7 @@ def run(trainer_class, server_url: str, model_dir: Path, output_dir: Path) -> li
         token_budget=1024,
         learning_rate=1e-5,
         gradient_checkpointing=False,
-        weight_sync_steps=1,
+        weight_sync_steps=weight_sync_steps,
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
@@ -70,7 +76,11 @@ def run(trainer_class, server_url: str, model_dir: Path, output_dir: Path) -> li
 
 
 def main() -> None:
-    shared = "--shared-cores" in sys.argv
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shared-cores", action="store_true", help="server and trainer on the same cores")
+    parser.add_argument("--weight-sync-steps", type=int, default=1, help="both schedules sync this often")
+    cli = parser.parse_args()
+    shared = cli.shared_cores
     torch.set_num_threads(1)  # the server needs the other core (see demo.py)
     cores = sorted(os.sched_getaffinity(0))
     server_cores, trainer_cores = ({cores[0]}, {cores[-1]}) if not shared and len(cores) > 1 else (set(cores),) * 2
@@ -84,8 +94,8 @@ def main() -> None:
     options = ServerOptions(model=str(model_dir), port=port, max_model_len=1024, dtype="float32", cpu=True)
     with VLLMServer(options, log_path=work / "vllm.log"):
         os.sched_setaffinity(0, trainer_cores)  # the trainer, and the worker it spawns
-        synchronous = run(SynchronousTrainer, options.url, model_dir, work / "sync")
-        asynchronous = run(AsyncGRPOTrainer, options.url, model_dir, work / "async")
+        synchronous = run(SynchronousTrainer, options.url, model_dir, work / "sync", cli.weight_sync_steps)
+        asynchronous = run(AsyncGRPOTrainer, options.url, model_dir, work / "async", cli.weight_sync_steps)
     generation = statistics.mean(e["perf/rollout_wait_s"] for e in synchronous)
     training = statistics.mean(e["perf/step_s"] - e["perf/rollout_wait_s"] for e in synchronous)
     sync_step = statistics.mean(e["perf/step_s"] for e in synchronous)
@@ -94,7 +104,8 @@ def main() -> None:
     print(f"synchronous: {sync_step:.3f} s/step = generation {generation:.3f} + training {training:.3f}")
     print(f"async:       {async_step:.3f} s/step (waiting {statistics.mean(e['perf/rollout_wait_s'] for e in asynchronous):.3f})")
     print(f"ideal async: {ideal:.3f} s/step = max(generation, training)")
-    print(f"server on cores {sorted(server_cores)}, trainer and worker on cores {sorted(trainer_cores)}")
+    print(f"server on cores {sorted(server_cores)}, trainer and worker on cores {sorted(trainer_cores)}, "
+          f"a weight sync every {cli.weight_sync_steps} step(s)")
     print(f"overlap async_step_s={async_step:.3f} sync_step_s={sync_step:.3f} ideal_s={ideal:.3f} "
           f"ratio={async_step / ideal:.2f} target={TARGET:.2f}")  # fmt: skip
 

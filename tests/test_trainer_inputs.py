@@ -143,3 +143,36 @@ def test_a_prompt_longer_than_max_model_len_fails_before_training(vllm_server, t
     )
     with pytest.raises(ValueError, match="row 1: its prompt is .* tokens .* max_model_len=1024"):
         trainer.train()
+
+
+@pytest.mark.vllm
+def test_nccl_weight_sync_needs_a_server_with_the_nccl_engine(vllm_server, tiny_model_dir, tmp_path):
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir),
+        some_reward,
+        config(tmp_path, vllm_server_base_url=vllm_server.url, vllm_server_timeout=30, weight_sync_backend="nccl"),
+        train_dataset=conversational(),
+    )
+    with pytest.raises(ValueError, match="not started with the NCCL engine.*--weight-transfer-config"):
+        trainer.train()
+
+
+def test_processes_launched_but_not_joined_are_refused(monkeypatch):
+    from asyncgrpo.trainer.checks import check_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="launched on 2 processes.*use_cpu=True"):
+        check_launch(num_processes=1, use_cpu=False)
+    check_launch(num_processes=2, use_cpu=True)
+
+
+def test_multi_process_limits_are_said_at_start(tmp_path):
+    from asyncgrpo.trainer.checks import check_multi_process
+
+    with pytest.raises(ValueError, match="without an FSDP or DeepSpeed config"):
+        check_multi_process(config(tmp_path, save_strategy="no"), None, sharded_by_accelerate=True, has_optimizer=False)
+    with pytest.raises(NotImplementedError, match="save_strategy='no'"):
+        check_multi_process(config(tmp_path), None, sharded_by_accelerate=False, has_optimizer=False)
+    with pytest.raises(NotImplementedError, match="resuming"):
+        check_multi_process(config(tmp_path, save_strategy="no"), "ckpt", sharded_by_accelerate=False, has_optimizer=False)
+    check_multi_process(config(tmp_path, save_strategy="no"), None, sharded_by_accelerate=False, has_optimizer=False)

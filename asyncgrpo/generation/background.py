@@ -4,6 +4,7 @@ async vLLM client without owning an event loop of its own."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -21,6 +22,10 @@ class BackgroundLoop:
         """Run a coroutine on the loop and wait for its result (its exception is re-raised here)."""
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         return future.result(timeout)
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start a coroutine on the loop without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def close(self) -> None:
         if self._loop.is_closed():

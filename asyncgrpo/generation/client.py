@@ -142,8 +142,12 @@ class VLLMClient:
         params: dict[str, str] | None = None,
         timeout_retries: int = 0,
         timeout: float | None = None,
+        retry: bool = True,
     ) -> bytes:
-        """One HTTP call with the retry policy of this module; returns the body of a 2xx."""
+        """One HTTP call with the retry policy of this module; returns the body of a 2xx.
+
+        `retry=False` is for calls that must not be repeated (joining a collective, receiving a
+        broadcast): any failure raises at once."""
         url = base_url + path
         budget = self.timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
@@ -178,13 +182,15 @@ class VLLMClient:
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
             except asyncio.TimeoutError:
-                if timeouts_left <= 0:
+                if timeouts_left <= 0 or not retry:
                     raise VLLMUnavailableError(
                         f"vLLM server {url} did not answer within {budget:.0f} s (vllm_server_timeout)"
                     ) from None
                 timeouts_left -= 1
                 deadline = loop.time() + budget
                 error = "timed out"
+            if not retry:
+                raise VLLMUnavailableError(f"vLLM server {url} failed: {error}")
             self.retry_count += 1
             if loop.time() - last_warning > RETRY_WARNING_INTERVAL_S:
                 last_warning = loop.time()
@@ -269,7 +275,11 @@ class VLLMClient:
             return None
 
     async def world_size(self) -> int:
-        return sum(int(answer["world_size"]) for answer in await self._on_all("GET", "/get_world_size"))
+        return sum(await self.world_sizes())
+
+    async def world_sizes(self) -> list[int]:
+        """Worker processes (TP x PP x DP) of each server, in `base_urls` order."""
+        return [int(answer["world_size"]) for answer in await self._on_all("GET", "/get_world_size")]
 
     async def supports_token_generate(self) -> bool:
         """Whether `/inference/v1/generate` is enabled (`--enable-scale-out`) on every server."""
@@ -369,6 +379,33 @@ class VLLMClient:
         """Per-tensor checksums of the weights the (first) server runs."""
         answer = await self._json("POST", self.base_urls[0], "/weight_checker", {"action": "checksum"})
         return answer["checksums"]
+
+    # -- native weight transfer (`--weight-transfer-config`): never retried, each call joins a
+    # collective or a protocol step that must happen exactly once --------------------------------
+
+    async def init_weight_transfer_engine(self, init_infos: list[dict[str, Any]]) -> None:
+        """Join every server's workers to the transfer group (one `init_info` per server, in
+        `base_urls` order). Blocks until the whole group has joined, the trainer included."""
+        await asyncio.gather(
+            *(
+                self._request("POST", url, "/init_weight_transfer_engine", {"init_info": info}, retry=False)
+                for url, info in zip(self.base_urls, init_infos, strict=True)
+            )
+        )
+
+    async def start_weight_update(self) -> None:
+        await self._on_all("POST", "/start_weight_update", retry=False)
+
+    async def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None:
+        """Receive the broadcast described by `update_info` (names, dtype_names, shapes); returns
+        when the servers have loaded every tensor, so the trainer must broadcast meanwhile."""
+        await self._on_all("POST", "/update_weights", {"update_info": update_info}, retry=False, timeout=timeout)
+
+    async def finish_weight_update(self, version: str, timeout: float | None = None) -> None:
+        await self._on_all("POST", "/finish_weight_update", {"weight_version": version}, retry=False, timeout=timeout)
+
+    async def shutdown_weight_transfer_engine(self, timeout: float | None = None) -> None:
+        await self._on_all("POST", "/shutdown_weight_transfer_engine", retry=False, timeout=timeout)
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         await self._on_all("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})

@@ -37,14 +37,20 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.compile import compile_decoder_layers
+from asyncgrpo.trainer.distributed import Processes, local_value, shard_model
 from asyncgrpo.trainer.checks import (
     check_conversational,
+    check_launch,
+    check_multi_process,
     check_parallelism,
     check_prompt_lengths,
     check_reward_funcs,
     check_transformers_version,
 )
+from asyncgrpo.weight_sync import non_sending_weight_sync
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
+from asyncgrpo.weight_sync.nccl import NcclWeightSync, server_transfer_backend, vllm_at_least
+from asyncgrpo.weight_sync.transport import NcclTransport
 
 logger = logging.getLogger(__name__)
 
@@ -148,28 +154,38 @@ class AsyncGRPOTrainer(Trainer):
         self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None
     ) -> TrainOutput:
         args = args or self.args
-        if self.accelerator.num_processes > 1:
-            raise NotImplementedError("multi-process training (FSDP2) is not available in this version yet")
+        check_launch(self.accelerator.num_processes, args.use_cpu)
+        self._processes = Processes(self.accelerator.num_processes, self.accelerator.process_index)
+        if self._processes.distributed:
+            check_multi_process(
+                args, resume_from_checkpoint, self.is_fsdp_enabled or self.is_deepspeed_enabled, self.optimizer is not None
+            )
         self.accelerator.free_memory()
         rollout_state = self._restore_state(args, resume_from_checkpoint)
-        model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
+        if self._processes.distributed:
+            # FSDP2 applied here, not by accelerate: the packed forward must be registered with it.
+            shard_model(self.model)
+            self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
+            model = self.model_wrapped = self.model
+        else:
+            model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
         if self._compile_layers:
             compile_decoder_layers(self.accelerator.unwrap_model(model))
         self.state.init_training_references(self, self.state.max_steps, args.num_train_epochs, trial)
         started = time.time()
-        self._setup_generation(args, rollout_state)
         self._initial_global_step = self.state.global_step
-        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         try:
+            self._setup_generation(args, rollout_state)
+            self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             self._sync_weights(model)  # the server runs exactly the weights training starts from
-            while not self._should_stop(args):
+            while not self._processes.broadcast(self._should_stop(args) if self._processes.is_main else None):
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                 try:
                     self._train_step(model)
                 except TrainingComplete:  # the last prompts were consumed while the step waited
                     break
                 self.state.global_step += 1
-                self.state.epoch = self._epoch()
+                self.state.epoch = self._processes.broadcast(self._epoch() if self._processes.is_main else None)
                 self._progress.advance_to(self.state.global_step if args.max_steps > 0 else self._ledger.consumed_prompts)
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                 if self.control.should_log:
@@ -221,7 +237,15 @@ class AsyncGRPOTrainer(Trainer):
         return rollout_state
 
     def _setup_generation(self, args: AsyncGRPOConfig, rollout_state: RolloutState) -> None:
-        """Reach the servers, size the rows, start the rollout worker and the weight-sync backend."""
+        """Reach the servers, size the rows, start the rollout worker and the weight-sync backend
+        (rank 0); the other processes learn the row size and the backend from it."""
+        self._worker = self._weight_sync = self._http = None  # what `_teardown_generation` closes, once open
+        if not self._processes.is_main:
+            self.token_budget, backend = self._processes.broadcast(None)
+            self._weight_sync = non_sending_weight_sync(backend)
+            self._flops = flop_model(self.model)
+            self._peak_flops = device_peak_flops(self.args.device, self._compute_dtype())
+            return
         check_worker_payload(self.reward_funcs, self.loop_cls)  # before anything slow: a lambda fails here
         self._http = BackgroundLoop()
         self._client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
@@ -229,10 +253,11 @@ class AsyncGRPOTrainer(Trainer):
         self._http.run(self._client.wait_until_ready())
         max_model_len = self._http.run(self._client.max_model_len())
         served_name = self._http.run(self._client.model_name())
-        self._warn_on_dtype_mismatch(self._http.run(self._client.server_info()))
+        server_info = self._http.run(self._client.server_info())
+        self._warn_on_dtype_mismatch(server_info)
         self.token_budget = args.token_budget or max_model_len
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
-        self._weight_sync = self._make_weight_sync(args)
+        self._weight_sync = self._make_weight_sync(args, server_info)
         self._worker = RolloutWorker(
             self.loop_cls,
             dict(
@@ -260,25 +285,40 @@ class AsyncGRPOTrainer(Trainer):
         )
         self._worker.publish_model_version(self._model_version)
         self._worker.start(ready_timeout=args.vllm_server_timeout + 300)
+        self._processes.broadcast((self.token_budget, self._weight_sync.name))
         self._flops = flop_model(self.model)
         self._peak_flops = device_peak_flops(self.args.device, self._compute_dtype())
 
     def _teardown_generation(self) -> None:
-        for closer in (
-            lambda: self._worker.stop(),
-            lambda: self._weight_sync.close(),
-            lambda: self._http.run(self._client.close(), timeout=10),
-            lambda: self._http.close(),
-        ):
+        """Close what `_setup_generation` got to open, even when it failed half-way."""
+        closers = []
+        if self._worker is not None:
+            closers.append(self._worker.stop)
+        if self._weight_sync is not None:
+            closers.append(self._weight_sync.close)
+        if self._http is not None:
+            closers += [lambda: self._http.run(self._client.close(), timeout=10), self._http.close]
+        for closer in closers:
             try:
                 closer()
             except Exception as error:  # shutting down: report, keep closing the rest
                 logger.warning("while shutting down: %s", error)
 
-    def _make_weight_sync(self, args: AsyncGRPOConfig):
-        if args.weight_sync_backend == "nccl":
-            raise NotImplementedError("weight_sync_backend='nccl' is not available in this version yet")
-        return FilesystemWeightSync(self._client, self._http, Path(args.output_dir) / ".vllm_weights")
+    def _make_weight_sync(self, args: AsyncGRPOConfig, server_info: dict | None):
+        backend = args.weight_sync_backend
+        server_has_nccl = server_transfer_backend(server_info) == "nccl"
+        if backend == "auto":
+            backend = "nccl" if server_has_nccl and self.args.device.type == "cuda" else "filesystem"
+        if backend == "filesystem":
+            return FilesystemWeightSync(self._client, self._http, Path(args.output_dir) / ".vllm_weights")
+        if server_info is not None and not server_has_nccl:
+            raise ValueError(
+                "weight_sync_backend='nccl' but the vLLM server was not started with the NCCL engine: serve with "
+                "--weight-transfer-config '{\"backend\": \"nccl\"}' (`asyncgrpo serve` does on GPU)"
+            )
+        rendezvous = "unique_id" if vllm_at_least(self._http.run(self._client.version()), (0, 30)) else "tcp_store"
+        logger.info("weight sync: NCCL broadcast to the vLLM workers (%s rendezvous)", rendezvous)
+        return NcclWeightSync(self._client, self._http, NcclTransport(rendezvous), args.vllm_server_timeout)
 
     def _should_stop(self, args: AsyncGRPOConfig) -> bool:
         if args.max_steps > 0:
@@ -295,7 +335,9 @@ class AsyncGRPOTrainer(Trainer):
     def _train_step(self, model) -> None:
         args, metrics = self.args, self._window
         started = time.perf_counter()
-        batch = self._intake.next_step(args.gradient_accumulation_steps, metrics, self._model_version)
+        batch = self._processes.broadcast(self._next_batch() if self._processes.is_main else None)
+        if batch is None:
+            raise TrainingComplete()
         fwd_s, fwd_bwd_s, loss = self._forward_backward(model, batch)
         optimizer_s = self._optimizer_step(model)
         if (self.state.global_step + 1) % args.weight_sync_steps == 0:
@@ -303,58 +345,56 @@ class AsyncGRPOTrainer(Trainer):
             self._sync_weights(model)
         self._train_loss_sum += loss
         self._record_step(batch, loss, fwd_s, fwd_bwd_s, optimizer_s, time.perf_counter() - started)
-        for stats in self._worker.drain_metrics():
-            metrics.merge(stats)
+        if self._worker is not None:
+            for stats in self._worker.drain_metrics():
+                metrics.merge(stats)
+
+    def _next_batch(self) -> StepBatch | None:
+        """Rank 0: the step's samples, planned into rows for every process; None once training is
+        complete (the last prompts were consumed while waiting)."""
+        try:
+            return self._intake.next_step(self.args.gradient_accumulation_steps, self._window, self._model_version)
+        except TrainingComplete:
+            return None
 
     def _forward_backward(self, model, batch: StepBatch) -> tuple[float, float, float]:
         """Tree-packed forward and backward of every micro-batch; returns (fwd_s, fwd_bwd_s, loss)."""
         args = self.args
         fwd_s = fwd_bwd_s = loss_total = 0.0
-        world = self.accelerator.num_processes
-        rank = self.accelerator.process_index
+        world, rank = self._processes.world_size, self._processes.rank
+        row_stats = []
         for plan in batch.plans:
             rows = plan.pack()
-            row = rows[rank]
+            row, weight = rows[rank], 1.0
             entries_global = float(sum(r.num_entries for r in rows))
             if row.num_entries == 0:
-                continue
+                if not self._processes.distributed:
+                    continue
+                # FSDP2 needs every rank in every forward/backward: borrow a row, count it zero times.
+                row, weight = next(r for r in rows if r.num_entries), 0.0
             started = self._now()
             with self.compute_loss_context_manager():
-                out = row_logprobs(model, row, temperature=args.temperature)
-                device = out.logprobs.device
-                inputs = LossInputs(
-                    logprobs=out.logprobs,
-                    sampler_logprobs=_tensor(row.sampler_logprobs, device),
-                    advantages=_tensor(row.advantages, device),
-                    entry_sample=_tensor(row.entry_sample, device),
-                    entropy=out.entropy,
-                    top_logprobs=out.top_logprobs,
-                    sampler_top_logprobs=_tensor(row.top_logprobs, device),
-                )
-                loss, stats = self._loss_fn(
-                    inputs,
-                    clip_min=args.vllm_importance_sampling_clip_min,
-                    clip_max=args.vllm_importance_sampling_clip_max,
-                    epsilon=args.epsilon,
-                    epsilon_high=args.epsilon_high,
-                    num_trained_tokens_global=entries_global,
-                    gradient_accumulation_steps=args.gradient_accumulation_steps,
-                )
+                loss, stats = row_loss(model, row, entries_global, args, self._loss_fn)
             forward_done = self._now()
-            # DDP/FSDP average gradients over processes; the loss is already normalized globally.
-            self.accelerator.backward(loss * world)
+            # FSDP2 averages gradients over processes; the loss is already normalized globally.
+            self.accelerator.backward(loss * (world * weight))
             done = self._now()
             fwd_s += forward_done - started
             fwd_bwd_s += done - started
-            loss_total += float(loss.detach())
-            self._window.merge({name: Stat(s.reduce, float(s.value), float(s.weight)) for name, s in stats.items()})
-        return fwd_s, fwd_bwd_s, loss_total
+            if weight:
+                loss_total += float(loss.detach())
+                row_stats.append({name: Stat(s.reduce, float(s.value), float(s.weight)) for name, s in stats.items()})
+        gathered = self._processes.gather((loss_total, row_stats))
+        for _, stats_of_rank in gathered:
+            for stats in stats_of_rank:
+                self._window.merge(stats)
+        return fwd_s, fwd_bwd_s, sum(rank_loss for rank_loss, _ in gathered)
 
     def _optimizer_step(self, model) -> float:
         started = self._now()
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else math.inf
         grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)  # inf: measure only
-        self._window.record("grad_norm", float(grad_norm))
+        self._window.record("grad_norm", local_value(grad_norm))
         self.optimizer.step()
         self.lr_scheduler.step()
         model.zero_grad(set_to_none=True)
@@ -362,7 +402,8 @@ class AsyncGRPOTrainer(Trainer):
 
     def _sync_weights(self, model) -> None:
         timings = self._weight_sync.sync(self.accelerator.unwrap_model(model), self._model_version)
-        self._worker.publish_model_version(self._model_version)
+        if self._worker is not None:
+            self._worker.publish_model_version(self._model_version)
         self._window.record("perf/weight_sync_s", timings.total_s)
         self._window.record("perf/weight_sync_pause_s", timings.pause_s)
         self._window.record("perf/weight_sync_barrier_s", timings.barrier_s)
@@ -482,6 +523,31 @@ class AsyncGRPOTrainer(Trainer):
                 "mismatch (sampling/importance_sampling_ratio far from 1). Serve with `--dtype %s`.",
                 served, trained, trained,
             )
+
+
+def row_loss(model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig, loss_fn) -> tuple[torch.Tensor, dict]:
+    """The loss of one packed row (this process's share of a micro-batch), normalized by the trained
+    tokens of the whole micro-batch over all processes, and its metrics."""
+    out = row_logprobs(model, row, temperature=args.temperature)
+    device = out.logprobs.device
+    inputs = LossInputs(
+        logprobs=out.logprobs,
+        sampler_logprobs=_tensor(row.sampler_logprobs, device),
+        advantages=_tensor(row.advantages, device),
+        entry_sample=_tensor(row.entry_sample, device),
+        entropy=out.entropy,
+        top_logprobs=out.top_logprobs,
+        sampler_top_logprobs=_tensor(row.top_logprobs, device),
+    )
+    return loss_fn(
+        inputs,
+        clip_min=args.vllm_importance_sampling_clip_min,
+        clip_max=args.vllm_importance_sampling_clip_max,
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high,
+        num_trained_tokens_global=num_trained_tokens_global,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    )
 
 
 def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | None:

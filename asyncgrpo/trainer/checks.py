@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Callable
 
 import torch
@@ -92,3 +94,34 @@ def check_prompt_lengths(dataset, render: Callable[[list], int], max_model_len: 
                 f"no room to generate under the vLLM server's max_model_len={max_model_len}. Shorten or filter "
                 "such prompts, or restart the server with a larger --max-model-len."
             )
+
+
+def check_launch(num_processes: int, use_cpu: bool) -> None:
+    """Several processes launched but the Trainer sees one each: they would all train alone, on the
+    same server and output_dir. On CPU, transformers only forms the group with use_cpu=True."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and num_processes == 1:
+        hint = "" if use_cpu else " (on CPU-only machines pass use_cpu=True)"
+        raise ValueError(
+            f"launched on {launched} processes (WORLD_SIZE) but the Trainer runs each alone{hint}; "
+            "every process would train its own copy against the same server"
+        )
+
+
+def check_multi_process(args, resume_from_checkpoint, sharded_by_accelerate: bool, has_optimizer: bool) -> None:
+    """What several training processes do not support (yet), said before anything starts."""
+    if sharded_by_accelerate:
+        raise ValueError(
+            "asyncgrpo shards the model with FSDP2 itself when launched on several processes: launch with "
+            "torchrun or `accelerate launch` without an FSDP or DeepSpeed config"
+        )
+    if has_optimizer:
+        raise ValueError(
+            "with several processes the optimizer is built after sharding: do not pass `optimizers`"
+        )
+    if resume_from_checkpoint:
+        raise NotImplementedError("resuming a multi-process run is not available in this version yet")
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+        raise NotImplementedError(
+            "checkpoints of multi-process runs are not available in this version yet: set save_strategy='no'"
+        )

@@ -2,7 +2,9 @@
 
 Every backend splits a sync in two so that the pause, which stalls generation for everyone, covers
 only what must happen while no request runs: the filesystem backend writes safetensors before the
-pause and only reloads during it; the NCCL backend broadcasts during it.
+pause and only reloads during it; the NCCL backend broadcasts during it. With several training
+processes only the sender (rank 0) talks to the servers; the others take part in `prepare`, where
+sharded weights are gathered.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,47 +34,65 @@ class SyncTimings:
 class WeightSyncBackend(abc.ABC):
     name: str = "abstract"
 
-    def __init__(self, client: VLLMClient, loop: BackgroundLoop):
+    def __init__(self, client: VLLMClient | None, loop: BackgroundLoop | None, is_sender: bool = True):
+        if is_sender and (client is None or loop is None):
+            raise ValueError("the sending process needs a vLLM client and its event loop")
         self.client = client
         self.loop = loop
+        self.is_sender = is_sender
 
     def sync(self, model: torch.nn.Module, version: int) -> SyncTimings:
-        """Push `model`'s weights to every server as policy `version`; generation resumes after."""
+        """Push `model`'s weights to every server as policy `version`; generation resumes after.
+        Every training process calls it at the same step."""
         timings = SyncTimings()
         started = time.perf_counter()
-        self.prepare(model, version)
-        prepared = time.perf_counter()
+        prepared = self.prepare(model, version)
+        staged = time.perf_counter()
+        timings.transfer_s = staged - started
+        if not self.is_sender:
+            return timings
         self.loop.run(self.client.pause(mode="keep"))
         paused = time.perf_counter()
         try:
-            self.apply(version)
+            self.apply(prepared, version)
         finally:
             self.loop.run(self.client.resume())
-        timings.pause_s = paused - prepared
-        timings.transfer_s = (prepared - started) + (time.perf_counter() - paused)
+        timings.pause_s = paused - staged
+        timings.transfer_s += time.perf_counter() - paused
         return timings
 
     @abc.abstractmethod
-    def prepare(self, model: torch.nn.Module, version: int) -> None:
-        """Work that can overlap generation (serializing, staging)."""
+    def prepare(self, model: torch.nn.Module, version: int) -> Any:
+        """Work that can overlap generation (serializing, staging); on a non-sending process, its
+        part of the gather. Returns what `apply` needs."""
 
     @abc.abstractmethod
-    def apply(self, version: int) -> None:
-        """Make the servers run the prepared weights; runs while they are paused."""
+    def apply(self, prepared: Any, version: int) -> None:
+        """Make the servers run the prepared weights; runs on the sender while they are paused."""
 
     def close(self) -> None:
         """Release what the backend holds (files, communicators)."""
 
 
-def serving_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights vLLM loads, in Hugging Face checkpoint names, each tensor once (a tied
-    `lm_head.weight` is the embedding: vLLM ties it itself)."""
+def serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The weights vLLM loads, in Hugging Face checkpoint names and state-dict order, each tensor
+    once (a tied `lm_head.weight` is the embedding: vLLM ties it itself). Under FSDP2 they are
+    sharded DTensors: pass each through `full_tensor` on every process, in this order."""
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    by_name.update(model.named_buffers(remove_duplicate=False))
     seen: set[int] = set()
-    weights = {}
-    for name, tensor in model.state_dict().items():
-        pointer = tensor.data_ptr()
-        if pointer in seen:
+    weights = []
+    for name in model.state_dict():
+        tensor = by_name[name]
+        if id(tensor) in seen:
             continue
-        seen.add(pointer)
-        weights[name] = tensor.detach()
+        seen.add(id(tensor))
+        weights.append((name, tensor.detach()))
     return weights
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a collective over the training processes for a sharded DTensor (all of
+    them must call it in the same order), the tensor itself otherwise."""
+    gather = getattr(tensor, "full_tensor", None)
+    return gather() if gather is not None else tensor

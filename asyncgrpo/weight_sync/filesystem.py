@@ -14,36 +14,39 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from asyncgrpo.weight_sync.base import WeightSyncBackend, serving_state_dict
+from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, serving_tensors
 
 
 class FilesystemWeightSync(WeightSyncBackend):
     name = "filesystem"
 
-    def __init__(self, client, loop, directory: str | os.PathLike):
-        super().__init__(client, loop)
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def __init__(self, client, loop, directory: str | os.PathLike | None, is_sender: bool = True):
+        super().__init__(client, loop, is_sender)
+        self.directory = Path(directory) if directory is not None else None
+        if is_sender:
+            self.directory.mkdir(parents=True, exist_ok=True)
         self._current: Path | None = None
-        self._prepared: Path | None = None
 
-    def prepare(self, model: torch.nn.Module, version: int) -> None:
+    def prepare(self, model: torch.nn.Module, version: int) -> Path | None:
+        tensors = {name: full_tensor(tensor) for name, tensor in serving_tensors(model)}  # all ranks gather
+        if not self.is_sender:
+            return None
         target = self.directory / f"v{version}"
         staging = self.directory / f".v{version}.partial"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        tensors = {name: tensor.to("cpu").contiguous() for name, tensor in serving_state_dict(model).items()}
+        tensors = {name: tensor.to("cpu").contiguous() for name, tensor in tensors.items()}
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)  # a reader never sees a half-written version
-        self._prepared = target
+        return target
 
-    def apply(self, version: int) -> None:
-        assert self._prepared is not None, "apply() without prepare()"
-        self.loop.run(self.client.reload_weights(str(self._prepared), version=str(version)))
-        previous, self._current, self._prepared = self._current, self._prepared, None
+    def apply(self, prepared: Path, version: int) -> None:
+        self.loop.run(self.client.reload_weights(str(prepared), version=str(version)))
+        previous, self._current = self._current, prepared
         if previous is not None and previous != self._current:
             shutil.rmtree(previous, ignore_errors=True)
 
     def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)

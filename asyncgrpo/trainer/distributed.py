@@ -1,0 +1,78 @@
+"""Several training processes (torchrun / accelerate launch): FSDP2 sharding and the few
+collectives the training loop needs. Everything that crosses processes in the trainer goes
+through here (the weight broadcast to vLLM lives in `weight_sync/`).
+
+Rank 0 owns the rollout worker, the vLLM client and the prompt ledger; it decides each step's batch
+and broadcasts it, so every rank packs the same rows and trains on its own. With one process every
+call here is a no-op.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from asyncgrpo.logprobs import PACKED_FORWARD_METHOD, packed_forward
+
+T = TypeVar("T")
+
+
+class Processes:
+    def __init__(self, world_size: int, rank: int):
+        self.world_size = world_size
+        self.rank = rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def broadcast(self, value: T | None) -> T:
+        """Rank 0's `value` on every rank (others pass None)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, device=_collective_device())
+        return box[0]
+
+    def gather(self, value: T) -> list[T]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
+
+def _collective_device() -> torch.device | None:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def shard_model(model: torch.nn.Module) -> None:
+    """FSDP2 over all processes: each decoder layer its own unit (gathered one at a time), the
+    rest (embeddings, final norm, head) in the root unit. The packed forward, which calls the decoder
+    and reads the head's weight directly rather than through `model.forward`, is registered as a
+    forward method of the root so that FSDP2 gathers the root's parameters around it and reduces
+    their gradients."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for layer in model.get_decoder().layers:
+        fully_shard(layer)
+    fully_shard(model)
+    setattr(model, PACKED_FORWARD_METHOD, types.MethodType(packed_forward, model))
+    register_fsdp_forward_method(model, PACKED_FORWARD_METHOD)
+
+
+def local_value(value: torch.Tensor | float) -> float:
+    """A scalar that may be a DTensor (e.g. a grad norm of sharded gradients) as a float."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)

@@ -1,0 +1,198 @@
+"""NCCL weight sync over vLLM's native weight-transfer protocol (`--weight-transfer-config
+'{"backend":"nccl"}'`), with the trainer as rank 0 of a group that holds every server's workers.
+
+Once, at start: `GET /get_world_size` on each server -> `POST /init_weight_transfer_engine` (each
+server with its `rank_offset`), concurrently with the trainer joining as rank 0 and the warm-up
+all-reduce. Per sync, while the servers are paused: `POST /start_weight_update` ->
+`POST /update_weights` (names, dtypes, shapes) running while rank 0 broadcasts the weights in that
+order, packed into buckets -> `POST /finish_weight_update` with the version.
+
+No hang is possible: every HTTP call and every collective has a deadline. An HTTP call that fails
+while the broadcast runs is reported at once (not after the broadcast's own timeout); on any failure
+the group is aborted, the servers get a best-effort finish and resume, and the error says the
+server must be restarted before weights can be sent again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import torch
+
+from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, serving_tensors
+from asyncgrpo.weight_sync.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    pack,
+    plan_buckets,
+    tensor_bytes,
+)
+from asyncgrpo.weight_sync.transport import BroadcastTransport
+
+logger = logging.getLogger(__name__)
+
+# After a failure the servers may be stuck inside a collective: cleanup calls wait this long at most.
+CLEANUP_TIMEOUT_S = 10.0
+
+
+class WeightTransferError(RuntimeError):
+    pass
+
+
+@dataclass
+class PreparedWeights:
+    tensors: list[tuple[str, torch.Tensor]]  # possibly sharded; gathered bucket by bucket
+    update_info: dict  # names, dtype_names, shapes: what the servers will receive, in order
+
+
+class NcclWeightSync(WeightSyncBackend):
+    name = "nccl"
+
+    def __init__(
+        self,
+        client,
+        loop,
+        transport: BroadcastTransport | None,
+        timeout_s: float,
+        is_sender: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ):
+        super().__init__(client, loop, is_sender)
+        if is_sender and transport is None:
+            raise ValueError("the sending process needs a broadcast transport")
+        self.transport = transport
+        self.timeout_s = float(timeout_s)
+        self.bucket_bytes = int(bucket_bytes)
+        self._broken: str | None = None
+        if is_sender:
+            self._connect()
+
+    def _connect(self) -> None:
+        world_sizes = self.loop.run(self.client.world_sizes(), timeout=self.timeout_s)
+        world_size = 1 + sum(world_sizes)
+        fields = self.transport.rendezvous_fields(urlparse(self.client.base_urls[0]).hostname or "127.0.0.1")
+        init_infos, offset = [], 1
+        for workers in world_sizes:
+            init_infos.append(
+                {
+                    **fields,
+                    "rank_offset": offset,
+                    "world_size": world_size,
+                    "packed": True,
+                    "packed_buffer_size_bytes": self.bucket_bytes,
+                    "packed_num_buffers": DEFAULT_NUM_BUFFERS,
+                }
+            )
+            offset += workers
+        logger.info("joining %d vLLM worker(s) for NCCL weight transfer", world_size - 1)
+        joined = self.loop.submit(self.client.init_weight_transfer_engine(init_infos))
+        try:
+            _run_alongside(joined, lambda: self.transport.join(world_size, self.timeout_s), self.timeout_s, "joining")
+        except BaseException:
+            self.transport.abort()
+            raise
+
+    def prepare(self, model: torch.nn.Module, version: int) -> PreparedWeights | None:
+        tensors = serving_tensors(model)
+        if not self.is_sender:
+            # Non-senders only take part in the gathers, in the order the sender runs them.
+            for _name, tensor in tensors:
+                full_tensor(tensor)
+            return None
+        update_info = {
+            "names": [name for name, _ in tensors],
+            "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in tensors],
+            "shapes": [list(tensor.shape) for _, tensor in tensors],
+        }
+        return PreparedWeights(tensors, update_info)
+
+    def apply(self, prepared: PreparedWeights, version: int) -> None:
+        if self._broken:
+            raise WeightTransferError(f"NCCL weight transfer is unusable after an earlier failure: {self._broken}")
+        try:
+            self.loop.run(self.client.start_weight_update(), timeout=self.timeout_s)
+            received = self.loop.submit(self.client.update_weights(prepared.update_info, timeout=self.timeout_s))
+            _run_alongside(received, lambda: self._broadcast(prepared.tensors), self.timeout_s, "sending weights")
+            self.loop.run(self.client.finish_weight_update(str(version)), timeout=self.timeout_s)
+        except BaseException as error:
+            self._broken = f"{type(error).__name__}: {error}"
+            self.transport.abort()
+            self._best_effort(self.client.finish_weight_update(str(version), timeout=CLEANUP_TIMEOUT_S))
+            raise WeightTransferError(
+                f"weight sync v{version} failed ({self._broken}); the vLLM server may be stuck in the "
+                "transfer: restart it before training on"
+            ) from error
+
+    def _broadcast(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Gather (a collective under FSDP2, on the default stream, before the tensor reaches the
+        broadcast: gathers and broadcasts never interleave across streams, so they cannot
+        deadlock) and send, one bucket at a time."""
+        if self.transport.device.type == "cuda":
+            torch.cuda.set_device(self.transport.device)  # this runs in a helper thread
+        sizes = [tensor_bytes(tensor.shape, tensor.dtype) for _, tensor in tensors]
+        for bucket in plan_buckets(sizes, self.bucket_bytes):
+            parts = [full_tensor(tensors[index][1]).to(self.transport.device) for index in bucket]
+            self.transport.broadcast(pack(parts), self.timeout_s)
+
+    def _best_effort(self, coroutine) -> None:
+        try:
+            self.loop.run(coroutine, timeout=CLEANUP_TIMEOUT_S + 1)
+        except Exception as error:  # already failing: the first error is the one that matters
+            logger.warning("weight transfer cleanup: %s", error)
+
+    def close(self) -> None:
+        if not self.is_sender:
+            return
+        if not self._broken:
+            self._best_effort(self.client.shutdown_weight_transfer_engine(timeout=CLEANUP_TIMEOUT_S))
+        self.transport.close()
+
+
+def server_transfer_backend(server_info: dict | None) -> str | None:
+    """The weight-transfer engine a server runs (`--weight-transfer-config`), from `/server_info`."""
+    config = ((server_info or {}).get("vllm_config") or {}).get("weight_transfer_config") or {}
+    return config.get("backend") if isinstance(config, dict) else None
+
+
+def vllm_at_least(version: str, minimum: tuple[int, int]) -> bool:
+    """Whether a vLLM version string ("0.32.0+cpu", "0.11.1rc2.dev3") is at least major.minor."""
+    parts = re.findall(r"\d+", version)[:2]
+    return len(parts) == 2 and (int(parts[0]), int(parts[1])) >= minimum
+
+
+def _run_alongside(
+    remote: concurrent.futures.Future, local: Callable[[], None], timeout_s: float, what: str
+) -> None:
+    """Run `local` (rank 0's side of a collective) while `remote` (the servers' side, an HTTP call)
+    runs; return when both finished. Whichever fails first is raised at once: a server that
+    rejects the call must not leave the trainer waiting out the collective's timeout."""
+    outcome: dict[str, BaseException | None] = {}
+
+    def run_local() -> None:
+        try:
+            local()
+            outcome["local"] = None
+        except BaseException as error:  # handed to the waiting thread
+            outcome["local"] = error
+
+    worker = threading.Thread(target=run_local, name=f"weight-transfer {what}", daemon=True)
+    worker.start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if "local" in outcome and outcome["local"] is not None:
+            raise outcome["local"]
+        if remote.done() and remote.exception() is not None:
+            raise WeightTransferError(f"the vLLM server failed while {what}: {remote.exception()}")
+        if "local" in outcome and remote.done():
+            return
+        if time.monotonic() > deadline:
+            side = "the trainer's broadcast" if "local" not in outcome else "the vLLM server"
+            raise TimeoutError(f"{what}: {side} did not finish within {timeout_s:.0f} s (vllm_server_timeout)")
+        time.sleep(0.002)

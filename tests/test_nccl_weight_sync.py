@@ -1,0 +1,235 @@
+"""The NCCL weight-sync backend: vLLM's packed format, the rendezvous payloads, and the whole
+protocol end to end against a test double of the server (another process), including faults and a
+model sharded with FSDP2 over two processes.
+
+On CPU the double's receiver and the trainer's data plane speak gloo (`GlooTransport`); everything
+else (HTTP calls and their order, bucket cuts, gathers, deadlines) is the production code. The NCCL
+data plane itself is covered by the `gpu` tests at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from asyncgrpo.generation.background import BackgroundLoop
+from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer
+from asyncgrpo.weight_sync.base import serving_tensors
+from asyncgrpo.weight_sync.buckets import pack, plan_buckets, unpack
+from asyncgrpo.weight_sync.nccl import NcclWeightSync, WeightTransferError
+from asyncgrpo.weight_sync.transport import pickled_vllm_unique_id
+from conftest import free_port
+from weight_transfer_double import GlooTransport, checksum, running_double
+
+
+def received(url: str) -> dict:
+    return requests.get(url + "/received", timeout=10).json()
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(build_tokenizer(), TinyModelSpec())
+
+
+def expected_checksums(model) -> dict[str, str]:
+    return {name: checksum(tensor) for name, tensor in serving_tensors(model)}
+
+
+# -- the packed format ---------------------------------------------------------------------------
+
+
+def test_buckets_close_on_the_tensor_that_crosses_the_budget():
+    assert plan_buckets([4, 4, 4, 4], bucket_bytes=8) == [range(0, 3), range(3, 4)]
+    assert plan_buckets([9, 1, 1], bucket_bytes=8) == [range(0, 1), range(1, 3)]
+    assert plan_buckets([8, 8], bucket_bytes=8) == [range(0, 2)]
+    assert plan_buckets([], bucket_bytes=8) == []
+
+
+def test_bucket_cuts_match_vllms_packed_producer():
+    packed_tensor = pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    torch.manual_seed(0)
+    tensors = [(f"t{i}", torch.randn(int(torch.randint(1, 50, ())))) for i in range(40)]
+    sizes = [tensor.numel() * 4 for _, tensor in tensors]
+    ours = [[tensors[i][0] for i in bucket] for bucket in plan_buckets(sizes, bucket_bytes=300)]
+    iterator, theirs = iter(tensors), []
+    while (chunk := packed_tensor.pack_tensors(iterator, lambda item: item[1], 300)) is not None:
+        theirs.append(chunk.names)
+    assert ours == theirs
+
+
+def test_pack_then_unpack_gives_the_tensors_back():
+    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.randn(2, 2).to(torch.bfloat16)]
+    buffer = pack(tensors)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 60 + 56 + 8
+    back = unpack(buffer, [t.shape for t in tensors], [t.dtype for t in tensors])
+    for original, copy in zip(tensors, back):
+        assert torch.equal(original, copy) and copy.dtype == original.dtype
+
+
+def test_the_tcp_store_payload_unpickles_as_vllms_unique_id():
+    wrapper = pytest.importorskip("vllm.distributed.device_communicators.pynccl_wrapper")
+    import pickle
+
+    unique_id = bytes(range(128))
+    decoded = pickle.loads(pickled_vllm_unique_id(unique_id))
+    assert isinstance(decoded, wrapper.ncclUniqueId)
+    assert bytes(bytearray(decoded.internal)) == unique_id
+
+
+# -- the protocol against the double ----------------------------------------------------------
+
+
+@contextmanager
+def against_double(fault: str = "none"):
+    """A double of the server in its own process, and a factory of senders talking to it."""
+    loop = BackgroundLoop()
+    with running_double(fault=fault) as url:
+        client = VLLMClient(url, timeout=30)
+
+        def sender(timeout_s: float = 30, **options) -> NcclWeightSync:
+            return NcclWeightSync(client, loop, GlooTransport(), timeout_s=timeout_s, **options)
+
+        try:
+            yield url, sender
+        finally:
+            loop.run(client.close())
+    loop.close()
+
+
+def test_weights_arrive_exactly_with_the_protocol_in_order():
+    model = tiny_model()
+    with against_double() as (url, sender):
+        backend = sender(bucket_bytes=64 * 1024)
+        backend.sync(model, version=1)
+        first = received(url)
+        assert first["version"] == "1"
+        assert first["checksums"] == expected_checksums(model)
+        assert "lm_head.weight" in first["checksums"]  # untied: its own tensor
+        assert first["log"] == [
+            "/init_weight_transfer_engine",
+            "/pause",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/resume",
+        ]
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01)
+        backend.sync(model, version=2)
+        second = received(url)
+        assert second["version"] == "2" and second["checksums"] == expected_checksums(model)
+        assert second["checksums"] != first["checksums"]
+        backend.close()
+        assert received(url)["log"][-1] == "/shutdown_weight_transfer_engine"
+
+
+def test_a_rejected_update_fails_at_once_and_generation_resumes():
+    with against_double(fault="reject_update") as (url, sender):
+        backend = sender()
+        started = time.monotonic()
+        with pytest.raises(WeightTransferError, match="unknown parameter 'bogus'"):
+            backend.sync(tiny_model(), version=1)
+        assert time.monotonic() - started < 10  # not the 30 s collective timeout
+        log = received(url)["log"]
+        assert log[-2:] == ["/finish_weight_update", "/resume"]  # best-effort finish, then resume
+        with pytest.raises(WeightTransferError, match="earlier failure"):
+            backend.sync(tiny_model(), version=2)
+
+
+def test_a_server_that_never_joins_times_out_with_a_clear_error():
+    with against_double(fault="never_join") as (_, sender):
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="joining"):
+            sender(timeout_s=3)
+        assert time.monotonic() - started < 15
+
+
+def test_a_server_that_stops_receiving_cannot_hang_the_trainer():
+    with against_double(fault="stall_receive") as (url, sender):
+        backend = sender(timeout_s=4)
+        started = time.monotonic()
+        with pytest.raises(WeightTransferError, match="weight sync v1 failed"):
+            backend.sync(tiny_model(), version=1)
+        assert time.monotonic() - started < 30
+        assert received(url)["log"][-1] == "/resume"
+
+
+def test_fsdp2_sharded_weights_sync_from_two_processes():
+    """Two CPU processes shard the model with FSDP2; both gather, rank 0 sends."""
+    model = tiny_model()
+    with running_double() as url:
+        port = free_port()
+        workers = [
+            subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("fsdp_sync_worker.py")), url],
+                env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""},
+            )
+            for rank in range(2)
+        ]
+        assert [worker.wait(timeout=120) for worker in workers] == [0, 0]
+        answer = received(url)
+        assert answer["version"] == "1"
+        assert answer["checksums"] == expected_checksums(model)
+
+
+# -- the NCCL data plane (GPU) -----------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_nccl_library_mints_ids_and_runs_collectives_on_one_gpu():
+    from asyncgrpo.weight_sync.nccl_library import NcclCommunicator, NcclLibrary
+
+    library = NcclLibrary()
+    assert library.version().startswith("2.")
+    unique_id = library.new_unique_id()
+    assert len(unique_id) == 128 and unique_id != library.new_unique_id()
+    device = torch.device("cuda", 0)
+    communicator = NcclCommunicator(library, unique_id, 0, 1, device, timeout_s=30)
+    total = torch.full((4,), 3.0, device=device)
+    communicator.all_reduce_sum(total, timeout_s=30)
+    assert total.tolist() == [3.0] * 4
+    payload = torch.arange(1000, dtype=torch.uint8, device=device)
+    communicator.broadcast(payload, root=0, timeout_s=30)
+    assert torch.equal(payload, torch.arange(1000, dtype=torch.uint8, device=device))
+    communicator.close()
+
+
+@pytest.mark.gpu
+def test_nccl_weights_arrive_bit_exact_on_a_second_gpu():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs: the receiver double on GPU 0, the trainer on GPU 1")
+    from asyncgrpo.weight_sync.transport import NcclTransport
+
+    torch.cuda.set_device(1)
+    model = tiny_model().to("cuda:1", torch.bfloat16)
+    loop = BackgroundLoop()
+    with running_double(receiver="nccl", device="cuda:0") as url:
+        client = VLLMClient(url, timeout=60)
+        backend = NcclWeightSync(client, loop, NcclTransport(), timeout_s=60, bucket_bytes=1 << 20)
+        backend.sync(model, version=1)
+        answer = received(url)
+        assert answer["version"] == "1" and answer["checksums"] == expected_checksums(model)
+        backend.close()
+        loop.run(client.close())
+    loop.close()
+
+
+def test_server_engine_and_version_detection():
+    from asyncgrpo.weight_sync.nccl import server_transfer_backend, vllm_at_least
+
+    assert server_transfer_backend({"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}) == "nccl"
+    assert server_transfer_backend({"vllm_config": {"weight_transfer_config": None}}) is None
+    assert server_transfer_backend(None) is None
+    assert vllm_at_least("0.32.0+cpu", (0, 30)) and vllm_at_least("1.0.0", (0, 30))
+    assert not vllm_at_least("0.11.1rc2.dev3", (0, 30)) and not vllm_at_least("unknown", (0, 30))
