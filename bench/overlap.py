@@ -34,6 +34,12 @@ from asyncgrpo.tiny_model import save_tiny_model
 STEPS = 24
 WARMUP_STEPS = 4  # compilation and the first fill of the queue
 TARGET = 1.10
+# What holds generation back, per logging step (see README "Three limits on generation").
+DIAGNOSTICS = (
+    "rollout/generated_tokens_per_s", "rollout/concurrency", "rollout/concurrency_cap", "rollout/backpressure_s",
+    "perf/weight_sync_s", "perf/weight_sync_pause_s", "sample/staleness_mean", "frac_zero_std_groups",
+    "batch/samples_per_step",
+)  # fmt: skip
 
 
 def token_parity_reward(completion_ids, **kwargs):
@@ -104,6 +110,9 @@ def main() -> None:
     print(f"synchronous: {sync_step:.3f} s/step = generation {generation:.3f} + training {training:.3f}")
     print(f"async:       {async_step:.3f} s/step (waiting {statistics.mean(e['perf/rollout_wait_s'] for e in asynchronous):.3f})")
     print(f"ideal async: {ideal:.3f} s/step = max(generation, training)")
+    for name, history in (("synchronous", synchronous), ("async", asynchronous)):
+        means = {key: statistics.mean(e[key] for e in history if key in e) for key in DIAGNOSTICS if any(key in e for e in history)}
+        print(f"{name} means: " + ", ".join(f"{key}={value:.3g}" for key, value in means.items()))
     print(f"server on cores {sorted(server_cores)}, trainer and worker on cores {sorted(trainer_cores)}, "
           f"a weight sync every {cli.weight_sync_steps} step(s)")
     print(f"overlap async_step_s={async_step:.3f} sync_step_s={sync_step:.3f} ideal_s={ideal:.3f} "
