@@ -1,6 +1,7 @@
 """One process of `test_two_processes_train_against_the_server`: AsyncGRPOTrainer launched with
 torchrun on two CPU processes (FSDP2 over gloo) for a few steps against a real vLLM server.
-argv: server URL, model dir, output dir. Rank 0 writes the logged history to output_dir/history.json."""
+argv: server URL, model dir, output dir, max_steps[, checkpoint to resume from]; a checkpoint every
+2 steps. Rank 0 writes the logged history to output_dir/history-<max_steps>.json."""
 
 from __future__ import annotations
 
@@ -19,13 +20,17 @@ from test_trainer_e2e import make_config, prompts, token_parity_reward  # noqa: 
 
 
 def main() -> None:
-    url, model_dir, output_dir = sys.argv[1:4]
-    config = make_config(SimpleNamespace(url=url), output_dir, max_steps=3, learning_rate=1e-3, use_cpu=True)
+    url, model_dir, output_dir, max_steps = sys.argv[1:5]
+    resume = sys.argv[5] if len(sys.argv) > 5 else None
+    config = make_config(
+        SimpleNamespace(url=url), output_dir, max_steps=int(max_steps), learning_rate=1e-3, use_cpu=True,
+        save_strategy="steps", save_steps=2,
+    )  # fmt: skip
     trainer = AsyncGRPOTrainer(model_dir, token_parity_reward, config, train_dataset=prompts())
     assert trainer.accelerator.num_processes == 2, "the trainer must see both processes"
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     if dist.get_rank() == 0:
-        (Path(output_dir) / "history.json").write_text(json.dumps(trainer.state.log_history))
+        (Path(output_dir) / f"history-{max_steps}.json").write_text(json.dumps(trainer.state.log_history))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,22 @@ def test_weights_arrive_exactly_with_the_protocol_in_order():
         assert received(url)["log"][-1] == "/shutdown_weight_transfer_engine"
 
 
+def test_two_servers_join_one_group_at_their_rank_offsets():
+    """Trainer rank 0, server A's worker rank 1, server B's rank 2: both receive every weight."""
+    model = tiny_model()
+    loop = BackgroundLoop()
+    with running_double() as first_url, running_double() as second_url:
+        client = VLLMClient([first_url, second_url], timeout=30)
+        backend = NcclWeightSync(client, loop, GlooTransport(), timeout_s=30, bucket_bytes=64 * 1024)
+        backend.sync(model, version=1)
+        for url in (first_url, second_url):
+            answer = received(url)
+            assert answer["version"] == "1" and answer["checksums"] == expected_checksums(model)
+        backend.close()
+        loop.run(client.close())
+    loop.close()
+
+
 def test_a_rejected_update_fails_at_once_and_generation_resumes():
     with against_double(fault="reject_update") as (url, sender):
         backend = sender()

@@ -20,7 +20,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainerState
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer import OPTIMIZER_NAME as OPTIMIZER_FILE
+from transformers.trainer import SCHEDULER_NAME as SCHEDULER_FILE
+from transformers.trainer import TRAINER_STATE_NAME as TRAINER_STATE_FILE
+from transformers.trainer_utils import TrainOutput, rotate_checkpoints
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.background import BackgroundLoop
@@ -37,7 +40,7 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.compile import compile_decoder_layers
-from asyncgrpo.trainer.distributed import Processes, local_value, shard_model
+from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state, local_value, shard_model
 from asyncgrpo.trainer.checks import (
     check_conversational,
     check_launch,
@@ -157,16 +160,16 @@ class AsyncGRPOTrainer(Trainer):
         check_launch(self.accelerator.num_processes, args.use_cpu)
         self._processes = Processes(self.accelerator.num_processes, self.accelerator.process_index)
         if self._processes.distributed:
-            check_multi_process(
-                args, resume_from_checkpoint, self.is_fsdp_enabled or self.is_deepspeed_enabled, self.optimizer is not None
-            )
+            check_multi_process(self.is_fsdp_enabled or self.is_deepspeed_enabled, self.optimizer is not None)
         self.accelerator.free_memory()
         rollout_state = self._restore_state(args, resume_from_checkpoint)
         if self._processes.distributed:
             # FSDP2 applied here, not by accelerate: the packed forward must be registered with it.
-            shard_model(self.model)
+            shard_model(self.model)  # the checkpoint's weights are already in (Trainer.train loads them)
             self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
             model = self.model_wrapped = self.model
+            if resume_from_checkpoint:
+                self._load_sharded_optimizer(resume_from_checkpoint)
         else:
             model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
         if self._compile_layers:
@@ -472,8 +475,16 @@ class AsyncGRPOTrainer(Trainer):
         """The base checkpoint plus rollout_state.json, written first and atomically."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        directory = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        run_directory = Path(self._get_output_dir(trial=trial))
+        directory = run_directory / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self._processes.distributed:
+            self._save_sharded_checkpoint(model, directory, run_directory)
+            return
         directory.mkdir(parents=True, exist_ok=True)
+        self._save_rollout_state(directory)
+        super()._save_checkpoint(model, trial)
+
+    def _save_rollout_state(self, directory: Path) -> None:
         watermark, consumed_after = self._ledger.state()
         RolloutState(
             first_untrained_index=watermark,
@@ -482,7 +493,29 @@ class AsyncGRPOTrainer(Trainer):
             model_version=self._model_version,
             num_tokens=self._num_tokens,
         ).save(directory)
-        super()._save_checkpoint(model, trial)
+
+    def _save_sharded_checkpoint(self, model, directory: Path, run_directory: Path) -> None:
+        """Every rank helps gather the full model and optimizer states; rank 0 writes a checkpoint
+        with the same files a single-process run writes."""
+        model_state, optimizer_state = full_state(model, self.optimizer)
+        if self._processes.is_main:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._save_rollout_state(directory)
+            self.model.save_pretrained(directory, state_dict=model_state)
+            self.processing_class.save_pretrained(directory)
+            torch.save(optimizer_state, directory / OPTIMIZER_FILE)
+            torch.save(self.lr_scheduler.state_dict(), directory / SCHEDULER_FILE)
+            self.state.save_to_json(str(directory / TRAINER_STATE_FILE))
+            rotate_checkpoints(
+                output_dir=str(run_directory),
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+            )
+        self._processes.gather(None)  # no rank runs ahead of a checkpoint being written
+
+    def _load_sharded_optimizer(self, checkpoint: str) -> None:
+        load_optimizer_state(self.model, self.optimizer, torch.load(Path(checkpoint) / OPTIMIZER_FILE, weights_only=False))
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=False))
 
     # -- helpers --------------------------------------------------------------------------------------------
 

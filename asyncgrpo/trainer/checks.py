@@ -108,8 +108,8 @@ def check_launch(num_processes: int, use_cpu: bool) -> None:
         )
 
 
-def check_multi_process(args, resume_from_checkpoint, sharded_by_accelerate: bool, has_optimizer: bool) -> None:
-    """What several training processes do not support (yet), said before anything starts."""
+def check_multi_process(sharded_by_accelerate: bool, has_optimizer: bool) -> None:
+    """What several training processes do not support, said before anything starts."""
     if sharded_by_accelerate:
         raise ValueError(
             "asyncgrpo shards the model with FSDP2 itself when launched on several processes: launch with "
@@ -118,10 +118,4 @@ def check_multi_process(args, resume_from_checkpoint, sharded_by_accelerate: boo
     if has_optimizer:
         raise ValueError(
             "with several processes the optimizer is built after sharding: do not pass `optimizers`"
-        )
-    if resume_from_checkpoint:
-        raise NotImplementedError("resuming a multi-process run is not available in this version yet")
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
-        raise NotImplementedError(
-            "checkpoints of multi-process runs are not available in this version yet: set save_strategy='no'"
         )
