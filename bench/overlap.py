@@ -59,6 +59,17 @@ class SynchronousTrainer(AsyncGRPOTrainer):
         self._http.run(self._client.resume())
 
 
+def worker_on(trainer_class, cores: set[int]):
+    """`trainer_class` with its rollout worker process pinned to `cores` once started."""
+
+    class Pinned(trainer_class):
+        def _setup_generation(self, args, rollout_state):
+            super()._setup_generation(args, rollout_state)
+            os.sched_setaffinity(self._worker.process.pid, cores)
+
+    return Pinned
+
+
 def run(trainer_class, server_url: str, model_dir: Path, output_dir: Path, weight_sync_steps: int) -> list[dict]:
     args = AsyncGRPOConfig(
         output_dir=str(output_dir),
@@ -85,6 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shared-cores", action="store_true", help="server and trainer on the same cores")
     parser.add_argument("--weight-sync-steps", type=int, default=1, help="both schedules sync this often")
+    parser.add_argument("--worker-with-server", action="store_true", help="the rollout worker on the server's core")
     cli = parser.parse_args()
     shared = cli.shared_cores
     torch.set_num_threads(1)  # the server needs the other core (see demo.py)
@@ -100,8 +112,9 @@ def main() -> None:
     options = ServerOptions(model=str(model_dir), port=port, max_model_len=1024, dtype="float32", cpu=True)
     with VLLMServer(options, log_path=work / "vllm.log"):
         os.sched_setaffinity(0, trainer_cores)  # the trainer, and the worker it spawns
-        synchronous = run(SynchronousTrainer, options.url, model_dir, work / "sync", cli.weight_sync_steps)
-        asynchronous = run(AsyncGRPOTrainer, options.url, model_dir, work / "async", cli.weight_sync_steps)
+        worker_cores = server_cores if cli.worker_with_server else trainer_cores
+        synchronous = run(worker_on(SynchronousTrainer, worker_cores), options.url, model_dir, work / "sync", cli.weight_sync_steps)
+        asynchronous = run(worker_on(AsyncGRPOTrainer, worker_cores), options.url, model_dir, work / "async", cli.weight_sync_steps)
     generation = statistics.mean(e["perf/rollout_wait_s"] for e in synchronous)
     training = statistics.mean(e["perf/step_s"] - e["perf/rollout_wait_s"] for e in synchronous)
     sync_step = statistics.mean(e["perf/step_s"] for e in synchronous)
@@ -113,7 +126,7 @@ def main() -> None:
     for name, history in (("synchronous", synchronous), ("async", asynchronous)):
         means = {key: statistics.mean(e[key] for e in history if key in e) for key in DIAGNOSTICS if any(key in e for e in history)}
         print(f"{name} means: " + ", ".join(f"{key}={value:.3g}" for key, value in means.items()))
-    print(f"server on cores {sorted(server_cores)}, trainer and worker on cores {sorted(trainer_cores)}, "
+    print(f"server on cores {sorted(server_cores)}, trainer on {sorted(trainer_cores)}, worker on {sorted(worker_cores)}, "
           f"a weight sync every {cli.weight_sync_steps} step(s)")
     print(f"overlap async_step_s={async_step:.3f} sync_step_s={sync_step:.3f} ideal_s={ideal:.3f} "
           f"ratio={async_step / ideal:.2f} target={TARGET:.2f}")  # fmt: skip
