@@ -249,3 +249,14 @@ def test_server_engine_and_version_detection():
     assert server_transfer_backend(None) is None
     assert vllm_at_least("0.32.0+cpu", (0, 30)) and vllm_at_least("1.0.0", (0, 30))
     assert not vllm_at_least("0.11.1rc2.dev3", (0, 30)) and not vllm_at_least("unknown", (0, 30))
+
+
+@pytest.mark.gpu
+def test_an_nccl_peer_that_never_joins_times_out():
+    from asyncgrpo.weight_sync.nccl_library import NcclCommunicator, NcclLibrary
+
+    library = NcclLibrary()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="not every one of the 2 ranks joined within 3 s"):
+        NcclCommunicator(library, library.new_unique_id(), 0, 2, torch.device("cuda", 0), timeout_s=3)
+    assert time.monotonic() - started < 10
