@@ -96,3 +96,10 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     them must call it in the same order), the tensor itself otherwise."""
     gather = getattr(tensor, "full_tensor", None)
     return gather() if gather is not None else tensor
+
+
+def join_gathers(model: torch.nn.Module) -> None:
+    """A non-sending process's part of a sync: every gather, in the sender's order, each result
+    dropped at once."""
+    for _name, tensor in serving_tensors(model):
+        full_tensor(tensor)

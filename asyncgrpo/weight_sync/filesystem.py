@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, serving_tensors
+from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, join_gathers, serving_tensors
 
 
 class FilesystemWeightSync(WeightSyncBackend):
@@ -28,14 +28,14 @@ class FilesystemWeightSync(WeightSyncBackend):
         self._current: Path | None = None
 
     def prepare(self, model: torch.nn.Module, version: int) -> Path | None:
-        tensors = {name: full_tensor(tensor) for name, tensor in serving_tensors(model)}  # all ranks gather
         if not self.is_sender:
+            join_gathers(model)
             return None
         target = self.directory / f"v{version}"
         staging = self.directory / f".v{version}.partial"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        tensors = {name: tensor.to("cpu").contiguous() for name, tensor in tensors.items()}
+        tensors = {name: full_tensor(tensor).to("cpu").contiguous() for name, tensor in serving_tensors(model)}
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)  # a reader never sees a half-written version

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, serving_tensors
+from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, join_gathers, serving_tensors
 from asyncgrpo.weight_sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_NUM_BUFFERS,
@@ -100,12 +100,10 @@ class NcclWeightSync(WeightSyncBackend):
             raise
 
     def prepare(self, model: torch.nn.Module, version: int) -> PreparedWeights | None:
-        tensors = serving_tensors(model)
         if not self.is_sender:
-            # Non-senders only take part in the gathers, in the order the sender runs them.
-            for _name, tensor in tensors:
-                full_tensor(tensor)
+            join_gathers(model)
             return None
+        tensors = serving_tensors(model)
         update_info = {
             "names": [name for name, _ in tensors],
             "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in tensors],
