@@ -123,6 +123,8 @@ class NcclWeightSync(WeightSyncBackend):
             self._broken = f"{type(error).__name__}: {error}"
             self.transport.abort()
             self._best_effort(self.client.finish_weight_update(str(version), timeout=CLEANUP_TIMEOUT_S))
+            if not isinstance(error, Exception):
+                raise  # an interrupt stays an interrupt (after the cleanup above)
             raise WeightTransferError(
                 f"weight sync v{version} failed ({self._broken}); the vLLM server may be stuck in the "
                 "transfer: restart it before training on"
