@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -89,17 +89,18 @@ def test_the_tcp_store_payload_unpickles_as_vllms_unique_id():
 
 
 @contextmanager
-def against_double(fault: str = "none"):
-    """A double of the server in its own process, and a factory of senders talking to it."""
+def against_doubles(count: int = 1, fault: str = "none", receiver: str = "gloo", device: str = "cpu", transport=GlooTransport):
+    """`count` doubles of a server, each in its own process, and a factory of senders to all of them."""
     loop = BackgroundLoop()
-    with running_double(fault=fault) as url:
-        client = VLLMClient(url, timeout=30)
+    with ExitStack() as stack:
+        urls = [stack.enter_context(running_double(fault=fault, receiver=receiver, device=device)) for _ in range(count)]
+        client = VLLMClient(urls, timeout=60)
 
         def sender(timeout_s: float = 30, **options) -> NcclWeightSync:
-            return NcclWeightSync(client, loop, GlooTransport(), timeout_s=timeout_s, **options)
+            return NcclWeightSync(client, loop, transport(), timeout_s=timeout_s, **options)
 
         try:
-            yield url, sender
+            yield urls, sender
         finally:
             loop.run(client.close())
     loop.close()
@@ -107,7 +108,7 @@ def against_double(fault: str = "none"):
 
 def test_weights_arrive_exactly_with_the_protocol_in_order():
     model = tiny_model()
-    with against_double() as (url, sender):
+    with against_doubles() as ([url], sender):
         backend = sender(bucket_bytes=64 * 1024)
         backend.sync(model, version=1)
         first = received(url)
@@ -136,21 +137,17 @@ def test_weights_arrive_exactly_with_the_protocol_in_order():
 def test_two_servers_join_one_group_at_their_rank_offsets():
     """Trainer rank 0, server A's worker rank 1, server B's rank 2: both receive every weight."""
     model = tiny_model()
-    loop = BackgroundLoop()
-    with running_double() as first_url, running_double() as second_url:
-        client = VLLMClient([first_url, second_url], timeout=30)
-        backend = NcclWeightSync(client, loop, GlooTransport(), timeout_s=30, bucket_bytes=64 * 1024)
+    with against_doubles(count=2) as (urls, sender):
+        backend = sender(bucket_bytes=64 * 1024)
         backend.sync(model, version=1)
-        for url in (first_url, second_url):
+        for url in urls:
             answer = received(url)
             assert answer["version"] == "1" and answer["checksums"] == expected_checksums(model)
         backend.close()
-        loop.run(client.close())
-    loop.close()
 
 
 def test_a_rejected_update_fails_at_once_and_generation_resumes():
-    with against_double(fault="reject_update") as (url, sender):
+    with against_doubles(fault="reject_update") as ([url], sender):
         backend = sender()
         started = time.monotonic()
         with pytest.raises(WeightTransferError, match="unknown parameter 'bogus'"):
@@ -163,7 +160,7 @@ def test_a_rejected_update_fails_at_once_and_generation_resumes():
 
 
 def test_a_server_that_never_joins_times_out_with_a_clear_error():
-    with against_double(fault="never_join") as (_, sender):
+    with against_doubles(fault="never_join") as (_, sender):
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="joining"):
             sender(timeout_s=3)
@@ -171,7 +168,7 @@ def test_a_server_that_never_joins_times_out_with_a_clear_error():
 
 
 def test_a_server_that_stops_receiving_cannot_hang_the_trainer():
-    with against_double(fault="stall_receive") as (url, sender):
+    with against_doubles(fault="stall_receive") as ([url], sender):
         backend = sender(timeout_s=4)
         started = time.monotonic()
         with pytest.raises(WeightTransferError, match="weight sync v1 failed"):
@@ -229,16 +226,12 @@ def test_nccl_weights_arrive_bit_exact_on_a_second_gpu():
 
     torch.cuda.set_device(1)
     model = tiny_model().to("cuda:1", torch.bfloat16)
-    loop = BackgroundLoop()
-    with running_double(receiver="nccl", device="cuda:0") as url:
-        client = VLLMClient(url, timeout=60)
-        backend = NcclWeightSync(client, loop, NcclTransport(), timeout_s=60, bucket_bytes=1 << 20)
+    with against_doubles(receiver="nccl", device="cuda:0", transport=NcclTransport) as ([url], sender):
+        backend = sender(timeout_s=60, bucket_bytes=1 << 20)
         backend.sync(model, version=1)
         answer = received(url)
         assert answer["version"] == "1" and answer["checksums"] == expected_checksums(model)
         backend.close()
-        loop.run(client.close())
-    loop.close()
 
 
 def test_server_engine_and_version_detection():

@@ -128,24 +128,17 @@ def test_flex_matches_dense_reference(num_tokens):
         compare_with_reference(rng, num_tokens)
 
 
-def test_sliding_window_matches_dense_reference():
-    rng = np.random.default_rng(1)
-    for num_tokens in (90, 260):
-        windowed = compare_with_reference(rng, num_tokens, window=6)
-    rng = np.random.default_rng(1)
-    for num_tokens in (90, 260):
-        full = compare_with_reference(rng, num_tokens)
-    assert not torch.allclose(windowed, full, atol=1e-3), "a window of 6 must change the output"
-
-
-def test_softcap_score_mod_matches_dense_reference():
-    rng = np.random.default_rng(2)
-    for num_tokens in (100, 300):
-        capped = compare_with_reference(rng, num_tokens, softcap=0.5)
-    rng = np.random.default_rng(2)
-    for num_tokens in (100, 300):
+@pytest.mark.parametrize(
+    "feature, seed, sizes", [({"window": 6}, 1, (90, 260)), ({"softcap": 0.5}, 2, (100, 300))], ids=["window", "softcap"]
+)
+def test_sliding_window_and_softcap_match_dense_reference(feature, seed, sizes):
+    rng = np.random.default_rng(seed)
+    for num_tokens in sizes:
+        modified = compare_with_reference(rng, num_tokens, **feature)
+    rng = np.random.default_rng(seed)
+    for num_tokens in sizes:
         plain = compare_with_reference(rng, num_tokens)
-    assert not torch.allclose(capped, plain, atol=1e-3), "a cap of 0.5 must change the output"
+    assert not torch.allclose(modified, plain, atol=1e-3), f"{feature} must change the output"
 
 
 @pytest.mark.gpu

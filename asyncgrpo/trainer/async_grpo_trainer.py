@@ -179,6 +179,8 @@ class AsyncGRPOTrainer(Trainer):
         self._initial_global_step = self.state.global_step
         try:
             self._setup_generation(args, rollout_state)
+            self._flops = flop_model(self.model)
+            self._peak_flops = device_peak_flops(self.args.device, self._compute_dtype())
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             self._sync_weights(model)  # the server runs exactly the weights training starts from
             while not self._processes.broadcast(self._should_stop(args) if self._processes.is_main else None):
@@ -246,8 +248,6 @@ class AsyncGRPOTrainer(Trainer):
         if not self._processes.is_main:
             self.token_budget, backend = self._processes.broadcast(None)
             self._weight_sync = non_sending_weight_sync(backend)
-            self._flops = flop_model(self.model)
-            self._peak_flops = device_peak_flops(self.args.device, self._compute_dtype())
             return
         check_worker_payload(self.reward_funcs, self.loop_cls)  # before anything slow: a lambda fails here
         self._http = BackgroundLoop()
@@ -289,8 +289,6 @@ class AsyncGRPOTrainer(Trainer):
         self._worker.publish_model_version(self._model_version)
         self._worker.start(ready_timeout=args.vllm_server_timeout + 300)
         self._processes.broadcast((self.token_budget, self._weight_sync.name))
-        self._flops = flop_model(self.model)
-        self._peak_flops = device_peak_flops(self.args.device, self._compute_dtype())
 
     def _teardown_generation(self) -> None:
         """Close what `_setup_generation` got to open, even when it failed half-way."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from asyncgrpo.logprobs import PACKED_FORWARD_METHOD, packed_forward
+from asyncgrpo.weight_sync.base import full_tensor
 
 T = TypeVar("T")
 
@@ -73,9 +74,7 @@ def shard_model(model: torch.nn.Module) -> None:
 
 def local_value(value: torch.Tensor | float) -> float:
     """A scalar that may be a DTensor (e.g. a grad norm of sharded gradients) as a float."""
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return float(value)
+    return float(full_tensor(value)) if isinstance(value, torch.Tensor) else float(value)
 
 
 def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:

@@ -160,32 +160,25 @@ class NcclCommunicator:
         self._comm = outcome["comm"]  # type: ignore[assignment]
 
     def all_reduce_sum(self, tensor: torch.Tensor, timeout_s: float) -> None:
-        self._enqueue(
-            "ncclAllReduce",
-            tensor,
-            lambda stream: self.library._lib.ncclAllReduce(
-                tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _data_type(tensor), _SUM, self._comm, stream
-            ),
-        )
-        self.wait(timeout_s, "all_reduce")
+        self._run("all_reduce", tensor, timeout_s, lambda lib, stream: lib.ncclAllReduce(
+            tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _data_type(tensor), _SUM, self._comm, stream
+        ))  # fmt: skip
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float) -> None:
         """Broadcast `tensor` (contiguous, on this device) from `root`; returns once it completed."""
-        self._enqueue(
-            "ncclBroadcast",
-            tensor,
-            lambda stream: self.library._lib.ncclBroadcast(
-                tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _data_type(tensor), root, self._comm, stream
-            ),
-        )
-        self.wait(timeout_s, "broadcast")
+        self._run("broadcast", tensor, timeout_s, lambda lib, stream: lib.ncclBroadcast(
+            tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _data_type(tensor), root, self._comm, stream
+        ))  # fmt: skip
 
-    def _enqueue(self, what: str, tensor: torch.Tensor, call) -> None:
+    def _run(self, what: str, tensor: torch.Tensor, timeout_s: float, call) -> None:
+        """Enqueue one collective on this device's current stream, then wait for it (bounded)."""
         if self._comm is None:
             raise NcclError("the NCCL communicator is closed")
         if not tensor.is_contiguous() or tensor.device != self.device:
             raise ValueError(f"{what} needs a contiguous tensor on {self.device}, got {tensor.device}")
-        self.library.check(call(ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)), what)
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        self.library.check(call(self.library._lib, stream), what)
+        self.wait(timeout_s, what)
 
     def wait(self, timeout_s: float, what: str) -> None:
         """Wait for the work enqueued so far on the current stream, polling NCCL for peer failures."""
