@@ -76,20 +76,25 @@ def test_missing_logprobs_is_a_clear_error():
 
 
 def test_generate_endpoint_body():
+    # vLLM's shape for logprobs=3 (num_top + 1, as generate_tokens asks): the sampled token first,
+    # then the most likely in rank order, cut to 3 entries. The top 2 are picked by rank whether the
+    # sampled token is one of them (position 0), outside the list's top 3 (1), or third (2).
+    def entry(token_id, ranked):
+        top = [{"token_id": t, "logprob": -0.1 * r, "rank": r} for t, r in ranked]
+        return {"token_id": token_id, "logprob": top[0]["logprob"], "top_logprobs": top}
+
     body = json.dumps(
         {
             "choices": [
                 {
-                    "token_ids": [5, 6],
+                    "token_ids": [5, 6, 7],
                     "finish_reason": "stop",
-                    "sampling_mask": [[5, 8], [6]],
+                    "sampling_mask": [[5, 8], [6], [7]],
                     "logprobs": {
                         "content": [
-                            {"token_id": 5, "logprob": -0.3, "top_logprobs": [
-                                {"token_id": 5, "logprob": -0.3}, {"token_id": 8, "logprob": -1.4}]},
-                            {"token_id": 6, "logprob": -2.0, "top_logprobs": [
-                                {"token_id": 6, "logprob": -2.0}, {"token_id": 1, "logprob": -0.1},
-                                {"token_id": 6, "logprob": -2.0}]},
+                            entry(5, [(5, 1), (8, 2), (9, 3)]),
+                            entry(6, [(6, 7), (1, 1), (4, 2)]),
+                            entry(7, [(7, 3), (2, 1), (0, 2)]),
                         ]
                     },
                 }
@@ -97,5 +102,7 @@ def test_generate_endpoint_body():
         }
     ).encode()
     completion = parse_generate_response(body, num_top=2)
-    assert completion.top_ids.tolist() == [[5, 8], [1, 6]]
-    assert [mask.tolist() for mask in completion.sampling_masks] == [[5, 8], [6]]
+    assert completion.top_ids.tolist() == [[5, 8], [1, 4], [2, 0]]
+    np.testing.assert_allclose(completion.top_logprobs, [[-0.1, -0.2]] * 3, rtol=1e-6)
+    np.testing.assert_allclose(completion.logprobs, [-0.1, -0.7, -0.3], rtol=1e-6)
+    assert [mask.tolist() for mask in completion.sampling_masks] == [[5, 8], [6], [7]]

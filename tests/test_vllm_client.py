@@ -38,9 +38,13 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
-async def _complete(url: str, prompt_ids, sampling: SamplingParams, seed: int = 0, model: str | None = None):
+async def _complete(
+    url: str, prompt_ids, sampling: SamplingParams, seed: int = 0, model: str | None = None, route: str = "complete"
+):
+    """One sample through `/v1/completions` (`route="complete"`) or `/inference/v1/generate`
+    (`route="generate_tokens"`)."""
     async with VLLMClient(url, timeout=120) as client:
-        return await client.complete(prompt_ids, sampling, seed=seed, model=model)
+        return await getattr(client, route)(prompt_ids, sampling, seed=seed, model=model)
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(vllm_server, hf_model, prompt_ids):
@@ -52,9 +56,10 @@ def test_greedy_tokens_and_logprobs_match_transformers(vllm_server, hf_model, pr
     np.testing.assert_allclose(completion.logprobs, expected.numpy(), atol=1e-4)
 
 
-def test_processed_logprobs_and_top_n_at_temperature(vllm_server, hf_model, prompt_ids):
+@pytest.mark.parametrize("route", ["complete", "generate_tokens"])
+def test_processed_logprobs_and_top_n_at_temperature(vllm_server, hf_model, prompt_ids, route):
     sampling = SamplingParams(max_tokens=32, temperature=0.7, num_top_logprobs=5)
-    completion = run(_complete(vllm_server.url, prompt_ids, sampling, seed=1234))
+    completion = run(_complete(vllm_server.url, prompt_ids, sampling, seed=1234, route=route))
     logits = hf_logits(hf_model, prompt_ids, completion.token_ids.tolist())
     logprobs = torch.log_softmax(logits / 0.7, -1)
     sampled = logprobs.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
@@ -63,10 +68,23 @@ def test_processed_logprobs_and_top_n_at_temperature(vllm_server, hf_model, prom
     assert completion.top_ids.shape == (32, 5)
     # (In vLLM's order: the sampled token first when it is among them.)
     top_ids = logprobs.topk(5, dim=-1).indices
+    sampled_outside_top = [token not in top for token, top in zip(completion.token_ids.tolist(), top_ids.tolist())]
+    assert any(sampled_outside_top) and not all(sampled_outside_top)  # both cases are exercised
     for position in range(32):
         assert sorted(completion.top_ids[position].tolist()) == sorted(top_ids[position].tolist())
         expected = logprobs[position, torch.tensor(completion.top_ids[position])]
         np.testing.assert_allclose(completion.top_logprobs[position], expected.numpy(), atol=1e-4)
+
+
+def test_both_routes_draw_the_same_sample_for_a_seed(vllm_server, prompt_ids):
+    sampling = SamplingParams(max_tokens=24, temperature=1.0, num_top_logprobs=3)
+    completion = run(_complete(vllm_server.url, prompt_ids, sampling, seed=99))
+    generated = run(_complete(vllm_server.url, prompt_ids, sampling, seed=99, route="generate_tokens"))
+    assert completion.token_ids.tolist() == generated.token_ids.tolist()
+    assert completion.finish_reason == generated.finish_reason
+    np.testing.assert_allclose(completion.logprobs, generated.logprobs, atol=1e-5)
+    # The same top 3 per token (in rank order from the token route, the server's order otherwise).
+    np.testing.assert_allclose(np.sort(completion.top_logprobs), np.sort(generated.top_logprobs), atol=1e-5)
 
 
 def test_seeds_make_requests_reproducible_and_distinct(vllm_server, prompt_ids):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncgrpo.generation.client import SamplingParams, VLLMClient
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_cache_salt
 
 pytestmark = pytest.mark.vllm
 
@@ -63,6 +63,36 @@ def test_reload_weights_from_directory_serves_the_new_weights(vllm_server, tiny_
     assert before.token_ids.tolist() != after.token_ids.tolist()
     original_tokens, _ = greedy_reference(original, PROMPT, 20)
     assert before.token_ids.tolist() == original_tokens == restored.token_ids.tolist()
+
+
+def test_after_a_sync_without_a_cache_clear_the_new_version_never_reuses_old_prefixes(
+    vllm_server, tiny_model_dir, tmp_path
+):
+    """The trainer pauses without clearing caches (frozen requests keep their KV) and sends each
+    request's policy version as its cache salt. A prompt spanning several KV blocks, cached under
+    version 0, must then run entirely on the new weights under version 1's salt; the control, the
+    same prompt under version 0's salt, shows the old blocks really were still cached."""
+    new_model = perturbed_copy(tiny_model_dir, tmp_path / "v1", seed=2)
+    long_prompt = [int(token) for token in torch.randint(10, 900, (600,), generator=torch.Generator().manual_seed(0))]
+    one_token = SamplingParams(max_tokens=4, temperature=0.0, num_top_logprobs=0)
+
+    async def scenario():
+        async with VLLMClient(vllm_server.url, timeout=60) as client:
+            await client.complete(long_prompt, one_token, seed=0, cache_salt=policy_cache_salt(0))
+            await client.pause(mode="keep")
+            await client.reload_weights(str(tmp_path / "v1"), version="1")
+            await client.resume()
+            fresh = await client.complete(long_prompt, one_token, seed=0, cache_salt=policy_cache_salt(1))
+            stale = await client.complete(long_prompt, one_token, seed=0, cache_salt=policy_cache_salt(0))
+            await client.reload_weights(str(tiny_model_dir), version="0")
+            await client.reset_prefix_cache()  # no request holds blocks now: leave no stale prefix behind
+            return fresh, stale
+
+    fresh, stale = asyncio.run(scenario())
+    expected_tokens, expected_logprobs = greedy_reference(new_model, long_prompt, 4)
+    assert fresh.token_ids.tolist() == expected_tokens
+    np.testing.assert_allclose(fresh.logprobs, expected_logprobs, atol=1e-4)
+    assert np.abs(stale.logprobs - expected_logprobs).max() > 1e-3  # reused KV of the old weights
 
 
 @pytest.fixture(scope="module")

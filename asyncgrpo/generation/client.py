@@ -83,6 +83,13 @@ class SamplingParams:
         }
 
 
+def policy_cache_salt(version: int) -> str:
+    """The `cache_salt` of a request sent under policy `version`. vLLM keys prefix-cache blocks by
+    it, so after a weight sync new requests never reuse KV computed by older weights, and nothing
+    needs the prefix cache emptied while frozen requests still hold blocks."""
+    return f"asyncgrpo-policy-{version}"
+
+
 def serve_hint(url: str) -> str:
     port = url.rstrip("/").rsplit(":", 1)[-1] if url.count(":") >= 2 else "8000"
     return f"start one with `asyncgrpo serve MODEL --port {port}` (or `vllm serve MODEL` with the flags in the README)"
@@ -302,9 +309,15 @@ class VLLMClient:
     # -- generation --------------------------------------------------------------------------------
 
     async def complete(
-        self, prompt_ids: list[int], sampling: SamplingParams, seed: int, model: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        seed: int,
+        model: str | None = None,
+        cache_salt: str | None = None,
     ) -> Completion:
-        """Sample one continuation through `/v1/completions` (works on every vLLM server)."""
+        """Sample one continuation through `/v1/completions` (works on every vLLM server).
+        `cache_salt`: the request reuses only prefix-cache blocks computed under the same salt."""
         payload = {
             "model": model or await self.model_name(),
             "prompt": prompt_ids,
@@ -316,17 +329,30 @@ class VLLMClient:
             "stream": False,
             **sampling.as_request_fields(),
         }
+        if cache_salt is not None:
+            payload["cache_salt"] = cache_salt
         body = await self._generation_call("/v1/completions", payload)
         return parse_completion_response(body, sampling.num_top_logprobs)
 
     async def generate_tokens(
-        self, prompt_ids: list[int], sampling: SamplingParams, seed: int, model: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        seed: int,
+        model: str | None = None,
+        cache_salt: str | None = None,
     ) -> Completion:
-        """Sample one continuation through `/inference/v1/generate`, with each token's candidate
-        set when the server records it (top-k/top-p with `--return-sampling-mask`)."""
+        """Sample one continuation through `/inference/v1/generate` (`--enable-scale-out`): tokens in,
+        tokens out, nothing detokenized, which spares the server's API process most of its work
+        per token (decoding each top log-prob's token). With each token's candidate set when the
+        server records it (top-k/top-p with `--return-sampling-mask`)."""
         fields = sampling.as_request_fields()
-        fields.update(seed=seed, logprobs=sampling.num_top_logprobs, detokenize=False)
+        # +1: the server's list starts with the sampled token and is cut to `logprobs` entries.
+        top = sampling.num_top_logprobs + 1 if sampling.num_top_logprobs > 0 else 0
+        fields.update(seed=seed, logprobs=top, detokenize=False)
         payload = {"token_ids": prompt_ids, "sampling_params": fields, "model": model or await self.model_name()}
+        if cache_salt is not None:
+            payload["cache_salt"] = cache_salt
         body = await self._generation_call("/inference/v1/generate", payload)
         return parse_generate_response(body, sampling.num_top_logprobs)
 
@@ -352,10 +378,14 @@ class VLLMClient:
 
     # -- control (dev mode: VLLM_SERVER_DEV_MODE=1) --------------------------------------------------
 
-    async def pause(self, mode: str = "keep") -> None:
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         """Stop scheduling. `keep` freezes running requests (they continue on resume), `wait`
-        lets them finish first, `abort` ends them."""
-        await self._on_all("POST", "/pause", params={"mode": mode})
+        lets them finish first, `abort` ends them. `clear_cache=True` also empties the KV and
+        prefix caches, which under `keep` preempts every frozen request: on resume each one
+        recomputes its whole KV. The trainer does not need that: requests carry their policy
+        version as `cache_salt` (see `policy_cache_salt`), so no request reuses a prefix computed
+        by older weights than its own version's."""
+        await self._on_all("POST", "/pause", params={"mode": mode, "clear_cache": "true" if clear_cache else "false"})
 
     async def resume(self) -> None:
         await self._on_all("POST", "/resume")
@@ -367,13 +397,14 @@ class VLLMClient:
         await self._on_all("POST", "/reset_prefix_cache")
 
     async def reload_weights(self, weights_dir: str, version: str | None = None) -> None:
-        """Load new weights from a directory of safetensors (HF names) on every server, then drop
-        the prefix cache, whose KV entries were computed by the old weights."""
+        """Load new weights from a directory of safetensors (HF names) on every server. Prefix-cache
+        entries of the old weights stay, under their own `cache_salt`; callers that send no salt
+        must `reset_prefix_cache` (it succeeds only once no request holds blocks)."""
         payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
-        await self._on_all("POST", "/collective_rpc", payload)
-        await self.reset_prefix_cache()
-        if version is not None:
-            await self._on_all("POST", "/update_weight_version", {"new_version": version})
+        calls = [self._on_all("POST", "/collective_rpc", payload)]
+        if version is not None:  # only a label: set it alongside, not after, while the servers wait
+            calls.append(self._on_all("POST", "/update_weight_version", {"new_version": version}))
+        await asyncio.gather(*calls)
 
     async def weight_checksums(self) -> dict[str, str]:
         """Per-tensor checksums of the weights the (first) server runs."""

@@ -60,6 +60,7 @@ class _CompletionResponse(msgspec.Struct):
 class _TokenLogprob(msgspec.Struct):
     token_id: int
     logprob: float
+    rank: int | None = None  # 1 = most likely; absent when the log-prob was NaN
 
 
 class _GenerateLogprobContent(msgspec.Struct):
@@ -193,8 +194,10 @@ def _top_from_dicts(tops: list, sampled: list[int], num_top: int) -> tuple[np.nd
 
 
 def parse_generate_response(body: bytes, num_top: int) -> Completion:
-    """Parse an `/inference/v1/generate` body (`output_mode="tokens"`): top log-probs arrive as a
-    list with the sampled token first, then the top N in rank order."""
+    """Parse an `/inference/v1/generate` body (`output_mode="tokens"`). Each token's list holds the
+    sampled token first, then the most likely tokens in rank order, cut to the `logprobs` asked for;
+    `generate_tokens` asks for one more than `num_top` so that the cut never removes one of the top
+    `num_top`, which are then picked by rank."""
     try:
         response = _generate_decoder.decode(body)
     except msgspec.DecodeError as error:
@@ -214,9 +217,11 @@ def parse_generate_response(body: bytes, num_top: int) -> Completion:
         id_rows = [[-1] * num_top for _ in range(n)]
         value_rows = [[-np.inf] * num_top for _ in range(n)]
         for position, entry in enumerate(content):
-            # The sampled token comes first; the top N follow it.
-            candidates = entry.top_logprobs[1:] if len(entry.top_logprobs) > num_top else entry.top_logprobs
-            for column, candidate in enumerate(candidates[:num_top]):
+            candidates = sorted(
+                (candidate for candidate in entry.top_logprobs if candidate.rank is not None and candidate.rank <= num_top),
+                key=lambda candidate: candidate.rank,
+            )
+            for column, candidate in enumerate(candidates):
                 id_rows[position][column] = candidate.token_id
                 value_rows[position][column] = candidate.logprob
         top_ids = np.asarray(id_rows, dtype=np.int64)

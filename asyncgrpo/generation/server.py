@@ -81,6 +81,7 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
         "processed_logprobs",
         "--generation-config",
         "vllm",
+        "--enable-scale-out",
     ]
     if options.max_model_len is not None:
         argv += ["--max-model-len", str(options.max_model_len)]

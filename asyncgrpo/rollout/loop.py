@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from asyncgrpo.generation.client import SamplingParams, VLLMClient
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_cache_salt
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.concurrency import (
     LOAD_POLL_INTERVAL_S,
@@ -146,16 +146,14 @@ class AsyncRolloutLoop:
         )
         version = self.model_version_value.value
         seed = self._request_seeds.getrandbits(62)
-        if self._candidate_sets:
-            completion = await self.client.generate_tokens(prompt_ids, sampling, seed, model=self.lora_name)
-        else:
-            completion = await self.client.complete(prompt_ids, sampling, seed, model=self.lora_name)
+        generate = self.client.generate_tokens if self._token_route else self.client.complete
+        completion = await generate(prompt_ids, sampling, seed, model=self.lora_name, cache_salt=policy_cache_salt(version))
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=completion.token_ids.tolist(),
             output_log_probs=completion.logprobs.tolist(),
             output_sampling_mask=[mask.tolist() for mask in completion.sampling_masks]
-            if completion.sampling_masks is not None
+            if self._candidate_sets and completion.sampling_masks is not None
             else None,
             output_top_ids=completion.top_ids,
             output_top_logprobs=completion.top_logprobs,
@@ -201,6 +199,10 @@ class AsyncRolloutLoop:
             await self.client.wait_until_ready()
             self.max_model_len = await self.client.max_model_len()
             self._candidate_sets = await self._wants_candidate_sets()
+            # Token in, token out wherever the server offers it: the same samples, far less work
+            # for the server's API process than `/v1/completions`, which detokenizes every top
+            # log-prob (bench/RESULTS.md, "overlap").
+            self._token_route = self._candidate_sets or await self.client.supports_token_generate()
             await self.setup()
             await self._start_state()
             if ready_event is not None:

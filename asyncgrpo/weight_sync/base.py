@@ -51,7 +51,8 @@ class WeightSyncBackend(abc.ABC):
         timings.transfer_s = staged - started
         if not self.is_sender:
             return timings
-        self.loop.run(self.client.pause(mode="keep"))
+        # Frozen requests keep their KV; new ones never reuse older weights' prefixes (policy_cache_salt).
+        self.loop.run(self.client.pause(mode="keep", clear_cache=False))
         paused = time.perf_counter()
         try:
             self.apply(prepared, version)
