@@ -92,8 +92,18 @@ def restore_server(url: str, model_dir) -> None:
     async def run():
         async with VLLMClient(url, timeout=60) as client:
             await client.reload_weights(str(model_dir), version="0")
+            # Unsalted requests of later tests must not reuse prefixes cached by the trained weights.
+            await client.reset_prefix_cache()
 
     asyncio.run(run())
+
+
+@pytest.fixture(autouse=True)
+def shared_server_weights_restored(request, tiny_model_dir):
+    """Every training run here syncs its weights into the shared server: put the originals back."""
+    yield
+    if "vllm_server" in request.fixturenames:
+        restore_server(request.getfixturevalue("vllm_server").url, tiny_model_dir)
 
 
 def test_training_steps_change_the_weights_the_server_runs_and_log_the_seed_metrics(vllm_server, tiny_model_dir, tmp_path):

@@ -97,24 +97,28 @@ def test_seeds_make_requests_reproducible_and_distinct(vllm_server, prompt_ids):
 
 
 def test_pause_with_request_in_flight_then_resume_completes(vllm_server, prompt_ids):
+    # Several long requests: the tiny model may sample EOS early, but not in all of them.
+    sampling = SamplingParams(max_tokens=600, temperature=1.0)
+
     async def scenario():
         async with VLLMClient(vllm_server.url, timeout=120) as client:
-            sampling = SamplingParams(max_tokens=600, temperature=1.0, stop_token_ids=())
-            request = asyncio.create_task(
-                client.complete(prompt_ids, SamplingParams(**{**sampling.__dict__, "max_tokens": 600}), seed=3)
-            )
+            requests = [asyncio.create_task(client.complete(prompt_ids, sampling, seed=seed)) for seed in range(8)]
             await asyncio.sleep(0.3)
             await client.pause(mode="keep")
-            assert await client.is_paused()
-            await asyncio.sleep(1.5)
-            assert not request.done(), "a paused server must not finish the request"
-            await client.resume()
+            try:
+                assert await client.is_paused()
+                pending = [request for request in requests if not request.done()]
+                assert pending, "every request finished before the pause: nothing to freeze"
+                await asyncio.sleep(1.5)
+                assert not any(request.done() for request in pending), "a paused server must not finish a request"
+            finally:
+                await client.resume()  # never leave the shared server paused
             assert not await client.is_paused()
-            return await asyncio.wait_for(request, timeout=120)
+            return await asyncio.wait_for(asyncio.gather(*requests), timeout=120)
 
-    completion = run(scenario())
-    assert completion.num_tokens > 0
-    assert completion.finish_reason in ("length", "stop")
+    completions = run(scenario())
+    assert all(completion.num_tokens > 0 for completion in completions)
+    assert all(completion.finish_reason in ("length", "stop") for completion in completions)
 
 
 def test_metrics_move_under_load(vllm_server, prompt_ids):

@@ -48,11 +48,14 @@ def test_reload_weights_from_directory_serves_the_new_weights(vllm_server, tiny_
         async with VLLMClient(vllm_server.url, timeout=60) as client:
             before = await client.complete(PROMPT, GREEDY, seed=0)
             await client.pause(mode="keep")
-            await client.reload_weights(str(tmp_path / "v1"), version="1")
-            await client.resume()
+            try:
+                await client.reload_weights(str(tmp_path / "v1"), version="1")
+            finally:
+                await client.resume()  # never leave the shared server paused
             after = await client.complete(PROMPT, GREEDY, seed=0)
             # Restore the shared server for the tests that follow.
             await client.reload_weights(str(tiny_model_dir), version="0")
+            await client.reset_prefix_cache()  # these requests are unsalted: drop v1's cached prefixes
             restored = await client.complete(PROMPT, GREEDY, seed=0)
             return before, after, restored
 
@@ -80,8 +83,10 @@ def test_after_a_sync_without_a_cache_clear_the_new_version_never_reuses_old_pre
         async with VLLMClient(vllm_server.url, timeout=60) as client:
             await client.complete(long_prompt, one_token, seed=0, cache_salt=policy_cache_salt(0))
             await client.pause(mode="keep")
-            await client.reload_weights(str(tmp_path / "v1"), version="1")
-            await client.resume()
+            try:
+                await client.reload_weights(str(tmp_path / "v1"), version="1")
+            finally:
+                await client.resume()  # never leave the shared server paused
             fresh = await client.complete(long_prompt, one_token, seed=0, cache_salt=policy_cache_salt(1))
             stale = await client.complete(long_prompt, one_token, seed=0, cache_salt=policy_cache_salt(0))
             await client.reload_weights(str(tiny_model_dir), version="0")
