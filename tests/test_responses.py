@@ -106,3 +106,10 @@ def test_generate_endpoint_body():
     np.testing.assert_allclose(completion.top_logprobs, [[-0.1, -0.2]] * 3, rtol=1e-6)
     np.testing.assert_allclose(completion.logprobs, [-0.1, -0.7, -0.3], rtol=1e-6)
     assert [mask.tolist() for mask in completion.sampling_masks] == [[5, 8], [6], [7]]
+
+
+def test_generate_endpoint_top_log_probs_without_ranks_are_refused():
+    entry = {"token_id": 5, "logprob": -0.3, "top_logprobs": [{"token_id": 5, "logprob": -0.3}, {"token_id": 8, "logprob": -1.4}]}
+    body = json.dumps({"choices": [{"token_ids": [5], "logprobs": {"content": [entry]}}]}).encode()
+    with pytest.raises(MalformedResponseError, match="no ranks"):
+        parse_generate_response(body, num_top=1)

@@ -329,9 +329,7 @@ class VLLMClient:
             "stream": False,
             **sampling.as_request_fields(),
         }
-        if cache_salt is not None:
-            payload["cache_salt"] = cache_salt
-        body = await self._generation_call("/v1/completions", payload)
+        body = await self._generation_call("/v1/completions", payload, cache_salt)
         return parse_completion_response(body, sampling.num_top_logprobs)
 
     async def generate_tokens(
@@ -351,12 +349,12 @@ class VLLMClient:
         top = sampling.num_top_logprobs + 1 if sampling.num_top_logprobs > 0 else 0
         fields.update(seed=seed, logprobs=top, detokenize=False)
         payload = {"token_ids": prompt_ids, "sampling_params": fields, "model": model or await self.model_name()}
-        if cache_salt is not None:
-            payload["cache_salt"] = cache_salt
-        body = await self._generation_call("/inference/v1/generate", payload)
+        body = await self._generation_call("/inference/v1/generate", payload, cache_salt)
         return parse_generate_response(body, sampling.num_top_logprobs)
 
-    async def _generation_call(self, path: str, payload: dict[str, Any]) -> bytes:
+    async def _generation_call(self, path: str, payload: dict[str, Any], cache_salt: str | None) -> bytes:
+        if cache_salt is not None:  # both generation routes take it at the top level
+            payload["cache_salt"] = cache_salt
         url = self._least_busy()
         self._in_flight[url] += 1
         try:

@@ -217,6 +217,11 @@ def parse_generate_response(body: bytes, num_top: int) -> Completion:
         id_rows = [[-1] * num_top for _ in range(n)]
         value_rows = [[-np.inf] * num_top for _ in range(n)]
         for position, entry in enumerate(content):
+            if entry.top_logprobs and all(candidate.rank is None for candidate in entry.top_logprobs):
+                raise MalformedResponseError(
+                    "/inference/v1/generate top log-probs carry no ranks, so the top N cannot be picked: "
+                    "this vLLM is too old for the token route; serve without --enable-scale-out"
+                )
             candidates = sorted(
                 (candidate for candidate in entry.top_logprobs if candidate.rank is not None and candidate.rank <= num_top),
                 key=lambda candidate: candidate.rank,
