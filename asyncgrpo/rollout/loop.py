@@ -390,6 +390,8 @@ class AsyncRolloutLoop:
                 [int(sum(len(s.token_ids) for s in seqs)) for seqs in group.completions_sequences],
                 sum(sample.num_tokens for sample in samples),
             )
+            # The group's metrics leave before its samples, so the step that trains them logs them.
+            self._flush_metrics()
             self._put_result(GroupResult(group.stream_index, group.epoch, group.row_index, group.group_id, samples))
 
     def _samples(self, group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:
@@ -472,5 +474,9 @@ class AsyncRolloutLoop:
             retries = self.client.retry_count
             self.metrics.record("rollout/vllm_retry_count", retries - self._reported_retries, Reduce.SUM)
             self._reported_retries = retries
-            self.metrics_queue.put(self.metrics.stats())
-            self.metrics = MetricsWindow()
+            self._flush_metrics()
+
+    def _flush_metrics(self) -> None:
+        """Send what the window holds to the trainer (it merges windows by weight) and start anew."""
+        self.metrics_queue.put(self.metrics.stats())
+        self.metrics = MetricsWindow()
