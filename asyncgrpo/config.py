@@ -8,17 +8,19 @@ minutes later inside the worker process.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from transformers import TrainingArguments
 
+from asyncgrpo.trl_compat import TrlCompatFields
+
 WEIGHT_SYNC_BACKENDS = ("auto", "filesystem", "nccl")
 
 
 @dataclass
-class AsyncGRPOConfig(TrainingArguments):
+class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments' fields first (output_dir)
     # -- TrainingArguments defaults this trainer overrides (see the seed) -----------------------
     logging_steps: float = field(default=1, metadata={"help": "Log every step: RL runs are read step by step."})
     gradient_checkpointing: bool = field(
@@ -72,6 +74,14 @@ class AsyncGRPOConfig(TrainingArguments):
     top_p: float = field(default=1.0, metadata={"help": "< 1 requires top_k and a server with candidate sets."})
     top_k: int = field(default=0, metadata={"help": "0 disables top-k."})
     min_p: float | None = field(default=None)
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "vLLM's repetition penalty (> 1 discourages repeating prompt or generated tokens). The trainer's "
+            "log-probs do not apply it, so a value != 1 widens the train/inference mismatch that masked importance "
+            "sampling corrects (more masked tokens, sampling/masked_mean)."
+        },
+    )
     chat_template_kwargs: dict | str | None = field(default=None)
     max_tool_calling_iterations: int | None = field(default=None)
 
@@ -81,7 +91,25 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata={"help": "One URL, several separated by commas, or a list: requests go to the least busy."},
     )
     vllm_server_timeout: float = field(
-        default=1800.0, metadata={"help": "Bound on every wait for the server (start, each request, each sync)."}
+        default=1800.0,
+        metadata={
+            "help": "Seconds to wait for the server to be ready at start; also the bound of request_timeout and "
+            "weight_sync_timeout when those are left at None."
+        },
+    )
+    request_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds one generation request may take before it is retried (a few times, then the run "
+            "fails). None: vllm_server_timeout. TRL's default is 600."
+        },
+    )
+    weight_sync_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds each call of a weight sync may take (pause, reload or NCCL broadcast, resume) before "
+            "the sync raises instead of hanging. None: vllm_server_timeout. TRL's default is 1800."
+        },
     )
 
     # -- loss ---------------------------------------------------------------------------------------
@@ -125,6 +153,11 @@ class AsyncGRPOConfig(TrainingArguments):
             self.vllm_server_base_url = [url.strip() for url in self.vllm_server_base_url.split(",") if url.strip()]
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.request_timeout is None:
+            self.request_timeout = self.vllm_server_timeout
+        if self.weight_sync_timeout is None:
+            self.weight_sync_timeout = self.vllm_server_timeout
+        self._apply_trl_compat(_DEFAULTS["max_concurrent_rollouts"], _DEFAULTS["rollout_worker_timeout"])
         self._validate()
         super().__post_init__()
 
@@ -158,8 +191,11 @@ class AsyncGRPOConfig(TrainingArguments):
         for url in self.vllm_server_base_url:
             if not url.startswith(("http://", "https://")):
                 fail(f"vllm_server_base_url {url!r} must start with http:// or https://")
-        if self.vllm_server_timeout <= 0:
-            fail(f"vllm_server_timeout={self.vllm_server_timeout} must be > 0")
+        for name in ("vllm_server_timeout", "request_timeout", "weight_sync_timeout"):
+            if getattr(self, name) <= 0:
+                fail(f"{name}={getattr(self, name)} must be > 0")
+        if self.repetition_penalty <= 0:
+            fail(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
         if not 0 < self.vllm_importance_sampling_clip_min <= 1 <= self.vllm_importance_sampling_clip_max:
             fail(
                 "need 0 < vllm_importance_sampling_clip_min <= 1 <= vllm_importance_sampling_clip_max, got "
@@ -197,3 +233,6 @@ class AsyncGRPOConfig(TrainingArguments):
             fail("DeepSpeed is not supported: use FSDP2 for sharded training")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             fail("num_completions_to_print must be >= 1 or None")
+
+
+_DEFAULTS = {f.name: f.default for f in fields(AsyncGRPOConfig)}

@@ -33,6 +33,7 @@ class SyncTimings:
 
 class WeightSyncBackend(abc.ABC):
     name: str = "abstract"
+    timeout_s: float | None = None  # bound of each server call of a sync (weight_sync_timeout); None: the client's
 
     def __init__(self, client: VLLMClient | None, loop: BackgroundLoop | None, is_sender: bool = True):
         if is_sender and (client is None or loop is None):
@@ -52,12 +53,12 @@ class WeightSyncBackend(abc.ABC):
         if not self.is_sender:
             return timings
         # Frozen requests keep their KV; new ones never reuse older weights' prefixes (policy_cache_salt).
-        self.loop.run(self.client.pause(mode="keep", clear_cache=False))
+        self.loop.run(self.client.pause(mode="keep", clear_cache=False, timeout=self.timeout_s))
         paused = time.perf_counter()
         try:
             self.apply(prepared, version)
         finally:
-            self.loop.run(self.client.resume())
+            self.loop.run(self.client.resume(timeout=self.timeout_s))
         timings.pause_s = paused - staged
         timings.transfer_s += time.perf_counter() - paused
         return timings

@@ -20,8 +20,11 @@ from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, join_gath
 class FilesystemWeightSync(WeightSyncBackend):
     name = "filesystem"
 
-    def __init__(self, client, loop, directory: str | os.PathLike | None, is_sender: bool = True):
+    def __init__(
+        self, client, loop, directory: str | os.PathLike | None, is_sender: bool = True, timeout_s: float | None = None
+    ):
         super().__init__(client, loop, is_sender)
+        self.timeout_s = timeout_s
         self.directory = Path(directory) if directory is not None else None
         if is_sender:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -42,7 +45,7 @@ class FilesystemWeightSync(WeightSyncBackend):
         return target
 
     def apply(self, prepared: Path, version: int) -> None:
-        self.loop.run(self.client.reload_weights(str(prepared), version=str(version)))
+        self.loop.run(self.client.reload_weights(str(prepared), version=str(version), timeout=self.timeout_s))
         previous, self._current = self._current, prepared
         if previous is not None and previous != self._current:
             shutil.rmtree(previous, ignore_errors=True)
