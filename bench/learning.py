@@ -198,6 +198,7 @@ def reset_server(url: str, model_dir: Path) -> None:
 
     async def reset():
         async with VLLMClient(url, timeout=120) as client:
+            await client.resume()  # a synchronous run that ended mid-step leaves it paused
             await client.reload_weights(str(model_dir), version="0")
             await client.reset_prefix_cache()
 
