@@ -25,7 +25,9 @@ class FilesystemWeightSync(WeightSyncBackend):
     ):
         super().__init__(client, loop, is_sender)
         self.timeout_s = timeout_s
-        self.directory = Path(directory) if directory is not None else None
+        # Absolute: the server resolves the path in its own working directory, and reads a relative
+        # one it cannot find as a Hub repo id (TRL's example uses a relative output_dir).
+        self.directory = Path(directory).resolve() if directory is not None else None
         if is_sender:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._current: Path | None = None
