@@ -178,12 +178,6 @@ class RolloutWorker:
                 if time.monotonic() >= deadline:
                     return None
 
-    def queued_results(self) -> int:
-        try:
-            return self.rollout_buffer.qsize()
-        except NotImplementedError:  # macOS
-            return 0
-
     def publish_allowance(self, cumulative_tokens: float) -> None:
         self.token_allowance.value = float(cumulative_tokens)
 

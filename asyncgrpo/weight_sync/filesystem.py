@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, join_gathers, serving_tensors
+from asyncgrpo.trainer.distributed import full_tensor
+from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_tensors
 
 
 class FilesystemWeightSync(WeightSyncBackend):
