@@ -156,7 +156,7 @@ def test_bad_rows_later_in_the_dataset_are_skipped_and_counted(vllm_server, tiny
     args = make_config(vllm_server, tmp_path, num_train_epochs=1, max_steps=-1)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=dataset)
     trainer.train()
-    assert trainer._ledger.consumed_prompts == 8, "the epoch ended: bad rows count as consumed"
+    assert trainer._ledger.watermark == 8, "the epoch ended: bad rows are consumed (skipped), not retried"
     assert history_sum(trainer, "rollout/skipped_prompts") >= 1
 
 

@@ -11,7 +11,6 @@ from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.generation.client import VLLMUnavailableError
-from asyncgrpo.trainer.checks import check_parallelism
 
 
 def some_reward(completions, **kwargs):
@@ -44,6 +43,8 @@ def test_unknown_config_value_is_rejected():
         ({"use_liger_kernel": True}, "use_liger_kernel=True is not supported"),
         ({"vllm_server_base_url": "localhost:8000"}, "must start with http"),
         ({"score_centering": True, "num_sampler_logprobs": 0}, "num_sampler_logprobs > 0"),
+        ({"lr_scheduler_type": "linear"}, "set max_steps, or use a constant schedule"),
+        ({"logging_steps": 0.1}, "fraction of training need max_steps > 0"),
     ],
 )
 def test_bad_config_values_fail_at_construction(overrides, message):
@@ -51,7 +52,7 @@ def test_bad_config_values_fail_at_construction(overrides, message):
         AsyncGRPOConfig(output_dir="x", **overrides)
 
 
-def test_seed_defaults():
+def test_trl_defaults():
     args = AsyncGRPOConfig(output_dir="x")
     assert (args.logging_steps, args.learning_rate, args.gradient_checkpointing) == (1, 1e-6, True)
     assert args.lr_scheduler_type == "constant" and args.ignore_data_skip and not args.remove_unused_columns
@@ -91,11 +92,13 @@ def test_reward_models_are_rejected(tiny_model_dir, tmp_path):
         )
 
 
-def test_context_and_sequence_parallelism_are_rejected():
+def test_context_and_sequence_parallelism_are_rejected_by_the_config():
+    from accelerate import ParallelismConfig
+
     with pytest.raises(ValueError, match="cp_size=2 is not supported"):
-        check_parallelism(SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=2, sp_size=1)))
+        AsyncGRPOConfig(output_dir="x", parallelism_config=ParallelismConfig(cp_size=2))
     with pytest.raises(ValueError, match="sp_size=4 is not supported"):
-        check_parallelism(SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=1, sp_size=4)))
+        AsyncGRPOConfig(output_dir="x", parallelism_config=SimpleNamespace(cp_size=1, sp_size=4))
 
 
 def test_deepspeed_is_rejected():

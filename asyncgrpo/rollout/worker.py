@@ -243,10 +243,6 @@ class RolloutWorker:
                 if time.monotonic() >= deadline:
                     return None
 
-    def queued_results(self) -> int:
-        """Group results sent by the worker that the trainer has not taken yet."""
-        return self._results.qsize()
-
     def publish_allowance(self, cumulative_tokens: float) -> None:
         self.token_allowance.value = float(cumulative_tokens)
 
