@@ -217,6 +217,7 @@ class RolloutWorker:
                 name, message, trace = self._errors.get(timeout=5)
             except queue.Empty:
                 name, message, trace = "UnknownError", "(no details)", ""
+            self.process.join(5)  # it leaves by itself after a failure; stop() only if it does not
             self.stop()
             raise RolloutWorkerError(
                 f"the rollout worker failed with {name}: {message}\n\nWorker traceback:\n{trace}"
