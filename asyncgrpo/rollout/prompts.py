@@ -64,7 +64,7 @@ def prompt_stream(
 
 
 def _iterable_stream(dataset: Any, seed: int, start_index: int, shuffle: bool) -> Iterator[PromptItem]:
-    """A streaming dataset cannot seek: it restarts from its first prompt (the seed's behaviour)."""
+    """A streaming dataset cannot seek: on resume it restarts from its first prompt."""
     if start_index > 0:
         logger.warning(
             "resuming with an IterableDataset: it cannot be repositioned, so the rollout worker restarts "

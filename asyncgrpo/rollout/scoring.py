@@ -3,7 +3,7 @@
 Reward functions receive `prompts`, `completions`, `completion_ids` and every dataset column except
 `prompt` as keyword arguments. Sync functions run in threads and async ones are awaited, all at
 once, so a slow judge's latency overlaps with the others'. A function may return None for an item:
-that item's sum leaves it out; an item no source scored is NaN (SPEC section 3).
+that item's sum leaves it out; an item no source scored is NaN. Formulas: docs/algorithm.md.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def sum_rewards(sources: list[list[float | None]], num_rollouts: int) -> np.ndar
 
 def group_advantages(rewards: np.ndarray) -> np.ndarray:
     """GRPO advantages over the scored (non-NaN) rollouts S: (R - mean_S) / (std_S + eps), with
-    the population std; unscored rollouts get 0. No scale_rewards option (SPEC section 3)."""
+    the population std; unscored rollouts get 0. There is no scale_rewards option: advantages are
+    always divided by the group's std."""
     advantages = np.zeros(len(rewards), dtype=np.float64)
     scored = ~np.isnan(rewards)
     if scored.sum() < 2:
