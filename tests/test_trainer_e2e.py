@@ -106,7 +106,7 @@ def shared_server_weights_restored(request, tiny_model_dir):
         restore_server(request.getfixturevalue("vllm_server").url, tiny_model_dir)
 
 
-def test_training_steps_change_the_weights_the_server_runs_and_log_the_seed_metrics(vllm_server, tiny_model_dir, tmp_path):
+def test_training_steps_change_the_weights_the_server_runs_and_log_the_documented_metrics(vllm_server, tiny_model_dir, tmp_path):
     before_server = server_greedy(vllm_server.url)
     args = make_config(vllm_server, tmp_path, max_steps=3, learning_rate=3e-2, max_grad_norm=0.0)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
@@ -130,6 +130,18 @@ def test_training_steps_change_the_weights_the_server_runs_and_log_the_seed_metr
     first = trainer.state.log_history[0]
     assert first["batch/microbatches_per_step"] == 1 and first["batch/samples_per_step"] > 0
     assert 0.0 <= first["frac_zero_std_groups"] <= 1.0
+
+
+def test_one_epoch_ends_training_once_every_prompt_is_counted(vllm_server, tiny_model_dir, tmp_path):
+    """Without max_steps, num_train_epochs counts prompts (docs/configuration.md): one epoch over six
+    prompts stops once six prompts were trained or consumed without samples."""
+    args = make_config(vllm_server, tmp_path, num_train_epochs=1, max_steps=-1)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts(6))
+    output = trainer.train()
+    assert output.global_step >= 1
+    assert trainer._ledger.epoch_prompts >= 6 and trainer.state.epoch >= 1.0
+    watermark, resolved_after = trainer._ledger.state()
+    assert watermark + len(resolved_after) >= trainer._ledger.epoch_prompts, "a counted prompt is resolved"
 
 
 # -- TRL's documented code examples, with only the import changed --------------------------------
