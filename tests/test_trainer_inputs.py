@@ -177,3 +177,46 @@ def test_multi_process_limits_are_said_at_start():
     with pytest.raises(ValueError, match="do not pass `optimizers`"):
         check_multi_process(sharded_by_accelerate=False, has_optimizer=True)
     check_multi_process(sharded_by_accelerate=False, has_optimizer=False)
+
+
+def test_the_tokenizer_loads_the_revision_of_model_init_kwargs(tiny_model_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    import asyncgrpo.trainer.async_grpo_trainer as trainer_module
+
+    seen = []
+    load = AutoTokenizer.from_pretrained
+
+    def recording(name, *args, **kwargs):
+        seen.append(kwargs.get("revision"))
+        return load(name, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.AutoTokenizer, "from_pretrained", recording)
+    args = config(tmp_path, model_init_kwargs={"revision": "main"})
+    AsyncGRPOTrainer(str(tiny_model_dir), some_reward, args, train_dataset=conversational())
+    assert seen == ["main"]
+
+
+def test_torch_compile_leaves_the_callers_args_as_given(tiny_model_dir, tmp_path):
+    args = config(tmp_path, torch_compile=True)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), some_reward, args, train_dataset=conversational())
+    assert args.torch_compile and args.torch_compile_backend == "inductor"
+    assert trainer._compile_layers and not trainer.args.torch_compile and trainer.args.torch_compile_backend is None
+
+
+def test_vision_language_checkpoints_are_refused(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.config.vision_config = {"model_type": "siglip_vision_model"}
+    with pytest.raises(NotImplementedError, match="vision-language checkpoint"):
+        AsyncGRPOTrainer(model, some_reward, config(tmp_path), train_dataset=conversational())
+    by_name = tmp_path / "vlm"
+    shutil.copytree(tiny_model_dir, by_name)
+    settings = json.loads((by_name / "config.json").read_text())
+    (by_name / "config.json").write_text(json.dumps(dict(settings, vision_config={"model_type": "siglip_vision_model"})))
+    with pytest.raises(NotImplementedError, match="vision-language checkpoint"):
+        AsyncGRPOTrainer(str(by_name), some_reward, config(tmp_path), train_dataset=conversational())
