@@ -191,6 +191,26 @@ def warm_started_model(work: Path) -> tuple[Path, float]:
     return work / "warm-start", accuracy
 
 
+def expected_accuracy(model_dir: Path) -> float:
+    """The mean probability of the exact answer over the 100 prompts (what `warm_start` reports)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncgrpo.demo import addition_prompt
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    total = 0.0
+    with torch.no_grad():
+        for a in range(10):
+            for b in range(10):
+                prompt = tokenizer.apply_chat_template(addition_prompt(a, b), add_generation_prompt=True, tokenize=True)
+                prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+                answer = tokenizer.encode(str(a + b)) + [tokenizer.eos_token_id]
+                logprobs = torch.log_softmax(model(input_ids=torch.tensor([prompt + answer])).logits[0], -1)
+                total += float(sum(logprobs[len(prompt) - 1 + k, token] for k, token in enumerate(answer)).exp())
+    return total / 100
+
+
 def reset_server(url: str, model_dir: Path) -> None:
     """The next run starts at policy version 0 again: its requests must not reuse prefixes cached by
     the previous run's weights under the same version label."""
@@ -298,8 +318,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=300, help="prompts each run consumes")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out", default=None, help="where the per-run logs, table and plot go (default: a temp dir)")
+    parser.add_argument("--summarize", metavar="DIR", help="only rebuild the table and plot from DIR's run logs")
     parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if options.summarize:
+        out = Path(options.summarize).resolve()
+        results = {arm: [json.loads(path.read_text()) for path in sorted(out.glob(f"{arm}-*.json"))] for arm in ARMS}
+        report({arm: runs for arm, runs in results.items() if runs}, expected_accuracy(out / "warm-start"), out, [])
+        return
     if options.child:
         arm, seed, model_dir, url, prompts, samples_per_step, result = options.child
         child(arm, int(seed), model_dir, url, int(prompts), int(samples_per_step), result)
@@ -355,7 +381,10 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-    results = {arm: runs for arm, runs in results.items() if runs}
+    report({arm: runs for arm, runs in results.items() if runs}, start, out, failures)
+
+
+def report(results: dict[str, list[list[dict]]], start: float, out: Path, failures: list[str]) -> None:
     rows = summarize(results, start)
     print_table(rows, start)
     plot(results, start, out / "learning.png")
