@@ -313,9 +313,11 @@ def free_port() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 seed, 240 prompts")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 1000 prompts (about 60 optimizer steps)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=300, help="prompts each run consumes")
+    parser.add_argument(
+        "--prompts", type=int, default=2000, help="prompts each run consumes (about 11 per asyncgrpo step here)"
+    )
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out", default=None, help="where the per-run logs, table and plot go (default: a temp dir)")
     parser.add_argument("--summarize", metavar="DIR", help="only rebuild the table and plot from DIR's run logs")
@@ -331,7 +333,7 @@ def main() -> None:
         child(arm, int(seed), model_dir, url, int(prompts), int(samples_per_step), result)
         return
     if options.quick:
-        options.seeds, options.prompts = 1, 240
+        options.seeds, options.prompts = 1, 1000
     arms = [arm for arm in options.arms.split(",") if arm]
     unknown = set(arms) - set(ARMS)
     if unknown:
