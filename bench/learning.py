@@ -320,6 +320,7 @@ def main() -> None:
     )
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out", default=None, help="where the per-run logs, table and plot go (default: a temp dir)")
+    parser.add_argument("--model", metavar="DIR", help="start from this warm-started model (skips the warm start)")
     parser.add_argument("--summarize", metavar="DIR", help="only rebuild the table and plot from DIR's run logs")
     parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -345,7 +346,11 @@ def main() -> None:
 
     from asyncgrpo.generation.server import ServerOptions, VLLMServer
 
-    model_dir, start = warm_started_model(out)
+    if options.model:
+        model_dir = Path(options.model).resolve()
+        start = expected_accuracy(model_dir)
+    else:
+        model_dir, start = warm_started_model(out)
     print(f"[learning] warm-started model in {model_dir}: expected accuracy {start:.3f}", flush=True)
     server = None
     if any(arm != "trl" for arm in arms):
