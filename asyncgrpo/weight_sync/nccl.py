@@ -135,6 +135,8 @@ class NcclWeightSync(WeightSyncBackend):
     def reconnect(self) -> None:
         """A server restarted and left the transfer group: tear the group down everywhere (best
         effort on the servers that kept it) and form a new one with every server."""
+        if not self.is_sender:
+            return
         self._best_effort(self.client.shutdown_weight_transfer_engine(timeout=CLEANUP_TIMEOUT_S))
         self.transport.close()
         self._broken = None
