@@ -344,7 +344,7 @@ class AsyncGRPOTrainer(Trainer):
             self._weight_sync = make_weight_sync(backend, is_sender=False)
             return
         check_worker_payload(self.reward_funcs, self.loop_cls)  # before anything slow: a lambda fails here
-        self._http = BackgroundLoop(default_timeout_s=args.vllm_server_timeout + 60)
+        self._http = BackgroundLoop(default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60)
         self._client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
         logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))
         self._http.run(self._client.wait_until_ready())
