@@ -370,7 +370,7 @@ def main() -> None:
                            server.options.url if server else "-", str(options.prompts), str(samples_per_step),
                            str(result)]  # fmt: skip
                 began = time.time()
-                finished = subprocess.run(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                finished = subprocess.run(command, check=False, env={**os.environ, "PYTHONUNBUFFERED": "1"})
                 if finished.returncode != 0 or not result.exists():
                     failures.append(f"{arm} seed {seed}")  # the other runs still tell something
                     print(f"[learning] FAILED: {arm} seed {seed} (exit {finished.returncode})", flush=True)
