@@ -165,7 +165,7 @@ class AsyncRolloutLoop:
         seed = self._request_seeds.getrandbits(62)
         generate = self.client.generate_tokens if self._token_route else self.client.complete
         completion = await generate(prompt_ids, sampling, seed, model=self.lora_name, cache_salt=policy_cache_salt(version))
-        if completion.weight_labels:  # the server says which weights sampled the tokens (token route)
+        if completion.weight_labels:  # which weights sampled the tokens (see VLLMClient.complete)
             versions = [parse_policy_label(label) for label in completion.weight_labels]
             if None in versions:
                 raise ServerLostWeightsError(
@@ -410,18 +410,15 @@ class AsyncRolloutLoop:
         started = time.monotonic()
         try:
             while True:
-                failures = self.client.connection_failures
                 try:
                     rollout = await self.generate_one(prompt, self.tools, group_id)
-                    if self.client.connection_failures == failures:
-                        break
+                    break
                 except ServerLostWeightsError:
-                    pass
-                # A server was unreachable meanwhile, or answered with weights the trainer never
-                # pushed: it may have restarted with its original checkpoint. Wait until every server
-                # runs the trainer's weights again (the trainer pushes them), then sample anew.
-                self.metrics.record("rollout/regenerated_count", 1, Reduce.SUM)
-                await self._wait_for_trainer_weights()
+                    # A server answered with weights the trainer never pushed: it restarted from its
+                    # checkpoint. Wait until every server runs the trainer's weights again (the trainer
+                    # pushes them), then sample anew.
+                    self.metrics.record("rollout/regenerated_count", 1, Reduce.SUM)
+                    await self._wait_for_trainer_weights()
         finally:
             await self.slots.release()
         duration = time.monotonic() - started
