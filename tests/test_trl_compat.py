@@ -208,7 +208,7 @@ def test_trl_example_script_runs_with_only_the_import_changed(vllm_server, tiny_
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     try:
         result = subprocess.run(
-            command, check=False, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600
+            command, check=False, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300
         )
     finally:
         restore_server(vllm_server.url, tiny_model_dir)
