@@ -90,6 +90,11 @@ def policy_cache_salt(version: int) -> str:
     return f"asyncgrpo-policy-{version}"
 
 
+def policy_adapter_name(prefix: str, version: int) -> str:
+    """The name policy `version`'s LoRA adapter is served under (adapter-only weight sync)."""
+    return f"{prefix}-v{version}"
+
+
 def serve_hint(url: str) -> str:
     port = url.rstrip("/").rsplit(":", 1)[-1] if url.count(":") >= 2 else "8000"
     return f"start one with `asyncgrpo serve MODEL --port {port}` (or `vllm serve MODEL` with the flags in the README)"
@@ -280,6 +285,12 @@ class VLLMClient:
             return await self._json("GET", self.base_urls[0], "/server_info", params={"config_format": "json"})
         except VLLMRequestError:
             return None
+
+    async def lora_configs(self) -> list[dict[str, Any] | None]:
+        """Each server's LoRA settings (`--enable-lora`, `--max-lora-rank`, `--max-loras`) from
+        `/server_info` (dev mode), in `base_urls` order; None for a server without LoRA."""
+        answers = await self._on_all("GET", "/server_info", params={"config_format": "json"})
+        return [((answer or {}).get("vllm_config") or {}).get("lora_config") for answer in answers]
 
     async def world_size(self) -> int:
         return sum(await self.world_sizes())

@@ -21,7 +21,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_cache_salt
+from asyncgrpo.generation.client import (
+    SamplingParams,
+    VLLMClient,
+    VLLMRequestError,
+    policy_adapter_name,
+    policy_cache_salt,
+)
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.concurrency import (
     LOAD_POLL_INTERVAL_S,
@@ -144,10 +150,8 @@ class AsyncRolloutLoop:
             min_p=self.config.min_p or 0.0,
             num_top_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else 0,
         )
-        version = self.model_version_value.value
         seed = self._request_seeds.getrandbits(62)
-        generate = self.client.generate_tokens if self._token_route else self.client.complete
-        completion = await generate(prompt_ids, sampling, seed, model=self.lora_name, cache_salt=policy_cache_salt(version))
+        completion, version = await self._sample(prompt_ids, sampling, seed)
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=completion.token_ids.tolist(),
@@ -160,6 +164,23 @@ class AsyncRolloutLoop:
             finish_reason=completion.finish_reason,
             model_version=version,
         )
+
+    async def _sample(self, prompt_ids: list[int], sampling: SamplingParams, seed: int):
+        """One request under the current policy version; returns (completion, version). With
+        adapter-only weight sync (`lora_name` set) each version is its own adapter, named from the
+        version: the request runs to its end under the version it started with."""
+        generate = self.client.generate_tokens if self._token_route else self.client.complete
+        version = self.model_version_value.value
+        while True:
+            model = policy_adapter_name(self.lora_name, version) if self.lora_name else None
+            try:
+                return await generate(prompt_ids, sampling, seed, model=model, cache_salt=policy_cache_salt(version)), version
+            except VLLMRequestError as error:
+                # The version read just before a sync retired it (max_staleness=0): use the new one.
+                newest = self.model_version_value.value
+                if not (self.lora_name and error.status == 404 and newest != version):
+                    raise
+                version = newest
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards normalized in the group; NaN rewards get 0."""

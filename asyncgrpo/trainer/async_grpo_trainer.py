@@ -50,7 +50,10 @@ from asyncgrpo.trainer.checks import (
     check_reward_funcs,
     check_transformers_version,
 )
+from asyncgrpo.trainer.adapters import is_peft_model, wrap_with_peft
 from asyncgrpo.weight_sync import non_sending_weight_sync
+from asyncgrpo.weight_sync.lora import LoraAdapterSync, adapter_sync_for
+from asyncgrpo.weight_sync.merged import sync_policy
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
 from asyncgrpo.weight_sync.nccl import NcclWeightSync, server_transfer_backend, vllm_at_least
 from asyncgrpo.weight_sync.transport import NcclTransport
@@ -112,7 +115,7 @@ class AsyncGRPOTrainer(Trainer):
         if isinstance(model, str):
             model = self._load_model(model, args)
         if peft_config is not None:
-            raise NotImplementedError("PEFT adapters are not available in this version yet")
+            model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
         enable_tree_attention(model)  # refuses attention sinks and layers it cannot pack
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
@@ -183,6 +186,8 @@ class AsyncGRPOTrainer(Trainer):
             self._peak_flops = device_peak_flops(self.args.device, self._compute_dtype())
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             self._sync_weights(model)  # the server runs exactly the weights training starts from
+            if self._worker is not None:  # started only now: its first request needs those weights (or adapter)
+                self._worker.start(ready_timeout=args.vllm_server_timeout + 300)
             while not self._processes.broadcast(self._should_stop(args) if self._processes.is_main else None):
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                 try:
@@ -261,6 +266,7 @@ class AsyncGRPOTrainer(Trainer):
         self.token_budget = args.token_budget or max_model_len
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
         self._weight_sync = self._make_weight_sync(args, server_info)
+        adapters = isinstance(self._weight_sync, LoraAdapterSync)
         self._worker = RolloutWorker(
             self.loop_cls,
             dict(
@@ -272,6 +278,7 @@ class AsyncGRPOTrainer(Trainer):
                 eos_token_ids=self._eos_token_ids(),
                 dataset_start_index=rollout_state.first_untrained_index,
                 skip_stream_indices=frozenset(rollout_state.consumed_after),
+                lora_name=self._weight_sync.prefix if adapters else None,
             ),
             initial_allowance=0.0,  # SampleIntake publishes the allowance
             worker_timeout=args.rollout_worker_timeout,
@@ -287,7 +294,6 @@ class AsyncGRPOTrainer(Trainer):
             stop_condition=lambda: self._should_stop(args),
         )
         self._worker.publish_model_version(self._model_version)
-        self._worker.start(ready_timeout=args.vllm_server_timeout + 300)
         self._processes.broadcast((self.token_budget, self._weight_sync.name))
 
     def _teardown_generation(self) -> None:
@@ -306,6 +312,12 @@ class AsyncGRPOTrainer(Trainer):
                 logger.warning("while shutting down: %s", error)
 
     def _make_weight_sync(self, args: AsyncGRPOConfig, server_info: dict | None):
+        if is_peft_model(self.model):
+            adapter_sync = adapter_sync_for(
+                self.model, self._client, self._http, Path(args.output_dir) / ".vllm_lora", args.max_staleness
+            )
+            if adapter_sync is not None:
+                return adapter_sync
         backend = args.weight_sync_backend
         server_has_nccl = server_transfer_backend(server_info) == "nccl"
         if backend == "auto":
@@ -402,7 +414,8 @@ class AsyncGRPOTrainer(Trainer):
         return self._now() - started
 
     def _sync_weights(self, model) -> None:
-        timings = self._weight_sync.sync(self.accelerator.unwrap_model(model), self._model_version)
+        timings, sent_bytes = sync_policy(self._weight_sync, self.accelerator.unwrap_model(model), self._model_version)
+        self._window.record("perf/weight_sync_bytes", sent_bytes)
         if self._worker is not None:
             self._worker.publish_model_version(self._model_version)
         self._window.record("perf/weight_sync_s", timings.total_s)
