@@ -19,7 +19,8 @@ from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.adapters import adapter_rank, adapter_unservable_reason, wrap_with_peft
 from asyncgrpo.weight_sync.base import serving_tensors
-from asyncgrpo.weight_sync.lora import LoraAdapterSync, check_lora_server, serving_rank
+from asyncgrpo.generation.server import serving_lora_rank
+from asyncgrpo.weight_sync.lora import LoraAdapterSync, check_lora_server
 from asyncgrpo.weight_sync.merged import merged_for_serving
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
@@ -126,7 +127,7 @@ def test_merged_view_serves_the_merged_model_under_base_names_and_restores_the_m
 
 
 def test_server_flag_checks_name_the_flags_to_restart_with():
-    assert [serving_rank(r) for r in (1, 4, 8, 12, 300, 512, 513)] == [1, 8, 8, 16, 320, 512, None]
+    assert [serving_lora_rank(r) for r in (1, 4, 8, 12, 300, 512, 513)] == [1, 8, 8, 16, 320, 512, None]
     check_lora_server({"max_lora_rank": 8, "max_loras": 3}, "http://s", rank=4, max_staleness=1)
     with pytest.raises(ValueError) as raised:
         check_lora_server({"max_lora_rank": 8, "max_loras": 2}, "http://s", rank=12, max_staleness=4)

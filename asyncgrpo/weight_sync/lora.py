@@ -29,22 +29,14 @@ import torch
 from safetensors.torch import save_file
 
 from asyncgrpo.generation.client import policy_adapter_name
+from asyncgrpo.generation.server import SERVABLE_LORA_RANKS, serving_lora_rank
 from asyncgrpo.trainer.adapters import active_config, adapter_tensors
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, full_tensor
 
 logger = logging.getLogger(__name__)
 
-# The values vLLM accepts for --max-lora-rank.
-SERVABLE_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def serving_rank(rank: int) -> int | None:
-    """The smallest `--max-lora-rank` that serves an adapter of `rank`; None above vLLM's largest."""
-    return next((value for value in SERVABLE_RANKS if value >= rank), None)
-
-
 def server_flags(rank: int, max_staleness: int) -> str:
-    return f"--enable-lora --max-lora-rank {serving_rank(rank)} --max-loras {max_staleness + 2}"
+    return f"--enable-lora --max-lora-rank {serving_lora_rank(rank)} --max-loras {max_staleness + 2}"
 
 
 def check_lora_server(lora_config: dict, url: str, rank: int, max_staleness: int) -> None:
@@ -53,8 +45,8 @@ def check_lora_server(lora_config: dict, url: str, rank: int, max_staleness: int
     problems = []
     max_rank = int(lora_config.get("max_lora_rank") or 0)
     max_loras = int(lora_config.get("max_loras") or 0)
-    if max_rank not in SERVABLE_RANKS:
-        problems.append(f"--max-lora-rank {max_rank} is not one of vLLM's values {SERVABLE_RANKS}")
+    if max_rank not in SERVABLE_LORA_RANKS:
+        problems.append(f"--max-lora-rank {max_rank} is not one of vLLM's values {SERVABLE_LORA_RANKS}")
     elif max_rank < rank:
         problems.append(f"--max-lora-rank {max_rank} is below the adapter's rank r={rank}")
     if max_loras < max_staleness + 2:
@@ -155,8 +147,8 @@ def adapter_sync_for(peft_model, client, loop, directory: Path, max_staleness: i
         return None
     reason = adapter_unservable_reason(peft_model)
     rank = adapter_rank(peft_model)
-    if reason is None and serving_rank(rank) is None:
-        reason = f"its rank r={rank} is above vLLM's largest --max-lora-rank {SERVABLE_RANKS[-1]}"
+    if reason is None and serving_lora_rank(rank) is None:
+        reason = f"its rank r={rank} is above vLLM's largest --max-lora-rank {SERVABLE_LORA_RANKS[-1]}"
     if reason is not None:
         logger.warning("the vLLM servers run with --enable-lora, but the adapter cannot be served as one: %s; %s", reason, merged)
         return None
