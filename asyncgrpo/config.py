@@ -100,6 +100,14 @@ class AsyncGRPOConfig(TrainingArguments):
     max_staleness: int = field(default=4)
     weight_sync_steps: int = field(default=1)
     rollout_worker_timeout: float = field(default=300.0)
+    reward_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Seconds one reward-function call (one group) may take. A call past it stops the run with "
+            "an error naming the function and the dataset row, instead of hanging it: a judge that never "
+            "answers must not stall training silently. Generous by default for remote judges."
+        },
+    )
     weight_sync_backend: str = field(
         default="auto",
         metadata={
@@ -181,6 +189,8 @@ class AsyncGRPOConfig(TrainingArguments):
             fail(f"weight_sync_steps={self.weight_sync_steps} must be >= 1")
         if self.rollout_worker_timeout <= 0:
             fail(f"rollout_worker_timeout={self.rollout_worker_timeout} must be > 0")
+        if self.reward_timeout <= 0:
+            fail(f"reward_timeout={self.reward_timeout} must be > 0 (seconds one reward call may take)")
         if self.weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
             fail(f"weight_sync_backend={self.weight_sync_backend!r} must be one of {WEIGHT_SYNC_BACKENDS}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

@@ -128,14 +128,14 @@ def test_merged_view_serves_the_merged_model_under_base_names_and_restores_the_m
 
 def test_server_flag_checks_name_the_flags_to_restart_with():
     assert [serving_lora_rank(r) for r in (1, 4, 8, 12, 300, 512, 513)] == [1, 8, 8, 16, 320, 512, None]
-    check_lora_server({"max_lora_rank": 8, "max_loras": 3}, "http://s", rank=4, max_staleness=1)
+    check_lora_server(8, 3, "http://s", rank=4, max_staleness=1)
     with pytest.raises(ValueError) as raised:
-        check_lora_server({"max_lora_rank": 8, "max_loras": 2}, "http://s", rank=12, max_staleness=4)
+        check_lora_server(8, 2, "http://s", rank=12, max_staleness=4)
     message = str(raised.value)
     assert "below the adapter's rank r=12" in message and "below max_staleness + 2 = 6" in message
     assert "--enable-lora --max-lora-rank 16 --max-loras 6" in message
     with pytest.raises(ValueError, match="not one of vLLM's values"):
-        check_lora_server({"max_lora_rank": 4, "max_loras": 6}, "http://s", rank=4, max_staleness=4)
+        check_lora_server(4, 6, "http://s", rank=4, max_staleness=4)
 
 
 def test_adapter_versions_are_written_as_loadable_adapters(tiny_model_dir, tmp_path):

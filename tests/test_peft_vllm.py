@@ -162,7 +162,9 @@ def test_an_adapter_vllm_cannot_serve_falls_back_to_merged_sync_with_a_warning(l
     loop = BackgroundLoop()
     try:
         with caplog.at_level(logging.WARNING):
-            backend = adapter_sync_for(model, VLLMClient(lora_server.url, timeout=60), loop, Path("unused"), 0)
+            client = VLLMClient(lora_server.url, timeout=60)
+            backend = adapter_sync_for(model, loop.run(client.server_info()), client, loop, Path("unused"), 0)
+            loop.run(client.close())
     finally:
         loop.close()
     assert backend is None

@@ -13,7 +13,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.generation.client import SamplingParams, VLLMClient
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_label
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 
 pytestmark = pytest.mark.vllm
@@ -91,7 +91,7 @@ def hf_greedy(model, steps: int = 12) -> list[int]:
 def restore_server(url: str, model_dir) -> None:
     async def run():
         async with VLLMClient(url, timeout=60) as client:
-            await client.reload_weights(str(model_dir), version="0")
+            await client.reload_weights(str(model_dir), version=policy_label(0))
             # Unsalted requests of later tests must not reuse prefixes cached by the trained weights.
             await client.reset_prefix_cache()
 

@@ -87,6 +87,8 @@ def check_prompt_lengths(dataset, render: Callable[[list], int], max_model_len: 
         return
     prompts = dataset[: min(len(dataset), limit)]["prompt"]
     for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, list):
+            continue  # not messages: the rollout worker skips such a row and counts it
         length = render(prompt)
         if length >= max_model_len:
             raise ValueError(

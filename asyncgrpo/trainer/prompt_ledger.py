@@ -5,7 +5,9 @@ or at once when it carried none (filtered out, or a group without reward signal)
 ahead of training by the queue's depth, and groups finish out of order, so the resume position is
 the first stream index not yet consumed (the watermark) plus the consumed indices after it: a
 resumed worker starts at the watermark and skips those, so no prompt is trained twice or skipped.
-Samples still queued when a run stops are lost; their prompts are regenerated on resume.
+The samples the trainer holds for prompts not yet consumed (a group can straddle two steps) travel
+with the checkpoint (trainer/held_samples.py) and are trained first on resume; results still in the
+worker's queue are lost, and their prompts regenerated.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ class RolloutState:
         path = Path(directory) / ROLLOUT_STATE_NAME
         if not path.exists():
             return None
-        return cls(**json.loads(path.read_text()))
+        fields = json.loads(path.read_text())
+        if "prompt_index" in fields:  # a TRL checkpoint: {"prompt_index", "model_version"}
+            return cls(first_untrained_index=int(fields["prompt_index"]), model_version=int(fields.get("model_version", 0)))
+        known = {name: value for name, value in fields.items() if name in cls.__dataclass_fields__}
+        return cls(**known)
 
 
 class PromptLedger:

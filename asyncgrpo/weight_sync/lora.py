@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from asyncgrpo.generation.client import policy_adapter_name
+from asyncgrpo.generation.client import policy_adapter_name, policy_label
 from asyncgrpo.generation.server import SERVABLE_LORA_RANKS, serving_lora_rank
+from asyncgrpo.generation.server_info import ServerInfo
 from asyncgrpo.trainer.adapters import active_config, adapter_tensors
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, full_tensor
 
@@ -39,12 +40,11 @@ def server_flags(rank: int, max_staleness: int) -> str:
     return f"--enable-lora --max-lora-rank {serving_lora_rank(rank)} --max-loras {max_staleness + 2}"
 
 
-def check_lora_server(lora_config: dict, url: str, rank: int, max_staleness: int) -> None:
-    """Raise a ValueError naming the flags to restart `url` with when its LoRA settings cannot hold
-    `max_staleness + 1` adapters of `rank` plus the one being loaded."""
+def check_lora_server(max_rank: int, max_loras: int, url: str, rank: int, max_staleness: int) -> None:
+    """Raise a ValueError naming the flags to restart `url` with when its LoRA settings
+    (`--max-lora-rank`, `--max-loras`) cannot hold `max_staleness + 1` adapters of `rank` plus the
+    one being loaded."""
     problems = []
-    max_rank = int(lora_config.get("max_lora_rank") or 0)
-    max_loras = int(lora_config.get("max_loras") or 0)
     if max_rank not in SERVABLE_LORA_RANKS:
         problems.append(f"--max-lora-rank {max_rank} is not one of vLLM's values {SERVABLE_LORA_RANKS}")
     elif max_rank < rank:
@@ -102,10 +102,15 @@ class LoraAdapterSync(WeightSyncBackend):
         return target
 
     def apply(self, prepared: Path, version: int) -> None:
-        if self.loaded and self.loaded[-1][0] == version:  # the same version again (e.g. a retried sync)
-            self._retire(*self.loaded.pop())
-        self.loop.run(self.client.load_lora_adapter(policy_adapter_name(self.prefix, version), str(prepared)))
-        self.loaded.append((version, prepared))
+        # The same version again: pushed to a restarted server, which lost its adapters. Loading in
+        # place gives it the adapter and leaves the others serving the same weights.
+        again = bool(self.loaded) and self.loaded[-1][0] == version
+        name = policy_adapter_name(self.prefix, version)
+        self.loop.run(self.client.load_lora_adapter(name, str(prepared), load_inplace=again))
+        # The label the trainer checks to detect restarted servers (the base weights never change).
+        self.loop.run(self.client.set_weight_label(policy_label(version)))
+        if not again:
+            self.loaded.append((version, prepared))
         while len(self.loaded) > self.keep:
             self._retire(*self.loaded.popleft())
 
@@ -128,23 +133,18 @@ class LoraAdapterSync(WeightSyncBackend):
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def adapter_sync_for(peft_model, client, loop, directory: Path, max_staleness: int) -> LoraAdapterSync | None:
-    """The adapter-only backend when the servers run with `--enable-lora` and vLLM can serve the
-    adapter; None when the merged weights must be sent instead (with a warning saying why, when the
-    servers were started for adapters). Raises when the servers' LoRA flags are too small."""
-    from asyncgrpo.generation.client import VLLMRequestError
+def adapter_sync_for(
+    peft_model, info: ServerInfo | None, client, loop, output_dir: str | os.PathLike, max_staleness: int
+) -> LoraAdapterSync | None:
+    """The adapter-only backend when the servers run with `--enable-lora` (`info`, what the first
+    one reports; every server of a run is started alike) and vLLM can serve the adapter; None when
+    the merged weights must be sent instead, with a warning saying why when the servers were
+    started for adapters. Raises when their LoRA flags are too small."""
     from asyncgrpo.trainer.adapters import adapter_rank, adapter_unservable_reason
 
-    try:
-        configs = loop.run(client.lora_configs())
-    except VLLMRequestError:  # no /server_info (not in dev mode): the flags cannot be read
-        configs = [None]
-    if not any(configs):
+    if info is None or not info.lora_enabled:
         return None
     merged = "weight sync falls back to sending the merged weights"
-    if not all(configs):
-        logger.warning("only some vLLM servers run with --enable-lora: %s", merged)
-        return None
     reason = adapter_unservable_reason(peft_model)
     rank = adapter_rank(peft_model)
     if reason is None and serving_lora_rank(rank) is None:
@@ -152,7 +152,6 @@ def adapter_sync_for(peft_model, client, loop, directory: Path, max_staleness: i
     if reason is not None:
         logger.warning("the vLLM servers run with --enable-lora, but the adapter cannot be served as one: %s; %s", reason, merged)
         return None
-    for url, config in zip(client.base_urls, configs, strict=True):
-        check_lora_server(config, url, rank, max_staleness)
+    check_lora_server(int(info.max_lora_rank or 0), int(info.max_loras or 0), client.base_urls[0], rank, max_staleness)
     logger.info("weight sync: LoRA adapter only (r=%d, %d versions kept loaded)", rank, max_staleness + 1)
-    return LoraAdapterSync(client, loop, directory, keep=max_staleness + 1)
+    return LoraAdapterSync(client, loop, Path(output_dir).resolve() / ".vllm_lora", keep=max_staleness + 1)
