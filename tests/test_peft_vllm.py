@@ -219,3 +219,25 @@ def test_merged_sync_serves_the_merged_model_and_checkpoints_hold_the_adapter(vl
     assert resumed.state.global_step == 3
     assert begin.adapter.keys() == trained.keys()
     assert all(torch.equal(begin.adapter[n], trained[n]) for n in trained)
+
+
+def test_fsdp2_two_processes_train_a_lora_adapter_with_merged_sync(vllm_server, tiny_model_dir, tmp_path, monkeypatch):
+    """torchrun, two CPU processes over gloo: the adapter is sharded with the model, the merged
+    weights are gathered for the sync, and the checkpoint holds the gathered adapter."""
+    from test_multi_process import torchrun
+
+    base_before = served(vllm_server.url)
+    monkeypatch.setenv("ASYNCGRPO_TEST_LORA", "1")
+    try:
+        result = torchrun("multi_process_train.py", vllm_server.url, str(tiny_model_dir), str(tmp_path), "2", timeout=600)
+        after = served(vllm_server.url)
+    finally:
+        restore_server(vllm_server.url, tiny_model_dir)
+    assert result.returncode == 0, result.stderr[-5000:]
+    checkpoint = tmp_path / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").exists() and not (checkpoint / "model.safetensors").exists()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), checkpoint)
+    assert any(float(p.abs().sum()) > 0 for n, p in loaded.named_parameters() if "lora_B" in n), "the adapter trained"
+    # The server runs the gathered, merged model: the checkpointed adapter merged into the base.
+    expected_tokens, _ = greedy_reference(merged_copy(loaded), PROBE, GREEDY.max_tokens)
+    assert after.token_ids.tolist() == expected_tokens != base_before.token_ids.tolist()

@@ -102,7 +102,12 @@ def test_serve_enable_lora_picks_the_lora_flags_from_the_run_settings(monkeypatc
     from asyncgrpo import cli
 
     seen = {}
-    monkeypatch.setattr("asyncgrpo.generation.server.serve_foreground", lambda options: seen.setdefault("o", options) and 0)
+
+    def serve_foreground(options):
+        seen["o"] = options
+        return 0
+
+    monkeypatch.setattr("asyncgrpo.generation.server.serve_foreground", serve_foreground)
     cli.main(["serve", "m", "--enable-lora", "--lora-rank", "12", "--max-staleness", "2"])
     assert (seen["o"].max_lora_rank, seen["o"].max_loras) == (16, 4)
     seen.clear()

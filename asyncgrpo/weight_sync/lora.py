@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from asyncgrpo.generation.client import policy_adapter_name, policy_label
+from asyncgrpo.generation.client import VLLMRequestError, policy_adapter_name, policy_label
 from asyncgrpo.generation.server import SERVABLE_LORA_RANKS, serving_lora_rank
 from asyncgrpo.generation.server_info import ServerInfo
-from asyncgrpo.trainer.adapters import active_config, adapter_tensors
+from asyncgrpo.trainer.adapters import active_config, adapter_rank, adapter_tensors, adapter_unservable_reason
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, full_tensor
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class LoraAdapterSync(WeightSyncBackend):
         tensors = {name: full_tensor(tensor) for name, tensor in adapter_tensors(model)}
         if not self.is_sender:
             return None
-        from peft.utils import get_peft_model_state_dict
+        from peft.utils import get_peft_model_state_dict  # peft is an optional extra
 
         target = self.directory / f"v{version}"
         staging = self.directory / f".v{version}.partial"
@@ -115,7 +115,11 @@ class LoraAdapterSync(WeightSyncBackend):
             self._retire(*self.loaded.popleft())
 
     def _retire(self, version: int, folder: Path) -> None:
-        self.loop.run(self.client.unload_lora_adapter(policy_adapter_name(self.prefix, version)))
+        try:
+            self.loop.run(self.client.unload_lora_adapter(policy_adapter_name(self.prefix, version)))
+        except VLLMRequestError as error:
+            if error.status != 404:  # 404: a server restarted since it loaded this version never had it
+                raise
         shutil.rmtree(folder, ignore_errors=True)
 
     def payload_tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -140,8 +144,6 @@ def adapter_sync_for(
     one reports; every server of a run is started alike) and vLLM can serve the adapter; None when
     the merged weights must be sent instead, with a warning saying why when the servers were
     started for adapters. Raises when their LoRA flags are too small."""
-    from asyncgrpo.trainer.adapters import adapter_rank, adapter_unservable_reason
-
     if info is None or not info.lora_enabled:
         return None
     merged = "weight sync falls back to sending the merged weights"
