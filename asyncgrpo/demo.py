@@ -25,7 +25,7 @@ import torch
 
 WARM_START_STEPS = int(os.environ.get("ASYNCGRPO_DEMO_WARM_STEPS", 115))
 WARM_START_LR = 3e-3
-GRPO_STEPS = int(os.environ.get("ASYNCGRPO_DEMO_STEPS", 120))
+GRPO_STEPS = int(os.environ.get("ASYNCGRPO_DEMO_STEPS", 160))
 GRPO_LR = float(os.environ.get("ASYNCGRPO_DEMO_LR", 6e-4))
 
 

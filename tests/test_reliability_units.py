@@ -153,8 +153,8 @@ def test_restored_held_samples_are_pending_in_the_ledger():
     intake.restore([sample(4, False, False), sample(4, False, False), sample(3, False, False)])
     assert intake.held_samples()[0].stream_index == 4 and ledger.watermark == 3
     for held in intake.held_samples():
-        intake._consumed(held)
-    assert ledger.watermark == 5 and ledger.consumed_prompts == 2
+        intake._consumed(held, trained=True)
+    assert ledger.watermark == 5 and ledger.epoch_prompts == 2
 
 
 def test_waiting_for_a_rollout_place_is_bounded():

@@ -1,4 +1,4 @@
-"""The three limits on how many rollouts run (docs/architecture.md, "Concurrency").
+"""The three limits on how many rollouts run (docs/architecture.md, "Three limits on generation").
 
 1. Staleness budget, in tokens (`TokenAllowance`): the trainer publishes a cumulative limit on the
    tokens the worker may have produced; queued plus in-flight tokens must stay under it. Until the

@@ -70,6 +70,8 @@ SCORE_QUEUE_GRACE_S = 60.0
 # Adapter-only sync: how many times (about a second apart) a request retries when its policy
 # adapter is not loaded (retired by a sync, or being pushed again to a restarted server).
 ADAPTER_MISSING_RETRIES = 30
+# How many vllm_server_timeouts the trainer may leave the staleness budget unmoved before it counts as stuck.
+ALLOWANCE_STALL_FACTOR = 4
 
 
 class AsyncRolloutLoop:
@@ -378,20 +380,22 @@ class AsyncRolloutLoop:
 
     async def _wait_for_allowance(self) -> None:
         """Until the staleness budget lets a new group start. The trainer raises the budget at every
-        step; one that has not moved it for vllm_server_timeout is stuck (its own waits are bounded
-        by the same setting), and the worker says so instead of waiting forever."""
+        step. Each of its waits is bounded by vllm_server_timeout, so a trainer that has not moved the
+        budget for several times that (a step may hold a few such waits, a checkpoint, long compute)
+        is stuck, and the worker says so instead of waiting forever."""
         if self.allowance.may_start_group(self.token_allowance.value):
             return
         started = moved = time.monotonic()
         limit = self.token_allowance.value
+        bound = ALLOWANCE_STALL_FACTOR * self.config.vllm_server_timeout
         while not self.allowance.may_start_group(self.token_allowance.value):
             await asyncio.sleep(0.01)
             if self.token_allowance.value != limit:
                 limit, moved = self.token_allowance.value, time.monotonic()
-            elif time.monotonic() - moved > self.config.vllm_server_timeout:
+            elif time.monotonic() - moved > bound:
                 raise RuntimeError(
                     f"the trainer took no sample for {time.monotonic() - moved:.0f} s while the worker held a full "
-                    f"staleness budget (vllm_server_timeout={self.config.vllm_server_timeout:g}): the trainer is stuck"
+                    f"staleness budget ({ALLOWANCE_STALL_FACTOR} x vllm_server_timeout): the trainer is stuck"
                 )
         self.metrics.record("rollout/backpressure_s", time.monotonic() - started)
 

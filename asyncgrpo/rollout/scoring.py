@@ -6,6 +6,7 @@ once, so a slow judge's latency overlaps with the others'. A function may return
 that item's sum leaves it out; an item no source scored is NaN. A non-finite value (inf, NaN) is an
 error: one inf would turn the group's advantages, then the loss, then the weights into NaN. Each call
 has a deadline (`reward_timeout`): a function that never returns stops the run, naming itself.
+Formulas: docs/algorithm.md.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def sum_rewards(sources: list[list[float | None]], num_rollouts: int) -> np.ndar
 
 def group_advantages(rewards: np.ndarray) -> np.ndarray:
     """GRPO advantages over the scored (non-NaN) rollouts S: (R - mean_S) / (std_S + eps), with
-    the population std; unscored rollouts get 0. There is no scale_rewards option (docs/algorithm.md)."""
+    the population std; unscored rollouts get 0. There is no scale_rewards option: advantages are
+    always divided by the group's std."""
     advantages = np.zeros(len(rewards), dtype=np.float64)
     scored = ~np.isnan(rewards)
     if scored.sum() < 2:

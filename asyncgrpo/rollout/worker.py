@@ -217,6 +217,7 @@ class RolloutWorker:
                 name, message, trace = self._errors.get(timeout=5)
             except queue.Empty:
                 name, message, trace = "UnknownError", "(no details)", ""
+            self.process.join(5)  # it leaves by itself after a failure; stop() only if it does not
             self.stop()
             raise RolloutWorkerError(
                 f"the rollout worker failed with {name}: {message}\n\nWorker traceback:\n{trace}"
@@ -242,10 +243,6 @@ class RolloutWorker:
                 self.check_alive()
                 if time.monotonic() >= deadline:
                     return None
-
-    def queued_results(self) -> int:
-        """Group results sent by the worker that the trainer has not taken yet."""
-        return self._results.qsize()
 
     def publish_allowance(self, cumulative_tokens: float) -> None:
         self.token_allowance.value = float(cumulative_tokens)

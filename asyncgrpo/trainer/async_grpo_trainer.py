@@ -10,6 +10,7 @@ Logging, checkpointing and callbacks go through the base Trainer's machinery, so
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -23,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainerState
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainerState
 from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
 from transformers.trainer import OPTIMIZER_NAME as OPTIMIZER_FILE
 from transformers.trainer import SCHEDULER_NAME as SCHEDULER_FILE
@@ -52,9 +53,9 @@ from asyncgrpo.trainer.checks import (
     check_conversational,
     check_launch,
     check_multi_process,
-    check_parallelism,
     check_prompt_lengths,
     check_reward_funcs,
+    check_text_only_model,
     check_transformers_version,
 )
 from asyncgrpo.trainer.adapters import is_peft_model, wrap_with_peft
@@ -119,7 +120,6 @@ class AsyncGRPOTrainer(Trainer):
         elif not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
         check_reward_funcs(list(reward_funcs))
-        check_parallelism(args)
         if tools or environment_factory is not None:
             raise NotImplementedError(
                 "tools and environment_factory (agent training) are not available in this version yet"
@@ -131,33 +131,32 @@ class AsyncGRPOTrainer(Trainer):
         streaming = not hasattr(train_dataset, "__len__")
         if streaming and args.max_steps <= 0:
             raise ValueError("an IterableDataset has no length, so epochs cannot end training: set max_steps > 0")
-        if args.max_steps <= 0 and any(0 < steps < 1 for steps in (args.logging_steps, args.save_steps)):
-            raise ValueError(
-                "logging_steps/save_steps given as a fraction of training need max_steps > 0: the number of "
-                "steps in an epoch is not known in advance"
-            )
-        if args.max_steps <= 0 and args.lr_scheduler_type not in ("constant", "constant_with_warmup"):
-            raise ValueError(
-                f"lr_scheduler_type={args.lr_scheduler_type!r} decays over max_steps, which epochs cannot give "
-                "(the number of steps depends on forks and drops): set max_steps, or use a constant schedule"
-            )
         check_conversational(train_dataset, environment_factory)
+        revision = (args.model_init_kwargs or {}).get("revision")  # the tokenizer's too, as in TRL
         if isinstance(model, str):
+            check_text_only_model(
+                AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=args.trust_remote_code)
+            )
             model = self._load_model(model, args)
+        else:
+            check_text_only_model(model.config)
         if peft_config is not None:
             model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
         enable_tree_attention(model)  # refuses attention sinks and layers it cannot pack
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
-                model_id, trust_remote_code=args.trust_remote_code, padding_side="left"
+                model_id, revision=revision, trust_remote_code=args.trust_remote_code, padding_side="left"
             )
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
-        # base Trainer would compile the whole model, whose forward this trainer does not call.
+        # base Trainer would compile the whole model, whose forward this trainer does not call. It gets
+        # a copy with compilation off: the caller's `args` stay as given.
         self._compile_layers = args.torch_compile
-        args.torch_compile = False
+        if args.torch_compile:
+            args = copy.copy(args)
+            args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
         self.reward_funcs = list(reward_funcs)
         self.model_id = model_id
         self.streaming = streaming
@@ -231,7 +230,7 @@ class AsyncGRPOTrainer(Trainer):
                     break
                 self.state.global_step += 1
                 self.state.epoch = self._processes.broadcast(self._epoch() if self._processes.is_main else None)
-                self._progress.advance_to(self.state.global_step if args.max_steps > 0 else self._ledger.consumed_prompts)
+                self._progress.advance_to(self.state.global_step if args.max_steps > 0 else self._ledger.epoch_prompts)
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                 if self.control.should_log:
                     self._log_window()
@@ -282,7 +281,7 @@ class AsyncGRPOTrainer(Trainer):
         self._model_version = rollout_state.model_version
         self._num_tokens = rollout_state.num_tokens
         self._ledger = PromptLedger(
-            rollout_state.first_untrained_index, rollout_state.consumed_after, rollout_state.consumed_prompts
+            rollout_state.first_untrained_index, rollout_state.consumed_after, rollout_state.epoch_prompts
         )
         self._train_loss_sum = 0.0
         self._nonfinite_streak = 0
@@ -372,12 +371,12 @@ class AsyncGRPOTrainer(Trainer):
     def _should_stop(self, args: AsyncGRPOConfig) -> bool:
         if args.max_steps > 0:
             return self.state.global_step >= args.max_steps
-        return self._ledger.consumed_prompts >= math.ceil(args.num_train_epochs * len(self.train_dataset))
+        return self._ledger.epoch_prompts >= math.ceil(args.num_train_epochs * len(self.train_dataset))
 
     def _epoch(self) -> float:
         if self.streaming:
             return float(self.state.global_step) / max(self.args.max_steps, 1)
-        return self._ledger.consumed_prompts / len(self.train_dataset)
+        return self._ledger.epoch_prompts / len(self.train_dataset)
 
     # -- one optimizer step ---------------------------------------------------------------------------
 
@@ -628,7 +627,7 @@ class AsyncGRPOTrainer(Trainer):
         RolloutState(
             first_untrained_index=watermark,
             consumed_after=consumed_after,
-            consumed_prompts=self._ledger.consumed_prompts,
+            epoch_prompts=self._ledger.epoch_prompts,
             model_version=self._model_version,
             num_tokens=self._num_tokens,
         ).save(directory)

@@ -14,8 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from asyncgrpo.metrics import MetricsWindow, Reduce
-from asyncgrpo.packing.tree_attention import BLOCK_SIZE
-from asyncgrpo.packing.planner import MicroBatchPlan, Placement, TokenBudgetBatcher
+from asyncgrpo.packing.planner import MIN_SHARED_TOKENS, MicroBatchPlan, Placement, TokenBudgetBatcher
 from asyncgrpo.trainer.prompt_ledger import PromptLedger
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.sample import Sample
@@ -112,6 +111,8 @@ class SampleIntake:
         """Move what the worker queued into the buffer; wait up to `wait_s` for the first result."""
         result = self.worker.next_result(timeout=wait_s)
         while result is not None:
+            for sample in result.samples:
+                sample.validate()  # a malformed sample fails here, naming the broken invariant
             self.ledger.add_group(result.stream_index, len(result.samples))
             self.buffer.extend(result.samples)
             result = self.worker.next_result(timeout=0.0)
@@ -161,19 +162,20 @@ class SampleIntake:
             sample = self.buffer.popleft()
             staleness = model_version - sample.model_version
             if staleness > self.max_staleness:
-                self._consumed(sample)
+                self._consumed(sample, trained=False)
                 metrics.record("sample/dropped_stale_count", 1, Reduce.SUM)
                 continue
             return sample
 
-    def _consumed(self, sample: Sample) -> None:
-        self.ledger.sample_done(sample.stream_index)
+    def _consumed(self, sample: Sample, trained: bool) -> None:
+        self.ledger.sample_done(sample.stream_index, trained)
         self.consumed_tokens_total += sample.num_tokens
 
     def next_step(self, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int) -> StepBatch:
         """Plan one optimizer step's micro-batches from the queue."""
         batch = StepBatch(plans=[])
-        metrics.record("rollout/queue_size", len(self.buffer) + self.worker.queued_results())
+        self._drain(0.0)  # what the worker queued joins the buffer, so the size counts samples only
+        metrics.record("rollout/queue_size", len(self.buffer))
         try:
             self._plan(batch, gradient_accumulation_steps, metrics, model_version)
         except ServersLostWeights:
@@ -181,13 +183,13 @@ class SampleIntake:
             self.buffer.extendleft(reversed(batch.samples))
             raise
         for sample in batch.samples:
-            self._consumed(sample)
+            self._consumed(sample, trained=True)
         self.last_step_tokens = sum(sample.num_tokens for sample in batch.samples)
         self._publish_allowance(held_tokens=0)
         return batch
 
     def _plan(self, batch: StepBatch, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int) -> None:
-        batcher = TokenBudgetBatcher(self.token_budget, self.num_rows, min_shared_tokens=BLOCK_SIZE)
+        batcher = TokenBudgetBatcher(self.token_budget, self.num_rows, min_shared_tokens=MIN_SHARED_TOKENS)
         while len(batch.plans) < gradient_accumulation_steps:
             sample = self._next_sample(batch, metrics, model_version)
             placement = batcher.offer(sample)
@@ -195,7 +197,7 @@ class SampleIntake:
                 batch.samples.append(sample)
                 self._record_taken(sample, metrics, model_version)
             elif placement is Placement.DROPPED_OVERSIZE:
-                self._consumed(sample)
+                self._consumed(sample, trained=False)
                 metrics.record("batch/dropped_oversize_count", 1, Reduce.SUM)
                 if not self._warned_oversize:
                     self._warned_oversize = True

@@ -18,6 +18,7 @@ import torch
 
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.trainer.distributed import full_tensor
 
 
 @dataclass
@@ -95,13 +96,6 @@ def serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         seen.add(id(tensor))
         weights.append((name, tensor.detach()))
     return weights
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a collective over the training processes for a sharded DTensor (all of
-    them must call it in the same order), the tensor itself otherwise."""
-    gather = getattr(tensor, "full_tensor", None)
-    return gather() if gather is not None else tensor
 
 
 def join_gathers(model: torch.nn.Module) -> None:

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from asyncgrpo.generation.client import policy_label
-from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, join_gathers, serving_tensors
+from asyncgrpo.trainer.distributed import full_tensor
+from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_tensors
 
 
 class FilesystemWeightSync(WeightSyncBackend):

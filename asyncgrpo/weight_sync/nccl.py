@@ -27,7 +27,8 @@ from urllib.parse import urlparse
 import torch
 
 from asyncgrpo.generation.client import policy_label
-from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, join_gathers, serving_tensors
+from asyncgrpo.trainer.distributed import full_tensor
+from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_tensors
 from asyncgrpo.weight_sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_NUM_BUFFERS,
@@ -134,6 +135,8 @@ class NcclWeightSync(WeightSyncBackend):
     def reconnect(self) -> None:
         """A server restarted and left the transfer group: tear the group down everywhere (best
         effort on the servers that kept it) and form a new one with every server."""
+        if not self.is_sender:
+            return
         self._best_effort(self.client.shutdown_weight_transfer_engine(timeout=CLEANUP_TIMEOUT_S))
         self.transport.close()
         self._broken = None
