@@ -15,8 +15,12 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from asyncgrpo.generation.server import ServerOptions, serve_foreground
+    from asyncgrpo.generation.server import ServerOptions, lora_flags_for_run, serve_foreground
 
+    if args.enable_lora:  # flags not given explicitly come from the run's settings
+        derived = lora_flags_for_run(args.lora_rank, args.max_staleness)
+        args.max_lora_rank = args.max_lora_rank or derived["max_lora_rank"]
+        args.max_loras = args.max_loras or derived["max_loras"]
     options = ServerOptions(
         model=args.model,
         port=args.port,
@@ -59,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-lora", action="store_true")
     serve.add_argument("--max-lora-rank", type=int, default=None)
     serve.add_argument("--max-loras", type=int, default=None)
+    serve.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="with --enable-lora: the run's LoraConfig r; --max-lora-rank defaults to the smallest vLLM value >= it",
+    )
+    serve.add_argument(
+        "--max-staleness",
+        type=int,
+        default=4,
+        help="with --enable-lora: the run's max_staleness (default 4, the trainer's); --max-loras defaults to it + 2",
+    )
     serve.add_argument("--cpu", action="store_true", help="CPU flags even when a GPU is visible")
     serve.add_argument("--cpu-kv-cache-gib", type=int, default=1)
     serve.set_defaults(run=_serve)

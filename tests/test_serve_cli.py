@@ -96,3 +96,26 @@ def test_serve_prints_the_command_and_a_kill_leaves_no_process(tiny_model_dir, s
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_serve_enable_lora_picks_the_lora_flags_from_the_run_settings(monkeypatch):
+    from asyncgrpo import cli
+
+    seen = {}
+
+    def serve_foreground(options):
+        seen["o"] = options
+        return 0
+
+    monkeypatch.setattr("asyncgrpo.generation.server.serve_foreground", serve_foreground)
+    cli.main(["serve", "m", "--enable-lora", "--lora-rank", "12", "--max-staleness", "2"])
+    assert (seen["o"].max_lora_rank, seen["o"].max_loras) == (16, 4)
+    seen.clear()
+    cli.main(["serve", "m", "--enable-lora"])  # the trainer's default max_staleness=4; vLLM's default rank
+    assert (seen["o"].max_lora_rank, seen["o"].max_loras) == (None, 6)
+    seen.clear()
+    cli.main(["serve", "m", "--enable-lora", "--lora-rank", "4", "--max-lora-rank", "64", "--max-loras", "9"])
+    assert (seen["o"].max_lora_rank, seen["o"].max_loras) == (64, 9)  # explicit flags win
+    seen.clear()
+    cli.main(["serve", "m", "--max-staleness", "2"])
+    assert (seen["o"].enable_lora, seen["o"].max_loras) == (False, None)

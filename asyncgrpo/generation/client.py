@@ -112,6 +112,11 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def policy_adapter_name(prefix: str, version: int) -> str:
+    """The name policy `version`'s LoRA adapter is served under (adapter-only weight sync)."""
+    return f"{prefix}-v{version}"
+
+
 def policy_cache_salt(version: int) -> str:
     """The `cache_salt` of a request sent under policy `version`. vLLM keys prefix-cache blocks by
     it, so after a weight sync new requests never reuse KV computed by older weights, and nothing
@@ -458,6 +463,10 @@ class VLLMClient:
     async def reset_prefix_cache(self) -> None:
         await self._on_all("POST", "/reset_prefix_cache")
 
+    async def set_weight_label(self, label: str) -> None:
+        """Label the weights every server runs (what `weight_labels` reports) without loading any."""
+        await self._on_all("POST", "/update_weight_version", {"new_version": label})
+
     async def reload_weights(self, weights_dir: str, version: str | None = None, timeout: float | None = None) -> None:
         """Load new weights from a directory of safetensors (HF names) on every server. Prefix-cache
         entries of the old weights stay, under their own `cache_salt`; callers that send no salt
@@ -495,8 +504,11 @@ class VLLMClient:
     async def shutdown_weight_transfer_engine(self, timeout: float | None = None) -> None:
         await self._on_all("POST", "/shutdown_weight_transfer_engine", retry=False, timeout=timeout)
 
-    async def load_lora_adapter(self, name: str, path: str) -> None:
-        await self._on_all("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+    async def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> None:
+        """Load an adapter from `path` (readable by the servers) as model `name`; `load_inplace`
+        replaces one already loaded under that name (and loads it where it is not)."""
+        payload = {"lora_name": name, "lora_path": str(path), "load_inplace": load_inplace}
+        await self._on_all("POST", "/v1/load_lora_adapter", payload)
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._on_all("POST", "/v1/unload_lora_adapter", {"lora_name": name})

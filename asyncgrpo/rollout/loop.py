@@ -23,8 +23,10 @@ import numpy as np
 from asyncgrpo.generation.client import (
     SamplingParams,
     VLLMClient,
+    VLLMRequestError,
     VLLMUnavailableError,
     parse_policy_label,
+    policy_adapter_name,
     policy_cache_salt,
 )
 from asyncgrpo.metrics import MetricsWindow, Reduce
@@ -65,6 +67,9 @@ SCORE_CONCURRENCY = 64
 CLOSE_HOOK_TIMEOUT_S = 30.0
 # Beyond reward_timeout, how long a full scoring queue may stand still before scoring counts as stuck.
 SCORE_QUEUE_GRACE_S = 60.0
+# Adapter-only sync: how many times (about a second apart) a request retries when its policy
+# adapter is not loaded (retired by a sync, or being pushed again to a restarted server).
+ADAPTER_MISSING_RETRIES = 30
 # How many vllm_server_timeouts the trainer may leave the staleness budget unmoved before it counts as stuck.
 ALLOWANCE_STALL_FACTOR = 4
 
@@ -161,10 +166,8 @@ class AsyncRolloutLoop:
             repetition_penalty=self.config.repetition_penalty,
             num_top_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else 0,
         )
-        version = self.model_version_value.value
         seed = self._request_seeds.getrandbits(62)
-        generate = self.client.generate_tokens if self._token_route else self.client.complete
-        completion = await generate(prompt_ids, sampling, seed, model=self.lora_name, cache_salt=policy_cache_salt(version))
+        completion, version = await self._sample(prompt_ids, sampling, seed)
         if completion.weight_labels:  # which weights sampled the tokens (see VLLMClient.complete)
             versions = [parse_policy_label(label) for label in completion.weight_labels]
             if None in versions:
@@ -172,7 +175,8 @@ class AsyncRolloutLoop:
                     f"tokens sampled by weights labelled {completion.weight_labels}: a server restarted and runs "
                     "weights the trainer did not push"
                 )
-            version = min(versions)
+            if not self.lora_name:  # with adapters, the adapter the request named sampled every token
+                version = min(versions)
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=completion.token_ids.tolist(),
@@ -185,6 +189,26 @@ class AsyncRolloutLoop:
             finish_reason=completion.finish_reason,
             model_version=version,
         )
+
+    async def _sample(self, prompt_ids: list[int], sampling: SamplingParams, seed: int):
+        """One request under the current policy version; returns (completion, version). With
+        adapter-only weight sync (`lora_name` set) each version is its own adapter, named from the
+        version, so the request runs to its end under the version it started with."""
+        generate = self.client.generate_tokens if self._token_route else self.client.complete
+        version, missing = self.model_version_value.value, 0
+        while True:
+            model = policy_adapter_name(self.lora_name, version) if self.lora_name else None
+            try:
+                return await generate(prompt_ids, sampling, seed, model=model, cache_salt=policy_cache_salt(version)), version
+            except VLLMRequestError as error:
+                # The version read just before a sync retired it, or a restarted server is being given
+                # the current adapter again: take the newest version once it is there.
+                missing += 1
+                if not self.lora_name or error.status != 404 or missing > ADAPTER_MISSING_RETRIES:
+                    raise
+                if self.model_version_value.value == version:
+                    await asyncio.sleep(1.0)
+                version = self.model_version_value.value
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards normalized in the group; NaN rewards get 0."""

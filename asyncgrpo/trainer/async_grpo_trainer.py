@@ -61,7 +61,10 @@ from asyncgrpo.trainer.checks import (
     check_text_only_model,
     check_transformers_version,
 )
+from asyncgrpo.trainer.adapters import is_peft_model, wrap_with_peft
 from asyncgrpo.weight_sync import choose_backend, make_weight_sync
+from asyncgrpo.weight_sync.lora import adapter_sync_for
+from asyncgrpo.weight_sync.merged import sync_policy
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +151,7 @@ class AsyncGRPOTrainer(Trainer):
         else:
             check_text_only_model(model.config)
         if peft_config is not None:
-            raise NotImplementedError("PEFT adapters are not available in this version yet")
+            model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
         enable_tree_attention(model)  # refuses attention sinks and layers it cannot pack
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
@@ -355,8 +358,14 @@ class AsyncGRPOTrainer(Trainer):
         self._warn_on_dtype_mismatch(server_info)
         self.token_budget = args.token_budget or max_model_len
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
-        backend = choose_backend(args.weight_sync_backend, server_info, self.args.device.type == "cuda")
-        self._weight_sync = make_weight_sync(backend, self._client, self._http, args.output_dir, args.weight_sync_timeout)
+        adapter_sync = None
+        if is_peft_model(self.model):  # adapter-only sync when the servers run --enable-lora
+            adapter_sync = adapter_sync_for(self.model, server_info, self._client, self._http, args.output_dir, args.max_staleness)
+        if adapter_sync is not None:
+            self._weight_sync = adapter_sync
+        else:
+            backend = choose_backend(args.weight_sync_backend, server_info, self.args.device.type == "cuda")
+            self._weight_sync = make_weight_sync(backend, self._client, self._http, args.output_dir, args.weight_sync_timeout)
         self._worker = RolloutWorker(
             self.loop_cls,
             dict(
@@ -369,6 +378,7 @@ class AsyncGRPOTrainer(Trainer):
                 dataset_start_index=rollout_state.first_untrained_index,
                 skip_stream_indices=frozenset(rollout_state.consumed_after)
                 | {sample.stream_index for sample in self._held_on_resume},
+                lora_name=adapter_sync.prefix if adapter_sync is not None else None,
             ),
             initial_allowance=0.0,  # SampleIntake publishes the allowance
             worker_timeout=args.rollout_worker_timeout,
@@ -545,7 +555,8 @@ class AsyncGRPOTrainer(Trainer):
                 f"the weights of policy version {self._model_version} hold inf or NaN: they were not sent to the "
                 "vLLM server. The optimizer produced them from finite gradients: lower learning_rate."
             )
-        timings = self._weight_sync.sync(unwrapped, self._model_version)
+        timings, sent_bytes = sync_policy(self._weight_sync, unwrapped, self._model_version)
+        self._window.record("perf/weight_sync_bytes", sent_bytes)
         if self._worker is not None:
             self._worker.publish_model_version(self._model_version)
         self._window.record("perf/weight_sync_s", barrier_s + timings.total_s)
