@@ -14,19 +14,18 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace, extra: list[str]) -> int:
+def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
     from asyncgrpo.generation.server import ServerOptions, serve_foreground
 
     if args.for_config is not None:
         from asyncgrpo.train_command import run_serve_for
 
-        if args.model is not None:
-            print("asyncgrpo serve: give either a MODEL or --for CONFIG.yaml (the config names the model)")
-            return 2
-        given = {name: getattr(args, name) for name in ("port", "host", "max_model_len", "dtype")}
-        return run_serve_for(
-            args.for_config, given, args.cpu, args.cpu_kv_cache_gib, extra, dry_run=args.dry_run
-        )
+        # Reparsed without the MODEL positional, which would swallow the value of a vllm flag
+        # (`--api-server-count 8`): with --for, the config names the model.
+        args, extra = _serve_for_parser().parse_known_args(argv)
+        names = ("port", "host", "max_model_len", "dtype", "max_lora_rank", "max_loras")
+        given = {name: getattr(args, name) for name in names} | {"enable_lora": args.enable_lora or None}
+        return run_serve_for(args.for_config, given, args.cpu, args.cpu_kv_cache_gib, extra, dry_run=args.dry_run)
     if args.model is None:
         print("asyncgrpo serve: give a MODEL, or --for CONFIG.yaml")
         return 2
@@ -66,6 +65,30 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--for", dest="for_config", default=None, metavar="CONFIG.yaml",
+        help="derive the flags from a training config (its model, dtype, URL, LoRA, top-k/top-p, token_budget); "
+        "flags given here win, unknown arguments go to vllm",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the command without running it")
+    parser.add_argument("--port", type=int, default=None, help="default 8000, or the config's URL with --for")
+    parser.add_argument("--host", default=None, help="default 127.0.0.1, or the config's URL with --for")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--max-loras", type=int, default=None)
+    parser.add_argument("--cpu", action="store_true", help="CPU flags even when a GPU is visible")
+    parser.add_argument("--cpu-kv-cache-gib", type=int, default=1)
+
+
+def _serve_for_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncgrpo serve --for")
+    _add_serve_flags(parser)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncgrpo", description="Asynchronous GRPO against a vLLM server.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -79,21 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start `vllm serve` with the flags the trainer needs (unknown arguments go to vllm)",
     )
     serve.add_argument("model", nargs="?", default=None)
-    serve.add_argument(
-        "--for", dest="for_config", default=None, metavar="CONFIG.yaml",
-        help="derive the flags from a training config (its model, dtype, URL, LoRA, top-k/top-p, token_budget); "
-        "flags given here win, unknown arguments go to vllm",
-    )
-    serve.add_argument("--dry-run", action="store_true", help="print the command without running it")
-    serve.add_argument("--port", type=int, default=None, help="default 8000, or the config's URL with --for")
-    serve.add_argument("--host", default=None, help="default 127.0.0.1, or the config's URL with --for")
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--dtype", default=None)
-    serve.add_argument("--enable-lora", action="store_true")
-    serve.add_argument("--max-lora-rank", type=int, default=None)
-    serve.add_argument("--max-loras", type=int, default=None)
-    serve.add_argument("--cpu", action="store_true", help="CPU flags even when a GPU is visible")
-    serve.add_argument("--cpu-kv-cache-gib", type=int, default=1)
+    _add_serve_flags(serve)
     serve.set_defaults(run=_serve)
 
     train = commands.add_parser(
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "serve":
-        return _serve(args, extra)
+        return _serve(args, extra, (sys.argv[1:] if argv is None else argv)[1:])
     if args.command == "train":
         return _train(args, extra)
     if extra:

@@ -1,4 +1,4 @@
-"""Reading a run's metrics the way docs/reading-metrics.md teaches, as pure functions of its history.
+"""Reading a run's metrics (docs/front-door.md, "The diagnosis"), as pure functions of its history.
 
 Two questions, each answered with a verdict, the evidence (metric, values, steps) and what to do:
 

@@ -60,7 +60,10 @@ PLOTS = (
 
 def render_plot(spec: PlotSpec, history: History, path: Path) -> list[str]:
     """Draw `spec` into `path`; returns the metrics it found."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError("the report draws its plots with matplotlib: pip install 'asyncgrpo[report]'") from error
 
     matplotlib.use("Agg")  # files only: no display needed
     from matplotlib import pyplot

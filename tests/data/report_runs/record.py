@@ -35,13 +35,6 @@ def rare_reward(completions, **kwargs) -> list[float]:
     return [float(random.random() < 0.02) for _ in completions]
 
 
-def slow_reward(completions, **kwargs) -> list[float]:
-    """Coin flips that take 0.6 s per group: the worker scores one group at a time, so generation
-    cannot keep up with the trainer."""
-    time.sleep(0.6)
-    return coin_flip_reward(completions)
-
-
 _calls = 0
 
 
@@ -74,7 +67,7 @@ CASES = {
     "healthy": (coin_flip_reward, {}, []),
     "tight_staleness": (coin_flip_reward, {"max_staleness": 0}, []),
     "slow_trainer": (coin_flip_reward, {}, [_slow_trainer_callback]),
-    "slow_scoring": (slow_reward, {}, []),
+    "low_concurrency": (coin_flip_reward, {"max_concurrent_rollouts": 1}, []),
     "saturating": (saturating_reward, {}, []),
     "never_varies": (rare_reward, {}, []),
 }
