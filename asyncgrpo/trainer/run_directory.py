@@ -28,15 +28,19 @@ WARNINGS_FILE = "warnings.log"
 WARNINGS_FILE_ENV = "ASYNCGRPO_WARNINGS_FILE"
 
 _FORMAT = "%(asctime)s %(processName)s %(name)s %(levelname)s: %(message)s"
+_active_handler: logging.Handler | None = None  # one run directory at a time per process
 
 
 def attach_warnings_file(path: str | os.PathLike | None = None) -> logging.Handler | None:
-    """Send the package's warnings to `path` (default: the file named by ASYNCGRPO_WARNINGS_FILE).
-    Returns the handler, or None when no file is named."""
+    """Send the package's warnings to `path` (default: the file named by ASYNCGRPO_WARNINGS_FILE),
+    instead of the file of an earlier run in this process. Returns the handler, or None when no file
+    is named."""
+    global _active_handler
     path = path or os.environ.get(WARNINGS_FILE_ENV)
     if not path:
         return None
     package_logger = logging.getLogger("asyncgrpo")
+    detach_warnings_file()
     if not package_logger.hasHandlers():
         # Without any handler Python prints warnings to stderr (its last resort); adding the file
         # would silence that, so stderr gets an explicit handler first.
@@ -47,7 +51,16 @@ def attach_warnings_file(path: str | os.PathLike | None = None) -> logging.Handl
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter(_FORMAT))
     package_logger.addHandler(handler)
+    _active_handler = handler
     return handler
+
+
+def detach_warnings_file() -> None:
+    global _active_handler
+    if _active_handler is not None:
+        logging.getLogger("asyncgrpo").removeHandler(_active_handler)
+        _active_handler.close()
+        _active_handler = None
 
 
 def _json_value(value):
@@ -62,7 +75,6 @@ class RunDirectoryCallback(TrainerCallback):
     continues the same file (readers keep the last line of a step)."""
 
     def __init__(self):
-        self._handler: logging.Handler | None = None
         self._directory: Path | None = None
 
     def on_init_end(self, args, state, control, **kwargs):
@@ -75,8 +87,7 @@ class RunDirectoryCallback(TrainerCallback):
         (self._directory / CONFIG_FILE).write_text(args.to_json_string())
         warnings_path = self._directory / WARNINGS_FILE
         os.environ[WARNINGS_FILE_ENV] = str(warnings_path.resolve())
-        if self._handler is None:
-            self._handler = attach_warnings_file(warnings_path)
+        attach_warnings_file(warnings_path)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._directory is None or not logs:
@@ -87,8 +98,6 @@ class RunDirectoryCallback(TrainerCallback):
             file.write(json.dumps(record) + "\n")
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._handler is not None:
-            logging.getLogger("asyncgrpo").removeHandler(self._handler)
-            self._handler.close()
-            self._handler = None
-        os.environ.pop(WARNINGS_FILE_ENV, None)
+        if self._directory is not None:
+            detach_warnings_file()
+            os.environ.pop(WARNINGS_FILE_ENV, None)
