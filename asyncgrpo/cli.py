@@ -48,7 +48,7 @@ def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from asyncgrpo.demo import run_demo
 
-    return run_demo(workdir=args.workdir)
+    return run_demo(workdir=args.workdir, seed=args.seed)
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="a real async GRPO run of the tiny model on CPU (make demo)")
     demo.add_argument("--workdir", default=".demo")
+    demo.add_argument("--seed", type=int, default=0, help="seeds the warm start, the prompts' order and sampling")
     demo.set_defaults(run=_demo)
     return parser
 
