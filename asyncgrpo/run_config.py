@@ -302,7 +302,8 @@ def build_trainer(run: RunConfig):
 
         model = AsyncGRPOTrainer._load_model(run.model, run.args)
         tokenizer = AutoTokenizer.from_pretrained(run.model)
-        run.warm_start["function"](model, tokenizer, **run.warm_start["kwargs"])
+        result = run.warm_start["function"](model, tokenizer, **run.warm_start["kwargs"])
+        print(f"warm start {run.raw['warm_start']['function']} done (it returned {result!r})", flush=True)
     peft_config = None
     if run.peft_config is not None:
         from peft import LoraConfig
