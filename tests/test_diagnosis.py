@@ -155,3 +155,13 @@ def test_load_run_names_what_is_missing(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2 is not JSON"):
         load_run(tmp_path)
+
+
+def test_generation_bound_at_max_concurrent_rollouts_says_to_raise_it():
+    series = dict(perf__step_s=2.0, perf__rollout_wait_s=1.5, rollout__concurrency=60.0)
+    at_limit = diagnose_bottleneck(history({"max_concurrent_rollouts": 64}, rollout__vllm_kv_cache_usage_frac=0.1, **series))
+    assert at_limit.action.startswith("Raise max_concurrent_rollouts")
+    kv_full = diagnose_bottleneck(history({"max_concurrent_rollouts": 64}, rollout__vllm_kv_cache_usage_frac=0.9, **series))
+    below = diagnose_bottleneck(history({"max_concurrent_rollouts": 512}, rollout__vllm_kv_cache_usage_frac=0.1, **series))
+    assert kv_full.verdict == below.verdict == "generation-bound"
+    assert not kv_full.action.startswith("Raise") and not below.action.startswith("Raise")

@@ -54,6 +54,8 @@ def test_report_renders_every_plot_and_names_the_planted_case(case, run_copy, ca
         assert findings["bottleneck"].verdict == bottleneck, findings["bottleneck"].evidence
     assert findings["saturation"].verdict == saturation, findings["saturation"].evidence
     assert findings["duplicates"].verdict == "healthy"
+    if case == "low_concurrency":
+        assert findings["bottleneck"].action.startswith("Raise max_concurrent_rollouts")
     for finding in findings.values():
         assert f"<div class='verdict'>{finding.verdict}</div>" in html
         assert finding.evidence and all(line.split()[0] in html for line in finding.evidence)

