@@ -15,9 +15,10 @@ import importlib
 import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 RUN_KEYS = {
     "model": "a Hub id or a local model directory",

@@ -37,8 +37,8 @@ def coding_reward_func(prompts, completions, task, solution, **kwargs):
 def _passes(code: str, check: str) -> bool:
     namespace: dict = {}
     try:
-        exec(code + "\n" + check, namespace)  # an example only: run untrusted code in a sandbox
-    except Exception:
+        exec(code + "\n" + check, namespace)  # noqa: S102 -- an example only: sandbox untrusted code
+    except Exception:  # noqa: BLE001 -- any failure of the model's code scores it as failing
         return False
     return True
 

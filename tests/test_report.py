@@ -82,7 +82,7 @@ def open_in_chromium(page: Path, screenshot: Path) -> list[str]:
     result = subprocess.run(
         [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
          f"--screenshot={screenshot}", "--window-size=1500,2400", page.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, check=False,
     )
     assert screenshot.exists(), result.stderr[-2000:]
     return [line for line in result.stderr.splitlines() if ":CONSOLE" in line]

@@ -18,6 +18,7 @@ The thresholds are named constants below; they are judgement calls, stated so a 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from asyncgrpo.report.history import History
@@ -97,17 +98,21 @@ def diagnose_bottleneck(history: History) -> Finding:
     staleness = _mean(steady.series("sample/staleness_mean")[1])
     max_staleness = steady.config.get("max_staleness")
     evidence = [
-        f"perf/rollout_wait_s averages {_mean(waits):.3g} s, {wait_share:.0%} of perf/step_s "
-        f"({step_s:.3g} s), over {span}",
-        f"rollout/backpressure_s averages {_mean(backpressure):.3g} s per window ({held_share:.0%} of a step); "
-        f"generation waited in {held_windows:.0%} of the windows of {span}",
+        (
+            f"perf/rollout_wait_s averages {_mean(waits):.3g} s, {wait_share:.0%} of perf/step_s "
+            f"({step_s:.3g} s), over {span}"
+        ),
+        (
+            f"rollout/backpressure_s averages {_mean(backpressure):.3g} s per window ({held_share:.0%} of a "
+            f"step); generation waited in {held_windows:.0%} of the windows of {span}"
+        ),
     ]
-    if queue == queue:
+    if not math.isnan(queue):
         queue_text = f"rollout/queue_size averages {queue:.3g} samples"
         if samples_per_step > 0:
             queue_text += f" ({queue / samples_per_step:.2g} steps of samples)"
         evidence.append(queue_text + f" over {span}")
-    if staleness == staleness and max_staleness is not None:
+    if not math.isnan(staleness) and max_staleness is not None:
         evidence.append(f"sample/staleness_mean averages {staleness:.2g} (max_staleness={max_staleness})")
     waiting = wait_share > WAIT_SHARE_HIGH
     held = held_share > BACKPRESSURE_SHARE_HIGH or (
@@ -163,14 +168,14 @@ def _concurrency_evidence(history: History) -> list[str]:
     cap = _mean(history.series("rollout/concurrency_cap")[1])
     kv = _mean(history.series("rollout/vllm_kv_cache_usage_frac")[1])
     limit = history.config.get("max_concurrent_rollouts")
-    if concurrency != concurrency:
+    if math.isnan(concurrency):
         return []
     text = f"rollout/concurrency averages {concurrency:.3g}"
-    if cap == cap:
+    if not math.isnan(cap):
         text += f" against a cap of {cap:.3g}"
     if limit is not None:
         text += f" (max_concurrent_rollouts={limit})"
-    if kv == kv:
+    if not math.isnan(kv):
         text += f", KV-cache usage {kv:.0%}"
     return [text]
 
@@ -264,8 +269,10 @@ def diagnose_duplicates(history: History) -> Finding:
     ceiling = (generations - 1) / generations
     first, last, first_span, last_span = _thirds(history, "completions/duplicate_frac")
     evidence = [
-        f"completions/duplicate_frac {first:.2f} ({first_span}) -> {last:.2f} ({last_span}); all copies of one "
-        f"rollout would be {ceiling:.2f} with num_generations={generations}"
+        (
+            f"completions/duplicate_frac {first:.2f} ({first_span}) -> {last:.2f} ({last_span}); all copies "
+            f"of one rollout would be {ceiling:.2f} with num_generations={generations}"
+        )
     ]
     entropy_falling = False
     if history.has("entropy"):

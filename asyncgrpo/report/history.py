@@ -19,7 +19,7 @@ class History:
     config: dict = field(default_factory=dict)
 
     @classmethod
-    def from_records(cls, records: list[dict], config: dict | None = None) -> "History":
+    def from_records(cls, records: list[dict], config: dict | None = None) -> History:
         by_step: dict[int, dict] = {}
         for record in records:
             if "step" in record and not _is_summary(record):

@@ -74,7 +74,14 @@ class AsyncProgressCallback(TrainerCallback):
         if not state.is_world_process_zero or args.disable_tqdm:
             return
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         console = self._console or Console()
         if not console.is_terminal:
