@@ -137,6 +137,7 @@ class VLLMClient:
         timeout: float = 1800.0,
         model: str | None = None,
         generation_timeout_retries: int = 3,
+        request_timeout: float | None = None,
     ):
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
@@ -145,6 +146,7 @@ class VLLMClient:
         self.timeout = float(timeout)
         self.model = model
         self.generation_timeout_retries = generation_timeout_retries
+        self.request_timeout = request_timeout  # per generation request; None: `timeout`
         self.retry_count = 0
         # Requests that found a server unreachable: it may come back restarted, with its original weights.
         self.connection_failures = 0
@@ -228,7 +230,8 @@ class VLLMClient:
             except asyncio.TimeoutError:
                 if timeouts_left <= 0 or not retry:
                     raise VLLMUnavailableError(
-                        f"vLLM server {url} did not answer within {budget:.0f} s (vllm_server_timeout)"
+                        f"vLLM server {url} did not answer within {budget:.0f} s (vllm_server_timeout, request_timeout, "
+                        "weight_sync_timeout)"
                     ) from None
                 timeouts_left -= 1
                 deadline = loop.time() + budget
@@ -403,7 +406,9 @@ class VLLMClient:
         url = self._least_busy()
         self._in_flight[url] += 1
         try:
-            return await self._request("POST", url, path, payload, timeout_retries=self.generation_timeout_retries)
+            return await self._request(
+                "POST", url, path, payload, timeout_retries=self.generation_timeout_retries, timeout=self.request_timeout
+            )
         finally:
             self._in_flight[url] -= 1
 
@@ -421,17 +426,18 @@ class VLLMClient:
 
     # -- control (dev mode: VLLM_SERVER_DEV_MODE=1) --------------------------------------------------
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+    async def pause(self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None) -> None:
         """Stop scheduling. `keep` freezes running requests (they continue on resume), `wait`
         lets them finish first, `abort` ends them. `clear_cache=True` also empties the KV and
         prefix caches, which under `keep` preempts every frozen request: on resume each one
         recomputes its whole KV. The trainer does not need that: requests carry their policy
         version as `cache_salt` (see `policy_cache_salt`), so no request reuses a prefix computed
         by older weights than its own version's."""
-        await self._on_all("POST", "/pause", params={"mode": mode, "clear_cache": "true" if clear_cache else "false"})
+        clear = "true" if clear_cache else "false"
+        await self._on_all("POST", "/pause", params={"mode": mode, "clear_cache": clear}, timeout=timeout)
 
-    async def resume(self) -> None:
-        await self._on_all("POST", "/resume")
+    async def resume(self, timeout: float | None = None) -> None:
+        await self._on_all("POST", "/resume", timeout=timeout)
 
     async def is_paused(self) -> bool:
         return all(answer["is_paused"] for answer in await self._on_all("GET", "/is_paused"))
@@ -439,14 +445,14 @@ class VLLMClient:
     async def reset_prefix_cache(self) -> None:
         await self._on_all("POST", "/reset_prefix_cache")
 
-    async def reload_weights(self, weights_dir: str, version: str | None = None) -> None:
+    async def reload_weights(self, weights_dir: str, version: str | None = None, timeout: float | None = None) -> None:
         """Load new weights from a directory of safetensors (HF names) on every server. Prefix-cache
         entries of the old weights stay, under their own `cache_salt`; callers that send no salt
         must `reset_prefix_cache` (it succeeds only once no request holds blocks)."""
         payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
-        calls = [self._on_all("POST", "/collective_rpc", payload, retry_server_errors=False)]
+        calls = [self._on_all("POST", "/collective_rpc", payload, retry_server_errors=False, timeout=timeout)]
         if version is not None:  # only a label: set it alongside, not after, while the servers wait
-            calls.append(self._on_all("POST", "/update_weight_version", {"new_version": version}))
+            calls.append(self._on_all("POST", "/update_weight_version", {"new_version": version}, timeout=timeout))
         await asyncio.gather(*calls)
 
     # -- native weight transfer (`--weight-transfer-config`): never retried, each call joins a

@@ -158,6 +158,7 @@ class AsyncRolloutLoop:
             top_p=self.config.top_p,
             top_k=self.config.top_k,
             min_p=self.config.min_p or 0.0,
+            repetition_penalty=self.config.repetition_penalty,
             num_top_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else 0,
         )
         version = self.model_version_value.value
@@ -218,7 +219,12 @@ class AsyncRolloutLoop:
         # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         self._tool_executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts)
-        self.client = VLLMClient(config.vllm_server_urls, timeout=config.vllm_server_timeout, model=self.model_name)
+        self.client = VLLMClient(
+            config.vllm_server_urls,
+            timeout=config.vllm_server_timeout,
+            model=self.model_name,
+            request_timeout=config.request_timeout,
+        )
         try:
             await self.client.wait_until_ready()
             self.max_model_len = await self.client.max_model_len()

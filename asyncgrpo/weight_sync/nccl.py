@@ -135,6 +135,8 @@ class NcclWeightSync(WeightSyncBackend):
     def reconnect(self) -> None:
         """A server restarted and left the transfer group: tear the group down everywhere (best
         effort on the servers that kept it) and form a new one with every server."""
+        if not self.is_sender:
+            return
         self._best_effort(self.client.shutdown_weight_transfer_engine(timeout=CLEANUP_TIMEOUT_S))
         self.transport.close()
         self._broken = None
@@ -198,5 +200,5 @@ def _run_alongside(
             return
         if time.monotonic() > deadline:
             side = "the trainer's broadcast" if "local" not in outcome else "the vLLM server"
-            raise TimeoutError(f"{what}: {side} did not finish within {timeout_s:.0f} s (vllm_server_timeout)")
+            raise TimeoutError(f"{what}: {side} did not finish within {timeout_s:.0f} s (weight_sync_timeout)")
         time.sleep(0.002)
