@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from asyncgrpo.rollout.messages import GroupResult
+from asyncgrpo.trainer.run_directory import attach_warnings_file
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event, parent_pid:
     # Sync reward functions and tools run in threads while the event loop thread is nearly always
     # busy: with the default 5 ms GIL switch interval a 10 us reward waited ~100 ms for its turn.
     sys.setswitchinterval(0.0005)
+    attach_warnings_file()  # the run directory's warnings.log, when the trainer keeps one
     exit_code = 0
     try:
         rollout_loop = loop_cls(**loop_kwargs)

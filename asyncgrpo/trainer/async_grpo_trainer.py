@@ -43,6 +43,7 @@ from asyncgrpo.packing.tree_attention import enable_tree_attention, padded_lengt
 from asyncgrpo.perf import device_peak_flops, flop_model
 from asyncgrpo.trainer.progress import AsyncProgressCallback
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
+from asyncgrpo.trainer.run_directory import RunDirectoryCallback
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
@@ -180,7 +181,7 @@ class AsyncGRPOTrainer(Trainer):
             args=args,
             train_dataset=train_dataset,
             processing_class=processing_class,
-            callbacks=list(callbacks or []) + [self._progress],
+            callbacks=list(callbacks or []) + [self._progress, RunDirectoryCallback()],
             optimizers=optimizers,
         )
         self.remove_callback(ProgressCallback)
