@@ -6,12 +6,16 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
-from datasets import Dataset
 
-from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.generation.client import VLLMUnavailableError
-from asyncgrpo.trainer.checks import check_parallelism
+pytest.importorskip("datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)")
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.generation.client import VLLMUnavailableError  # noqa: E402
+from asyncgrpo.trainer.checks import check_parallelism  # noqa: E402
 
 
 def some_reward(completions, **kwargs):
