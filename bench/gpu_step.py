@@ -96,6 +96,8 @@ def make_trainer(overrides: dict, smoke: bool, output_dir: str) -> AsyncGRPOTrai
                            use_cpu=smoke, **overrides)  # fmt: skip
     trainer = AsyncGRPOTrainer(build_model(smoke), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                args=args, train_dataset=_Prompts(), processing_class=build_tokenizer())  # fmt: skip
+    if args.gradient_checkpointing:  # what Trainer.train does before the training loop
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     trainer._processes = Processes(1, 0)
     trainer._restore_state(args, None)
     trainer._model = trainer._prepare_model(args, None)

@@ -77,7 +77,9 @@ class CheckpointToFit:
             return None
         device = next(model.parameters()).device
         layers = getattr(model.get_decoder(), "layers", None)
-        if device.type != "cuda" or not layers or not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
+        # transformers' checkpointing layers, with checkpointing enabled (Trainer.train does that)
+        flagged = layers and all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers)
+        if device.type != "cuda" or not flagged:
             return None
         params = [p for p in model.parameters() if p.requires_grad]
         return cls(list(layers), model.config.get_text_config(), params, optimizer, device)

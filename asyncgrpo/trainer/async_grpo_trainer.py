@@ -145,6 +145,12 @@ class AsyncGRPOTrainer(Trainer):
         self.remove_callback(ProgressCallback)
         self.remove_callback(PrinterCallback)
 
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        """bf16/fp16 autocast around the loss. The base Trainer relies on accelerate wrapping
+        `model.forward` for it, but this trainer calls the decoder and the head directly: without
+        this, `bf16=True` trained fp32 weights with fp32 matmuls."""
+        return self.accelerator.autocast()
+
     @staticmethod
     def _load_model(model_id: str, args: AsyncGRPOConfig) -> PreTrainedModel:
         kwargs = dict(args.model_init_kwargs or {})
