@@ -107,22 +107,23 @@ def grpo_samples(rng, vocab: int, groups: int = 2) -> list:
 
 
 def default_cuda_model():
-    """The tiny model as the trainer runs it on CUDA by default, and an fp64 CPU copy as reference."""
+    """The tiny model as the trainer runs it on CUDA by default, and an fp32 CPU copy as reference
+    (plain head path; tree attention only for packed rows, SDPA for a plain forward)."""
     from asyncgrpo.packing.tree_attention import enable_tree_attention
     from asyncgrpo.tiny_model import build_model, build_tokenizer
     from asyncgrpo.trainer.compile import compile_decoder_layers
 
     torch.manual_seed(0)
-    reference = build_model(build_tokenizer()).double()
+    reference = enable_tree_attention(build_model(build_tokenizer()).float())
     model = enable_tree_attention(build_model(build_tokenizer()).float().cuda())
-    model.load_state_dict({k: v.float() for k, v in reference.state_dict().items()})
+    model.load_state_dict(reference.state_dict())
     compile_decoder_layers(model)
     return model, reference
 
 
 @pytest.mark.gpu
 def test_cuda_defaults_packed_logprobs_match_each_sample_alone():
-    """Tree-packed log-probs at the CUDA defaults vs each sample forwarded alone (plain HF, fp64)."""
+    """Tree-packed log-probs at the CUDA defaults vs each sample forwarded alone (plain HF, fp32 CPU)."""
     from asyncgrpo.logprobs import row_logprobs
     from asyncgrpo.packing.trie import pack_row
 
@@ -134,7 +135,7 @@ def test_cuda_defaults_packed_logprobs_match_each_sample_alone():
     with torch.no_grad():
         for s in samples:
             ids = torch.from_numpy(s.token_ids)[None]
-            logp = torch.log_softmax(reference(input_ids=ids).logits[0], -1)
+            logp = torch.log_softmax(reference(input_ids=ids).logits[0].double(), -1)
             targets = torch.from_numpy(np.flatnonzero(s.trained))
             expected.append(logp[targets - 1].gather(1, ids[0, targets][:, None])[:, 0])
     expected = torch.cat(expected)
@@ -144,9 +145,9 @@ def test_cuda_defaults_packed_logprobs_match_each_sample_alone():
 
 
 @pytest.mark.gpu
-def test_cuda_defaults_loss_gradient_matches_fp64_reference():
-    """The trainer's `row_loss` and its gradient at the CUDA defaults vs the same row on CPU in fp64
-    (plain head path): relative error of bf16 compute, and exact agreement of which tokens count."""
+def test_cuda_defaults_loss_gradient_matches_reference():
+    """The trainer's `row_loss` and its gradient at the CUDA defaults vs the same row on CPU in fp32
+    (plain head path): the relative error of bf16 compute."""
     pytest.importorskip("msgspec", reason="the trainer module needs msgspec")
     from types import SimpleNamespace
 
@@ -165,7 +166,7 @@ def test_cuda_defaults_loss_gradient_matches_fp64_reference():
     expected_loss.backward()
     assert abs(float(loss) - float(expected_loss)) < 2e-2 * abs(float(expected_loss)) + 1e-3
     got = torch.cat([p.grad.double().cpu().flatten() for p in model.parameters()])
-    want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    want = torch.cat([p.grad.double().flatten() for p in reference.parameters()])
     relative = float((got - want).norm() / want.norm())
     assert relative < 3e-2, relative
 
