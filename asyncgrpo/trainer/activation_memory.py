@@ -9,8 +9,8 @@ for that is checkpointed everywhere, as before.
 
 The estimate is per token and per layer, from the model's shape: what a compiled decoder layer keeps
 for backward (the fp32 residual stream under autocast, the bf16 inputs of its matmuls, q/k/v, the
-attention output and the MLP's gate/up/activation), times a safety factor measured on an H200
-(bench/gpu_step.py prints the measured peak next to the estimate).
+attention output and the MLP's gate/up/activation), times a safety factor; bench/gpu_step.py
+measures the peak memory it leads to.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import math
 
 import torch
 
-# Measured peak over estimated activations on an H200 for the Qwen3-1.7B shape was below 1; the
-# factor covers allocator fragmentation and what the estimate leaves out (flex attention's scratch).
+# Covers allocator fragmentation and what the estimate leaves out (flex attention's scratch). Not
+# calibrated kernel by kernel: on an H200 (Qwen3-1.7B shape, fp32 weights + AdamW) rows of 16k-262k
+# tokens all fit with it, the fullest at 124 GB peak of 139 GiB (bench/RESULTS.md, gpu_step).
 SAFETY_FACTOR = 1.25
 # Memory kept free beyond the estimate: the fused head's chunk workspace, the block masks, cuBLAS
 # workspaces. A fraction of the card's memory, at least 4 GiB.
