@@ -99,6 +99,7 @@ def make_trainer(overrides: dict, smoke: bool, output_dir: str) -> AsyncGRPOTrai
     if args.gradient_checkpointing:  # what Trainer.train does before the training loop
         trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     trainer._processes = Processes(1, 0)
+    trainer._sharded = False  # one process, as _inner_training_loop decides for a single-GPU run
     trainer._restore_state(args, None)
     trainer._model = trainer._prepare_model(args, None)
     return trainer
