@@ -9,12 +9,15 @@ from __future__ import annotations
 import signal
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from asyncgrpo.generation.server import ServerOptions, VLLMServer
 from asyncgrpo.tiny_model import save_tiny_model
+
+if TYPE_CHECKING:  # the server module needs msgspec, which a GPU host may lack: imported where used
+    from asyncgrpo.generation.server import VLLMServer
 
 MAX_MODEL_LEN = 1024
 
@@ -56,6 +59,8 @@ class ServerPool:
     def get(self, *extra_args: str, enable_lora: bool = False, max_lora_rank=None, max_loras=None) -> VLLMServer:
         key = (extra_args, enable_lora, max_lora_rank, max_loras)
         if key not in self._servers:
+            from asyncgrpo.generation.server import ServerOptions, VLLMServer
+
             options = ServerOptions(
                 model=str(self.model_dir),
                 port=free_port(),

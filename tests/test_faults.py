@@ -18,19 +18,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from datasets import Dataset
-from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
-import asyncgrpo.trainer.async_grpo_trainer as trainer_module
-from asyncgrpo import AsyncGRPOTrainer
-from asyncgrpo.generation.client import SamplingParams, VLLMClient
-from asyncgrpo.generation.server import ServerOptions, VLLMServer
-from asyncgrpo.rollout.worker import RolloutWorkerError
-from asyncgrpo.trainer.held_samples import load_held_samples
-from asyncgrpo.trainer.intake import SampleIntake
-from conftest import MAX_MODEL_LEN, free_port
-from test_trainer_e2e import PROBE, hf_greedy, make_config, prompts, restore_server, server_greedy, token_parity_reward
+pytest.importorskip("datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)")
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+
+from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
+from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
+from asyncgrpo.generation.server import ServerOptions, VLLMServer  # noqa: E402
+from asyncgrpo.rollout.worker import RolloutWorkerError  # noqa: E402
+from asyncgrpo.trainer.held_samples import load_held_samples  # noqa: E402
+from asyncgrpo.trainer.intake import SampleIntake  # noqa: E402
+from conftest import MAX_MODEL_LEN, free_port  # noqa: E402
+from test_trainer_e2e import PROBE, hf_greedy, make_config, prompts, restore_server, server_greedy, token_parity_reward  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 FAULT_TRAIN = Path(__file__).with_name("fault_train.py")

@@ -10,11 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from conftest import free_port
-from test_trainer_e2e import restore_server, server_greedy
+pytest.importorskip("datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from conftest import free_port  # noqa: E402
+from test_trainer_e2e import restore_server, server_greedy  # noqa: E402
 
 HERE = Path(__file__).parent
 

@@ -17,19 +17,21 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
-import requests
-import torch
 
-from asyncgrpo.generation.background import BackgroundLoop
-from asyncgrpo.generation.client import VLLMClient, policy_label
-from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer
-from asyncgrpo.weight_sync.base import serving_tensors
-from asyncgrpo.weight_sync.buckets import pack, plan_buckets, unpack
-from asyncgrpo.weight_sync.nccl import NcclWeightSync, WeightTransferError
-from asyncgrpo.weight_sync.transport import pickled_vllm_unique_id
-from conftest import free_port
-from weight_transfer_double import GlooTransport, checksum, running_double
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
 
+import requests  # noqa: E402
+import torch  # noqa: E402
+
+from asyncgrpo.generation.background import BackgroundLoop  # noqa: E402
+from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
+from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
+from asyncgrpo.weight_sync.base import serving_tensors  # noqa: E402
+from asyncgrpo.weight_sync.buckets import pack, plan_buckets, unpack  # noqa: E402
+from asyncgrpo.weight_sync.nccl import NcclWeightSync, WeightTransferError  # noqa: E402
+from asyncgrpo.weight_sync.transport import pickled_vllm_unique_id  # noqa: E402
+from conftest import free_port  # noqa: E402
+from weight_transfer_double import GlooTransport, checksum, running_double  # noqa: E402
 
 def received(url: str) -> dict:
     return requests.get(url + "/received", timeout=10).json()

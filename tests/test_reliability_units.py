@@ -16,15 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from asyncgrpo.generation.background import BackgroundLoop
-from asyncgrpo.generation.client import auth_headers, parse_policy_label, policy_label
-from asyncgrpo.generation.server_info import check_logprobs_mode, parse_server_info
-from asyncgrpo.rollout.concurrency import RolloutSlots
-from asyncgrpo.rollout.scoring import RewardFunctionError, call_reward_functions
-from asyncgrpo.sample import Sample
-from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
-from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
 
+from asyncgrpo.generation.background import BackgroundLoop  # noqa: E402
+from asyncgrpo.generation.client import auth_headers, parse_policy_label, policy_label  # noqa: E402
+from asyncgrpo.generation.server_info import check_logprobs_mode, parse_server_info  # noqa: E402
+from asyncgrpo.rollout.concurrency import RolloutSlots  # noqa: E402
+from asyncgrpo.rollout.scoring import RewardFunctionError, call_reward_functions  # noqa: E402
+from asyncgrpo.sample import Sample  # noqa: E402
+from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples  # noqa: E402
+from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState  # noqa: E402
 
 def call(functions, timeout_s=math.inf):
     executor = ThreadPoolExecutor(2)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
-import msgspec
 import numpy as np
 import pytest
 
-from asyncgrpo.generation.responses import (
+msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+
+from asyncgrpo.generation.responses import (  # noqa: E402
     MalformedResponseError,
     _top_dicts_decoder,
     _top_from_dicts,

@@ -12,15 +12,19 @@ import time
 
 import numpy as np
 import pytest
-from datasets import Dataset
-from transformers import AutoTokenizer
 
-from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.generation.client import VLLMClient, policy_label
-from asyncgrpo.metrics import MetricsWindow
-from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.scoring import group_advantages
-from asyncgrpo.rollout.worker import RolloutWorker, RolloutWorkerError
+pytest.importorskip("datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)")
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+
+from datasets import Dataset  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from asyncgrpo.config import AsyncGRPOConfig  # noqa: E402
+from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
+from asyncgrpo.metrics import MetricsWindow  # noqa: E402
+from asyncgrpo.rollout.loop import AsyncRolloutLoop  # noqa: E402
+from asyncgrpo.rollout.scoring import group_advantages  # noqa: E402
+from asyncgrpo.rollout.worker import RolloutWorker, RolloutWorkerError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -11,9 +11,10 @@ import urllib.request
 
 import pytest
 
-from asyncgrpo.generation.server import ServerOptions, build_command
-from conftest import free_port
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
 
+from asyncgrpo.generation.server import ServerOptions, build_command  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 def test_cpu_command_and_environment():
     argv, env = build_command(ServerOptions(model="m", port=8123, max_model_len=512, cpu=True, extra_args=["--seed", "3"]))

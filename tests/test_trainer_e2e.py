@@ -8,13 +8,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_label
-from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+pytest.importorskip("datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)")
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_label  # noqa: E402
+from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -6,12 +6,15 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
-from datasets import Dataset
 
-from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.generation.client import VLLMUnavailableError
+pytest.importorskip("datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)")
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
 
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.generation.client import VLLMUnavailableError  # noqa: E402
 
 def some_reward(completions, **kwargs):
     return [0.0] * len(completions)

@@ -14,14 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from aiohttp import web
-from transformers import TrainerCallback
 
-from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMUnavailableError
-from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
-from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+
+import torch  # noqa: E402
+from aiohttp import web  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMUnavailableError  # noqa: E402
+from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks  # noqa: E402
+from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch  # noqa: E402
 
 HERE = Path(__file__).parent
 

@@ -6,10 +6,13 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncgrpo.generation.client import SamplingParams, VLLMClient
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

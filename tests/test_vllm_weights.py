@@ -6,10 +6,13 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_cache_salt, policy_label
+pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_cache_salt, policy_label  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

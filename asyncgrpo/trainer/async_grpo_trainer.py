@@ -48,6 +48,7 @@ from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
+from asyncgrpo.trainer.activation_memory import CheckpointToFit
 from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
 from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
@@ -212,6 +213,12 @@ class AsyncGRPOTrainer(Trainer):
         """The weight-sync backend (FilesystemWeightSync or NcclWeightSync)."""
         return getattr(self, "_weight_sync", None)
 
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        """bf16/fp16 autocast around the loss. The base Trainer relies on accelerate wrapping
+        `model.forward` for it, but this trainer calls the decoder and the head directly: without
+        this, `bf16=True` trained fp32 weights with fp32 matmuls."""
+        return self.accelerator.autocast()
+
     @staticmethod
     def _load_model(model_id: str, args: AsyncGRPOConfig) -> PreTrainedModel:
         kwargs = dict(args.model_init_kwargs or {})
@@ -238,22 +245,7 @@ class AsyncGRPOTrainer(Trainer):
             check_multi_process(self.is_deepspeed_enabled, self.optimizer is not None)
         self.accelerator.free_memory()
         rollout_state = self._restore_state(args, resume_from_checkpoint)
-        if self._sharded:
-            # FSDP2 applied here, not by accelerate: the packed forward must be registered with it.
-            reshard = True
-            if self._fsdp_launch is not None:
-                reshard = self._fsdp_launch.reshard_after_forward
-                if self._processes.is_main:
-                    announce_fsdp_launch(self._fsdp_launch)
-            shard_model(self.model, reshard)  # the checkpoint's weights are already in (Trainer.train loads them)
-            self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
-            model = self.model_wrapped = self.model
-            if resume_from_checkpoint:
-                self._load_sharded_optimizer(resume_from_checkpoint)
-        else:
-            model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
-        if self._compile_layers:
-            compile_decoder_layers(self.accelerator.unwrap_model(model))
+        model = self._prepare_model(args, resume_from_checkpoint)
         self.state.init_training_references(self, self.state.max_steps, args.num_train_epochs, trial)
         started = time.time()
         self._initial_global_step = self.state.global_step
@@ -299,6 +291,29 @@ class AsyncGRPOTrainer(Trainer):
         if self.control.should_save:
             self._save_checkpoint(model, trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _prepare_model(self, args: AsyncGRPOConfig, resume_from_checkpoint: str | None):
+        """The model to train (wrapped, sharded, compiled as configured) and its optimizer."""
+        if self._sharded:
+            # FSDP2 applied here, not by accelerate: the packed forward must be registered with it.
+            reshard = True
+            if self._fsdp_launch is not None:
+                reshard = self._fsdp_launch.reshard_after_forward
+                if self._processes.is_main:
+                    announce_fsdp_launch(self._fsdp_launch)
+            shard_model(self.model, reshard)  # the checkpoint's weights are already in (Trainer.train loads them)
+            self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
+            model = self.model_wrapped = self.model
+            if resume_from_checkpoint:
+                self._load_sharded_optimizer(resume_from_checkpoint)
+        else:
+            model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
+        if self._compile_layers:
+            compile_decoder_layers(self.accelerator.unwrap_model(model))
+        self._fit_checkpointing = CheckpointToFit.for_training(
+            self.accelerator.unwrap_model(model), self.optimizer, args, self._sharded
+        )
+        return model
 
     def _restore_state(self, args: AsyncGRPOConfig, checkpoint: str | None) -> RolloutState:
         max_steps = args.max_steps if args.max_steps > 0 else 2**62  # epochs end training (_should_stop)
@@ -489,6 +504,8 @@ class AsyncGRPOTrainer(Trainer):
                     continue
                 # FSDP2 needs every rank in every forward/backward: borrow a row, count it zero times.
                 row, weight = next(r for r in rows if r.num_entries), 0.0
+            if self._fit_checkpointing is not None:
+                self._window.record("perf/checkpointed_layers", self._fit_checkpointing.before_row(row.num_tokens))
             started = self._now()
             with self.compute_loss_context_manager():
                 loss, stats = row_loss(model, row, entries_global, args, self._loss_fn)
