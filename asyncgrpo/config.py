@@ -73,7 +73,17 @@ class AsyncGRPOConfig(TrainingArguments):
     top_k: int = field(default=0, metadata={"help": "0 disables top-k."})
     min_p: float | None = field(default=None)
     chat_template_kwargs: dict | str | None = field(default=None)
-    max_tool_calling_iterations: int | None = field(default=None)
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={"help": "Most tool turns per rollout; None: until a turn calls no tool (TRL's default)."},
+    )
+    parse_reasoning: bool = field(
+        default=True,
+        metadata={
+            "help": "Split a <think>...</think> block off each assistant message into reasoning_content, so "
+            "reward functions see the answer alone in content (TRL's parse_response). False: content keeps it."
+        },
+    )
 
     # -- vLLM server --------------------------------------------------------------------------------
     vllm_server_base_url: str | list[str] = field(

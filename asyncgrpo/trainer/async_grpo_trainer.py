@@ -36,12 +36,15 @@ from asyncgrpo.packing.tree_attention import enable_tree_attention, padded_lengt
 from asyncgrpo.perf import device_peak_flops, flop_model
 from asyncgrpo.trainer.progress import AsyncProgressCallback
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+from asyncgrpo.rollout.chat import render_prompt_ids, use_training_template
+from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state, local_value, shard_model
 from asyncgrpo.trainer.checks import (
+    check_agent_inputs,
     check_conversational,
     check_launch,
     check_multi_process,
@@ -87,14 +90,10 @@ class AsyncGRPOTrainer(Trainer):
             reward_funcs = [reward_funcs]
         check_reward_funcs(list(reward_funcs))
         check_parallelism(args)
-        if tools or environment_factory is not None:
-            raise NotImplementedError(
-                "tools and environment_factory (agent training) are not available in this version yet"
-            )
-        if not reward_funcs:
-            raise ValueError("reward_funcs is empty: give at least one reward function")
-        if train_dataset is None:
-            raise ValueError("train_dataset is required (it must have a conversational 'prompt' column)")
+        tools = list(tools or [])
+        check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args)
+        if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
+            train_dataset = EnvironmentOwnedData()
         streaming = not hasattr(train_dataset, "__len__")
         if streaming and args.max_steps <= 0:
             raise ValueError("an IterableDataset has no length, so epochs cannot end training: set max_steps > 0")
@@ -120,12 +119,16 @@ class AsyncGRPOTrainer(Trainer):
             )
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
+        if tools or environment_factory is not None:
+            use_training_template(processing_class)  # known families only; unknown ones are watched for forks
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
         # base Trainer would compile the whole model, whose forward this trainer does not call.
         self._compile_layers = args.torch_compile
         args.torch_compile = False
         self.reward_funcs = list(reward_funcs)
+        self.tools = tools
+        self.environment_factory = environment_factory
         self.model_id = model_id
         self.streaming = streaming
         self._loss_fn = score_centered_loss if args.score_centering else clipped_surrogate_loss
@@ -249,7 +252,8 @@ class AsyncGRPOTrainer(Trainer):
             self.token_budget, backend = self._processes.broadcast(None)
             self._weight_sync = non_sending_weight_sync(backend)
             return
-        check_worker_payload(self.reward_funcs, self.loop_cls)  # before anything slow: a lambda fails here
+        # Before anything slow: a lambda fails here.
+        check_worker_payload(self.reward_funcs, self.loop_cls, self.tools, self.environment_factory)
         self._http = BackgroundLoop()
         self._client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
         logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))
@@ -270,6 +274,8 @@ class AsyncGRPOTrainer(Trainer):
                 reward_funcs=self.reward_funcs,
                 processing_class=self.processing_class,
                 eos_token_ids=self._eos_token_ids(),
+                tools=self.tools,
+                environment_factory=self.environment_factory,
                 dataset_start_index=rollout_state.first_untrained_index,
                 skip_stream_indices=frozenset(rollout_state.consumed_after),
             ),
@@ -539,10 +545,8 @@ class AsyncGRPOTrainer(Trainer):
         return sorted(token for token in ids if token is not None)
 
     def _prompt_length(self, prompt: list[dict[str, Any]]) -> int:
-        rendered = self.processing_class.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, **(self.args.chat_template_kwargs or {})
-        )
-        return len(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        # The trainer's tools only: an environment's tools depend on the instance a rollout gets.
+        return len(render_prompt_ids(self.processing_class, prompt, self.tools, self.args.chat_template_kwargs))
 
     def _warn_on_dtype_mismatch(self, server_info: dict | None) -> None:
         model_config = ((server_info or {}).get("vllm_config") or {}).get("model_config") or {}
