@@ -100,6 +100,8 @@ def render_prompt_ids(
 # Qwen3's chat template without its rewriting of earlier assistant turns: every message renders the
 # same whatever follows it. Assistant content is rendered verbatim (reasoning included), structured
 # tool calls in Qwen3's `<tool_call>` form, tool results as `<tool_response>` blocks of a user turn.
+# With enable_thinking=False the generation prompt holds an empty think block; past assistant turns
+# render it too, so the history reproduces what the model was prompted with.
 QWEN3_TRAINING_TEMPLATE = """\
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -117,6 +119,9 @@ QWEN3_TRAINING_TEMPLATE = """\
 {%- set content = message.content if message.content is string else '' %}
 {%- if message.reasoning_content is string and message.reasoning_content %}
 {%- set content = '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') %}
+{%- endif %}
+{%- if enable_thinking is defined and enable_thinking is false and not content.startswith('<think>') %}
+{%- set content = '<think>\\n\\n</think>\\n\\n' + content %}
 {%- endif %}
 {{- '<|im_start|>assistant\\n' + content }}
 {%- for tool_call in message.tool_calls or [] %}
