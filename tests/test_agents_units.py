@@ -240,8 +240,8 @@ def test_a_slow_tool_does_not_hold_back_other_rollouts(tokenizer):
 
     started, slow, fast = asyncio.run(both())
     assert fast.tool_call_count == 5 and len(fast.turns) == 6 and slow.tool_call_count == 1
-    # The fast rollout's six turns all ran while the slow tool slept.
-    assert loop.finished["fast"] - started < 1.0 < 2.0 <= loop.finished["slow"] - started < 3.0
+    # The fast rollout's six turns all ran while the slow tool slept (in sequence it would end after it).
+    assert loop.finished["fast"] - started < 2.0 <= loop.finished["slow"] - started
 
 
 def test_loop_stops_at_max_tool_calling_iterations_and_builds_trl_style_completions(tokenizer):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ import aiohttp
 import msgspec
 
 from asyncgrpo.generation.responses import Completion, parse_completion_response, parse_generate_response
+from asyncgrpo.generation.server_info import ServerInfo, parse_server_info
 from asyncgrpo.generation.server_load import ServerLoad, parse_server_load
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,33 @@ class SamplingParams:
         }
 
 
+POLICY_LABEL_PREFIX = "asyncgrpo-policy-"
+
+
+def policy_label(version: int) -> str:
+    """The weight-version label the trainer gives the servers with policy `version`. A server that
+    reports any other label (vLLM's own is "default") runs weights the trainer did not push: it was
+    restarted and serves its original checkpoint."""
+    return f"{POLICY_LABEL_PREFIX}{version}"
+
+
+def parse_policy_label(label: str | None) -> int | None:
+    """The policy version of a label `policy_label` made; None for any other label."""
+    if not label or not label.startswith(POLICY_LABEL_PREFIX):
+        return None
+    try:
+        return int(label[len(POLICY_LABEL_PREFIX) :])
+    except ValueError:
+        return None
+
+
+def auth_headers() -> dict[str, str]:
+    """vLLM's convention: a server started with `--api-key` (or VLLM_API_KEY) wants it as a bearer
+    token; every request of ours sends it when the variable is set."""
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def policy_cache_salt(version: int) -> str:
     """The `cache_salt` of a request sent under policy `version`. vLLM keys prefix-cache blocks by
     it, so after a weight sync new requests never reuse KV computed by older weights, and nothing
@@ -117,6 +146,8 @@ class VLLMClient:
         self.model = model
         self.generation_timeout_retries = generation_timeout_retries
         self.retry_count = 0
+        # Requests that found a server unreachable: it may come back restarted, with its original weights.
+        self.connection_failures = 0
         self._in_flight = dict.fromkeys(self.base_urls, 0)
         self._tie_breaker = itertools.count()
         self._session: aiohttp.ClientSession | None = None
@@ -135,7 +166,7 @@ class VLLMClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # No connection cap here: the rollout worker's own concurrency limits govern.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers())
         return self._session
 
     # -- transport -----------------------------------------------------------------------------
@@ -150,11 +181,14 @@ class VLLMClient:
         timeout_retries: int = 0,
         timeout: float | None = None,
         retry: bool = True,
+        retry_server_errors: bool = True,
     ) -> bytes:
         """One HTTP call with the retry policy of this module; returns the body of a 2xx.
 
         `retry=False` is for calls that must not be repeated (joining a collective, receiving a
-        broadcast): any failure raises at once."""
+        broadcast): any failure raises at once. `retry_server_errors=False` still waits out an
+        unreachable server but takes a 5xx answer as final (a reload the server rejects is not
+        going to succeed on the next try)."""
         url = base_url + path
         budget = self.timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
@@ -185,8 +219,11 @@ class VLLMClient:
                             f"the vLLM engine behind {url} has died and will not recover: {message} "
                             "(its log has the cause); restart the server"
                         )
+                    if not retry_server_errors:
+                        raise VLLMRequestError(url, response.status, message)
                     error: str = f"HTTP {response.status}: {message}"
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                self.connection_failures += 1
                 error = f"{type(exc).__name__}: {exc}"
             except asyncio.TimeoutError:
                 if timeouts_left <= 0 or not retry:
@@ -220,10 +257,16 @@ class VLLMClient:
             return data.decode(errors="replace")
 
     async def _on_all(self, method: str, path: str, payload: Any = None, **kwargs) -> list[Any]:
-        """The same call on every server at once (pause, reload, metrics...)."""
-        return list(
-            await asyncio.gather(*(self._json(method, url, path, payload, **kwargs) for url in self.base_urls))
+        """The same call on every server at once (pause, reload, metrics...). Every server's call
+        runs to its end even when another's fails (a failed pause must not leave the others
+        un-resumed); the first error is raised after all have finished."""
+        answers = await asyncio.gather(
+            *(self._json(method, url, path, payload, **kwargs) for url in self.base_urls), return_exceptions=True
         )
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return list(answers)
 
     def _least_busy(self) -> str:
         if len(self.base_urls) == 1:
@@ -271,18 +314,21 @@ class VLLMClient:
         answers = await self._on_all("GET", "/v1/models")
         return min(int(answer["data"][0]["max_model_len"]) for answer in answers)
 
+    async def weight_labels(self) -> list[str]:
+        """Each server's weight-version label (`GET /weight_info`), in `base_urls` order."""
+        return [str(answer.get("weight_version")) for answer in await self._on_all("GET", "/weight_info")]
+
     async def version(self) -> str:
         return (await self._json("GET", self.base_urls[0], "/version"))["version"]
 
-    async def server_info(self) -> dict[str, Any] | None:
-        """`/server_info` (dev mode); None on servers that do not have it."""
+    async def server_info(self) -> ServerInfo | None:
+        """What the first server was started with (`/server_info`, dev mode); None when it does
+        not say. Every server of a run is expected to be started alike."""
         try:
-            return await self._json("GET", self.base_urls[0], "/server_info", params={"config_format": "json"})
+            answer = await self._json("GET", self.base_urls[0], "/server_info", params={"config_format": "json"})
         except VLLMRequestError:
             return None
-
-    async def world_size(self) -> int:
-        return sum(await self.world_sizes())
+        return parse_server_info(answer if isinstance(answer, dict) else None)
 
     async def world_sizes(self) -> list[int]:
         """Worker processes (TP x PP x DP) of each server, in `base_urls` order."""
@@ -303,8 +349,7 @@ class VLLMClient:
         """Whether every server reports top-k/top-p candidate sets (`--return-sampling-mask`
         and `--enable-scale-out`)."""
         info = await self.server_info()
-        model_config = ((info or {}).get("vllm_config") or {}).get("model_config") or {}
-        return bool(model_config.get("return_sampling_mask")) and await self.supports_token_generate()
+        return info is not None and info.return_sampling_mask and await self.supports_token_generate()
 
     # -- generation --------------------------------------------------------------------------------
 
@@ -399,15 +444,10 @@ class VLLMClient:
         entries of the old weights stay, under their own `cache_salt`; callers that send no salt
         must `reset_prefix_cache` (it succeeds only once no request holds blocks)."""
         payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
-        calls = [self._on_all("POST", "/collective_rpc", payload)]
+        calls = [self._on_all("POST", "/collective_rpc", payload, retry_server_errors=False)]
         if version is not None:  # only a label: set it alongside, not after, while the servers wait
             calls.append(self._on_all("POST", "/update_weight_version", {"new_version": version}))
         await asyncio.gather(*calls)
-
-    async def weight_checksums(self) -> dict[str, str]:
-        """Per-tensor checksums of the weights the (first) server runs."""
-        answer = await self._json("POST", self.base_urls[0], "/weight_checker", {"action": "checksum"})
-        return answer["checksums"]
 
     # -- native weight transfer (`--weight-transfer-config`): never retried, each call joins a
     # collective or a protocol step that must happen exactly once --------------------------------
