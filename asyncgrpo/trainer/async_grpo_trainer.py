@@ -336,7 +336,10 @@ class AsyncGRPOTrainer(Trainer):
             self.token_budget,
             num_rows=self.accelerator.num_processes,
             rows_per_step=args.gradient_accumulation_steps * self.accelerator.num_processes,
-            prompts_per_epoch=None if self.streaming else len(self.train_dataset),
+            # Environment-owned data has no pass over prompts: one degenerate group is not a dead dataset.
+            prompts_per_epoch=None
+            if self.streaming or isinstance(self.train_dataset, EnvironmentOwnedData)
+            else len(self.train_dataset),
             stop_condition=lambda: self._should_stop(args),
             check_servers=self._check_servers,
         )
