@@ -209,10 +209,6 @@ def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
     assert last > first + 0.1
 
 
-class ToolsProbeConfig(AsyncGRPOConfig):
-    pass
-
-
 class ToolsProbeLoop(AsyncRolloutLoop):
     """Records, per rollout, the tools it was offered and the rendered prompt's text."""
 
