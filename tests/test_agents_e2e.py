@@ -193,7 +193,8 @@ def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
     set_server_weights(vllm_server.url, warm_dir)  # the first rollouts already come from the warm start
     torch.set_num_threads(1)  # the server's CPU engine holds the other core
     steps = 24
-    args = make_args(vllm_server, tmp_path / "run", max_steps=steps, learning_rate=1e-3, max_staleness=1, max_tool_calling_iterations=3
+    args = make_args(
+        vllm_server, tmp_path / "run", max_steps=steps, learning_rate=1e-3, max_staleness=1, max_tool_calling_iterations=3
     )
     trainer = AsyncGRPOTrainer(model=str(warm_dir), args=args, environment_factory=IncrementEnv)
     trainer.train()
