@@ -8,17 +8,19 @@ minutes later inside the worker process.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from transformers import TrainingArguments
 
+from asyncgrpo.trl_compat import TrlCompatFields
+
 WEIGHT_SYNC_BACKENDS = ("auto", "filesystem", "nccl")
 
 
 @dataclass
-class AsyncGRPOConfig(TrainingArguments):
+class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments' fields first (output_dir)
     """Settings of AsyncGRPOTrainer: TrainingArguments plus the asynchronous GRPO fields.
 
     Field names and defaults are TRL's. docs/configuration.md explains every field; the help texts
@@ -127,6 +129,14 @@ class AsyncGRPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Min-p sampling in [0, 1] (relative to the top token's probability); None/0 disables it. Needs top_k."},
     )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "vLLM's repetition penalty (> 1 discourages repeating prompt or generated tokens); 1.0 disables "
+            "it. The trainer's log-probs do not apply it, so a value != 1 widens the train/inference mismatch that "
+            "masked importance sampling corrects (more masked tokens, sampling/masked_mean)."
+        },
+    )
     chat_template_kwargs: dict | str | None = field(
         default=None,
         metadata={"help": "Extra keyword arguments of apply_chat_template (e.g. {'enable_thinking': False})."},
@@ -151,8 +161,23 @@ class AsyncGRPOConfig(TrainingArguments):
     vllm_server_timeout: float = field(
         default=1800.0,
         metadata={
-            "help": "Seconds bounding every wait for the server: start-up, each request, each weight sync. 1800: "
-            "a large model's server can take many minutes to start; a timed-out generation request is retried."
+            "help": "Seconds bounding every wait for the server: start-up (TRL's meaning), and each request and "
+            "each weight sync unless request_timeout / weight_sync_timeout say otherwise. 1800: a large model's "
+            "server can take many minutes to start; a timed-out generation request is retried."
+        },
+    )
+    request_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds one generation request may take before it is retried (a few times, then the run "
+            "fails). None: vllm_server_timeout (TRL's default is 600)."
+        },
+    )
+    weight_sync_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds each server call of a weight sync may take (pause, reload or NCCL broadcast, resume) "
+            "before the sync raises instead of hanging. None: vllm_server_timeout (TRL's default is 1800)."
         },
     )
 
@@ -274,6 +299,11 @@ class AsyncGRPOConfig(TrainingArguments):
             self.vllm_server_base_url = [url.strip() for url in self.vllm_server_base_url.split(",") if url.strip()]
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.request_timeout is None:
+            self.request_timeout = self.vllm_server_timeout
+        if self.weight_sync_timeout is None:
+            self.weight_sync_timeout = self.vllm_server_timeout
+        self._apply_trl_compat(_DEFAULTS["max_concurrent_rollouts"], _DEFAULTS["rollout_worker_timeout"])
         self._validate()
         super().__post_init__()
 
@@ -307,8 +337,11 @@ class AsyncGRPOConfig(TrainingArguments):
         for url in self.vllm_server_base_url:
             if not url.startswith(("http://", "https://")):
                 fail(f"vllm_server_base_url {url!r} must start with http:// or https://")
-        if self.vllm_server_timeout <= 0:
-            fail(f"vllm_server_timeout={self.vllm_server_timeout} must be > 0")
+        for name in ("vllm_server_timeout", "request_timeout", "weight_sync_timeout"):
+            if getattr(self, name) <= 0:
+                fail(f"{name}={getattr(self, name)} must be > 0")
+        if self.repetition_penalty <= 0:
+            fail(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
         if not 0 < self.vllm_importance_sampling_clip_min <= 1 <= self.vllm_importance_sampling_clip_max:
             fail(
                 "need 0 < vllm_importance_sampling_clip_min <= 1 <= vllm_importance_sampling_clip_max, got "
@@ -379,3 +412,6 @@ class AsyncGRPOConfig(TrainingArguments):
                     f"parallelism_config.{name}={getattr(config, name)} is not supported: context and sequence "
                     "parallelism do not apply to tree-packed rows; use FSDP2 (data parallel) only"
                 )
+
+
+_DEFAULTS = {f.name: f.default for f in fields(AsyncGRPOConfig)}

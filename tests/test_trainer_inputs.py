@@ -172,11 +172,11 @@ def test_processes_launched_but_not_joined_are_refused(monkeypatch):
 def test_multi_process_limits_are_said_at_start():
     from asyncgrpo.trainer.checks import check_multi_process
 
-    with pytest.raises(ValueError, match="without an FSDP or DeepSpeed config"):
-        check_multi_process(sharded_by_accelerate=True, has_optimizer=False)
+    with pytest.raises(ValueError, match="not a DeepSpeed one"):
+        check_multi_process(deepspeed=True, has_optimizer=False)
     with pytest.raises(ValueError, match="do not pass `optimizers`"):
-        check_multi_process(sharded_by_accelerate=False, has_optimizer=True)
-    check_multi_process(sharded_by_accelerate=False, has_optimizer=False)
+        check_multi_process(deepspeed=False, has_optimizer=True)
+    check_multi_process(deepspeed=False, has_optimizer=False)
 
 
 def test_the_tokenizer_loads_the_revision_of_model_init_kwargs(tiny_model_dir, tmp_path, monkeypatch):

@@ -137,6 +137,7 @@ class VLLMClient:
         timeout: float = 1800.0,
         model: str | None = None,
         generation_timeout_retries: int = 3,
+        request_timeout: float | None = None,
     ):
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
@@ -145,9 +146,8 @@ class VLLMClient:
         self.timeout = float(timeout)
         self.model = model
         self.generation_timeout_retries = generation_timeout_retries
+        self.request_timeout = request_timeout  # per generation request; None: `timeout`
         self.retry_count = 0
-        # Requests that found a server unreachable: it may come back restarted, with its original weights.
-        self.connection_failures = 0
         self._in_flight = dict.fromkeys(self.base_urls, 0)
         self._tie_breaker = itertools.count()
         self._session: aiohttp.ClientSession | None = None
@@ -182,13 +182,15 @@ class VLLMClient:
         timeout: float | None = None,
         retry: bool = True,
         retry_server_errors: bool = True,
+        unreachable: list[str] | None = None,
     ) -> bytes:
         """One HTTP call with the retry policy of this module; returns the body of a 2xx.
 
         `retry=False` is for calls that must not be repeated (joining a collective, receiving a
         broadcast): any failure raises at once. `retry_server_errors=False` still waits out an
         unreachable server but takes a 5xx answer as final (a reload the server rejects is not
-        going to succeed on the next try)."""
+        going to succeed on the next try). Each connection failure that was retried is appended to
+        `unreachable` when given: the server answering afterwards may be a restarted one."""
         url = base_url + path
         budget = self.timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
@@ -223,12 +225,14 @@ class VLLMClient:
                         raise VLLMRequestError(url, response.status, message)
                     error: str = f"HTTP {response.status}: {message}"
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                self.connection_failures += 1
                 error = f"{type(exc).__name__}: {exc}"
+                if unreachable is not None:
+                    unreachable.append(error)
             except asyncio.TimeoutError:
                 if timeouts_left <= 0 or not retry:
                     raise VLLMUnavailableError(
-                        f"vLLM server {url} did not answer within {budget:.0f} s (vllm_server_timeout)"
+                        f"vLLM server {url} did not answer within {budget:.0f} s (vllm_server_timeout, request_timeout, "
+                        "weight_sync_timeout)"
                     ) from None
                 timeouts_left -= 1
                 deadline = loop.time() + budget
@@ -314,9 +318,10 @@ class VLLMClient:
         answers = await self._on_all("GET", "/v1/models")
         return min(int(answer["data"][0]["max_model_len"]) for answer in answers)
 
-    async def weight_labels(self) -> list[str]:
-        """Each server's weight-version label (`GET /weight_info`), in `base_urls` order."""
-        return [str(answer.get("weight_version")) for answer in await self._on_all("GET", "/weight_info")]
+    async def weight_labels(self, urls: list[str] | None = None) -> list[str]:
+        """Each server's weight-version label (`GET /weight_info`), in `base_urls` order (or `urls`')."""
+        answers = await asyncio.gather(*(self._json("GET", url, "/weight_info") for url in urls or self.base_urls))
+        return [str(answer.get("weight_version")) for answer in answers]
 
     async def version(self) -> str:
         return (await self._json("GET", self.base_urls[0], "/version"))["version"]
@@ -374,8 +379,14 @@ class VLLMClient:
             "stream": False,
             **sampling.as_request_fields(),
         }
-        body = await self._generation_call("/v1/completions", payload, cache_salt)
-        return parse_completion_response(body, sampling.num_top_logprobs)
+        unreachable: list[str] = []
+        url, body = await self._generation_call("/v1/completions", payload, cache_salt, unreachable)
+        completion = parse_completion_response(body, sampling.num_top_logprobs)
+        if unreachable:
+            # This route does not say which weights sampled the tokens: after losing the server once,
+            # ask which weights it runs now (a restarted server answers with vLLM's own label).
+            completion.weight_labels = tuple(await self.weight_labels([url]))
+        return completion
 
     async def generate_tokens(
         self,
@@ -394,16 +405,23 @@ class VLLMClient:
         top = sampling.num_top_logprobs + 1 if sampling.num_top_logprobs > 0 else 0
         fields.update(seed=seed, logprobs=top, detokenize=False)
         payload = {"token_ids": prompt_ids, "sampling_params": fields, "model": model or await self.model_name()}
-        body = await self._generation_call("/inference/v1/generate", payload, cache_salt)
+        _, body = await self._generation_call("/inference/v1/generate", payload, cache_salt)
         return parse_generate_response(body, sampling.num_top_logprobs)
 
-    async def _generation_call(self, path: str, payload: dict[str, Any], cache_salt: str | None) -> bytes:
+    async def _generation_call(
+        self, path: str, payload: dict[str, Any], cache_salt: str | None, unreachable: list[str] | None = None
+    ) -> tuple[str, bytes]:
+        """(the server that answered, its answer)."""
         if cache_salt is not None:  # both generation routes take it at the top level
             payload["cache_salt"] = cache_salt
         url = self._least_busy()
         self._in_flight[url] += 1
         try:
-            return await self._request("POST", url, path, payload, timeout_retries=self.generation_timeout_retries)
+            body = await self._request(
+                "POST", url, path, payload, timeout_retries=self.generation_timeout_retries,
+                timeout=self.request_timeout, unreachable=unreachable,
+            )  # fmt: skip
+            return url, body
         finally:
             self._in_flight[url] -= 1
 
@@ -421,17 +439,18 @@ class VLLMClient:
 
     # -- control (dev mode: VLLM_SERVER_DEV_MODE=1) --------------------------------------------------
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+    async def pause(self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None) -> None:
         """Stop scheduling. `keep` freezes running requests (they continue on resume), `wait`
         lets them finish first, `abort` ends them. `clear_cache=True` also empties the KV and
         prefix caches, which under `keep` preempts every frozen request: on resume each one
         recomputes its whole KV. The trainer does not need that: requests carry their policy
         version as `cache_salt` (see `policy_cache_salt`), so no request reuses a prefix computed
         by older weights than its own version's."""
-        await self._on_all("POST", "/pause", params={"mode": mode, "clear_cache": "true" if clear_cache else "false"})
+        clear = "true" if clear_cache else "false"
+        await self._on_all("POST", "/pause", params={"mode": mode, "clear_cache": clear}, timeout=timeout)
 
-    async def resume(self) -> None:
-        await self._on_all("POST", "/resume")
+    async def resume(self, timeout: float | None = None) -> None:
+        await self._on_all("POST", "/resume", timeout=timeout)
 
     async def is_paused(self) -> bool:
         return all(answer["is_paused"] for answer in await self._on_all("GET", "/is_paused"))
@@ -439,14 +458,14 @@ class VLLMClient:
     async def reset_prefix_cache(self) -> None:
         await self._on_all("POST", "/reset_prefix_cache")
 
-    async def reload_weights(self, weights_dir: str, version: str | None = None) -> None:
+    async def reload_weights(self, weights_dir: str, version: str | None = None, timeout: float | None = None) -> None:
         """Load new weights from a directory of safetensors (HF names) on every server. Prefix-cache
         entries of the old weights stay, under their own `cache_salt`; callers that send no salt
         must `reset_prefix_cache` (it succeeds only once no request holds blocks)."""
         payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
-        calls = [self._on_all("POST", "/collective_rpc", payload, retry_server_errors=False)]
+        calls = [self._on_all("POST", "/collective_rpc", payload, retry_server_errors=False, timeout=timeout)]
         if version is not None:  # only a label: set it alongside, not after, while the servers wait
-            calls.append(self._on_all("POST", "/update_weight_version", {"new_version": version}))
+            calls.append(self._on_all("POST", "/update_weight_version", {"new_version": version}, timeout=timeout))
         await asyncio.gather(*calls)
 
     # -- native weight transfer (`--weight-transfer-config`): never retried, each call joins a

@@ -157,13 +157,14 @@ class AsyncRolloutLoop:
             top_p=self.config.top_p,
             top_k=self.config.top_k,
             min_p=self.config.min_p or 0.0,
+            repetition_penalty=self.config.repetition_penalty,
             num_top_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else 0,
         )
         version = self.model_version_value.value
         seed = self._request_seeds.getrandbits(62)
         generate = self.client.generate_tokens if self._token_route else self.client.complete
         completion = await generate(prompt_ids, sampling, seed, model=self.lora_name, cache_salt=policy_cache_salt(version))
-        if completion.weight_labels:  # the server says which weights sampled the tokens (token route)
+        if completion.weight_labels:  # which weights sampled the tokens (see VLLMClient.complete)
             versions = [parse_policy_label(label) for label in completion.weight_labels]
             if None in versions:
                 raise ServerLostWeightsError(
@@ -218,7 +219,12 @@ class AsyncRolloutLoop:
         self._tool_executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts)
         if self.environment_factory is not None:
             self.environments = EnvironmentPool(self.environment_factory, self._tool_executor, lambda: self.metrics)
-        self.client = VLLMClient(config.vllm_server_urls, timeout=config.vllm_server_timeout, model=self.model_name)
+        self.client = VLLMClient(
+            config.vllm_server_urls,
+            timeout=config.vllm_server_timeout,
+            model=self.model_name,
+            request_timeout=config.request_timeout,
+        )
         try:
             await self.client.wait_until_ready()
             self.max_model_len = await self.client.max_model_len()
@@ -404,18 +410,15 @@ class AsyncRolloutLoop:
         started = time.monotonic()
         try:
             while True:
-                failures = self.client.connection_failures
                 try:
                     rollout, prompt, env_reward = await self._generate_episode(row, group_id)
-                    if self.client.connection_failures == failures:
-                        break
+                    break
                 except ServerLostWeightsError:
-                    pass
-                # A server was unreachable meanwhile, or answered with weights the trainer never
-                # pushed: it may have restarted with its original checkpoint. Wait until every server
-                # runs the trainer's weights again (the trainer pushes them), then sample anew.
-                self.metrics.record("rollout/regenerated_count", 1, Reduce.SUM)
-                await self._wait_for_trainer_weights()
+                    # A server answered with weights the trainer never pushed: it restarted from its
+                    # checkpoint. Wait until every server runs the trainer's weights again (the trainer
+                    # pushes them), then sample anew.
+                    self.metrics.record("rollout/regenerated_count", 1, Reduce.SUM)
+                    await self._wait_for_trainer_weights()
         finally:
             await self.slots.release()
         duration = time.monotonic() - started

@@ -50,6 +50,9 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.compile import compile_decoder_layers
+from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
+from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
+from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
 from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state, local_value, shard_model
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
@@ -110,6 +113,8 @@ class AsyncGRPOTrainer(Trainer):
         peft_config=None,
         tools: list[Callable] | None = None,
         environment_factory=None,
+        rollout_worker=None,
+        weight_transfer=None,
     ):
         check_transformers_version()
         model_id = model if isinstance(model, str) else model.config._name_or_path
@@ -124,6 +129,11 @@ class AsyncGRPOTrainer(Trainer):
         check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args)
         if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
             train_dataset = EnvironmentOwnedData()
+        if rollout_worker is not None or weight_transfer is not None:
+            raise NotImplementedError(
+                "injecting a rollout_worker or weight_transfer object (TRL's protocols) is not supported: subclass "
+                "AsyncRolloutLoop (set loop_cls) to change generation, weight_sync_backend to choose the sync"
+            )
         streaming = not hasattr(train_dataset, "__len__")
         if streaming and args.max_steps <= 0:
             raise ValueError("an IterableDataset has no length, so epochs cannot end training: set max_steps > 0")
@@ -175,6 +185,31 @@ class AsyncGRPOTrainer(Trainer):
         )
         self.remove_callback(ProgressCallback)
         self.remove_callback(PrinterCallback)
+        # An accelerate FSDP config (TRL's multi-GPU launch): this trainer shards the model itself, so none of
+        # the base Trainer's FSDP paths (wrapping by accelerate, FSDP checkpoint files) may run.
+        self._fsdp_launch = read_fsdp_launch(getattr(self.accelerator.state, "fsdp_plugin", None))
+        self.is_fsdp_enabled = False
+
+    # -- TRL's public attributes (rank 0 holds the client, worker and sync; other ranks see None) ---------
+
+    @property
+    def vllm_client(self) -> VLLMClient | None:
+        """The HTTP client of the vLLM servers (async methods: run them on the trainer's loop)."""
+        return getattr(self, "_client", None)
+
+    @property
+    def model_version(self) -> int:
+        """The policy version the servers run: the number of weight syncs since the run began."""
+        return getattr(self, "_model_version", 0)
+
+    @property
+    def rollout_worker(self) -> RolloutWorker | None:
+        return getattr(self, "_worker", None)
+
+    @property
+    def weight_transfer(self):
+        """The weight-sync backend (FilesystemWeightSync or NcclWeightSync)."""
+        return getattr(self, "_weight_sync", None)
 
     @staticmethod
     def _load_model(model_id: str, args: AsyncGRPOConfig) -> PreTrainedModel:
@@ -197,13 +232,19 @@ class AsyncGRPOTrainer(Trainer):
         args = args or self.args
         check_launch(self.accelerator.num_processes, args.use_cpu)
         self._processes = Processes(self.accelerator.num_processes, self.accelerator.process_index)
+        self._sharded = self._processes.distributed or self._fsdp_launch is not None
         if self._processes.distributed:
-            check_multi_process(self.is_fsdp_enabled or self.is_deepspeed_enabled, self.optimizer is not None)
+            check_multi_process(self.is_deepspeed_enabled, self.optimizer is not None)
         self.accelerator.free_memory()
         rollout_state = self._restore_state(args, resume_from_checkpoint)
-        if self._processes.distributed:
+        if self._sharded:
             # FSDP2 applied here, not by accelerate: the packed forward must be registered with it.
-            shard_model(self.model)  # the checkpoint's weights are already in (Trainer.train loads them)
+            reshard = True
+            if self._fsdp_launch is not None:
+                reshard = self._fsdp_launch.reshard_after_forward
+                if self._processes.is_main:
+                    announce_fsdp_launch(self._fsdp_launch)
+            shard_model(self.model, reshard)  # the checkpoint's weights are already in (Trainer.train loads them)
             self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
             model = self.model_wrapped = self.model
             if resume_from_checkpoint:
@@ -222,7 +263,9 @@ class AsyncGRPOTrainer(Trainer):
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             self._sync_weights(model)  # the server runs exactly the weights training starts from
             self._start_rollouts()
+            epochs = EpochCallbacks(self.callback_handler)
             while not self._processes.broadcast(self._should_stop(args) if self._processes.is_main else None):
+                self.control = epochs.before_step(args, self.state, self.control)
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                 try:
                     self._train_step(model)
@@ -232,13 +275,13 @@ class AsyncGRPOTrainer(Trainer):
                 self.state.epoch = self._processes.broadcast(self._epoch() if self._processes.is_main else None)
                 self._progress.advance_to(self.state.global_step if args.max_steps > 0 else self._ledger.epoch_prompts)
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-                if self.control.should_log:
-                    self._log_window()
-                if self.control.should_save:
-                    self._save_checkpoint(model, trial)
-                    self.control = self.callback_handler.on_save(args, self.state, self.control)
+                self.control = epochs.after_step(args, self.state, self.control)
+                self._log_and_save(model, trial)
                 if self.control.should_training_stop:
                     break
+            self.control.should_log = self.control.should_save = False  # the last step's are done
+            self.control = epochs.finish(args, self.state, self.control)
+            self._log_and_save(model, trial)  # what on_epoch_end asked for (epoch strategies)
         finally:
             self._teardown_generation()
         runtime = time.time() - started
@@ -248,6 +291,13 @@ class AsyncGRPOTrainer(Trainer):
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    def _log_and_save(self, model, trial) -> None:
+        if self.control.should_log:
+            self._log_window()
+        if self.control.should_save:
+            self._save_checkpoint(model, trial)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _restore_state(self, args: AsyncGRPOConfig, checkpoint: str | None) -> RolloutState:
         max_steps = args.max_steps if args.max_steps > 0 else 2**62  # epochs end training (_should_stop)
@@ -298,7 +348,7 @@ class AsyncGRPOTrainer(Trainer):
             return
         # Before anything slow: a lambda fails here.
         check_worker_payload(self.reward_funcs, self.loop_cls, self.tools, self.environment_factory)
-        self._http = BackgroundLoop(default_timeout_s=args.vllm_server_timeout + 60)
+        self._http = BackgroundLoop(default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60)
         self._client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
         logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))
         self._http.run(self._client.wait_until_ready())
@@ -310,7 +360,7 @@ class AsyncGRPOTrainer(Trainer):
         self.token_budget = args.token_budget or max_model_len
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
         backend = choose_backend(args.weight_sync_backend, server_info, self.args.device.type == "cuda")
-        self._weight_sync = make_weight_sync(backend, self._client, self._http, args.output_dir, args.vllm_server_timeout)
+        self._weight_sync = make_weight_sync(backend, self._client, self._http, args.output_dir, args.weight_sync_timeout)
         self._worker = RolloutWorker(
             self.loop_cls,
             dict(
@@ -426,7 +476,9 @@ class AsyncGRPOTrainer(Trainer):
         fwd_s = fwd_bwd_s = loss_total = 0.0
         world, rank = self._processes.world_size, self._processes.rank
         row_stats = []
-        for plan in batch.plans:
+        for index, plan in enumerate(batch.plans):
+            if index:  # the base Trainer's point: after each micro-batch but the step's last
+                self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
             rows = plan.pack()
             row, weight = rows[rank], 1.0
             entries_global = float(sum(r.num_entries for r in rows))
@@ -464,7 +516,9 @@ class AsyncGRPOTrainer(Trainer):
         self._window.record("train/nonfinite_steps", 0 if finite else 1, Reduce.SUM)
         if finite:
             self._window.record("grad_norm", grad_norm)
+            self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
             self.optimizer.step()
+            self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
             self.lr_scheduler.step()
             self._nonfinite_streak = 0
         else:
@@ -577,7 +631,7 @@ class AsyncGRPOTrainer(Trainer):
         run_directory = Path(self._get_output_dir(trial=trial))
         final = run_directory / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging = run_directory / f".{final.name}.partial"  # not a name get_last_checkpoint matches
-        gathered = full_state(model, self.optimizer) if self._processes.distributed else None
+        gathered = full_state(model, self.optimizer) if self._sharded else None
         if self._processes.is_main:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
@@ -702,6 +756,8 @@ def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | No
 
 
 
-# TRL's module exports these next to the trainer: `from asyncgrpo.trainer.async_grpo_trainer import
-# AsyncRolloutLoop` works like `from trl.trainer.async_grpo_trainer import AsyncRolloutLoop`.
+# The rollout-loop names are importable from this module as well as from `asyncgrpo`. TRL 1.16 has no
+# counterpart to import them from: its module is `trl.experimental.async_grpo`, which exports only the
+# config and the trainer, and its rollout loop is the private `_AsyncRolloutLoop` of
+# `trl.experimental.async_grpo.async_rollout_worker`, with other hooks than AsyncRolloutLoop's.
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]

@@ -109,12 +109,13 @@ def check_launch(num_processes: int, use_cpu: bool) -> None:
         )
 
 
-def check_multi_process(sharded_by_accelerate: bool, has_optimizer: bool) -> None:
-    """What several training processes do not support, said before anything starts."""
-    if sharded_by_accelerate:
+def check_multi_process(deepspeed: bool, has_optimizer: bool) -> None:
+    """What several training processes do not support, said before anything starts. An accelerate
+    FSDP config is accepted (trainer/fsdp_launch.py); a DeepSpeed one is not."""
+    if deepspeed:
         raise ValueError(
             "asyncgrpo shards the model with FSDP2 itself when launched on several processes: launch with "
-            "torchrun or `accelerate launch` without an FSDP or DeepSpeed config"
+            "torchrun, `accelerate launch` or an accelerate FSDP config, not a DeepSpeed one"
         )
     if has_optimizer:
         raise ValueError(

@@ -42,7 +42,7 @@ def make_weight_sync(
     training process gets the same backend with `is_sender=False`, which only joins the gathers."""
     if backend == FilesystemWeightSync.name:
         directory = Path(output_dir).resolve() / ".vllm_weights" if is_sender else None
-        return FilesystemWeightSync(client, loop, directory, is_sender=is_sender)
+        return FilesystemWeightSync(client, loop, directory, is_sender=is_sender, timeout_s=timeout_s or None)
     if backend == NcclWeightSync.name:
         if not is_sender:
             return NcclWeightSync(None, None, None, timeout_s=0, is_sender=False)

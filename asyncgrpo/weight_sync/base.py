@@ -33,6 +33,7 @@ class SyncTimings:
 
 class WeightSyncBackend(abc.ABC):
     name: str = "abstract"
+    timeout_s: float | None = None  # bound of each server call of a sync (weight_sync_timeout); None: the client's
 
     def __init__(self, client: VLLMClient | None, loop: BackgroundLoop | None, is_sender: bool = True):
         if is_sender and (client is None or loop is None):
@@ -54,13 +55,13 @@ class WeightSyncBackend(abc.ABC):
         paused = staged
         try:
             # Frozen requests keep their KV; new ones never reuse older weights' prefixes (policy_cache_salt).
-            self.loop.run(self.client.pause(mode="keep", clear_cache=False))
+            self.loop.run(self.client.pause(mode="keep", clear_cache=False, timeout=self.timeout_s))
             paused = time.perf_counter()
             self.apply(prepared, version)
         finally:
             # Every server is resumed, also when the pause itself failed on some of them: a server
             # left paused would stall every rollout until the worker's timeout.
-            self.loop.run(self.client.resume())
+            self.loop.run(self.client.resume(timeout=self.timeout_s))
         timings.pause_s = paused - staged
         timings.transfer_s += time.perf_counter() - paused
         return timings

@@ -24,8 +24,11 @@ from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_
 class FilesystemWeightSync(WeightSyncBackend):
     name = "filesystem"
 
-    def __init__(self, client, loop, directory: str | os.PathLike | None, is_sender: bool = True):
+    def __init__(
+        self, client, loop, directory: str | os.PathLike | None, is_sender: bool = True, timeout_s: float | None = None
+    ):
         super().__init__(client, loop, is_sender)
+        self.timeout_s = timeout_s
         self.directory = Path(directory).resolve() if directory is not None else None
         if is_sender:
             shutil.rmtree(self.directory, ignore_errors=True)  # versions a previous run left behind
@@ -49,7 +52,7 @@ class FilesystemWeightSync(WeightSyncBackend):
 
     def apply(self, prepared: Path, version: int) -> None:
         self._reloading = prepared
-        self.loop.run(self.client.reload_weights(str(prepared), version=policy_label(version)))
+        self.loop.run(self.client.reload_weights(str(prepared), version=policy_label(version), timeout=self.timeout_s))
         self._reloading = None
         previous, self._current = self._current, prepared
         if previous is not None and previous != self._current:

@@ -200,5 +200,5 @@ def _run_alongside(
             return
         if time.monotonic() > deadline:
             side = "the trainer's broadcast" if "local" not in outcome else "the vLLM server"
-            raise TimeoutError(f"{what}: {side} did not finish within {timeout_s:.0f} s (vllm_server_timeout)")
+            raise TimeoutError(f"{what}: {side} did not finish within {timeout_s:.0f} s (weight_sync_timeout)")
         time.sleep(0.002)
