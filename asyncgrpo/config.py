@@ -158,7 +158,14 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     )
     max_tool_calling_iterations: int | None = field(
         default=None,
-        metadata={"help": "Cap on tool-calling turns per rollout; None: unlimited. Not used yet (no tools in this version)."},
+        metadata={"help": "Cap on tool-calling turns per rollout; None: until a turn calls no tool (TRL's default)."},
+    )
+    parse_reasoning: bool = field(
+        default=True,
+        metadata={
+            "help": "Split a <think>...</think> block off each assistant message into reasoning_content, so "
+            "reward functions see the answer alone in content (TRL's parse_response). False: content keeps it."
+        },
     )
 
     # -- vLLM server --------------------------------------------------------------------------------

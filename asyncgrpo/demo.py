@@ -50,12 +50,13 @@ def addition_dataset():
 def warm_start(model, tokenizer, steps: int, seed: int = 0) -> float:
     """Supervised steps on (prompt, answer) pairs; returns the expected accuracy of sampling at
     temperature 1 afterwards (the mean probability of the exact answer)."""
+    from asyncgrpo.rollout.chat import render_prompt_ids
+
     rng = random.Random(seed)
     examples = []
     for a in range(10):
         for b in range(10):
-            prompt = tokenizer.apply_chat_template(addition_prompt(a, b), add_generation_prompt=True, tokenize=True)
-            prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+            prompt = render_prompt_ids(tokenizer, addition_prompt(a, b))
             examples.append((prompt, tokenizer.encode(str(a + b)) + [tokenizer.eos_token_id]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR)
     model.train()

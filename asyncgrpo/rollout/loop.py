@@ -30,6 +30,8 @@ from asyncgrpo.generation.client import (
     policy_cache_salt,
 )
 from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.rollout.agent import record_tool_rollout_metrics, run_tool_loop
+from asyncgrpo.rollout.chat import RewriteDetector, render_prompt_ids
 from asyncgrpo.rollout.concurrency import (
     LOAD_POLL_INTERVAL_S,
     RolloutSlots,
@@ -37,6 +39,7 @@ from asyncgrpo.rollout.concurrency import (
     initial_cap,
     next_cap,
 )
+from asyncgrpo.rollout.environments import EnvironmentPool, environment_reward_sources
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompts import PromptItem, prompt_stream
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
@@ -121,7 +124,9 @@ class AsyncRolloutLoop:
         self.metrics = MetricsWindow()
         self.client: VLLMClient | None = None
         self._request_seeds = random.Random(config.seed)
-        self._rendered: dict[int, list[int]] = {}
+        self._rendered: dict[int, tuple[Any, list[int]]] = {}
+        self.environments: EnvironmentPool | None = None  # made in _main, with the tool thread pool
+        self._rewrites = RewriteDetector()
         self._tasks: set[asyncio.Task] = set()
 
     # -- hooks ---------------------------------------------------------------------------------------
@@ -137,16 +142,10 @@ class AsyncRolloutLoop:
         """Release what setup() created. Runs when the loops stop, errors included."""
 
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0) -> Rollout:
-        """One rollout for a prompt. The default samples one assistant turn (the multi-turn tool
-        loop builds on the same turn structure: every sampling request is one TurnRecord)."""
-        prompt_ids = self.render_prompt(prompt, tools, group_id)
-        turn = await self.generate_one_turn(prompt_ids)
-        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(
-            completion=[{"role": "assistant", "content": text}],
-            completion_ids=list(turn.output_ids),
-            turns=[turn],
-        )
+        """One rollout for a prompt: the multi-turn tool loop (rollout/agent.py), one sampling request
+        (TurnRecord) per turn, until a turn calls no tool or max_tool_calling_iterations is reached.
+        `tools` are the trainer's tools plus, with environment_factory, the environment's methods."""
+        return await run_tool_loop(self, prompt, tools, group_id)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """Sample one response from the vLLM server with the config's sampling settings."""
@@ -217,20 +216,19 @@ class AsyncRolloutLoop:
     # -- helpers for hooks -------------------------------------------------------------------------------
 
     def render_prompt(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int) -> list[int]:
-        """The prompt's token ids through the chat template (rendered once per group)."""
+        """The prompt's token ids through the chat template, with the tools' schemas (rendered once
+        per group when its rollouts share the prompt; an environment's reset() may give each its own)."""
         cached = self._rendered.get(group_id)
-        if cached is not None:
-            return cached
-        rendered = self.tokenizer.apply_chat_template(
-            prompt,
-            tools=tools or None,
-            add_generation_prompt=True,
-            tokenize=True,
-            **(self.config.chat_template_kwargs or {}),
-        )
-        ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-        self._rendered[group_id] = ids
+        if cached is not None and cached[0] is prompt:
+            return cached[1]
+        ids = render_prompt_ids(self.tokenizer, prompt, tools, self.config.chat_template_kwargs)
+        self._rendered[group_id] = (prompt, ids)
         return ids
+
+    @property
+    def tool_executor(self) -> ThreadPoolExecutor:
+        """The thread pool sync tools, environments and reward functions run on."""
+        return self._tool_executor
 
     # -- the process's main -------------------------------------------------------------------------------
 
@@ -243,6 +241,8 @@ class AsyncRolloutLoop:
         # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         self._tool_executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts)
+        if self.environment_factory is not None:
+            self.environments = EnvironmentPool(self.environment_factory, self._tool_executor, lambda: self.metrics)
         self.client = VLLMClient(
             config.vllm_server_urls,
             timeout=config.vllm_server_timeout,
@@ -406,15 +406,14 @@ class AsyncRolloutLoop:
         self.metrics.record("rollout/backpressure_s", time.monotonic() - started)
 
     async def _run_group(self, item: PromptItem, group_id: int) -> None:
-        if "prompt" not in item.row:
+        if "prompt" not in item.row and self.environments is None:
             raise KeyError(f"dataset row {item.row_index} has no 'prompt' column")
-        prompt = item.row["prompt"]
         model_version = self.model_version_value.value
         rollouts = await asyncio.gather(
-            *(self._run_rollout(prompt, group_id) for _ in range(self.config.num_generations))
+            *(self._run_rollout(item.row, group_id) for _ in range(self.config.num_generations))
         )
         self._rendered.pop(group_id, None)
-        group = self._make_group(item, group_id, model_version, prompt, rollouts)
+        group = self._make_group(item, group_id, model_version, rollouts)
         blocked_since = time.monotonic()
         group.queued_at = blocked_since
         if self.score_queue.full():
@@ -429,13 +428,14 @@ class AsyncRolloutLoop:
         else:
             self.score_queue.put_nowait(group)
 
-    async def _run_rollout(self, prompt, group_id: int) -> tuple[Rollout, float]:
+    async def _run_rollout(self, row: dict[str, Any], group_id: int) -> tuple[Rollout, float, list, tuple | None]:
+        """(the rollout, its duration, its prompt, its environment's reward or None)."""
         await self.slots.acquire()
         started = time.monotonic()
         try:
             while True:
                 try:
-                    rollout = await self.generate_one(prompt, self.tools, group_id)
+                    rollout, prompt, env_reward = await self._generate_episode(row, group_id)
                     break
                 except ServerLostWeightsError:
                     # A server answered with weights the trainer never pushed: it restarted from its
@@ -448,7 +448,7 @@ class AsyncRolloutLoop:
         duration = time.monotonic() - started
         self._finished_since_raise += 1
         self._generated_tokens += sum(len(turn.output_ids) for turn in rollout.turns)
-        return rollout, duration
+        return rollout, duration, prompt, env_reward
 
     async def _wait_for_trainer_weights(self) -> None:
         """Until every server reports a weight label the trainer set; at most vllm_server_timeout."""
@@ -465,31 +465,45 @@ class AsyncRolloutLoop:
                 )
             await asyncio.sleep(1.0)
 
-    def _make_group(self, item: PromptItem, group_id: int, model_version: int, prompt, rollouts) -> RolloutGroup:
+    async def _generate_episode(self, row: dict[str, Any], group_id: int) -> tuple[Rollout, list, tuple | None]:
+        """One rollout of a row: (the rollout, its prompt, its environment's reward or None). With
+        environments, each attempt is a fresh episode (reset, tools of the routed environment)."""
+        if self.environments is None:
+            prompt = row["prompt"]
+            return await self.generate_one(prompt, self.tools, group_id), prompt, None
+        async with self.environments.episode(row) as episode:
+            rollout = await self.generate_one(episode.prompt, self.tools + episode.tools, group_id)
+            return rollout, episode.prompt, await self.environments.reward(episode.instance)
+
+    def _make_group(self, item: PromptItem, group_id: int, model_version: int, rollouts) -> RolloutGroup:
         columns = {key: value for key, value in item.row.items() if key != "prompt"}
         size = len(rollouts)
         sequences, reconcile = [], []
-        for rollout, duration in rollouts:
+        with_tools = bool(self.tools) or self.environments is not None
+        for rollout, duration, _, _ in rollouts:
             built, stats = build_training_sequences(rollout.turns)
             sequences.append(built)
             reconcile.append(stats)
             record_rollout_metrics(self.metrics, rollout, duration, len(built), stats, self.eos_token_ids)
+            if with_tools:
+                record_tool_rollout_metrics(self.metrics, rollout)
+            self._rewrites.observe(stats.transitions, stats.forks)
         return RolloutGroup(
-            prompts=[prompt] * size,
+            prompts=[prompt for _, _, prompt, _ in rollouts],
             reward_kwargs={key: [value] * size for key, value in columns.items()},
-            completions=[rollout.completion for rollout, _ in rollouts],
-            completions_ids=[rollout.completion_ids for rollout, _ in rollouts],
+            completions=[rollout.completion for rollout, *_ in rollouts],
+            completions_ids=[rollout.completion_ids for rollout, *_ in rollouts],
             completions_sequences=sequences,
-            tool_call_counts=[rollout.tool_call_count for rollout, _ in rollouts],
-            tool_failure_counts=[rollout.tool_failure_count for rollout, _ in rollouts],
+            tool_call_counts=[rollout.tool_call_count for rollout, *_ in rollouts],
+            tool_failure_counts=[rollout.tool_failure_count for rollout, *_ in rollouts],
             model_version=model_version,
             group_id=group_id,
             row_index=item.row_index,
-            env_rewards=[None] * size,
-            rollout_rewards=[rollout.reward for rollout, _ in rollouts],
+            env_rewards=[env_reward for *_, env_reward in rollouts],
+            rollout_rewards=[rollout.reward for rollout, *_ in rollouts],
             stream_index=item.stream_index,
             epoch=item.epoch,
-            rollouts=[rollout for rollout, _ in rollouts],
+            rollouts=[rollout for rollout, *_ in rollouts],
         )
 
     # -- scoring --------------------------------------------------------------------------------------------
@@ -509,8 +523,10 @@ class AsyncRolloutLoop:
                 timeout_s=self.config.reward_timeout,
                 where=f" (dataset row {group.row_index})",
             )
+            env_names, env_sources = environment_reward_sources(group.env_rewards)
             env_sources = [
-                [None if reward is None else finite_reward(reward[1], "an environment's get_reward()") for reward in group.env_rewards]
+                [None if value is None else finite_reward(value, "an environment's get_reward()") for value in source]
+                for source in env_sources
             ]
             rollout_rewards = [
                 None if reward is None else finite_reward(float(reward), "a Rollout.reward set by generate_one")
@@ -527,8 +543,8 @@ class AsyncRolloutLoop:
                 raise ValueError(f"compute_advantages returned a non-finite advantage for dataset row {group.row_index}: {advantages}")
             dropped = is_degenerate_group(group.rewards)
             samples = [] if dropped else self._samples(group, advantages)
-            names = [reward_function_name(function) for function in self.reward_funcs]
-            record_group_metrics(self.metrics, group, per_function, names, dropped, len(samples))
+            names = [reward_function_name(function) for function in self.reward_funcs] + env_names
+            record_group_metrics(self.metrics, group, [*per_function, *env_sources], names, dropped, len(samples))
             self.metrics.record("rollout/score_s", time.monotonic() - started)
             self.allowance.group_finished(
                 [int(sum(len(s.token_ids) for s in seqs)) for seqs in group.completions_sequences],

@@ -45,6 +45,8 @@ from asyncgrpo.trainer.progress import AsyncProgressCallback
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
 from asyncgrpo.trainer.run_directory import RunDirectoryCallback
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+from asyncgrpo.rollout.chat import render_prompt_ids, use_training_template
+from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
@@ -55,6 +57,7 @@ from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
 from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
 from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state, local_value, shard_model
 from asyncgrpo.trainer.checks import (
+    check_agent_inputs,
     check_conversational,
     check_launch,
     check_multi_process,
@@ -127,19 +130,15 @@ class AsyncGRPOTrainer(Trainer):
         elif not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
         check_reward_funcs(list(reward_funcs))
-        if tools or environment_factory is not None:
-            raise NotImplementedError(
-                "tools and environment_factory (agent training) are not available in this version yet"
-            )
+        tools = list(tools or [])
+        check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args)
+        if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
+            train_dataset = EnvironmentOwnedData()
         if rollout_worker is not None or weight_transfer is not None:
             raise NotImplementedError(
                 "injecting a rollout_worker or weight_transfer object (TRL's protocols) is not supported: subclass "
                 "AsyncRolloutLoop (set loop_cls) to change generation, weight_sync_backend to choose the sync"
             )
-        if not reward_funcs:
-            raise ValueError("reward_funcs is empty: give at least one reward function")
-        if train_dataset is None:
-            raise ValueError("train_dataset is required (it must have a conversational 'prompt' column)")
         streaming = not hasattr(train_dataset, "__len__")
         if streaming and args.max_steps <= 0:
             raise ValueError("an IterableDataset has no length, so epochs cannot end training: set max_steps > 0")
@@ -161,6 +160,8 @@ class AsyncGRPOTrainer(Trainer):
             )
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
+        if tools or environment_factory is not None:
+            use_training_template(processing_class)  # known families only; unknown ones are watched for forks
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
         # base Trainer would compile the whole model, whose forward this trainer does not call. It gets
@@ -170,6 +171,8 @@ class AsyncGRPOTrainer(Trainer):
             args = copy.copy(args)
             args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
         self.reward_funcs = list(reward_funcs)
+        self.tools = tools
+        self.environment_factory = environment_factory
         self.model_id = model_id
         self.streaming = streaming
         self._loss_fn = score_centered_loss if args.score_centering else clipped_surrogate_loss
@@ -362,7 +365,8 @@ class AsyncGRPOTrainer(Trainer):
             self.token_budget, backend = self._processes.broadcast(None)
             self._weight_sync = make_weight_sync(backend, is_sender=False)
             return
-        check_worker_payload(self.reward_funcs, self.loop_cls)  # before anything slow: a lambda fails here
+        # Before anything slow: a lambda fails here.
+        check_worker_payload(self.reward_funcs, self.loop_cls, self.tools, self.environment_factory)
         self._http = BackgroundLoop(default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60)
         self._client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
         logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))
@@ -391,6 +395,8 @@ class AsyncGRPOTrainer(Trainer):
                 reward_funcs=self.reward_funcs,
                 processing_class=self.processing_class,
                 eos_token_ids=self._eos_token_ids(),
+                tools=self.tools,
+                environment_factory=self.environment_factory,
                 dataset_start_index=rollout_state.first_untrained_index,
                 skip_stream_indices=frozenset(rollout_state.consumed_after)
                 | {sample.stream_index for sample in self._held_on_resume},
@@ -406,7 +412,10 @@ class AsyncGRPOTrainer(Trainer):
             self.token_budget,
             num_rows=self.accelerator.num_processes,
             rows_per_step=args.gradient_accumulation_steps * self.accelerator.num_processes,
-            prompts_per_epoch=None if self.streaming else len(self.train_dataset),
+            # Environment-owned data has no pass over prompts: one degenerate group is not a dead dataset.
+            prompts_per_epoch=None
+            if self.streaming or isinstance(self.train_dataset, EnvironmentOwnedData)
+            else len(self.train_dataset),
             stop_condition=lambda: self._should_stop(args),
             check_servers=self._check_servers,
         )
@@ -733,10 +742,8 @@ class AsyncGRPOTrainer(Trainer):
         return sorted(token for token in ids if token is not None)
 
     def _prompt_length(self, prompt: list[dict[str, Any]]) -> int:
-        rendered = self.processing_class.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, **(self.args.chat_template_kwargs or {})
-        )
-        return len(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        # The trainer's tools only: an environment's tools depend on the instance a rollout gets.
+        return len(render_prompt_ids(self.processing_class, prompt, self.tools, self.args.chat_template_kwargs))
 
     def _warn_on_dtype_mismatch(self, server_info: ServerInfo | None) -> None:
         served = server_info.dtype if server_info is not None else None
