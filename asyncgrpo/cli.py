@@ -25,7 +25,9 @@ def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
         args, extra = _serve_for_parser().parse_known_args(argv)
         names = ("port", "host", "max_model_len", "dtype", "max_lora_rank", "max_loras")
         given = {name: getattr(args, name) for name in names} | {"enable_lora": args.enable_lora or None}
-        return run_serve_for(args.for_config, given, args.cpu, args.cpu_kv_cache_gib, extra, dry_run=args.dry_run)
+        return run_serve_for(
+            args.for_config, given, args.cpu, args.cpu_kv_cache_gib, extra, dry_run=args.dry_run
+        )
     if args.model is None:
         print("asyncgrpo serve: give a MODEL, or --for CONFIG.yaml")
         return 2
@@ -71,7 +73,10 @@ def _report(args: argparse.Namespace) -> int:
 
 def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--for", dest="for_config", default=None, metavar="CONFIG.yaml",
+        "--for",
+        dest="for_config",
+        default=None,
+        metavar="CONFIG.yaml",
         help="derive the flags from a training config (its model, dtype, URL, LoRA, top-k/top-p, token_budget); "
         "flags given here win, unknown arguments go to vllm",
     )
@@ -109,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncgrpo", description="Asynchronous GRPO against a vLLM server.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    tiny = commands.add_parser("tiny-model", help="build the tiny offline Qwen3 model used by tests and the demo")
+    tiny = commands.add_parser(
+        "tiny-model", help="build the tiny offline Qwen3 model used by tests and the demo"
+    )
     tiny.add_argument("out_dir")
     tiny.set_defaults(run=_tiny_model)
 
@@ -132,14 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="plots, report.html and a diagnosis of a run directory")
     report.add_argument("run_dir")
     report.add_argument(
-        "--reward-range", nargs=2, type=float, default=(0.0, 1.0), metavar=("LOW", "HIGH"),
+        "--reward-range",
+        nargs=2,
+        type=float,
+        default=(0.0, 1.0),
+        metavar=("LOW", "HIGH"),
         help="the rewards' possible range, to place stuck groups at its top, bottom or middle (default 0 1)",
     )
     report.set_defaults(run=_report)
 
     demo = commands.add_parser("demo", help="a real async GRPO run of the tiny model on CPU (make demo)")
     demo.add_argument("--workdir", default=".demo")
-    demo.add_argument("--seed", type=int, default=0, help="seeds the warm start, the prompts' order and sampling")
+    demo.add_argument(
+        "--seed", type=int, default=0, help="seeds the warm start, the prompts' order and sampling"
+    )
     demo.set_defaults(run=_demo)
     return parser
 

@@ -137,7 +137,13 @@ class FusedHeadLogprobs(torch.autograd.Function):
         top_logp = None if top_ids is None else torch.cat([o[2] for o in outputs])
         lse = torch.cat([o[3] for o in outputs])
         ctx.save_for_backward(hidden, weight, bias, targets, top_ids, lse, entropy)
-        ctx.chunks, ctx.scale, ctx.softcap, ctx.temperature, ctx.dtype = chunks, scale, softcap, temperature, dtype
+        ctx.chunks, ctx.scale, ctx.softcap, ctx.temperature, ctx.dtype = (
+            chunks,
+            scale,
+            softcap,
+            temperature,
+            dtype,
+        )
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         return target_logp, entropy, top_logp
@@ -151,8 +157,16 @@ class FusedHeadLogprobs(torch.autograd.Function):
             g_target = torch.zeros_like(lse)
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if want_weight else None  # fmt: skip
-        grad_bias = torch.zeros_like(bias, dtype=grad_weight.dtype if grad_weight is not None else torch.float32) if want_bias else None  # fmt: skip
+        grad_weight = (
+            torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+            if want_weight
+            else None
+        )
+        grad_bias = (
+            torch.zeros_like(bias, dtype=grad_weight.dtype if grad_weight is not None else torch.float32)
+            if want_bias
+            else None
+        )
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = None if bias is None else bias.to(dtype)

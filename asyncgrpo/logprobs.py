@@ -27,7 +27,6 @@ from asyncgrpo.fused_head import FusedHeadLogprobs, candidate_mask
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.packing.tree_attention import TREE_ATTENTION, padded_length, tree_attention_masks
 
-
 CHUNK_SIZE = 1024  # entries per head chunk on the plain path
 FUSED_CHUNK_SIZE = 4096  # on the fused path
 
@@ -187,7 +186,9 @@ def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | No
 PACKED_FORWARD_METHOD = "asyncgrpo_packed_forward"
 
 
-def row_logprobs(model, row: PackedRow, temperature: float = 1.0, chunk_size: int | None = None) -> TokenLogprobs:
+def row_logprobs(
+    model, row: PackedRow, temperature: float = 1.0, chunk_size: int | None = None
+) -> TokenLogprobs:
     """Forward one packed row through `model` (switched with `enable_tree_attention`) and return the
     log-probs of its E loss entries, in entry order."""
     config = model.config.get_text_config()

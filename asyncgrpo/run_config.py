@@ -38,7 +38,10 @@ DATASET_KEYS = {
     "split": "the split to train on (default: train)",
     "columns": "renames, source column -> name the trainer expects (e.g. {question: prompt})",
 }
-WARM_START_KEYS = {"function": "import path of f(model, tokenizer, **kwargs)", "kwargs": "its keyword arguments"}
+WARM_START_KEYS = {
+    "function": "import path of f(model, tokenizer, **kwargs)",
+    "kwargs": "its keyword arguments",
+}
 _FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -130,7 +133,9 @@ def build_run_config(raw: dict) -> RunConfig:
         if isinstance(value, str) and _accepts(arg_types[name], float) and not _accepts(arg_types[name], str):
             value = _float_from_text(value, name)  # YAML reads 1e-6 (no dot) as a string
         if not _matches(value, arg_types[name]):
-            raise ConfigError(f"{name}: expected {_type_name(arg_types[name])}, got {type(value).__name__} {value!r}")
+            raise ConfigError(
+                f"{name}: expected {_type_name(arg_types[name])}, got {type(value).__name__} {value!r}"
+            )
         arg_values[name] = value
     arg_values.setdefault("output_dir", f"{Path(model).name or 'model'}-AsyncGRPO")
     try:
@@ -148,11 +153,15 @@ def build_run_config(raw: dict) -> RunConfig:
             _expect(dataset["columns"], dict, "dataset.columns")
     environment = raw.get("environment_factory")
     if isinstance(environment, dict):
-        environment = {name: resolve(path, f"environment_factory.{name}") for name, path in environment.items()}
+        environment = {
+            name: resolve(path, f"environment_factory.{name}") for name, path in environment.items()
+        }
     elif environment is not None:
         environment = resolve(environment, "environment_factory")
     if dataset is None and environment is None:
-        raise ConfigError("the config has no `dataset`: give one (or an environment_factory that makes prompts)")
+        raise ConfigError(
+            "the config has no `dataset`: give one (or an environment_factory that makes prompts)"
+        )
     loop_class = resolve(raw["loop_class"], "loop_class") if "loop_class" in raw else None
     if loop_class is not None:
         from asyncgrpo.rollout.loop import AsyncRolloutLoop
@@ -163,13 +172,17 @@ def build_run_config(raw: dict) -> RunConfig:
     if warm_start is not None:
         _expect(warm_start, dict, "warm_start")
         _reject_unknown(warm_start, set(WARM_START_KEYS), "warm_start.")
-        warm_start = {"function": resolve(warm_start.get("function"), "warm_start.function"),
-                      "kwargs": _expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs")}
+        warm_start = {
+            "function": resolve(warm_start.get("function"), "warm_start.function"),
+            "kwargs": _expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs"),
+        }
     peft_config = _expect(raw["peft_config"], dict, "peft_config") if "peft_config" in raw else None
     return RunConfig(
         model=model,
         args=args,
-        reward_funcs=[resolve(path, f"reward_funcs[{i}]") for i, path in enumerate(_as_list(raw.get("reward_funcs")))],
+        reward_funcs=[
+            resolve(path, f"reward_funcs[{i}]") for i, path in enumerate(_as_list(raw.get("reward_funcs")))
+        ],
         dataset=dataset,
         tools=[resolve(path, f"tools[{i}]") for i, path in enumerate(_as_list(raw.get("tools")))],
         environment_factory=environment,
@@ -277,7 +290,11 @@ def load_training_dataset(spec: dict):
         dataset = load_dataset(spec["name"], spec.get("subset"), split=split)
     else:
         files = spec["data_files"]
-        first = files if isinstance(files, str) else next(iter(files.values() if isinstance(files, dict) else files))
+        first = (
+            files
+            if isinstance(files, str)
+            else next(iter(files.values() if isinstance(files, dict) else files))
+        )
         first = first[0] if isinstance(first, list) else first
         builder = spec.get("format") or _FORMATS.get(Path(first).suffix)
         if builder is None:
@@ -286,7 +303,9 @@ def load_training_dataset(spec: dict):
     columns = spec.get("columns") or {}
     missing = [name for name in columns if name not in dataset.column_names]
     if missing:
-        raise ConfigError(f"dataset.columns: {missing} not among the dataset's columns {dataset.column_names}")
+        raise ConfigError(
+            f"dataset.columns: {missing} not among the dataset's columns {dataset.column_names}"
+        )
     return dataset.rename_columns(columns) if columns else dataset
 
 

@@ -90,7 +90,9 @@ def build_tokenizer(vocab_size: int = TinyModelSpec.vocab_size) -> PreTrainedTok
     return fast
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec = TinyModelSpec()) -> Qwen3ForCausalLM:
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec = TinyModelSpec()
+) -> Qwen3ForCausalLM:
     """Random Qwen3 weights from a fixed seed. `tie_word_embeddings=False`: vLLM's CPU reload
     leaves a tied `lm_head` stale."""
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")

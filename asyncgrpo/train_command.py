@@ -67,7 +67,11 @@ def server_options_for(run: RunConfig, cpu: bool | None = None):
             flags = lora_flags_for_run(int(run.peft_config.get("r", 8)), args.max_staleness)
         except ValueError as error:
             raise ConfigError(f"peft_config: {error}") from None
-        options.enable_lora, options.max_lora_rank, options.max_loras = True, flags["max_lora_rank"], flags["max_loras"]
+        options.enable_lora, options.max_lora_rank, options.max_loras = (
+            True,
+            flags["max_lora_rank"],
+            flags["max_loras"],
+        )
     return options
 
 

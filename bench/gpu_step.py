@@ -56,7 +56,8 @@ VARIANTS = {
     "full-ckpt": ({"gradient_checkpointing_to_fit": False}, True),
     "unfused-head": ({}, False),
     "previous-defaults": (  # eager layers, every layer checkpointed, unfused head
-        {"torch_compile": False, "gradient_checkpointing_to_fit": False}, False
+        {"torch_compile": False, "gradient_checkpointing_to_fit": False},
+        False,
     ),
 }
 
@@ -97,7 +98,9 @@ def make_trainer(overrides: dict, smoke: bool, output_dir: str) -> AsyncGRPOTrai
     trainer = AsyncGRPOTrainer(build_model(smoke), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                args=args, train_dataset=_Prompts(), processing_class=build_tokenizer())  # fmt: skip
     if args.gradient_checkpointing:  # what Trainer.train does before the training loop
-        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+        trainer.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+        )
     trainer._processes = Processes(1, 0)
     trainer._sharded = False  # one process, as _inner_training_loop decides for a single-GPU run
     trainer._restore_state(args, None)
@@ -206,7 +209,8 @@ def measure_variant(name, overrides, fused, args, peak, out_dir) -> dict:
     model_flops = plan_flops(flops, rows)
     unpacked = sum(r.num_unpacked_tokens for r in rows)
     result = {
-        "variant": name, "seconds": seconds, "mfu": model_flops / seconds / peak, "tflops": model_flops / seconds / 1e12,
+        "variant": name, "seconds": seconds, "mfu": model_flops / seconds / peak,
+        "tflops": model_flops / seconds / 1e12,
         "row_tokens": [r.num_tokens for r in rows], "unpacked_tok_s": unpacked / seconds,
         "packing_ratio": unpacked / sum(r.num_tokens for r in rows),
         "checkpointed_layers": trainer._window.summarize().get("perf/checkpointed_layers"),
@@ -312,10 +316,16 @@ def memory_sweep(args, out_dir, deadline: float) -> list[dict]:
         try:
             started = time.perf_counter()
             step(trainer, plans)
-            entry = {"token_budget": budget, "row_tokens": plans[0].pack()[0].num_tokens, "fits": True,
-                     "seconds": time.perf_counter() - started,
-                     "checkpointed_layers": trainer._window.summarize().get("perf/checkpointed_layers"),
-                     "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0}  # fmt: skip
+            entry = {
+                "token_budget": budget,
+                "row_tokens": plans[0].pack()[0].num_tokens,
+                "fits": True,
+                "seconds": time.perf_counter() - started,
+                "checkpointed_layers": trainer._window.summarize().get("perf/checkpointed_layers"),
+                "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9
+                if torch.cuda.is_available()
+                else 0.0,
+            }
         except torch.OutOfMemoryError:
             entry = {"token_budget": budget, "fits": False}
             trainer._model.zero_grad(set_to_none=True)
@@ -340,8 +350,8 @@ def main() -> None:
     if args.smoke:
         args.budget = min(args.budget, 2048)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "budget": args.budget}  # fmt: skip
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    report: dict = {"torch": torch.__version__, "device": device_name, "budget": args.budget}
     log(f"{report}")
     report["matmul_peak_tflops"] = matmul_peak(device) / 1e12
     peak = report["matmul_peak_tflops"] * 1e12
@@ -361,7 +371,9 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    log(f"\n{report['device']} torch {report['torch']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s")
+    log(
+        f"\n{report['device']} torch {report['torch']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s"
+    )
     log("| variant | step s | MFU | unpacked tok/s | ckpt layers | peak GB |")
     log("|---|---|---|---|---|---|")
     for v in report["variants"]:
@@ -370,8 +382,10 @@ def print_table(report: dict) -> None:
     default = report["variants"][0]
     if "tree_vs_plain" in default:
         t = default["tree_vs_plain"]
-        log(f"tree vs plain at ratio {t['packing_ratio']:.2f}: speedup {t['speedup']:.2f}, FLOP ratio "
-            f"{t['flop_ratio']:.2f}, speedup / FLOP ratio {t['speedup_over_flop_ratio']:.3f} (target 0.97)")  # fmt: skip
+        log(
+            f"tree vs plain at ratio {t['packing_ratio']:.2f}: speedup {t['speedup']:.2f}, FLOP ratio "
+            f"{t['flop_ratio']:.2f}, speedup / FLOP ratio {t['speedup_over_flop_ratio']:.3f} (target 0.97)"
+        )
     for m in report.get("memory", []):
         log(f"memory budget {m['token_budget']}: fits={m['fits']} peak {m.get('peak_memory_gb', float('nan')):.1f} GB "
             f"ckpt layers {m.get('checkpointed_layers')}")  # fmt: skip

@@ -56,7 +56,9 @@ class ServerPool:
         self.log_dir = log_dir
         self._servers: dict[tuple, VLLMServer] = {}
 
-    def get(self, *extra_args: str, enable_lora: bool = False, max_lora_rank=None, max_loras=None) -> VLLMServer:
+    def get(
+        self, *extra_args: str, enable_lora: bool = False, max_lora_rank=None, max_loras=None
+    ) -> VLLMServer:
         key = (extra_args, enable_lora, max_lora_rank, max_loras)
         if key not in self._servers:
             from asyncgrpo.generation.server import ServerOptions, VLLMServer
@@ -79,7 +81,12 @@ class ServerPool:
 
     def release(self, *extra_args: str, **kwargs) -> None:
         """Stop a server with unusual flags once its tests are done, to free its ~3 GB."""
-        key = (extra_args, kwargs.get("enable_lora", False), kwargs.get("max_lora_rank"), kwargs.get("max_loras"))
+        key = (
+            extra_args,
+            kwargs.get("enable_lora", False),
+            kwargs.get("max_lora_rank"),
+            kwargs.get("max_loras"),
+        )
         server = self._servers.pop(key, None)
         if server is not None:
             server.stop()

@@ -181,10 +181,23 @@ def make_args(server, output_dir, **overrides) -> AsyncGRPOConfig:
 
 
 TOOL_METRICS = [
-    "tools/call_frequency", "tools/failure_frequency", "tools/parallel_calls_mean", "tools/loop_exhausted_frac",
-    "tools/latency_s", "tools/increment/latency_s", "tools/increment/call_count", "tools/increment/failure_count",
-    "env/reset_s", "env/reward_s", "rewards/IncrementEnv/mean", "rollout/fork_frac", "rollout/drift_tokens_mean",
-    "rollout/drift_tokens_max", "rollout/samples_per_rollout", "rollout/turns_mean", "rollout/turns_max",
+    "tools/call_frequency",
+    "tools/failure_frequency",
+    "tools/parallel_calls_mean",
+    "tools/loop_exhausted_frac",
+    "tools/latency_s",
+    "tools/increment/latency_s",
+    "tools/increment/call_count",
+    "tools/increment/failure_count",
+    "env/reset_s",
+    "env/reward_s",
+    "rewards/IncrementEnv/mean",
+    "rollout/fork_frac",
+    "rollout/drift_tokens_mean",
+    "rollout/drift_tokens_max",
+    "rollout/samples_per_rollout",
+    "rollout/turns_mean",
+    "rollout/turns_max",
 ]
 
 
@@ -194,7 +207,12 @@ def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
     torch.set_num_threads(1)  # the server's CPU engine holds the other core
     steps = 24
     args = make_args(
-        vllm_server, tmp_path / "run", max_steps=steps, learning_rate=1e-3, max_staleness=1, max_tool_calling_iterations=3
+        vllm_server,
+        tmp_path / "run",
+        max_steps=steps,
+        learning_rate=1e-3,
+        max_staleness=1,
+        max_tool_calling_iterations=3,
     )
     trainer = AsyncGRPOTrainer(model=str(warm_dir), args=args, environment_factory=IncrementEnv)
     trainer.train()
@@ -202,7 +220,9 @@ def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
     (tmp_path / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     logged = set().union(*(entry.keys() for entry in trainer.state.log_history))
     assert not [name for name in TOOL_METRICS if name not in logged], sorted(logged)
-    turns = [entry["rollout/turns_mean"] for entry in trainer.state.log_history if "rollout/turns_mean" in entry]
+    turns = [
+        entry["rollout/turns_mean"] for entry in trainer.state.log_history if "rollout/turns_mean" in entry
+    ]
     assert turns[0] > 1.5, "the warm-started model must call the tool"
     # Re-rendered turns extend the sample: the tiny template is prefix-preserving.
     assert max(entry.get("rollout/fork_frac", 0.0) for entry in trainer.state.log_history) < 0.1
@@ -219,7 +239,9 @@ class ToolsProbeLoop(AsyncRolloutLoop):
         text = self.tokenizer.decode(self.render_prompt(prompt, tools, group_id))
         probe = Path(self.config.output_dir) / "probe.jsonl"
         with probe.open("a") as handle:
-            handle.write(json.dumps({"tools": sorted(tool.__name__ for tool in tools), "prompt": text}) + "\n")
+            handle.write(
+                json.dumps({"tools": sorted(tool.__name__ for tool in tools), "prompt": text}) + "\n"
+            )
         return await super().generate_one(prompt, tools, group_id)
 
 
@@ -227,7 +249,9 @@ class ProbingTrainer(AsyncGRPOTrainer):
     loop_cls = ToolsProbeLoop
 
 
-def test_multi_environment_routing_offers_only_the_rows_environment_tools(vllm_server, tiny_model_dir, tmp_path):
+def test_multi_environment_routing_offers_only_the_rows_environment_tools(
+    vllm_server, tiny_model_dir, tmp_path
+):
     dataset = Dataset.from_dict({"environment": ["coding", "game"] * 500})
     args = make_args(vllm_server, tmp_path, max_steps=2, num_generations=4, learning_rate=1e-4)
     trainer = ProbingTrainer(
@@ -244,4 +268,6 @@ def test_multi_environment_routing_offers_only_the_rows_environment_tools(vllm_s
         coding = record["tools"] == ["run_code"]
         assert ('"name": "run_code"' in record["prompt"]) == coding
         assert ('"name": "move"' in record["prompt"]) == (not coding)
-        assert ("Fibonacci" in record["prompt"]) == coding and ("goal tile" in record["prompt"]) == (not coding)
+        assert ("Fibonacci" in record["prompt"]) == coding and ("goal tile" in record["prompt"]) == (
+            not coding
+        )

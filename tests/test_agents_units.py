@@ -14,7 +14,12 @@ import pytest
 from asyncgrpo import AsyncGRPOConfig
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rollout.agent import run_tool_loop
-from asyncgrpo.rollout.chat import QWEN3_TRAINING_TEMPLATE, render_prompt_ids, tool_schema, use_training_template
+from asyncgrpo.rollout.chat import (
+    QWEN3_TRAINING_TEMPLATE,
+    render_prompt_ids,
+    tool_schema,
+    use_training_template,
+)
 from asyncgrpo.rollout.environments import (
     EnvironmentPool,
     environment_reward_sources,
@@ -40,12 +45,17 @@ def test_hermes_calls_are_read_in_order_and_removed_from_content():
     text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>{"name": "neg", "arguments": "{\\"x\\": 3}"}</tool_call>'
     content, calls = parse_tool_calls(text)
     assert content == "Let me add."
-    assert [(c.name, c.arguments, c.error) for c in calls] == [("add", {"a": 1, "b": 2}, None), ("neg", {"x": 3}, None)]
+    assert [(c.name, c.arguments, c.error) for c in calls] == [
+        ("add", {"a": 1, "b": 2}, None),
+        ("neg", {"x": 3}, None),
+    ]
 
 
 def test_malformed_calls_are_kept_with_a_reason():
-    _, calls = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call><tool_call>{"arguments": {}}</tool_call>'
-                                '<tool_call>{"name": "f", "arguments": [1]}</tool_call><tool_call>{"name": "cut"')
+    _, calls = parse_tool_calls(
+        '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call><tool_call>{"arguments": {}}</tool_call>'
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call><tool_call>{"name": "cut"'
+    )
     assert [c.name for c in calls] == [None, None, "f", None]
     assert all(c.error for c in calls)
     assert "not valid JSON" in calls[0].error and '"name"' in calls[1].error and "object" in calls[2].error
@@ -60,7 +70,9 @@ def test_reasoning_is_split_like_parse_response():
     assert split_reasoning("<think>\nhmm\n</think>\n\n42") == ("hmm", "42")
     assert split_reasoning("hmm</think>42") == ("hmm", "42")  # opening tag in the generation prompt
     assert split_reasoning("<think>cut off") == (None, "<think>cut off")
-    parsed = parse_turn('<think>a</think><tool_call>{"name": "f", "arguments": {}}</tool_call>', "hermes", True, True)
+    parsed = parse_turn(
+        '<think>a</think><tool_call>{"name": "f", "arguments": {}}</tool_call>', "hermes", True, True
+    )
     assert parsed.reasoning == "a" and parsed.content == "" and parsed.calls[0].name == "f"
     kept = parse_turn("<think>a</think>b", "hermes", False, reasoning=False)
     assert kept.reasoning is None and kept.content == "<think>a</think>b"
@@ -114,7 +126,9 @@ def test_schemas_from_docstrings_with_a_plain_fallback():
     assert schema["parameters"]["properties"]["a"] == {"type": "integer", "description": "The first integer."}
     plain = tool_schema(undocumented)["function"]
     assert plain["parameters"] == {
-        "type": "object", "properties": {"step": {"type": "integer"}, "label": {"type": "string"}}, "required": ["step"]
+        "type": "object",
+        "properties": {"step": {"type": "integer"}, "label": {"type": "string"}},
+        "required": ["step"],
     }
     bound = tool_schema(Counter().increment)["function"]
     assert bound["name"] == "increment" and list(bound["parameters"]["properties"]) == ["step"]
@@ -129,7 +143,9 @@ def test_render_prompt_ids_offers_the_tools(tokenizer):
     text = tokenizer.decode(ids)
     assert '"name": "multiply"' in text and text.endswith("<|im_start|>assistant\n")
     assert render_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}]) == list(
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)["input_ids"]
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)[
+            "input_ids"
+        ]
     )
 
 
@@ -168,7 +184,9 @@ def test_failures_become_messages_and_counts():
         '<tool_call>{"name": "async_add", "arguments": {"a": 2, "b": 5}}</tool_call>'
     )
     with ThreadPoolExecutor(2) as executor:
-        messages, failures = asyncio.run(run_tool_calls(calls, [multiply, explode, async_add], executor, lambda: window))
+        messages, failures = asyncio.run(
+            run_tool_calls(calls, [multiply, explode, async_add], executor, lambda: window)
+        )
     assert [m["content"] for m in messages][0] == "6" and messages[-1]["content"] == "7"
     assert messages[1]["content"] == "Error: RuntimeError: boom"
     assert "no tool named 'nope'" in messages[2]["content"] and "not valid JSON" in messages[3]["content"]
@@ -224,7 +242,10 @@ def call(name: str, **arguments) -> str:
 
 
 def test_a_slow_tool_does_not_hold_back_other_rollouts(tokenizer):
-    replies = {"slow": [call("slow_lookup", key="a"), "done"], "fast": [call("multiply", a=1, b=2)] * 5 + ["done"]}
+    replies = {
+        "slow": [call("slow_lookup", key="a"), "done"],
+        "fast": [call("multiply", a=1, b=2)] * 5 + ["done"],
+    }
     loop = ScriptedLoop(tokenizer, replies)
     tools = [slow_lookup, multiply]
 
@@ -245,13 +266,17 @@ def test_a_slow_tool_does_not_hold_back_other_rollouts(tokenizer):
 
 
 def test_loop_stops_at_max_tool_calling_iterations_and_builds_trl_style_completions(tokenizer):
-    replies = {"go": ["<think>plan</think>" + call("multiply", a=2, b=3), call("multiply", a=1, b=1), "never"]}
+    replies = {
+        "go": ["<think>plan</think>" + call("multiply", a=2, b=3), call("multiply", a=1, b=1), "never"]
+    }
     loop = ScriptedLoop(tokenizer, replies, max_tool_calling_iterations=1)
     rollout = asyncio.run(run_tool_loop(loop, [{"role": "user", "content": "go"}], [multiply], 0))
     assert len(rollout.turns) == 2 and rollout.tool_call_count == 1
     first, tool_message, last = rollout.completion
     assert first["reasoning_content"] == "plan" and first["content"] == ""
-    assert first["tool_calls"] == [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 2, "b": 3}}}]
+    assert first["tool_calls"] == [
+        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 2, "b": 3}}}
+    ]
     assert tool_message == {"role": "tool", "name": "multiply", "content": "6"}
     assert last["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 1}
     assert loop.metrics.summarize()["tools/loop_exhausted_frac"] == 1.0
@@ -286,8 +311,13 @@ def conversation_turns(tokenizer, replies: list[str], tools=(multiply,)):
     for reply in replies:
         prompt_ids = render_prompt_ids(tokenizer, conversation, list(tools))
         output = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
-        turns.append(TurnRecord(prompt_ids=prompt_ids, output_ids=output, output_log_probs=[-1.0] * len(output)))
-        conversation += [{"role": "assistant", "content": reply}, {"role": "tool", "name": "multiply", "content": "6"}]
+        turns.append(
+            TurnRecord(prompt_ids=prompt_ids, output_ids=output, output_log_probs=[-1.0] * len(output))
+        )
+        conversation += [
+            {"role": "assistant", "content": reply},
+            {"role": "tool", "name": "multiply", "content": "6"},
+        ]
     return turns
 
 
@@ -360,7 +390,9 @@ def test_environment_pool_reuses_instances_and_drops_the_routing_column():
 
 def test_reset_string_with_and_without_a_dataset_prompt():
     assert prompt_with_observation(None, "hi") == [{"role": "user", "content": "hi"}]
-    assert prompt_with_observation([{"role": "user", "content": "a"}], "b") == [{"role": "user", "content": "a\n\nb"}]
+    assert prompt_with_observation([{"role": "user", "content": "a"}], "b") == [
+        {"role": "user", "content": "a\n\nb"}
+    ]
     with pytest.raises(ValueError, match="reset\\(\\) must return"):
         prompt_with_observation(None, None)
 

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
 
 from aiohttp import web  # noqa: E402
 

@@ -32,8 +32,12 @@ def ramp(start, end):
 
 def timing(wait, backpressure, queue):
     return history(
-        perf__step_s=2.0, perf__rollout_wait_s=wait, rollout__backpressure_s=backpressure,
-        rollout__queue_size=queue, batch__samples_per_step=32, sample__staleness_mean=1.0,
+        perf__step_s=2.0,
+        perf__rollout_wait_s=wait,
+        rollout__backpressure_s=backpressure,
+        rollout__queue_size=queue,
+        batch__samples_per_step=32,
+        sample__staleness_mean=1.0,
     )
 
 
@@ -84,7 +88,9 @@ def test_bottleneck_without_timing_metrics_is_unknown():
     ],
 )
 def test_saturation_readings(frac, stuck, reward, verdict):
-    finding = diagnose_saturation(history(frac_zero_std_groups=frac, reward_zero_std_groups=stuck, reward=reward))
+    finding = diagnose_saturation(
+        history(frac_zero_std_groups=frac, reward_zero_std_groups=stuck, reward=reward)
+    )
     assert finding.verdict == verdict
     assert finding.evidence[0].startswith("frac_zero_std_groups")
     assert "steps 1-10" in finding.evidence[0] and "steps 21-30" in finding.evidence[0]
@@ -99,7 +105,9 @@ def test_saturation_reads_positions_in_the_given_reward_range():
 
 def test_stuck_at_the_bottom_points_at_clipped_completions():
     finding = diagnose_saturation(
-        history(frac_zero_std_groups=0.95, reward_zero_std_groups=0.0, reward=0.01, completions__clipped_ratio=0.9)
+        history(
+            frac_zero_std_groups=0.95, reward_zero_std_groups=0.0, reward=0.01, completions__clipped_ratio=0.9
+        )
     )
     assert finding.verdict == "stuck at the bottom"
     assert "clipped_ratio" in finding.action
@@ -135,7 +143,8 @@ def test_duplicates_ceiling_follows_num_generations():
 
 def test_load_run_keeps_the_last_record_of_a_step_and_tolerates_a_cut_last_line(tmp_path):
     lines = [
-        {"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2},
+        {"step": 1, "reward": 0.1},
+        {"step": 2, "reward": 0.2},
         {"step": 2, "reward": 0.25},  # resumed: step 2 logged again
         {"step": 3, "reward": None},  # NaN written as null
         {"step": 3, "train_runtime": 12.0, "train_loss": 0.1},  # the end-of-training summary
@@ -159,9 +168,15 @@ def test_load_run_names_what_is_missing(tmp_path):
 
 def test_generation_bound_at_max_concurrent_rollouts_says_to_raise_it():
     series = dict(perf__step_s=2.0, perf__rollout_wait_s=1.5, rollout__concurrency=60.0)
-    at_limit = diagnose_bottleneck(history({"max_concurrent_rollouts": 64}, rollout__vllm_kv_cache_usage_frac=0.1, **series))
+    at_limit = diagnose_bottleneck(
+        history({"max_concurrent_rollouts": 64}, rollout__vllm_kv_cache_usage_frac=0.1, **series)
+    )
     assert at_limit.action.startswith("Raise max_concurrent_rollouts")
-    kv_full = diagnose_bottleneck(history({"max_concurrent_rollouts": 64}, rollout__vllm_kv_cache_usage_frac=0.9, **series))
-    below = diagnose_bottleneck(history({"max_concurrent_rollouts": 512}, rollout__vllm_kv_cache_usage_frac=0.1, **series))
+    kv_full = diagnose_bottleneck(
+        history({"max_concurrent_rollouts": 64}, rollout__vllm_kv_cache_usage_frac=0.9, **series)
+    )
+    below = diagnose_bottleneck(
+        history({"max_concurrent_rollouts": 512}, rollout__vllm_kv_cache_usage_frac=0.1, **series)
+    )
     assert kv_full.verdict == below.verdict == "generation-bound"
     assert not kv_full.action.startswith("Raise") and not below.action.startswith("Raise")

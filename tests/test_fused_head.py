@@ -99,7 +99,9 @@ def grpo_samples(rng, vocab: int, groups: int = 2) -> list:
             tokens = np.concatenate([prompt, rng.integers(0, vocab, completion)])
             trained = np.arange(len(tokens)) >= len(prompt)
             top_ids = rng.integers(0, vocab, (completion, TOP_N))
-            top_logprobs = np.sort(np.log(rng.dirichlet(np.ones(3 * TOP_N), completion)[:, :TOP_N]), -1)[:, ::-1]
+            top_logprobs = np.sort(np.log(rng.dirichlet(np.ones(3 * TOP_N), completion)[:, :TOP_N]), -1)[
+                :, ::-1
+            ]
             samples.append(Sample(tokens, trained, rng.normal(-5.0, 1.0, completion).astype(np.float32),
                                   float(rng.normal()), group, top_ids=top_ids,
                                   top_logprobs=np.ascontiguousarray(top_logprobs, dtype=np.float32)))  # fmt: skip
@@ -155,8 +157,14 @@ def test_cuda_defaults_loss_gradient_matches_reference():
     from asyncgrpo.packing.trie import pack_row
     from asyncgrpo.trainer.async_grpo_trainer import row_loss
 
-    args = SimpleNamespace(temperature=0.9, vllm_importance_sampling_clip_min=0.0, vllm_importance_sampling_clip_max=1e9,
-                           epsilon=0.2, epsilon_high=0.28, gradient_accumulation_steps=1)  # fmt: skip
+    args = SimpleNamespace(
+        temperature=0.9,
+        vllm_importance_sampling_clip_min=0.0,
+        vllm_importance_sampling_clip_max=1e9,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        gradient_accumulation_steps=1,
+    )
     model, reference = default_cuda_model()
     row = pack_row(grpo_samples(np.random.default_rng(22), model.config.vocab_size))
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -176,12 +184,24 @@ def test_cuda_fused_head_fp32_matches_fp64():
     """The compiled fused passes in fp32 on the GPU vs the plain path in fp64 on CPU."""
     case = random_case(8, transforms=True, candidates=True)
     gen = torch.Generator().manual_seed(5)
-    upstream = tuple(torch.randn(shape, dtype=torch.float64, generator=gen) for shape in ((ENTRIES,), (ENTRIES,), (ENTRIES, TOP_N)))
+    upstream = tuple(
+        torch.randn(shape, dtype=torch.float64, generator=gen)
+        for shape in ((ENTRIES,), (ENTRIES,), (ENTRIES, TOP_N))
+    )
     plain, plain_grads = run(case, fused=False, chunk_size=5, temperature=0.8, upstream=upstream)
-    cuda_case = tuple(None if t is None else t.cuda() if t.dtype != torch.float64 else t.float().cuda() for t in case[:3]) + (case[3],) + tuple(t.cuda() for t in case[4:])  # fmt: skip
+    cuda_case = (
+        tuple(
+            None if t is None else t.cuda() if t.dtype != torch.float64 else t.float().cuda()
+            for t in case[:3]
+        )
+        + (case[3],)
+        + tuple(t.cuda() for t in case[4:])
+    )
     fused, fused_grads = run(cuda_case, fused=True, chunk_size=7, temperature=0.8,
                              upstream=tuple(u.float().cuda() for u in upstream))  # fmt: skip
     finite = torch.isfinite(plain.logprobs)
-    torch.testing.assert_close(fused.logprobs.double().cpu()[finite], plain.logprobs[finite], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        fused.logprobs.double().cpu()[finite], plain.logprobs[finite], rtol=1e-4, atol=1e-4
+    )
     for expected, got in zip(plain_grads, fused_grads):
         torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-3, atol=1e-4)

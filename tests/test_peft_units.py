@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.generation.server import serving_lora_rank
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.adapters import adapter_rank, adapter_unservable_reason, wrap_with_peft
 from asyncgrpo.weight_sync.base import serving_tensors
-from asyncgrpo.generation.server import serving_lora_rank
 from asyncgrpo.weight_sync.lora import LoraAdapterSync, check_lora_server
 from asyncgrpo.weight_sync.merged import merged_for_serving
 
@@ -48,14 +48,20 @@ def test_trainer_wraps_the_model_and_only_adapter_parameters_get_optimizer_state
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", max_steps=1)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]]})
     trainer = AsyncGRPOTrainer(
-        str(tiny_model_dir), reward, args, train_dataset=dataset, peft_config=LoraConfig(r=4, target_modules=TARGETS)
+        str(tiny_model_dir),
+        reward,
+        args,
+        train_dataset=dataset,
+        peft_config=LoraConfig(r=4, target_modules=TARGETS),
     )
     assert isinstance(trainer.model, PeftModel)
     optimizer = trainer.create_optimizer()
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     names = {name for name, p in trainer.model.named_parameters() if id(p) in optimized}
     assert names and all("lora_" in name for name in names)
-    assert len(names) == 2 * 4 * trainer.model.config.num_hidden_layers  # A and B of each target in each layer
+    assert (
+        len(names) == 2 * 4 * trainer.model.config.num_hidden_layers
+    )  # A and B of each target in each layer
 
 
 def test_gradient_checkpointing_and_tree_packing_reach_the_adapter(tiny_model_dir):
@@ -68,7 +74,13 @@ def test_gradient_checkpointing_and_tree_packing_reach_the_adapter(tiny_model_di
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 900, 10)
     samples = [
-        Sample(np.concatenate([prompt, rng.integers(0, 900, 6)]), np.arange(16) >= 10, np.zeros(6, np.float32), 1.0, 0)
+        Sample(
+            np.concatenate([prompt, rng.integers(0, 900, 6)]),
+            np.arange(16) >= 10,
+            np.zeros(6, np.float32),
+            1.0,
+            0,
+        )
         for _ in range(2)
     ]
     row = pack_row(samples)
@@ -83,9 +95,15 @@ def test_adapters_on_the_output_head_and_prompt_learning_are_refused(tiny_model_
     with pytest.raises(ValueError, match="lm_head is not supported"):
         wrap_with_peft(load(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), False)
     with pytest.raises(ValueError, match="lm_head is not supported"):
-        wrap_with_peft(load(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), False)
+        wrap_with_peft(
+            load(tiny_model_dir),
+            LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+            False,
+        )
     with pytest.raises(ValueError, match="prompt-learning"):
-        wrap_with_peft(load(tiny_model_dir), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), False)
+        wrap_with_peft(
+            load(tiny_model_dir), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), False
+        )
 
 
 @pytest.mark.parametrize(
@@ -111,7 +129,9 @@ def test_what_vllm_cannot_serve_as_an_adapter(tiny_model_dir, config, reason):
         LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], modules_to_save=["norm"]),
     ],
 )
-def test_merged_view_serves_the_merged_model_under_base_names_and_restores_the_model_bit_for_bit(tiny_model_dir, config):
+def test_merged_view_serves_the_merged_model_under_base_names_and_restores_the_model_bit_for_bit(
+    tiny_model_dir, config
+):
     peft_model = trained_like(get_peft_model(load(tiny_model_dir), config))
     before = {name: t.detach().clone() for name, t in peft_model.state_dict().items()}
     reference = copy.deepcopy(peft_model).merge_and_unload().state_dict()
@@ -139,12 +159,16 @@ def test_server_flag_checks_name_the_flags_to_restart_with():
 
 
 def test_adapter_versions_are_written_as_loadable_adapters(tiny_model_dir, tmp_path):
-    peft_model = trained_like(get_peft_model(load(tiny_model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)))
+    peft_model = trained_like(
+        get_peft_model(load(tiny_model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    )
     assert adapter_rank(peft_model) == 4
     backend = LoraAdapterSync(None, None, None, keep=2, is_sender=False)
     backend.is_sender, backend.directory = True, tmp_path / ".vllm_lora"  # prepare() only: no server
     folder = backend.prepare(peft_model, 3)
-    assert folder == tmp_path / ".vllm_lora" / "v3" and sorted(p.name for p in folder.parent.iterdir()) == ["v3"]
+    assert folder == tmp_path / ".vllm_lora" / "v3" and sorted(p.name for p in folder.parent.iterdir()) == [
+        "v3"
+    ]
     assert json.loads((folder / "adapter_config.json").read_text())["r"] == 4
     saved = load_file(folder / "adapter_model.safetensors")
     assert all(name.startswith("base_model.model.") and ".default." not in name for name in saved)

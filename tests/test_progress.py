@@ -10,22 +10,36 @@ from rich.console import Console
 from asyncgrpo.trainer.progress import AsyncProgressCallback, summary_line, waiting_side
 
 LOGS = {
-    "reward": 0.5, "perf/wall_clock_trained_tokens_per_s": 1234.0, "rollout/queue_size": 52.0,
-    "sample/staleness_mean": 3.5, "perf/step_s": 2.0, "perf/rollout_wait_s": 0.0, "rollout/backpressure_s": 1.0,
+    "reward": 0.5,
+    "perf/wall_clock_trained_tokens_per_s": 1234.0,
+    "rollout/queue_size": 52.0,
+    "sample/staleness_mean": 3.5,
+    "perf/step_s": 2.0,
+    "perf/rollout_wait_s": 0.0,
+    "rollout/backpressure_s": 1.0,
 }
 
 
 def test_waiting_side_compares_each_wait_with_the_step():
     assert waiting_side({"perf/step_s": 2.0, "perf/rollout_wait_s": 1.0}) == "trainer waits for rollouts"
     assert waiting_side({"perf/step_s": 2.0, "rollout/backpressure_s": 1.0}) == "generation waits for trainer"
-    assert waiting_side({"perf/step_s": 2.0, "perf/rollout_wait_s": 1.0, "rollout/backpressure_s": 1.0}).startswith("both")
+    assert waiting_side(
+        {"perf/step_s": 2.0, "perf/rollout_wait_s": 1.0, "rollout/backpressure_s": 1.0}
+    ).startswith("both")
     assert waiting_side({"perf/step_s": 2.0, "perf/rollout_wait_s": 0.1}) == "neither"
     assert waiting_side({}) == "-"
 
 
 def test_summary_line_has_the_vital_signs():
     line = summary_line(7, LOGS)
-    for part in ("step 7", "reward=0.5", "tok/s=1234", "queue=52", "stale=3.5", "waiting: generation waits for trainer"):
+    for part in (
+        "step 7",
+        "reward=0.5",
+        "tok/s=1234",
+        "queue=52",
+        "stale=3.5",
+        "waiting: generation waits for trainer",
+    ):
         assert part in line
 
 

@@ -74,15 +74,29 @@ def chromium() -> str:
         path = shutil.which(name)
         if path:
             return path
-    pytest.fail("headless Chromium is needed to check report.html: apt-get install -y chromium (make test does)")
+    pytest.fail(
+        "headless Chromium is needed to check report.html: apt-get install -y chromium (make test does)"
+    )
 
 
 def open_in_chromium(page: Path, screenshot: Path) -> list[str]:
     """Load `page` headless, save a screenshot; returns the console messages Chromium logged."""
     result = subprocess.run(
-        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-         f"--screenshot={screenshot}", "--window-size=1500,2400", page.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120, check=False,
+        [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--screenshot={screenshot}",
+            "--window-size=1500,2400",
+            page.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert screenshot.exists(), result.stderr[-2000:]
     return [line for line in result.stderr.splitlines() if ":CONSOLE" in line]

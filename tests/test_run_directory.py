@@ -18,7 +18,9 @@ def _spawned_warning() -> None:
 
 
 def test_run_directory_files(tmp_path):
-    args = SimpleNamespace(output_dir=str(tmp_path / "run"), to_json_string=lambda: json.dumps({"max_staleness": 2}))
+    args = SimpleNamespace(
+        output_dir=str(tmp_path / "run"), to_json_string=lambda: json.dumps({"max_staleness": 2})
+    )
     state = SimpleNamespace(is_world_process_zero=True, global_step=0)
     callback = RunDirectoryCallback()
     callback.on_init_end(args, state, None)

@@ -11,13 +11,19 @@ import urllib.request
 
 import pytest
 
-pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
 
-from asyncgrpo.generation.server import ServerOptions, build_command  # noqa: E402
 from conftest import free_port  # noqa: E402
 
+from asyncgrpo.generation.server import ServerOptions, build_command  # noqa: E402
+
+
 def test_cpu_command_and_environment():
-    argv, env = build_command(ServerOptions(model="m", port=8123, max_model_len=512, cpu=True, extra_args=["--seed", "3"]))
+    argv, env = build_command(
+        ServerOptions(model="m", port=8123, max_model_len=512, cpu=True, extra_args=["--seed", "3"])
+    )
     joined = " ".join(argv)
     assert "serve m --host 127.0.0.1 --port 8123" in joined
     assert "--logprobs-mode processed_logprobs" in joined and "--generation-config vllm" in joined

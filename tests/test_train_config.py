@@ -15,7 +15,11 @@ from asyncgrpo.train_command import server_options_for
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-BASE = {"model": "m", "dataset": {"data_files": "x.jsonl"}, "reward_funcs": "asyncgrpo.rewards:accuracy_reward"}
+BASE = {
+    "model": "m",
+    "dataset": {"data_files": "x.jsonl"},
+    "reward_funcs": "asyncgrpo.rewards:accuracy_reward",
+}
 
 
 def build(**changes):
@@ -35,15 +39,24 @@ def test_every_example_config_validates(path, capsys):
 
 def test_quickstart_config_is_the_deepmath_run():
     run = build_run_config(read_config(REPO / "examples" / "quickstart.yaml"))
-    assert run.model == "Qwen/Qwen3.5-2B" and run.dataset == {"name": "trl-lib/DeepMath-103K", "split": "train"}
+    assert run.model == "Qwen/Qwen3.5-2B" and run.dataset == {
+        "name": "trl-lib/DeepMath-103K",
+        "split": "train",
+    }
     assert [function.__name__ for function in run.reward_funcs] == ["accuracy_reward"]
 
 
 def test_overrides_are_yaml_values_and_reach_into_sections(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(BASE))
-    raw = read_config(config, ["--max-steps", "3", "--learning_rate=2e-5", "--dataset.split", "test", "--bf16", "false"])
-    assert raw["max_steps"] == 3 and raw["dataset"] == {"data_files": "x.jsonl", "split": "test"} and raw["bf16"] is False
+    raw = read_config(
+        config, ["--max-steps", "3", "--learning_rate=2e-5", "--dataset.split", "test", "--bf16", "false"]
+    )
+    assert (
+        raw["max_steps"] == 3
+        and raw["dataset"] == {"data_files": "x.jsonl", "split": "test"}
+        and raw["bf16"] is False
+    )
     run = build_run_config(raw)
     assert run.args.learning_rate == 2e-5 and run.args.max_steps == 3  # "2e-5" is a string to YAML
     with pytest.raises(ConfigError, match="--max_steps needs a value"):
@@ -82,7 +95,9 @@ def test_import_paths_that_do_not_resolve_say_which_part_failed():
         build(reward_funcs="no_such_module:reward")
     with pytest.raises(ConfigError, match=r"reward_funcs\[1\]: 'asyncgrpo.rewards' has no attribute 'nope'"):
         build(reward_funcs=["asyncgrpo.rewards:accuracy_reward", "asyncgrpo.rewards:nope"])
-    with pytest.raises(ConfigError, match="tools\\[0\\]: 'asyncgrpo.rewards.accuracy_reward' is not an import path"):
+    with pytest.raises(
+        ConfigError, match="tools\\[0\\]: 'asyncgrpo.rewards.accuracy_reward' is not an import path"
+    ):
         build(tools=["asyncgrpo.rewards.accuracy_reward"])
     with pytest.raises(ConfigError, match="loop_class .* is not a subclass of AsyncRolloutLoop"):
         build(loop_class="asyncgrpo.rewards:accuracy_reward")
@@ -106,30 +121,62 @@ def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
 
 def test_server_flags_for_a_config():
     demo = server_options_for(build_run_config(read_config(REPO / "examples" / "demo.yaml")), cpu=True)
-    assert (demo.model, demo.port, demo.max_model_len, demo.dtype) == (".demo/tiny-model", 8000, 256, "float32")
+    assert (demo.model, demo.port, demo.max_model_len, demo.dtype) == (
+        ".demo/tiny-model",
+        8000,
+        256,
+        "float32",
+    )
     assert not demo.enable_lora and demo.extra_args == []
-    lora = server_options_for(build(peft_config={"r": 24}, max_staleness=3, vllm_server_base_url="http://h:9000"))
-    assert (lora.enable_lora, lora.max_lora_rank, lora.max_loras, lora.host, lora.port) == (True, 32, 5, "h", 9000)
+    lora = server_options_for(
+        build(peft_config={"r": 24}, max_staleness=3, vllm_server_base_url="http://h:9000")
+    )
+    assert (lora.enable_lora, lora.max_lora_rank, lora.max_loras, lora.host, lora.port) == (
+        True,
+        32,
+        5,
+        "h",
+        9000,
+    )
     sampled = server_options_for(build(top_p=0.9, top_k=64))
     assert "--return-sampling-mask" in sampled.extra_args
 
 
 def test_serve_for_prints_the_command_it_would_run(capsys):
-    assert main(["serve", "--for", "examples/peft_lora.yaml", "--port", "8123", "--dry-run", "--seed", "1"]) == 0
+    assert (
+        main(["serve", "--for", "examples/peft_lora.yaml", "--port", "8123", "--dry-run", "--seed", "1"]) == 0
+    )
     command = capsys.readouterr().out
     assert "serve Qwen/Qwen3.5-2B" in command and "--port 8123" in command
-    assert "--enable-lora --max-lora-rank 32 --max-loras 6" in command and command.strip().endswith("--seed 1")
+    assert "--enable-lora --max-lora-rank 32 --max-loras 6" in command and command.strip().endswith(
+        "--seed 1"
+    )
 
 
 @pytest.mark.vllm
-def test_demo_config_trains_through_the_cli_and_fills_the_run_directory(vllm_server, tiny_model_dir, tmp_path, capsys):
+def test_demo_config_trains_through_the_cli_and_fills_the_run_directory(
+    vllm_server, tiny_model_dir, tmp_path, capsys
+):
     from test_trainer_e2e import restore_server
 
     out = tmp_path / "run"
     argv = [
-        "train", "examples/demo.yaml", "--model", str(tiny_model_dir), "--output_dir", str(out),
-        "--vllm_server_base_url", vllm_server.url, "--max_steps", "3", "--warm_start.kwargs.steps", "5",
-        "--num_generations", "4", "--vllm_server_timeout", "60",
+        "train",
+        "examples/demo.yaml",
+        "--model",
+        str(tiny_model_dir),
+        "--output_dir",
+        str(out),
+        "--vllm_server_base_url",
+        vllm_server.url,
+        "--max_steps",
+        "3",
+        "--warm_start.kwargs.steps",
+        "5",
+        "--num_generations",
+        "4",
+        "--vllm_server_timeout",
+        "60",
     ]
     try:
         assert main(argv) == 0

@@ -7,14 +7,19 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)")
-pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from asyncgrpo.generation.client import VLLMUnavailableError  # noqa: E402
+
 
 def some_reward(completions, **kwargs):
     return [0.0] * len(completions)
@@ -88,10 +93,15 @@ def test_prompts_with_images_are_rejected(tiny_model_dir, tmp_path):
 
 def test_reward_models_are_rejected(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="reward models are not supported"):
-        AsyncGRPOTrainer(str(tiny_model_dir), "some-org/reward-model", config(tmp_path), train_dataset=conversational())
+        AsyncGRPOTrainer(
+            str(tiny_model_dir), "some-org/reward-model", config(tmp_path), train_dataset=conversational()
+        )
     with pytest.raises(ValueError, match="reward models are not supported"):
         AsyncGRPOTrainer(
-            str(tiny_model_dir), [some_reward, torch.nn.Linear(2, 1)], config(tmp_path), train_dataset=conversational()
+            str(tiny_model_dir),
+            [some_reward, torch.nn.Linear(2, 1)],
+            config(tmp_path),
+            train_dataset=conversational(),
         )
 
 
@@ -112,13 +122,19 @@ def test_deepspeed_is_rejected():
 def test_iterable_dataset_needs_max_steps(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="set max_steps > 0"):
         AsyncGRPOTrainer(
-            str(tiny_model_dir), some_reward, config(tmp_path, max_steps=-1), train_dataset=conversational().to_iterable_dataset()
+            str(tiny_model_dir),
+            some_reward,
+            config(tmp_path, max_steps=-1),
+            train_dataset=conversational().to_iterable_dataset(),
         )
 
 
 def test_a_lambda_reward_fails_at_train_naming_it(tiny_model_dir, tmp_path):
     trainer = AsyncGRPOTrainer(
-        str(tiny_model_dir), lambda completions, **kw: [0.0] * len(completions), config(tmp_path), train_dataset=conversational()
+        str(tiny_model_dir),
+        lambda completions, **kw: [0.0] * len(completions),
+        config(tmp_path),
+        train_dataset=conversational(),
     )
     with pytest.raises(TypeError, match="reward function #0 .*lambda.* cannot be sent to the rollout worker"):
         trainer.train()
@@ -156,7 +172,9 @@ def test_nccl_weight_sync_needs_a_server_with_the_nccl_engine(vllm_server, tiny_
     trainer = AsyncGRPOTrainer(
         str(tiny_model_dir),
         some_reward,
-        config(tmp_path, vllm_server_base_url=vllm_server.url, vllm_server_timeout=30, weight_sync_backend="nccl"),
+        config(
+            tmp_path, vllm_server_base_url=vllm_server.url, vllm_server_timeout=30, weight_sync_backend="nccl"
+        ),
         train_dataset=conversational(),
     )
     with pytest.raises(ValueError, match="not started with the NCCL engine.*--weight-transfer-config"):
@@ -204,7 +222,11 @@ def test_torch_compile_leaves_the_callers_args_as_given(tiny_model_dir, tmp_path
     args = config(tmp_path, torch_compile=True)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), some_reward, args, train_dataset=conversational())
     assert args.torch_compile and args.torch_compile_backend == "inductor"
-    assert trainer._compile_layers and not trainer.args.torch_compile and trainer.args.torch_compile_backend is None
+    assert (
+        trainer._compile_layers
+        and not trainer.args.torch_compile
+        and trainer.args.torch_compile_backend is None
+    )
 
 
 def test_vision_language_checkpoints_are_refused(tiny_model_dir, tmp_path):
@@ -220,6 +242,8 @@ def test_vision_language_checkpoints_are_refused(tiny_model_dir, tmp_path):
     by_name = tmp_path / "vlm"
     shutil.copytree(tiny_model_dir, by_name)
     settings = json.loads((by_name / "config.json").read_text())
-    (by_name / "config.json").write_text(json.dumps(dict(settings, vision_config={"model_type": "siglip_vision_model"})))
+    (by_name / "config.json").write_text(
+        json.dumps(dict(settings, vision_config={"model_type": "siglip_vision_model"}))
+    )
     with pytest.raises(NotImplementedError, match="vision-language checkpoint"):
         AsyncGRPOTrainer(str(by_name), some_reward, config(tmp_path), train_dataset=conversational())

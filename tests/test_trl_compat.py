@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)")
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
 
 import torch  # noqa: E402
 from aiohttp import web  # noqa: E402
@@ -43,7 +45,11 @@ TRL_116_FIELDS = dict(  # noqa: C408 (keyword form: the fields read as a config 
 
 def test_every_trl_116_config_field_is_accepted(tmp_path):
     config = AsyncGRPOConfig(str(tmp_path), report_to="none", **TRL_116_FIELDS)
-    assert (config.request_timeout, config.weight_sync_timeout, config.vllm_server_timeout) == (600, 1800, 240.0)
+    assert (config.request_timeout, config.weight_sync_timeout, config.vllm_server_timeout) == (
+        600,
+        1800,
+        240.0,
+    )
     assert config.max_concurrent_rollouts == 512  # -1: auto, ours stays in charge
     # Left unset, both timeouts are the server timeout (one bound for every wait, as before).
     config = AsyncGRPOConfig(str(tmp_path), report_to="none", vllm_server_timeout=42.0)
@@ -51,12 +57,16 @@ def test_every_trl_116_config_field_is_accepted(tmp_path):
 
 
 def test_trl_names_map_onto_ours_and_conflicts_are_refused(tmp_path):
-    config = AsyncGRPOConfig(str(tmp_path), report_to="none", max_inflight_tasks=64, heartbeat_stale_after_s=30.0)
+    config = AsyncGRPOConfig(
+        str(tmp_path), report_to="none", max_inflight_tasks=64, heartbeat_stale_after_s=30.0
+    )
     assert (config.max_concurrent_rollouts, config.rollout_worker_timeout) == (64, 30.0)
     with pytest.raises(ValueError, match="give only one of them"):
         AsyncGRPOConfig(str(tmp_path), report_to="none", max_inflight_tasks=64, max_concurrent_rollouts=32)
     with pytest.raises(ValueError, match="give only one of them"):
-        AsyncGRPOConfig(str(tmp_path), report_to="none", heartbeat_stale_after_s=30.0, rollout_worker_timeout=60.0)
+        AsyncGRPOConfig(
+            str(tmp_path), report_to="none", heartbeat_stale_after_s=30.0, rollout_worker_timeout=60.0
+        )
     with pytest.raises(ValueError, match="max_inflight_tasks=0"):
         AsyncGRPOConfig(str(tmp_path), report_to="none", max_inflight_tasks=0)
     with pytest.raises(ValueError, match="request_timeout=0"):
@@ -92,7 +102,9 @@ def test_request_timeout_bounds_generation_requests_not_the_other_calls():
         await site.start()
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         try:
-            client = VLLMClient(url, timeout=30.0, model="m", generation_timeout_retries=0, request_timeout=0.5)
+            client = VLLMClient(
+                url, timeout=30.0, model="m", generation_timeout_retries=0, request_timeout=0.5
+            )
             async with client:
                 started = time.monotonic()
                 with pytest.raises(VLLMUnavailableError, match="within 0 s|within 1 s"):
@@ -113,13 +125,21 @@ def test_trl_fsdp2_config_is_read_not_refused():
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     # TRL's fsdp2.yaml, as accelerate turns it into a plugin (sync_module_states needs a GPU: off here).
-    common = {"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wrap", "cpu_ram_efficient_loading": False}
+    common = {
+        "fsdp_version": 2,
+        "auto_wrap_policy": "transformer_based_wrap",
+        "cpu_ram_efficient_loading": False,
+    }
     launch = read_fsdp_launch(
-        FullyShardedDataParallelPlugin(reshard_after_forward=True, state_dict_type="FULL_STATE_DICT", **common)
+        FullyShardedDataParallelPlugin(
+            reshard_after_forward=True, state_dict_type="FULL_STATE_DICT", **common
+        )
     )
     assert launch.reshard_after_forward is True and launch.notes == []
     launch = read_fsdp_launch(
-        FullyShardedDataParallelPlugin(reshard_after_forward=False, state_dict_type="SHARDED_STATE_DICT", **common)
+        FullyShardedDataParallelPlugin(
+            reshard_after_forward=False, state_dict_type="SHARDED_STATE_DICT", **common
+        )
     )
     assert launch.reshard_after_forward is False and "full (gathered)" in launch.notes[0]
     with pytest.raises(ValueError, match="fsdp_offload_params"):
@@ -229,7 +249,9 @@ def test_trl_attributes_and_trainer_callbacks_during_training(vllm_server, tiny_
         vllm_server, tmp_path, max_steps=2, gradient_accumulation_steps=2, token_budget=64, repetition_penalty=1.3,
         request_timeout=60, weight_sync_timeout=60,
     )  # fmt: skip
-    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, config, train_dataset=prompts(), callbacks=[recorder])
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir), token_parity_reward, config, train_dataset=prompts(), callbacks=[recorder]
+    )
     assert trainer.vllm_client is None and trainer.model_version == 0 and trainer.rollout_worker is None
 
     class Attributes(TrainerCallback):
@@ -246,6 +268,19 @@ def test_trl_attributes_and_trainer_callbacks_during_training(vllm_server, tiny_
         restore_server(vllm_server.url, tiny_model_dir)
     assert recorder.seen[1] == (1, [vllm_server.url], True, "filesystem", 60)
     assert recorder.seen[2][0] == 2
-    per_step = ["on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"]
+    per_step = [
+        "on_step_begin",
+        "on_substep_end",
+        "on_pre_optimizer_step",
+        "on_optimizer_step",
+        "on_step_end",
+    ]
     events = [event for event in recorder.events if event not in ("on_log", "on_save", "on_evaluate")]
-    assert events == ["on_train_begin", "on_epoch_begin", *per_step, *per_step, "on_epoch_end", "on_train_end"]
+    assert events == [
+        "on_train_begin",
+        "on_epoch_begin",
+        *per_step,
+        *per_step,
+        "on_epoch_end",
+        "on_train_end",
+    ]

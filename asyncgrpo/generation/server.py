@@ -25,7 +25,6 @@ from pathlib import Path
 
 from asyncgrpo.generation.client import auth_headers
 
-
 # The values vLLM accepts for --max-lora-rank.
 SERVABLE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -39,8 +38,13 @@ def lora_flags_for_run(lora_rank: int | None, max_staleness: int) -> dict[str, i
     """`--max-lora-rank` and `--max-loras` for a run training adapters of `lora_rank` with
     `max_staleness`: the trainer keeps max_staleness + 1 versions loaded and loads one more per sync."""
     if lora_rank is not None and serving_lora_rank(lora_rank) is None:
-        raise ValueError(f"--lora-rank {lora_rank} is above vLLM's largest --max-lora-rank {SERVABLE_LORA_RANKS[-1]}")
-    return {"max_lora_rank": None if lora_rank is None else serving_lora_rank(lora_rank), "max_loras": max_staleness + 2}
+        raise ValueError(
+            f"--lora-rank {lora_rank} is above vLLM's largest --max-lora-rank {SERVABLE_LORA_RANKS[-1]}"
+        )
+    return {
+        "max_lora_rank": None if lora_rank is None else serving_lora_rank(lora_rank),
+        "max_loras": max_staleness + 2,
+    }
 
 
 @dataclass

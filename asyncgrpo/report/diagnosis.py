@@ -86,7 +86,10 @@ def diagnose_bottleneck(history: History) -> Finding:
     waits = steady.series("perf/rollout_wait_s")[1]
     if not waits or not step_s > 0:
         return Finding(
-            "bottleneck", "unknown", "perf/step_s and perf/rollout_wait_s were not logged.", "Log every step.",
+            "bottleneck",
+            "unknown",
+            "perf/step_s and perf/rollout_wait_s were not logged.",
+            "Log every step.",
         )
     wait_share = _mean(waits) / step_s
     # backpressure_s is only logged by windows in which generation waited: the others count as 0.
@@ -120,10 +123,12 @@ def diagnose_bottleneck(history: History) -> Finding:
     )
     if waiting and held:
         return Finding(
-            "bottleneck", "max_staleness too tight",
+            "bottleneck",
+            "max_staleness too tight",
             "The trainer waits for samples while generation is held back: the rollouts in flight fill the "
             "staleness allowance before their samples reach the queue.",
-            "Raise max_staleness.", evidence,
+            "Raise max_staleness.",
+            evidence,
         )
     if waiting:
         action = (
@@ -137,21 +142,27 @@ def diagnose_bottleneck(history: History) -> Finding:
                 "it while vLLM's KV cache is mostly free."
             )
         return Finding(
-            "bottleneck", "generation-bound", "The queue runs dry and the trainer waits for samples.", action,
+            "bottleneck",
+            "generation-bound",
+            "The queue runs dry and the trainer waits for samples.",
+            action,
             evidence + _concurrency_evidence(steady),
         )
     if held:
         return Finding(
-            "bottleneck", "trainer-bound",
+            "bottleneck",
+            "trainer-bound",
             "Generation is held back max_staleness steps ahead of training; samples wait in the queue.",
             "Expected when inference is faster than training. To go faster, speed up the trainer (more or "
             "faster training devices, a larger token_budget) or move resources from inference to training.",
             evidence,
         )
     return Finding(
-        "bottleneck", "balanced",
+        "bottleneck",
+        "balanced",
         "Neither side waits for long: the trainer rarely finds the queue empty and generation is rarely held.",
-        "Nothing to change.", evidence,
+        "Nothing to change.",
+        evidence,
     )
 
 
@@ -187,7 +198,9 @@ def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0
     low, high = reward_range
     width = high - low
     if not history.has("frac_zero_std_groups") or not history.has("reward"):
-        return Finding("saturation", "unknown", "frac_zero_std_groups or reward was not logged.", "Log every step.")
+        return Finding(
+            "saturation", "unknown", "frac_zero_std_groups or reward was not logged.", "Log every step."
+        )
     frac_first, frac_last, first_span, last_span = _thirds(history, "frac_zero_std_groups")
     reward_first, reward_last, _, _ = _thirds(history, "reward")
     evidence = [
@@ -208,34 +221,50 @@ def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0
     climbing = frac_last - frac_first >= FRAC_CLIMB and frac_last >= FRAC_LOW
     if frac_last < FRAC_LOW and not climbing:
         return Finding(
-            "saturation", "healthy", "Most groups have different rewards, so most groups give a gradient.",
-            "Nothing to change.", evidence,
+            "saturation",
+            "healthy",
+            "Most groups have different rewards, so most groups give a gradient.",
+            "Nothing to change.",
+            evidence,
         )
     if not stuck:
         return Finding(
-            "saturation", "unknown",
+            "saturation",
+            "unknown",
             "Many groups carry no signal, but reward_zero_std_groups was not logged to say where they sit.",
-            "Read a few completions.", evidence,
+            "Read a few completions.",
+            evidence,
         )
     if climbing and stuck_change <= -REWARD_TREND and reward_change <= -REWARD_TREND:
         return Finding(
-            "saturation", "regression",
+            "saturation",
+            "regression",
             "Groups that used to pass now fail together: more groups without signal, at a lower reward.",
             "Check completions/duplicate_frac and entropy for a collapse; consider an earlier checkpoint.",
             evidence,
         )
-    if (climbing or frac_last >= FRAC_HIGH) and position >= TOP and (
-        reward_change >= REWARD_TREND or reward_position >= TOP
+    if (
+        (climbing or frac_last >= FRAC_HIGH)
+        and position >= TOP
+        and (reward_change >= REWARD_TREND or reward_position >= TOP)
     ):
         return Finding(
-            "saturation", "saturated at the top",
+            "saturation",
+            "saturated at the top",
             "The prompts have become too easy for the policy: whole groups succeed. This is how a successful "
             "run usually ends.",
-            "Stop the run, or move on to harder prompts.", evidence,
+            "Stop the run, or move on to harder prompts.",
+            evidence,
         )
-    if frac_last >= FRAC_HIGH and position <= BOTTOM and reward_position <= BOTTOM and abs(reward_change) < REWARD_TREND:
+    if (
+        frac_last >= FRAC_HIGH
+        and position <= BOTTOM
+        and reward_position <= BOTTOM
+        and abs(reward_change) < REWARD_TREND
+    ):
         return Finding(
-            "saturation", "stuck at the bottom",
+            "saturation",
+            "stuck at the bottom",
             "The prompts are too hard, or the reward function never credits the completions: whole groups fail.",
             "Check completions/clipped_ratio first (a completion cut before its answer scores 0), then read a "
             "few completions to check that the reward function can parse them.",
@@ -243,15 +272,19 @@ def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0
         )
     if frac_last >= FRAC_HIGH and BOTTOM < position < TOP:
         return Finding(
-            "saturation", "mixture",
+            "saturation",
+            "mixture",
             "Some prompts are too easy while others are too hard (with partial-credit rewards, groups can also "
             "be stuck at one partial score).",
-            "Read the rollouts.", evidence,
+            "Read the rollouts.",
+            evidence,
         )
     return Finding(
-        "saturation", "unclear",
+        "saturation",
+        "unclear",
         "Many groups carry no signal, but the trends match none of the readings.",
-        "Read the rollouts and the plots.", evidence,
+        "Read the rollouts and the plots.",
+        evidence,
     )
 
 
@@ -264,7 +297,9 @@ def _clipped_evidence(history: History) -> list[str]:
 
 def diagnose_duplicates(history: History) -> Finding:
     if not history.has("completions/duplicate_frac"):
-        return Finding("duplicates", "unknown", "completions/duplicate_frac was not logged.", "Log every step.")
+        return Finding(
+            "duplicates", "unknown", "completions/duplicate_frac was not logged.", "Log every step."
+        )
     generations = history.config.get("num_generations", 8)
     ceiling = (generations - 1) / generations
     first, last, first_span, last_span = _thirds(history, "completions/duplicate_frac")
@@ -281,7 +316,8 @@ def diagnose_duplicates(history: History) -> Finding:
         evidence.append(f"entropy {entropy_first:.3g} -> {entropy_last:.3g}")
     if last >= DUPLICATE_JUMP * ceiling and not (last - first >= DUPLICATE_RISE and entropy_falling):
         return Finding(
-            "duplicates", "sampling not random",
+            "duplicates",
+            "sampling not random",
             "Every group returns copies of one rollout: sampling is not random.",
             "Check the temperature (it must be > 0) and that data-parallel vLLM engines do not share one "
             "sampling seed.",
@@ -289,15 +325,24 @@ def diagnose_duplicates(history: History) -> Finding:
         )
     if last - first >= DUPLICATE_RISE and entropy_falling:
         return Finding(
-            "duplicates", "collapse",
+            "duplicates",
+            "collapse",
             "The policy is converging to a single answer per prompt: duplicates rise while entropy falls.",
             "Stop or go back to an earlier checkpoint; lower the learning rate or raise the temperature.",
             evidence,
         )
     return Finding(
-        "duplicates", "healthy", "The rollouts of a group are sampled independently.", "Nothing to change.", evidence,
+        "duplicates",
+        "healthy",
+        "The rollouts of a group are sampled independently.",
+        "Nothing to change.",
+        evidence,
     )
 
 
 def diagnose(history: History, reward_range: tuple[float, float] = (0.0, 1.0)) -> list[Finding]:
-    return [diagnose_bottleneck(history), diagnose_saturation(history, reward_range), diagnose_duplicates(history)]
+    return [
+        diagnose_bottleneck(history),
+        diagnose_saturation(history, reward_range),
+        diagnose_duplicates(history),
+    ]

@@ -80,6 +80,12 @@ def _html(run_dir: Path, history: History, findings: list[Finding], figures) -> 
 
 
 def _settings(history: History) -> str:
-    names = ("num_generations", "max_staleness", "max_concurrent_rollouts", "learning_rate", "max_completion_length")
+    names = (
+        "num_generations",
+        "max_staleness",
+        "max_concurrent_rollouts",
+        "learning_rate",
+        "max_completion_length",
+    )
     shown = [f"{name}={history.config[name]}" for name in names if name in history.config]
     return html.escape("Settings: " + ", ".join(shown) + ".") if shown else ""

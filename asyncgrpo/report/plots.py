@@ -29,32 +29,88 @@ class PlotSpec:
 
 
 PLOTS = (
-    PlotSpec("reward", "Reward: all scored groups vs. trained samples",
-             (Curve("reward"), Curve("reward_trained")), "reward"),
-    PlotSpec("zero_std_groups", "Groups without signal and where they are stuck",
-             (Curve("frac_zero_std_groups"), Curve("reward_zero_std_groups", True)),
-             "fraction of groups", "reward of those groups"),
-    PlotSpec("duplicates_entropy", "Duplicate rollouts and entropy",
-             (Curve("completions/duplicate_frac"), Curve("entropy", True)), "duplicate fraction", "entropy (nats)"),
-    PlotSpec("clipped_ratio", "Completions cut at max_completion_length",
-             (Curve("completions/clipped_ratio"),), "fraction"),
-    PlotSpec("staleness", "Staleness and dropped samples",
-             (Curve("sample/staleness_mean"), Curve("sample/staleness_max"), Curve("sample/dropped_stale_count", True)),
-             "steps behind", "samples dropped per window", limit_of="max_staleness"),
-    PlotSpec("queue", "Queue size against waits on either side",
-             (Curve("rollout/queue_size"), Curve("perf/rollout_wait_s", True), Curve("rollout/backpressure_s", True)),
-             "samples", "seconds"),
-    PlotSpec("concurrency", "Concurrent rollouts, their cap and vLLM's KV cache",
-             (Curve("rollout/concurrency"), Curve("rollout/concurrency_cap"),
-              Curve("rollout/vllm_kv_cache_usage_frac", True)),
-             "rollouts", "KV-cache usage", limit_of="max_concurrent_rollouts"),
-    PlotSpec("throughput", "Throughput and model FLOPs utilization",
-             (Curve("perf/wall_clock_trained_tokens_per_s"), Curve("rollout/generated_tokens_per_s"),
-              Curve("perf/wall_clock_mfu", True)),
-             "tokens/s", "MFU"),
-    PlotSpec("weight_sync", "Weight sync time",
-             (Curve("perf/weight_sync_s"), Curve("perf/weight_sync_pause_s"), Curve("perf/weight_sync_transfer_s")),
-             "seconds"),
+    PlotSpec(
+        "reward",
+        "Reward: all scored groups vs. trained samples",
+        (Curve("reward"), Curve("reward_trained")),
+        "reward",
+    ),
+    PlotSpec(
+        "zero_std_groups",
+        "Groups without signal and where they are stuck",
+        (Curve("frac_zero_std_groups"), Curve("reward_zero_std_groups", True)),
+        "fraction of groups",
+        "reward of those groups",
+    ),
+    PlotSpec(
+        "duplicates_entropy",
+        "Duplicate rollouts and entropy",
+        (Curve("completions/duplicate_frac"), Curve("entropy", True)),
+        "duplicate fraction",
+        "entropy (nats)",
+    ),
+    PlotSpec(
+        "clipped_ratio",
+        "Completions cut at max_completion_length",
+        (Curve("completions/clipped_ratio"),),
+        "fraction",
+    ),
+    PlotSpec(
+        "staleness",
+        "Staleness and dropped samples",
+        (
+            Curve("sample/staleness_mean"),
+            Curve("sample/staleness_max"),
+            Curve("sample/dropped_stale_count", True),
+        ),
+        "steps behind",
+        "samples dropped per window",
+        limit_of="max_staleness",
+    ),
+    PlotSpec(
+        "queue",
+        "Queue size against waits on either side",
+        (
+            Curve("rollout/queue_size"),
+            Curve("perf/rollout_wait_s", True),
+            Curve("rollout/backpressure_s", True),
+        ),
+        "samples",
+        "seconds",
+    ),
+    PlotSpec(
+        "concurrency",
+        "Concurrent rollouts, their cap and vLLM's KV cache",
+        (
+            Curve("rollout/concurrency"),
+            Curve("rollout/concurrency_cap"),
+            Curve("rollout/vllm_kv_cache_usage_frac", True),
+        ),
+        "rollouts",
+        "KV-cache usage",
+        limit_of="max_concurrent_rollouts",
+    ),
+    PlotSpec(
+        "throughput",
+        "Throughput and model FLOPs utilization",
+        (
+            Curve("perf/wall_clock_trained_tokens_per_s"),
+            Curve("rollout/generated_tokens_per_s"),
+            Curve("perf/wall_clock_mfu", True),
+        ),
+        "tokens/s",
+        "MFU",
+    ),
+    PlotSpec(
+        "weight_sync",
+        "Weight sync time",
+        (
+            Curve("perf/weight_sync_s"),
+            Curve("perf/weight_sync_pause_s"),
+            Curve("perf/weight_sync_transfer_s"),
+        ),
+        "seconds",
+    ),
 )
 
 
@@ -63,7 +119,9 @@ def render_plot(spec: PlotSpec, history: History, path: Path) -> list[str]:
     try:
         import matplotlib
     except ModuleNotFoundError as error:
-        raise ModuleNotFoundError("the report draws its plots with matplotlib: pip install 'asyncgrpo[report]'") from error
+        raise ModuleNotFoundError(
+            "the report draws its plots with matplotlib: pip install 'asyncgrpo[report]'"
+        ) from error
 
     matplotlib.use("Agg")  # files only: no display needed
     from matplotlib import pyplot
@@ -81,7 +139,9 @@ def render_plot(spec: PlotSpec, history: History, path: Path) -> list[str]:
             right = left.twinx()
         axis = right if curve.right_axis else left
         style = "--" if curve.right_axis else "-"
-        lines += axis.plot(steps, values, style, color=color, marker="." if len(steps) < 60 else None, label=curve.metric)
+        lines += axis.plot(
+            steps, values, style, color=color, marker="." if len(steps) < 60 else None, label=curve.metric
+        )
         drawn.append(curve.metric)
     limit = history.config.get(spec.limit_of) if spec.limit_of else None
     if drawn and isinstance(limit, (int, float)):

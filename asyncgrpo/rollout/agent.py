@@ -44,7 +44,9 @@ def assistant_message(text: str, parsed) -> dict[str, Any]:
     return message
 
 
-async def run_tool_loop(loop: AsyncRolloutLoop, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int) -> Rollout:
+async def run_tool_loop(
+    loop: AsyncRolloutLoop, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int
+) -> Rollout:
     config = loop.config
     template = loop.tokenizer.chat_template if isinstance(loop.tokenizer.chat_template, str) else ""
     fmt = _format_of(template)
@@ -92,4 +94,6 @@ def record_tool_rollout_metrics(metrics: MetricsWindow, rollout: Rollout) -> Non
     metrics.record("tools/call_frequency", rollout.tool_call_count)
     # failures over calls, as a weighted mean: NaN in a window without any call (not 0.0).
     calls = rollout.tool_call_count
-    metrics.record("tools/failure_frequency", rollout.tool_failure_count / calls if calls else 0.0, weight=calls)
+    metrics.record(
+        "tools/failure_frequency", rollout.tool_failure_count / calls if calls else 0.0, weight=calls
+    )

@@ -66,7 +66,8 @@ def _schema_of(function: Callable) -> dict[str, Any]:
         logger.warning(
             "tool %r: %s; it is offered with its name and typed parameters only. Give it a Google-style "
             "docstring (a description and an Args: section) so the model knows what it does.",
-            tool_name(function), error,
+            tool_name(function),
+            error,
         )
         return _plain_schema(function)
 
@@ -155,7 +156,9 @@ def use_training_template(tokenizer) -> bool:
     template = tokenizer.chat_template
     if isinstance(template, str) and _is_qwen3_template(template):
         tokenizer.chat_template = QWEN3_TRAINING_TEMPLATE
-        logger.info("tools are on: the Qwen3 chat template is replaced by its prefix-preserving training template")
+        logger.info(
+            "tools are on: the Qwen3 chat template is replaced by its prefix-preserving training template"
+        )
         return True
     return False
 
@@ -175,5 +178,6 @@ class RewriteDetector:
                 "rollout: each such turn starts a new training sample (a fork). Watch rollout/fork_frac and "
                 "rollout/drift_tokens_mean; a prefix-preserving template (appending a message never changes "
                 "how earlier ones render) avoids the extra forward cost.",
-                forks, transitions,
+                forks,
+                transitions,
             )

@@ -77,7 +77,9 @@ def check_routing(factory: Any, dataset: Any) -> None:
         )
 
 
-def prompt_with_observation(prompt: list[dict[str, Any]] | None, observation: str | None) -> list[dict[str, Any]]:
+def prompt_with_observation(
+    prompt: list[dict[str, Any]] | None, observation: str | None
+) -> list[dict[str, Any]]:
     """The rollout's prompt: reset()'s string is the user prompt when the row has none, and is
     appended to the row prompt's last user message when it has one."""
     if observation is None:
@@ -136,7 +138,9 @@ class EnvironmentPool:
             started = time.monotonic()
             observation = await call_maybe_async(instance.reset, self.executor, **columns)
             self.metrics().record("env/reset_s", time.monotonic() - started)
-            yield Episode(instance, prompt_with_observation(row.get("prompt"), observation), environment_tools(instance))
+            yield Episode(
+                instance, prompt_with_observation(row.get("prompt"), observation), environment_tools(instance)
+            )
         finally:
             idle.append(instance)
 
@@ -153,14 +157,21 @@ class EnvironmentPool:
         try:
             return type(instance), float(value)
         except (TypeError, ValueError) as error:
-            raise TypeError(f"{type(instance).__name__}.get_reward() must return a float, got {value!r}") from error
+            raise TypeError(
+                f"{type(instance).__name__}.get_reward() must return a float, got {value!r}"
+            ) from error
 
 
-def environment_reward_sources(env_rewards: list[tuple[type, float] | None]) -> tuple[list[str], list[list[float | None]]]:
+def environment_reward_sources(
+    env_rewards: list[tuple[type, float] | None],
+) -> tuple[list[str], list[list[float | None]]]:
     """One reward source per environment class (named after it), None for rollouts it did not score."""
     classes = []
     for entry in env_rewards:
         if entry is not None and entry[0] not in classes:
             classes.append(entry[0])
-    sources = [[entry[1] if entry is not None and entry[0] is cls else None for entry in env_rewards] for cls in classes]
+    sources = [
+        [entry[1] if entry is not None and entry[0] is cls else None for entry in env_rewards]
+        for cls in classes
+    ]
     return [cls.__name__ for cls in classes], sources

@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 class ServerLostWeightsError(RuntimeError):
     """A server answered with weights the trainer did not push (it restarted from its checkpoint)."""
 
+
 HEARTBEAT_INTERVAL_S = 1.0
 METRICS_FLUSH_INTERVAL_S = 1.0
 # Groups scored at once. Scoring is mostly waiting (threads, async judges, the event loop running
@@ -141,7 +142,9 @@ class AsyncRolloutLoop:
     async def close(self) -> None:
         """Release what setup() created. Runs when the loops stop, errors included."""
 
-    async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0) -> Rollout:
+    async def generate_one(
+        self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0
+    ) -> Rollout:
         """One rollout for a prompt: the multi-turn tool loop (rollout/agent.py), one sampling request
         (TurnRecord) per turn, until a turn calls no tool or max_tool_calling_iterations is reached.
         `tools` are the trainer's tools plus, with environment_factory, the environment's methods."""
@@ -198,7 +201,9 @@ class AsyncRolloutLoop:
         while True:
             model = policy_adapter_name(self.lora_name, version) if self.lora_name else None
             try:
-                return await generate(prompt_ids, sampling, seed, model=model, cache_salt=policy_cache_salt(version)), version
+                return await generate(
+                    prompt_ids, sampling, seed, model=model, cache_salt=policy_cache_salt(version)
+                ), version
             except VLLMRequestError as error:
                 # The version read just before a sync retired it, or a restarted server is being given
                 # the current adapter again: take the newest version once it is there.
@@ -242,7 +247,9 @@ class AsyncRolloutLoop:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         self._tool_executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts)
         if self.environment_factory is not None:
-            self.environments = EnvironmentPool(self.environment_factory, self._tool_executor, lambda: self.metrics)
+            self.environments = EnvironmentPool(
+                self.environment_factory, self._tool_executor, lambda: self.metrics
+            )
         self.client = VLLMClient(
             config.vllm_server_urls,
             timeout=config.vllm_server_timeout,
@@ -279,7 +286,10 @@ class AsyncRolloutLoop:
             try:
                 await asyncio.wait_for(self.close(), CLOSE_HOOK_TIMEOUT_S)
             except asyncio.TimeoutError:
-                logger.warning("the rollout loop's close() did not finish within %.0f s; leaving without it", CLOSE_HOOK_TIMEOUT_S)
+                logger.warning(
+                    "the rollout loop's close() did not finish within %.0f s; leaving without it",
+                    CLOSE_HOOK_TIMEOUT_S,
+                )
             finally:
                 await self.client.close()
                 self._tool_executor.shutdown(wait=False, cancel_futures=True)
@@ -301,9 +311,13 @@ class AsyncRolloutLoop:
         self.allowance = TokenAllowance(config.num_generations)
         load = await self.client.load()
         self._has_metrics = load is not None
-        cap = initial_cap(load.kv_cache_tokens if load else 0, self.max_model_len, config.max_concurrent_rollouts)
+        cap = initial_cap(
+            load.kv_cache_tokens if load else 0, self.max_model_len, config.max_concurrent_rollouts
+        )
         self.concurrency_cap = cap
-        self.slots = RolloutSlots(min(cap, config.max_concurrent_rollouts), stall_timeout_s=config.vllm_server_timeout)
+        self.slots = RolloutSlots(
+            min(cap, config.max_concurrent_rollouts), stall_timeout_s=config.vllm_server_timeout
+        )
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
         self._finished_since_raise = 0
         self._generated_tokens = 0
@@ -369,7 +383,10 @@ class AsyncRolloutLoop:
         finally:
             self._rendered.pop(-2 - item.stream_index, None)
         if length >= self.max_model_len:
-            return f"its prompt is {length} tokens, which leaves no room to generate under max_model_len={self.max_model_len}"
+            return (
+                f"its prompt is {length} tokens, which leaves no room to generate under "
+                f"max_model_len={self.max_model_len}"
+            )
         return None
 
     def _skip_prompt(self, item: PromptItem, problem: str) -> None:
@@ -379,7 +396,9 @@ class AsyncRolloutLoop:
             self._warned_skip = True
             logger.warning(
                 "skipping dataset row %d: %s. Bad rows are skipped and counted (rollout/skipped_prompts); "
-                "only the first is reported.", item.row_index, problem,
+                "only the first is reported.",
+                item.row_index,
+                problem,
             )
         self.metrics.record("rollout/skipped_prompts", 1, Reduce.SUM)
         self._put_result(GroupResult(item.stream_index, item.epoch, item.row_index, -1, []))
@@ -423,12 +442,16 @@ class AsyncRolloutLoop:
             try:
                 await asyncio.wait_for(self.score_queue.put(group), bound)
             except asyncio.TimeoutError:
-                raise RuntimeError(f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s)") from None
+                raise RuntimeError(
+                    f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s)"
+                ) from None
             self.metrics.record("rollout/score_block_s", time.monotonic() - blocked_since)
         else:
             self.score_queue.put_nowait(group)
 
-    async def _run_rollout(self, row: dict[str, Any], group_id: int) -> tuple[Rollout, float, list, tuple | None]:
+    async def _run_rollout(
+        self, row: dict[str, Any], group_id: int
+    ) -> tuple[Rollout, float, list, tuple | None]:
         """(the rollout, its duration, its prompt, its environment's reward or None)."""
         await self.slots.acquire()
         started = time.monotonic()
@@ -458,14 +481,20 @@ class AsyncRolloutLoop:
             if all(parse_policy_label(label) is not None for label in labels):
                 return
             if time.monotonic() > deadline:
-                lost = [url for url, label in zip(self.client.base_urls, labels) if parse_policy_label(label) is None]
+                lost = [
+                    url
+                    for url, label in zip(self.client.base_urls, labels)
+                    if parse_policy_label(label) is None
+                ]
                 raise ServerLostWeightsError(
                     f"vLLM server(s) {', '.join(lost)} came back without the trainer's weights and the trainer did "
                     f"not push them within vllm_server_timeout={self.config.vllm_server_timeout:g} s"
                 )
             await asyncio.sleep(1.0)
 
-    async def _generate_episode(self, row: dict[str, Any], group_id: int) -> tuple[Rollout, list, tuple | None]:
+    async def _generate_episode(
+        self, row: dict[str, Any], group_id: int
+    ) -> tuple[Rollout, list, tuple | None]:
         """One rollout of a row: (the rollout, its prompt, its environment's reward or None). With
         environments, each attempt is a fresh episode (reset, tools of the routed environment)."""
         if self.environments is None:
@@ -525,11 +554,16 @@ class AsyncRolloutLoop:
             )
             env_names, env_sources = environment_reward_sources(group.env_rewards)
             env_sources = [
-                [None if value is None else finite_reward(value, "an environment's get_reward()") for value in source]
+                [
+                    None if value is None else finite_reward(value, "an environment's get_reward()")
+                    for value in source
+                ]
                 for source in env_sources
             ]
             rollout_rewards = [
-                None if reward is None else finite_reward(float(reward), "a Rollout.reward set by generate_one")
+                None
+                if reward is None
+                else finite_reward(float(reward), "a Rollout.reward set by generate_one")
                 for reward in group.rollout_rewards
             ]
             group.rewards = sum_rewards([*per_function, *env_sources, rollout_rewards], len(group.prompts))
@@ -540,11 +574,16 @@ class AsyncRolloutLoop:
                     f"got shape {advantages.shape}"
                 )
             if not np.all(np.isfinite(advantages)):
-                raise ValueError(f"compute_advantages returned a non-finite advantage for dataset row {group.row_index}: {advantages}")
+                raise ValueError(
+                    "compute_advantages returned a non-finite advantage for dataset row "
+                    f"{group.row_index}: {advantages}"
+                )
             dropped = is_degenerate_group(group.rewards)
             samples = [] if dropped else self._samples(group, advantages)
             names = [reward_function_name(function) for function in self.reward_funcs] + env_names
-            record_group_metrics(self.metrics, group, [*per_function, *env_sources], names, dropped, len(samples))
+            record_group_metrics(
+                self.metrics, group, [*per_function, *env_sources], names, dropped, len(samples)
+            )
             self.metrics.record("rollout/score_s", time.monotonic() - started)
             self.allowance.group_finished(
                 [int(sum(len(s.token_ids) for s in seqs)) for seqs in group.completions_sequences],
@@ -552,7 +591,9 @@ class AsyncRolloutLoop:
             )
             # The group's metrics leave before its samples, so the step that trains them logs them.
             self._flush_metrics()
-            self._put_result(GroupResult(group.stream_index, group.epoch, group.row_index, group.group_id, samples))
+            self._put_result(
+                GroupResult(group.stream_index, group.epoch, group.row_index, group.group_id, samples)
+            )
 
     def _samples(self, group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:
         """Training samples of a kept group. Unscored rollouts (advantage 0) add no gradient, only
@@ -603,14 +644,21 @@ class AsyncRolloutLoop:
             except VLLMUnavailableError as error:
                 # A server down (restarting?): keep the cap. Generation waits for it, within
                 # vllm_server_timeout, and fails naming it if it does not come back.
-                logger.warning("reading the vLLM servers' load: %s; keeping the concurrency cap at %d", error, self.concurrency_cap)
+                logger.warning(
+                    "reading the vLLM servers' load: %s; keeping the concurrency cap at %d",
+                    error,
+                    self.concurrency_cap,
+                )
                 await asyncio.sleep(self.load_poll_interval_s)
                 continue
             if load is None:
                 cap = self.config.max_concurrent_rollouts
             else:
                 cap, raised = next_cap(
-                    self.concurrency_cap, load, self._finished_since_raise, self.config.max_concurrent_rollouts
+                    self.concurrency_cap,
+                    load,
+                    self._finished_since_raise,
+                    self.config.max_concurrent_rollouts,
                 )
                 if raised:
                     self._finished_since_raise = 0
@@ -618,7 +666,9 @@ class AsyncRolloutLoop:
                 self.metrics.record("rollout/vllm_running_requests", load.running)
                 self.metrics.record("rollout/vllm_queued_requests", load.waiting)
                 self.metrics.record(
-                    "rollout/vllm_preemption_count", max(0, load.preemptions - self._last_preemptions), Reduce.SUM
+                    "rollout/vllm_preemption_count",
+                    max(0, load.preemptions - self._last_preemptions),
+                    Reduce.SUM,
                 )
                 self._last_preemptions = load.preemptions
             if cap != self.concurrency_cap:

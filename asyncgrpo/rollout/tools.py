@@ -25,14 +25,18 @@ from asyncgrpo.rollout.tool_calls import ToolCall
 def is_async_callable(function: Callable) -> bool:
     while isinstance(function, functools.partial):
         function = function.func
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
+        getattr(function, "__call__", None)
+    )
 
 
 async def call_maybe_async(function: Callable, executor: Executor, *args, **kwargs) -> Any:
     """Await an async callable; run a sync one on `executor` (never on the event loop)."""
     if is_async_callable(function):
         return await function(*args, **kwargs)
-    return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(function, *args, **kwargs))
+    return await asyncio.get_running_loop().run_in_executor(
+        executor, functools.partial(function, *args, **kwargs)
+    )
 
 
 def _as_text(result: Any) -> str:
@@ -71,7 +75,9 @@ async def run_tool_calls(
             failures += 1
             metrics().record("tools/unknown_name_count", 1, Reduce.SUM)
             known = ", ".join(sorted(by_name)) or "none"
-            messages.append(_message(call.name, f"Error: there is no tool named {call.name!r} (tools: {known})"))
+            messages.append(
+                _message(call.name, f"Error: there is no tool named {call.name!r} (tools: {known})")
+            )
             continue
         started = time.monotonic()
         failed = False

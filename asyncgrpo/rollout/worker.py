@@ -95,9 +95,13 @@ def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event, parent_pid:
         rollout_loop = loop_cls(**loop_kwargs)
         rollout_loop.run(ready_event)
     except BaseException as error:  # everything, so the trainer hears of it
-        if not isinstance(error, (SystemExit, KeyboardInterrupt, asyncio.CancelledError)):  # not a requested stop
+        if not isinstance(
+            error, (SystemExit, KeyboardInterrupt, asyncio.CancelledError)
+        ):  # not a requested stop
             exit_code = 1
-            loop_kwargs["exception_info_queue"].put((type(error).__name__, str(error), traceback.format_exc()))
+            loop_kwargs["exception_info_queue"].put(
+                (type(error).__name__, str(error), traceback.format_exc())
+            )
             loop_kwargs["failed_event"].set()
     finally:
         # Exit without waiting to flush queued samples into a pipe the trainer no longer reads; the
@@ -157,7 +161,9 @@ def _child_environment(**variables: str):
 class RolloutWorker:
     """Trainer-side handle of the rollout process."""
 
-    def __init__(self, loop_cls, loop_kwargs: dict[str, Any], initial_allowance: float, worker_timeout: float):
+    def __init__(
+        self, loop_cls, loop_kwargs: dict[str, Any], initial_allowance: float, worker_timeout: float
+    ):
         self.loop_cls = loop_cls
         self.worker_timeout = worker_timeout
         self._context = multiprocessing.get_context("spawn")

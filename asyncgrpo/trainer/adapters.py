@@ -102,4 +102,6 @@ def adapter_tensors(peft_model) -> list[tuple[str, torch.Tensor]]:
     """The adapter's weights (names as in the PEFT model's state dict, adapter name included), in a
     fixed order. Under FSDP2 they are sharded: gather each with `full_tensor`, every process in this
     order."""
-    return [(name, parameter.detach()) for name, parameter in peft_model.named_parameters() if "lora_" in name]
+    return [
+        (name, parameter.detach()) for name, parameter in peft_model.named_parameters() if "lora_" in name
+    ]

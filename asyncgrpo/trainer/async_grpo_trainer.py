@@ -24,38 +24,36 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainerState
-from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    Trainer,
+    TrainerState,
+)
 from transformers.trainer import OPTIMIZER_NAME as OPTIMIZER_FILE
 from transformers.trainer import SCHEDULER_NAME as SCHEDULER_FILE
 from transformers.trainer import TRAINER_STATE_NAME as TRAINER_STATE_FILE
+from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
 from transformers.trainer_utils import TrainOutput, rotate_checkpoints
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, policy_label
 from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
-from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.loss import LossInputs, clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.packing.tree_attention import enable_tree_attention, padded_length
 from asyncgrpo.perf import device_peak_flops, flop_model
-from asyncgrpo.trainer.progress import AsyncProgressCallback
-from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
-from asyncgrpo.trainer.run_directory import RunDirectoryCallback
-from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 from asyncgrpo.rollout.chat import render_prompt_ids, use_training_template
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
-from asyncgrpo.trainer.compile import compile_decoder_layers
-from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
-from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
-from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
-from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state, local_value, shard_model
+from asyncgrpo.trainer.adapters import is_peft_model, wrap_with_peft
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,
@@ -66,7 +64,22 @@ from asyncgrpo.trainer.checks import (
     check_text_only_model,
     check_transformers_version,
 )
-from asyncgrpo.trainer.adapters import is_peft_model, wrap_with_peft
+from asyncgrpo.trainer.compile import compile_decoder_layers
+from asyncgrpo.trainer.distributed import (
+    Processes,
+    full_state,
+    load_optimizer_state,
+    local_value,
+    shard_model,
+)
+from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
+from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
+from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
+from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
+from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
+from asyncgrpo.trainer.progress import AsyncProgressCallback
+from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+from asyncgrpo.trainer.run_directory import RunDirectoryCallback
 from asyncgrpo.weight_sync import choose_backend, make_weight_sync
 from asyncgrpo.weight_sync.lora import adapter_sync_for
 from asyncgrpo.weight_sync.merged import sync_policy
@@ -86,7 +99,10 @@ class NonFiniteTrainingError(RuntimeError):
 def _sigterm_raises_keyboard_interrupt():
     """Within the block, SIGTERM raises KeyboardInterrupt in the main thread, unless the program
     installed its own handler (then it stays in charge)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+    ):
         yield
         return
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -141,7 +157,9 @@ class AsyncGRPOTrainer(Trainer):
             )
         streaming = not hasattr(train_dataset, "__len__")
         if streaming and args.max_steps <= 0:
-            raise ValueError("an IterableDataset has no length, so epochs cannot end training: set max_steps > 0")
+            raise ValueError(
+                "an IterableDataset has no length, so epochs cannot end training: set max_steps > 0"
+            )
         check_conversational(train_dataset, environment_factory)
         revision = (args.model_init_kwargs or {}).get("revision")  # the tokenizer's too, as in TRL
         if isinstance(model, str):
@@ -177,7 +195,9 @@ class AsyncGRPOTrainer(Trainer):
         self.streaming = streaming
         self._loss_fn = score_centered_loss if args.score_centering else clipped_surrogate_loss
         self._progress = AsyncProgressCallback(
-            total=args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * len(train_dataset)),
+            total=args.max_steps
+            if args.max_steps > 0
+            else math.ceil(args.num_train_epochs * len(train_dataset)),
             unit="step" if args.max_steps > 0 else "prompt",
         )
         super().__init__(
@@ -268,8 +288,12 @@ class AsyncGRPOTrainer(Trainer):
                 except TrainingComplete:  # the last prompts were consumed while the step waited
                     break
                 self.state.global_step += 1
-                self.state.epoch = self._processes.broadcast(self._epoch() if self._processes.is_main else None)
-                self._progress.advance_to(self.state.global_step if args.max_steps > 0 else self._ledger.epoch_prompts)
+                self.state.epoch = self._processes.broadcast(
+                    self._epoch() if self._processes.is_main else None
+                )
+                self._progress.advance_to(
+                    self.state.global_step if args.max_steps > 0 else self._ledger.epoch_prompts
+                )
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                 self.control = epochs.after_step(args, self.state, self.control)
                 self._log_and_save(model, trial)
@@ -283,7 +307,11 @@ class AsyncGRPOTrainer(Trainer):
         runtime = time.time() - started
         steps = self.state.global_step - self._initial_global_step
         train_loss = self._train_loss_sum / max(steps, 1)
-        metrics = {"train_runtime": runtime, "train_steps_per_second": steps / max(runtime, 1e-9), "train_loss": train_loss}
+        metrics = {
+            "train_runtime": runtime,
+            "train_steps_per_second": steps / max(runtime, 1e-9),
+            "train_loss": train_loss,
+        }
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
@@ -304,7 +332,9 @@ class AsyncGRPOTrainer(Trainer):
                 reshard = self._fsdp_launch.reshard_after_forward
                 if self._processes.is_main:
                     announce_fsdp_launch(self._fsdp_launch)
-            shard_model(self.model, reshard)  # the checkpoint's weights are already in (Trainer.train loads them)
+            shard_model(
+                self.model, reshard
+            )  # the checkpoint's weights are already in (Trainer.train loads them)
             self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
             model = self.model_wrapped = self.model
             if resume_from_checkpoint:
@@ -321,7 +351,9 @@ class AsyncGRPOTrainer(Trainer):
     def _restore_state(self, args: AsyncGRPOConfig, checkpoint: str | None) -> RolloutState:
         max_steps = args.max_steps if args.max_steps > 0 else 2**62  # epochs end training (_should_stop)
         self.state = TrainerState(
-            stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control] if hasattr(cb, "state")]
+            stateful_callbacks=[
+                cb for cb in self.callback_handler.callbacks + [self.control] if hasattr(cb, "state")
+            ]
         )
         self.state.train_batch_size = self._train_batch_size
         self.state.max_steps = max_steps
@@ -336,7 +368,10 @@ class AsyncGRPOTrainer(Trainer):
                 self._load_callback_state()
             restored = RolloutState.load(checkpoint)
             if restored is None:
-                logger.warning("%s has no rollout_state.json: the rollout worker restarts at the first prompt", checkpoint)
+                logger.warning(
+                    "%s has no rollout_state.json: the rollout worker restarts at the first prompt",
+                    checkpoint,
+                )
             else:
                 rollout_state = restored
             if self.streaming and (rollout_state.first_untrained_index or rollout_state.consumed_after):
@@ -367,7 +402,9 @@ class AsyncGRPOTrainer(Trainer):
             return
         # Before anything slow: a lambda fails here.
         check_worker_payload(self.reward_funcs, self.loop_cls, self.tools, self.environment_factory)
-        self._http = BackgroundLoop(default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60)
+        self._http = BackgroundLoop(
+            default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60
+        )
         self._client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
         logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))
         self._http.run(self._client.wait_until_ready())
@@ -380,12 +417,16 @@ class AsyncGRPOTrainer(Trainer):
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
         adapter_sync = None
         if is_peft_model(self.model):  # adapter-only sync when the servers run --enable-lora
-            adapter_sync = adapter_sync_for(self.model, server_info, self._client, self._http, args.output_dir, args.max_staleness)
+            adapter_sync = adapter_sync_for(
+                self.model, server_info, self._client, self._http, args.output_dir, args.max_staleness
+            )
         if adapter_sync is not None:
             self._weight_sync = adapter_sync
         else:
             backend = choose_backend(args.weight_sync_backend, server_info, self.args.device.type == "cuda")
-            self._weight_sync = make_weight_sync(backend, self._client, self._http, args.output_dir, args.weight_sync_timeout)
+            self._weight_sync = make_weight_sync(
+                backend, self._client, self._http, args.output_dir, args.weight_sync_timeout
+            )
         self._worker = RolloutWorker(
             self.loop_cls,
             dict(
@@ -480,7 +521,9 @@ class AsyncGRPOTrainer(Trainer):
         complete (the last prompts were consumed while waiting)."""
         try:
             self._check_servers()
-            return self._intake.next_step(self.args.gradient_accumulation_steps, self._window, self._model_version)
+            return self._intake.next_step(
+                self.args.gradient_accumulation_steps, self._window, self._model_version
+            )
         except TrainingComplete:
             return None
         except ServersLostWeights as lost:  # every rank learns it, and helps push the weights again
@@ -514,7 +557,9 @@ class AsyncGRPOTrainer(Trainer):
                 # FSDP2 needs every rank in every forward/backward: borrow a row, count it zero times.
                 row, weight = next(r for r in rows if r.num_entries), 0.0
             if self._fit_checkpointing is not None:
-                self._window.record("perf/checkpointed_layers", self._fit_checkpointing.before_row(row.num_tokens))
+                self._window.record(
+                    "perf/checkpointed_layers", self._fit_checkpointing.before_row(row.num_tokens)
+                )
             started = self._now()
             with self.compute_loss_context_manager():
                 loss, stats = row_loss(model, row, entries_global, args, self._loss_fn)
@@ -526,7 +571,9 @@ class AsyncGRPOTrainer(Trainer):
             fwd_bwd_s += done - started
             if weight:
                 loss_total += float(loss.detach())
-                row_stats.append({name: Stat(s.reduce, float(s.value), float(s.weight)) for name, s in stats.items()})
+                row_stats.append(
+                    {name: Stat(s.reduce, float(s.value), float(s.weight)) for name, s in stats.items()}
+                )
         gathered = self._processes.gather((loss_total, row_stats))
         for _, stats_of_rank in gathered:
             for stats in stats_of_rank:
@@ -538,8 +585,12 @@ class AsyncGRPOTrainer(Trainer):
         gradient norm skips the step (and so the weight sync): one bad batch must not turn the
         weights, and then the server's, into NaN. `MAX_NONFINITE_STEPS` in a row stop the run."""
         started = self._now()
-        max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else math.inf
-        grad_norm = local_value(self.accelerator.clip_grad_norm_(model.parameters(), max_norm))  # inf: measure only
+        max_norm = (
+            self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else math.inf
+        )
+        grad_norm = local_value(
+            self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        )  # inf: measure only
         finite = math.isfinite(loss) and math.isfinite(grad_norm)  # both are global: every rank agrees
         self._window.record("train/nonfinite_steps", 0 if finite else 1, Reduce.SUM)
         if finite:
@@ -553,7 +604,11 @@ class AsyncGRPOTrainer(Trainer):
             self._nonfinite_streak += 1
             logger.warning(
                 "step %d: non-finite loss (%s) or gradient norm (%s): the optimizer step and the weight sync are "
-                "skipped (%d in a row)", self.state.global_step + 1, loss, grad_norm, self._nonfinite_streak,
+                "skipped (%d in a row)",
+                self.state.global_step + 1,
+                loss,
+                grad_norm,
+                self._nonfinite_streak,
             )
             if self._nonfinite_streak >= MAX_NONFINITE_STEPS:
                 raise NonFiniteTrainingError(
@@ -591,7 +646,9 @@ class AsyncGRPOTrainer(Trainer):
         self._window.record("perf/weight_sync_barrier_s", barrier_s)
         self._window.record("perf/weight_sync_transfer_s", timings.transfer_s)
 
-    def _record_step(self, batch: StepBatch, loss: float, fwd_s: float, fwd_bwd_s: float, optimizer_s: float, step_s: float) -> None:
+    def _record_step(
+        self, batch: StepBatch, loss: float, fwd_s: float, fwd_bwd_s: float, optimizer_s: float, step_s: float
+    ) -> None:
         window = self._window
         rows = [row for plan in batch.plans for row in plan.tries]
         forwarded = sum(plan_tokens for plan in batch.plans for plan_tokens in plan.row_tokens)
@@ -639,13 +696,23 @@ class AsyncGRPOTrainer(Trainer):
         logs = self._window.summarize()
         if self.args.log_completions:
             self._print_completions()
-        self.log({name: value for name, value in logs.items() if not (isinstance(value, float) and math.isnan(value))})
+        self.log(
+            {
+                name: value
+                for name, value in logs.items()
+                if not (isinstance(value, float) and math.isnan(value))
+            }
+        )
 
     def _print_completions(self) -> None:
         from asyncgrpo.trainer.completions_table import print_completions
 
         samples = getattr(self, "_recent_samples", [])
-        print_completions(samples[-(self.args.num_completions_to_print or len(samples)) :], self.processing_class, self.state.global_step)
+        print_completions(
+            samples[-(self.args.num_completions_to_print or len(samples)) :],
+            self.processing_class,
+            self.state.global_step,
+        )
         self._recent_samples = []
 
     # -- checkpoints --------------------------------------------------------------------------------------
@@ -715,7 +782,9 @@ class AsyncGRPOTrainer(Trainer):
         save_held_samples(self._intake.held_samples(), directory)
 
     def _load_sharded_optimizer(self, checkpoint: str) -> None:
-        load_optimizer_state(self.model, self.optimizer, torch.load(Path(checkpoint) / OPTIMIZER_FILE, weights_only=True))
+        load_optimizer_state(
+            self.model, self.optimizer, torch.load(Path(checkpoint) / OPTIMIZER_FILE, weights_only=True)
+        )
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
 
     # -- helpers --------------------------------------------------------------------------------------------
@@ -743,7 +812,9 @@ class AsyncGRPOTrainer(Trainer):
 
     def _prompt_length(self, prompt: list[dict[str, Any]]) -> int:
         # The trainer's tools only: an environment's tools depend on the instance a rollout gets.
-        return len(render_prompt_ids(self.processing_class, prompt, self.tools, self.args.chat_template_kwargs))
+        return len(
+            render_prompt_ids(self.processing_class, prompt, self.tools, self.args.chat_template_kwargs)
+        )
 
     def _warn_on_dtype_mismatch(self, server_info: ServerInfo | None) -> None:
         served = server_info.dtype if server_info is not None else None
@@ -752,10 +823,15 @@ class AsyncGRPOTrainer(Trainer):
             logger.warning(
                 "the vLLM server runs %s weights but the trainer holds %s: expect a larger train/inference "
                 "mismatch (sampling/importance_sampling_ratio far from 1). Serve with `--dtype %s`.",
-                served, trained, trained,
+                served,
+                trained,
+                trained,
             )
 
-def row_loss(model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig, loss_fn) -> tuple[torch.Tensor, dict]:
+
+def row_loss(
+    model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig, loss_fn
+) -> tuple[torch.Tensor, dict]:
     """The loss of one packed row (this process's share of a micro-batch), normalized by the trained
     tokens of the whole micro-batch over all processes, and its metrics."""
     out = row_logprobs(model, row, temperature=args.temperature)
@@ -784,9 +860,15 @@ def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | No
     return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
-
 # The rollout-loop names are importable from this module as well as from `asyncgrpo`. TRL 1.16 has no
 # counterpart to import them from: its module is `trl.experimental.async_grpo`, which exports only the
 # config and the trainer, and its rollout loop is the private `_AsyncRolloutLoop` of
 # `trl.experimental.async_grpo.async_rollout_worker`, with other hooks than AsyncRolloutLoop's.
-__all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
+__all__ = [
+    "AsyncGRPOTrainer",
+    "AsyncRolloutLoop",
+    "Rollout",
+    "RolloutGroup",
+    "TrainingSequence",
+    "TurnRecord",
+]

@@ -88,9 +88,16 @@ class AsyncProgressCallback(TrainerCallback):
             self._console = console
             return
         self._progress = Progress(
-            TextColumn("async GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn(self.unit + "s"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-            console=console, transient=False,
+            TextColumn("async GRPO"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(self.unit + "s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=console,
+            transient=False,
         )
         self._progress.start()
         self._task = self._progress.add_task("train", total=self.total, completed=self._done, status="")
@@ -111,7 +118,9 @@ class AsyncProgressCallback(TrainerCallback):
                 status.insert(0, f"reward {logs['reward']:.3g}")
             self._progress.update(self._task, status="  ".join(status))
         else:
-            eta = _eta(self._done - self._start_done, self.total - self._start_done, time.monotonic() - self._started)
+            eta = _eta(
+                self._done - self._start_done, self.total - self._start_done, time.monotonic() - self._started
+            )
             print(f"{line}  [{self._done}/{self.total} {self.unit}s, ETA {eta}]", flush=True)
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -26,7 +26,7 @@ def choose_backend(requested: str, info: ServerInfo | None, trainer_on_gpu: bool
     if requested == "nccl" and info is not None and not server_has_nccl:
         raise ValueError(
             "weight_sync_backend='nccl' but the vLLM server was not started with the NCCL engine: serve with "
-            "--weight-transfer-config '{\"backend\": \"nccl\"}' (`asyncgrpo serve` does on GPU)"
+            '--weight-transfer-config \'{"backend": "nccl"}\' (`asyncgrpo serve` does on GPU)'
         )
     return requested
 

@@ -36,6 +36,7 @@ from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, full_tens
 
 logger = logging.getLogger(__name__)
 
+
 def server_flags(rank: int, max_staleness: int) -> str:
     return f"--enable-lora --max-lora-rank {serving_lora_rank(rank)} --max-loras {max_staleness + 2}"
 
@@ -56,9 +57,12 @@ def check_lora_server(max_rank: int, max_loras: int, url: str, rank: int, max_st
         )
     if problems:
         raise ValueError(
-            f"the vLLM server at {url} runs with --enable-lora, but " + "; ".join(problems) + ". Restart it with "
-            f"`VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve ... {server_flags(rank, max_staleness)}` "
-            f"(`asyncgrpo serve MODEL --enable-lora --lora-rank {rank} --max-staleness {max_staleness}` picks them), or "
+            f"the vLLM server at {url} runs with --enable-lora, but "
+            + "; ".join(problems)
+            + ". Restart it with "
+            "`VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve ... "
+            f"{server_flags(rank, max_staleness)}` (`asyncgrpo serve MODEL --enable-lora --lora-rank {rank} "
+            f"--max-staleness {max_staleness}` picks them), or "
             "without --enable-lora to sync merged weights instead."
         )
 
@@ -95,7 +99,10 @@ class LoraAdapterSync(WeightSyncBackend):
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         state = get_peft_model_state_dict(model, state_dict=tensors, adapter_name=model.active_adapter)
-        save_file({name: t.to("cpu").contiguous() for name, t in state.items()}, staging / "adapter_model.safetensors")
+        save_file(
+            {name: t.to("cpu").contiguous() for name, t in state.items()},
+            staging / "adapter_model.safetensors",
+        )
         active_config(model).save_pretrained(str(staging))
         shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)
@@ -152,8 +159,14 @@ def adapter_sync_for(
     if reason is None and serving_lora_rank(rank) is None:
         reason = f"its rank r={rank} is above vLLM's largest --max-lora-rank {SERVABLE_LORA_RANKS[-1]}"
     if reason is not None:
-        logger.warning("the vLLM servers run with --enable-lora, but the adapter cannot be served as one: %s; %s", reason, merged)
+        logger.warning(
+            "the vLLM servers run with --enable-lora, but the adapter cannot be served as one: %s; %s",
+            reason,
+            merged,
+        )
         return None
-    check_lora_server(int(info.max_lora_rank or 0), int(info.max_loras or 0), client.base_urls[0], rank, max_staleness)
+    check_lora_server(
+        int(info.max_lora_rank or 0), int(info.max_loras or 0), client.base_urls[0], rank, max_staleness
+    )
     logger.info("weight sync: LoRA adapter only (r=%d, %d versions kept loaded)", rank, max_staleness + 1)
     return LoraAdapterSync(client, loop, Path(output_dir).resolve() / ".vllm_lora", keep=max_staleness + 1)

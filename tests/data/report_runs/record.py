@@ -113,7 +113,9 @@ def record(names: list[str]) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     work = Path(tempfile.mkdtemp(prefix="report-runs-"))
     model_dir = save_tiny_model(work / "tiny-model")
-    options = ServerOptions(model=str(model_dir), port=_free_port(), max_model_len=512, dtype="float32", cpu=True)
+    options = ServerOptions(
+        model=str(model_dir), port=_free_port(), max_model_len=512, dtype="float32", cpu=True
+    )
     server = VLLMServer(options, log_path=work / "vllm.log")
     server.start()
     torch.set_num_threads(1)
@@ -142,7 +144,10 @@ def record(names: list[str]) -> None:
                 **overrides,
             )
             trainer = AsyncGRPOTrainer(
-                str(model_dir), getattr(me, reward.__name__), args, train_dataset=prompts,
+                str(model_dir),
+                getattr(me, reward.__name__),
+                args,
+                train_dataset=prompts,
                 callbacks=[make() for make in callbacks],
             )
             started = time.time()
