@@ -50,21 +50,14 @@ def addition_dataset():
     )
 
 
-def warm_start(model, tokenizer, steps: int, seed: int = 0) -> float:
-    """Supervised steps on (prompt, answer) pairs; returns the expected accuracy of sampling at
-    temperature 1 afterwards (the mean probability of the exact answer)."""
-    from asyncgrpo.rollout.chat import render_prompt_ids
-
-    rng = random.Random(seed)
-    examples = []
-    for a in range(10):
-        for b in range(10):
-            prompt = render_prompt_ids(tokenizer, addition_prompt(a, b))
-            examples.append((prompt, tokenizer.encode(str(a + b)) + [tokenizer.eos_token_id]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR)
+def supervised_steps(model, tokenizer, draw_batch, steps: int, lr: float = WARM_START_LR) -> None:
+    """`steps` AdamW steps of next-token loss on the answers only: `draw_batch()` returns a list of
+    (prompt_ids, answer_ids) pairs, the prompt being context. The warm start of the demo and of the
+    agent learning test (tests/test_agents_e2e.py)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
-        batch = [rng.choice(examples) for _ in range(64)]
+        batch = draw_batch()
         length = max(len(p) + len(a) for p, a in batch)
         ids = torch.full((len(batch), length), tokenizer.pad_token_id)
         labels = torch.full((len(batch), length), -100)
@@ -76,12 +69,31 @@ def warm_start(model, tokenizer, steps: int, seed: int = 0) -> float:
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
+
+
+def answer_probability(model, examples: list[tuple[list[int], list[int]]]) -> float:
+    """The mean probability of sampling exactly each example's answer at temperature 1."""
     with torch.no_grad():
         total = 0.0
         for prompt, answer in examples:
             logprobs = torch.log_softmax(model(input_ids=torch.tensor([prompt + answer])).logits[0], -1)
             total += float(sum(logprobs[len(prompt) - 1 + k, token] for k, token in enumerate(answer)).exp())
     return total / len(examples)
+
+
+def warm_start(model, tokenizer, steps: int, seed: int = 0) -> float:
+    """Supervised steps on (prompt, answer) pairs; returns the expected accuracy of sampling at
+    temperature 1 afterwards (the mean probability of the exact answer)."""
+    from asyncgrpo.rollout.chat import render_prompt_ids
+
+    rng = random.Random(seed)
+    examples = []
+    for a in range(10):
+        for b in range(10):
+            prompt = render_prompt_ids(tokenizer, addition_prompt(a, b))
+            examples.append((prompt, tokenizer.encode(str(a + b)) + [tokenizer.eos_token_id]))
+    supervised_steps(model, tokenizer, lambda: [rng.choice(examples) for _ in range(64)], steps)
+    return answer_probability(model, examples)
 
 
 def _free_port() -> int:

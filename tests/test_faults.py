@@ -150,22 +150,17 @@ def test_three_nonfinite_steps_in_a_row_stop_the_run(vllm_server, tiny_model_dir
 
 
 def test_a_stuck_thread_cannot_keep_a_failed_worker_alive():
+    from asyncgrpo.rollout.channels import WorkerChannels
     from asyncgrpo.rollout.worker import _worker_main
 
     context = multiprocessing.get_context("spawn")
-    channels = dict(
-        rollout_buffer=context.Queue(),
-        metrics_queue=context.Queue(),
-        exception_info_queue=context.Queue(),
-        failed_event=context.Event(),
-    )
-    ready = context.Event()  # referenced until the child has unpickled it
-    process = context.Process(target=_worker_main, args=(StuckThreadThenFail, channels, ready, os.getpid()))
+    channels = WorkerChannels.create(context)
+    process = context.Process(target=_worker_main, args=(StuckThreadThenFail, {}, channels))
     process.start()
     process.join(60)
     assert process.exitcode == 1, "the process left by itself, its stuck thread notwithstanding"
-    assert channels["failed_event"].is_set()
-    name, message, _ = channels["exception_info_queue"].get(timeout=10)
+    assert channels.failed_event.is_set()
+    name, message, _ = channels.exception_info_queue.get(timeout=10)
     assert (name, message) == ("RuntimeError", "boom after starting a thread that never ends")
 
 
@@ -175,7 +170,7 @@ class StuckThreadThenFail:
     def __init__(self, **kwargs):
         pass
 
-    def run(self, ready_event=None):
+    def run(self):
         threading.Thread(target=time.sleep, args=(3600,)).start()
         raise RuntimeError("boom after starting a thread that never ends")
 

@@ -31,6 +31,7 @@ from asyncgrpo.generation.client import (
 )
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.agent import record_tool_rollout_metrics, run_tool_loop
+from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.chat import RewriteDetector, render_prompt_ids
 from asyncgrpo.rollout.concurrency import (
     LOAD_POLL_INTERVAL_S,
@@ -89,13 +90,7 @@ class AsyncRolloutLoop:
         reward_funcs: list[Callable],
         processing_class,
         eos_token_ids: list[int],
-        rollout_buffer,
-        model_version_value,
-        token_allowance,
-        heartbeat_value,
-        failed_event,
-        exception_info_queue,
-        metrics_queue,
+        channels: WorkerChannels,
         tools: list[Callable] | None = None,
         environment_factory=None,
         score_queue_maxsize: int = 16,
@@ -109,13 +104,7 @@ class AsyncRolloutLoop:
         self.reward_funcs = list(reward_funcs)
         self.tokenizer = processing_class
         self.eos_token_ids = list(eos_token_ids)
-        self.rollout_buffer = rollout_buffer
-        self.model_version_value = model_version_value
-        self.token_allowance = token_allowance
-        self.heartbeat_value = heartbeat_value
-        self.failed_event = failed_event
-        self.exception_info_queue = exception_info_queue
-        self.metrics_queue = metrics_queue
+        self.channels = channels  # the queues and shared values of the trainer (rollout/channels.py)
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
         self.score_queue_maxsize = score_queue_maxsize
@@ -197,7 +186,7 @@ class AsyncRolloutLoop:
         adapter-only weight sync (`lora_name` set) each version is its own adapter, named from the
         version, so the request runs to its end under the version it started with."""
         generate = self.client.generate_tokens if self._token_route else self.client.complete
-        version, missing = self.model_version_value.value, 0
+        version, missing = self.channels.model_version_value.value, 0
         while True:
             model = policy_adapter_name(self.lora_name, version) if self.lora_name else None
             try:
@@ -210,9 +199,9 @@ class AsyncRolloutLoop:
                 missing += 1
                 if not self.lora_name or error.status != 404 or missing > ADAPTER_MISSING_RETRIES:
                     raise
-                if self.model_version_value.value == version:
+                if self.channels.model_version_value.value == version:
                     await asyncio.sleep(1.0)
-                version = self.model_version_value.value
+                version = self.channels.model_version_value.value
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards normalized in the group; NaN rewards get 0."""
@@ -237,11 +226,11 @@ class AsyncRolloutLoop:
 
     # -- the process's main -------------------------------------------------------------------------------
 
-    def run(self, ready_event=None) -> None:
+    def run(self) -> None:
         """Run until cancelled (SIGTERM from the trainer) or until something fails."""
-        asyncio.run(self._main(ready_event))
+        asyncio.run(self._main())
 
-    async def _main(self, ready_event) -> None:
+    async def _main(self) -> None:
         config = self.config
         # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
@@ -266,8 +255,7 @@ class AsyncRolloutLoop:
             self._token_route = self._candidate_sets or await self.client.supports_token_generate()
             await self.setup()
             await self._start_state()
-            if ready_event is not None:
-                ready_event.set()
+            self.channels.ready_event.set()
             self._fatal: asyncio.Future = asyncio.get_running_loop().create_future()
             loops = [
                 self._generate_loop(),
@@ -408,15 +396,15 @@ class AsyncRolloutLoop:
         step. Each of its waits is bounded by vllm_server_timeout, so a trainer that has not moved the
         budget for several times that (a step may hold a few such waits, a checkpoint, long compute)
         is stuck, and the worker says so instead of waiting forever."""
-        if self.allowance.may_start_group(self.token_allowance.value):
+        if self.allowance.may_start_group(self.channels.token_allowance.value):
             return
         started = moved = time.monotonic()
-        limit = self.token_allowance.value
+        limit = self.channels.token_allowance.value
         bound = ALLOWANCE_STALL_FACTOR * self.config.vllm_server_timeout
-        while not self.allowance.may_start_group(self.token_allowance.value):
+        while not self.allowance.may_start_group(self.channels.token_allowance.value):
             await asyncio.sleep(0.01)
-            if self.token_allowance.value != limit:
-                limit, moved = self.token_allowance.value, time.monotonic()
+            if self.channels.token_allowance.value != limit:
+                limit, moved = self.channels.token_allowance.value, time.monotonic()
             elif time.monotonic() - moved > bound:
                 raise RuntimeError(
                     f"the trainer took no sample for {time.monotonic() - moved:.0f} s while the worker held a full "
@@ -427,7 +415,7 @@ class AsyncRolloutLoop:
     async def _run_group(self, item: PromptItem, group_id: int) -> None:
         if "prompt" not in item.row and self.environments is None:
             raise KeyError(f"dataset row {item.row_index} has no 'prompt' column")
-        model_version = self.model_version_value.value
+        model_version = self.channels.model_version_value.value
         rollouts = await asyncio.gather(
             *(self._run_rollout(item.row, group_id) for _ in range(self.config.num_generations))
         )
@@ -626,14 +614,14 @@ class AsyncRolloutLoop:
         return samples
 
     def _put_result(self, result: GroupResult) -> None:
-        self.rollout_buffer.put(result)
+        self.channels.rollout_buffer.put(result)
 
     # -- upkeep ---------------------------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
         # (A trainer that dies is noticed by the process's parent watch, rollout/worker.py.)
         while True:
-            self.heartbeat_value.value = time.time()
+            self.channels.heartbeat_value.value = time.time()
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _load_loop(self) -> None:
@@ -693,5 +681,5 @@ class AsyncRolloutLoop:
 
     def _flush_metrics(self) -> None:
         """Send what the window holds to the trainer (it merges windows by weight) and start anew."""
-        self.metrics_queue.put(self.metrics.stats())
+        self.channels.metrics_queue.put(self.metrics.stats())
         self.metrics = MetricsWindow()

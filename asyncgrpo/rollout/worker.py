@@ -28,10 +28,10 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from contextlib import contextmanager
 from typing import Any
 
+from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.trainer.run_directory import attach_warnings_file
 
@@ -79,9 +79,9 @@ def exit_when_parent_dies(parent_pid: int) -> None:
     threading.Thread(target=watch, name="asyncgrpo-parent-watch", daemon=True).start()
 
 
-def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event, parent_pid: int) -> None:
+def _worker_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels) -> None:
     """Entry point of the spawned process."""
-    exit_when_parent_dies(parent_pid)
+    exit_when_parent_dies(channels.parent_pid)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # The trainer stops us with SIGTERM; Ctrl-C reaches the whole process group, and the trainer
     # decides what happens then, so SIGINT is ignored here.
@@ -92,24 +92,16 @@ def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event, parent_pid:
     attach_warnings_file()  # the run directory's warnings.log, when the trainer keeps one
     exit_code = 0
     try:
-        rollout_loop = loop_cls(**loop_kwargs)
-        rollout_loop.run(ready_event)
+        rollout_loop = loop_cls(**loop_kwargs, channels=channels)
+        rollout_loop.run()
     except BaseException as error:  # everything, so the trainer hears of it
         if not isinstance(
             error, (SystemExit, KeyboardInterrupt, asyncio.CancelledError)
         ):  # not a requested stop
             exit_code = 1
-            loop_kwargs["exception_info_queue"].put(
-                (type(error).__name__, str(error), traceback.format_exc())
-            )
-            loop_kwargs["failed_event"].set()
+            channels.report_failure(error)
     finally:
-        # Exit without waiting to flush queued samples into a pipe the trainer no longer reads; the
-        # error report, though, must reach it.
-        loop_kwargs["rollout_buffer"].cancel_join_thread()
-        loop_kwargs["metrics_queue"].cancel_join_thread()
-        loop_kwargs["exception_info_queue"].close()
-        loop_kwargs["exception_info_queue"].join_thread()
+        channels.close_worker_side()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)  # threads stuck in user code (a reward, a tool) must not keep us alive
@@ -167,29 +159,12 @@ class RolloutWorker:
         self.loop_cls = loop_cls
         self.worker_timeout = worker_timeout
         self._context = multiprocessing.get_context("spawn")
-        context = self._context
-        self.rollout_buffer = context.Queue()
-        self.metrics_queue = context.Queue()
-        self.exception_info_queue = context.Queue()
-        self.model_version_value = context.Value("q", 0)
-        self.token_allowance = context.Value("d", float(initial_allowance))
-        self.heartbeat_value = context.Value("d", 0.0)
-        self.failed_event = context.Event()
-        self.ready_event = context.Event()
-        self.loop_kwargs = dict(
-            loop_kwargs,
-            rollout_buffer=self.rollout_buffer,
-            model_version_value=self.model_version_value,
-            token_allowance=self.token_allowance,
-            heartbeat_value=self.heartbeat_value,
-            failed_event=self.failed_event,
-            exception_info_queue=self.exception_info_queue,
-            metrics_queue=self.metrics_queue,
-        )
+        self.loop_kwargs = loop_kwargs  # the loop's constructor arguments, but for `channels`
+        self.channels = WorkerChannels.create(self._context, initial_allowance)
         self.process: multiprocessing.Process | None = None
-        self._results = _QueueReader(self.rollout_buffer, "asyncgrpo-results")
-        self._metrics = _QueueReader(self.metrics_queue, "asyncgrpo-metrics")
-        self._errors = _QueueReader(self.exception_info_queue, "asyncgrpo-errors")
+        self._results = _QueueReader(self.channels.rollout_buffer, "asyncgrpo-results")
+        self._metrics = _QueueReader(self.channels.metrics_queue, "asyncgrpo-metrics")
+        self._errors = _QueueReader(self.channels.exception_info_queue, "asyncgrpo-errors")
 
     def start(self, ready_timeout: float) -> None:
         """Spawn the process and wait until it has reached the server and run `setup()`."""
@@ -201,7 +176,7 @@ class RolloutWorker:
         )
         self.process = self._context.Process(
             target=_worker_main,
-            args=(self.loop_cls, self.loop_kwargs, self.ready_event, os.getpid()),
+            args=(self.loop_cls, self.loop_kwargs, self.channels),
             name="asyncgrpo-rollout",
             # Not a daemon: reward code may start processes of its own (accuracy_reward's verifier
             # pool), which daemons may not. The trainer stops it in every case, and it exits by
@@ -211,16 +186,16 @@ class RolloutWorker:
         with _child_environment(CUDA_VISIBLE_DEVICES=""):
             self.process.start()
         deadline = time.monotonic() + ready_timeout
-        while not self.ready_event.wait(0.2):
+        while not self.channels.ready_event.wait(0.2):
             self.check_alive()
             if time.monotonic() > deadline:
                 self.stop()
                 raise RolloutWorkerError(f"the rollout worker was not ready after {ready_timeout:.0f} s")
-        self.heartbeat_value.value = time.time()
+        self.channels.heartbeat_value.value = time.time()
 
     def check_alive(self) -> None:
         """Raise if the worker failed, exited or stopped beating."""
-        if self.failed_event.is_set():
+        if self.channels.failed_event.is_set():
             try:
                 name, message, trace = self._errors.get(timeout=5)
             except queue.Empty:
@@ -233,7 +208,7 @@ class RolloutWorker:
         if self.process is None or not self.process.is_alive():
             code = None if self.process is None else self.process.exitcode
             raise RolloutWorkerError(f"the rollout worker process exited unexpectedly (exit code {code})")
-        beat = self.heartbeat_value.value
+        beat = self.channels.heartbeat_value.value
         if beat and time.time() - beat > self.worker_timeout:
             self.stop()
             raise RolloutWorkerError(
@@ -253,10 +228,10 @@ class RolloutWorker:
                     return None
 
     def publish_allowance(self, cumulative_tokens: float) -> None:
-        self.token_allowance.value = float(cumulative_tokens)
+        self.channels.token_allowance.value = float(cumulative_tokens)
 
     def publish_model_version(self, version: int) -> None:
-        self.model_version_value.value = int(version)
+        self.channels.model_version_value.value = int(version)
 
     def drain_metrics(self) -> list[dict]:
         drained = []
@@ -277,5 +252,4 @@ class RolloutWorker:
             if process.is_alive():
                 process.kill()
                 process.join(5)
-        for channel in (self.rollout_buffer, self.metrics_queue, self.exception_info_queue):
-            channel.cancel_join_thread()
+        self.channels.close_trainer_side()
