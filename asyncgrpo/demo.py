@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 WARM_START_STEPS = int(os.environ.get("ASYNCGRPO_DEMO_WARM_STEPS", 115))
@@ -50,25 +51,40 @@ def addition_dataset():
     )
 
 
-def supervised_steps(model, tokenizer, draw_batch, steps: int, lr: float = WARM_START_LR) -> None:
+def supervised_steps(model, draw_batch, steps: int, lr: float = WARM_START_LR) -> None:
     """`steps` AdamW steps of next-token loss on the answers only: `draw_batch()` returns a list of
-    (prompt_ids, answer_ids) pairs, the prompt being context. The warm start of the demo and of the
-    agent learning test (tests/test_agents_e2e.py)."""
+    (prompt_ids, answer_ids) pairs, the prompt being context. Each batch is packed into one prefix-trie
+    row as the trainer packs its samples (asyncgrpo/packing), so a prompt prefix the batch shares (a
+    system prompt, the tools' schemas) is forwarded once. The warm start of the demo and of the agent
+    learning test (tests/test_agents_e2e.py)."""
+    from asyncgrpo.logprobs import row_logprobs
+    from asyncgrpo.packing.tree_attention import enable_tree_attention
+    from asyncgrpo.packing.trie import pack_row
+    from asyncgrpo.sample import Sample
+
+    attention = model.config._attn_implementation
+    enable_tree_attention(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
-        batch = draw_batch()
-        length = max(len(p) + len(a) for p, a in batch)
-        ids = torch.full((len(batch), length), tokenizer.pad_token_id)
-        labels = torch.full((len(batch), length), -100)
-        for row, (prompt, answer) in enumerate(batch):
-            sequence = prompt + answer
-            ids[row, : len(sequence)] = torch.tensor(sequence)
-            labels[row, len(prompt) : len(sequence)] = torch.tensor(answer)
-        model(input_ids=ids, labels=labels).loss.backward()
+        samples = []
+        for prompt, answer in draw_batch():
+            trained = np.zeros(len(prompt) + len(answer), dtype=bool)
+            trained[len(prompt) :] = True
+            samples.append(
+                Sample(
+                    token_ids=np.asarray(prompt + answer, dtype=np.int64),
+                    trained=trained,
+                    sampler_logprobs=np.zeros(len(answer), dtype=np.float32),
+                    advantage=0.0,
+                    group_id=0,
+                )
+            )
+        (-row_logprobs(model, pack_row(samples)).logprobs.mean()).backward()
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
+    model.set_attn_implementation(attention)  # a plain forward (generation, evaluation) again
 
 
 def answer_probability(model, examples: list[tuple[list[int], list[int]]]) -> float:
@@ -92,7 +108,7 @@ def warm_start(model, tokenizer, steps: int, seed: int = 0) -> float:
         for b in range(10):
             prompt = render_prompt_ids(tokenizer, addition_prompt(a, b))
             examples.append((prompt, tokenizer.encode(str(a + b)) + [tokenizer.eos_token_id]))
-    supervised_steps(model, tokenizer, lambda: [rng.choice(examples) for _ in range(64)], steps)
+    supervised_steps(model, lambda: [rng.choice(examples) for _ in range(64)], steps)
     return answer_probability(model, examples)
 
 

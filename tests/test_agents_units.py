@@ -4,6 +4,7 @@ scripted turns, and multi-turn reconciliation with the real tiny tokenizer and t
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -13,9 +14,10 @@ import pytest
 
 from asyncgrpo import AsyncGRPOConfig
 from asyncgrpo.metrics import MetricsWindow
-from asyncgrpo.rollout.agent import run_tool_loop
+from asyncgrpo.rollout.agent import record_tool_rollout_metrics, run_tool_loop
 from asyncgrpo.rollout.chat import (
     QWEN3_TRAINING_TEMPLATE,
+    RewriteDetector,
     render_prompt_ids,
     tool_schema,
     use_training_template,
@@ -29,7 +31,7 @@ from asyncgrpo.rollout.environments import (
 from asyncgrpo.rollout.sequences import build_training_sequences
 from asyncgrpo.rollout.tool_calls import parse_tool_calls, parse_turn, split_reasoning
 from asyncgrpo.rollout.tools import run_tool_calls
-from asyncgrpo.rollout.types import TurnRecord
+from asyncgrpo.rollout.types import Rollout, TurnRecord
 from asyncgrpo.tiny_model import build_tokenizer
 
 
@@ -197,6 +199,44 @@ def test_failures_become_messages_and_counts():
     assert stats["tools/async_add/call_count"] == 1 and "tools/nope/call_count" not in stats
 
 
+def test_a_tools_latency_is_its_own_time():
+    window = MetricsWindow()
+    _, calls = parse_tool_calls('<tool_call>{"name": "nap", "arguments": {"seconds": 0.2}}</tool_call>')
+    with ThreadPoolExecutor(1) as executor:
+        asyncio.run(run_tool_calls(calls * 2, [nap], executor, lambda: window))
+    stats = window.summarize()
+    assert (
+        0.2 <= stats["tools/nap/latency_s"] < 1.0 and stats["tools/latency_s"] == stats["tools/nap/latency_s"]
+    )
+
+
+def test_rollout_tool_frequencies_hand_values():
+    # Rollouts with (calls, failures) (2, 1), (0, 0), (3, 0): 5 calls over 3 rollouts, 1 failure in 5.
+    window = MetricsWindow()
+    for calls, failures in [(2, 1), (0, 0), (3, 0)]:
+        rollout = Rollout(
+            completion=[], completion_ids=[], turns=[], tool_call_count=calls, tool_failure_count=failures
+        )
+        record_tool_rollout_metrics(window, rollout)
+    stats = window.summarize()
+    assert stats["tools/call_frequency"] == pytest.approx(5 / 3)
+    assert stats["tools/failure_frequency"] == pytest.approx(1 / 5)
+    empty = MetricsWindow()
+    record_tool_rollout_metrics(empty, Rollout(completion=[], completion_ids=[], turns=[]))
+    assert np.isnan(empty.summarize()["tools/failure_frequency"]), "no call: no failure rate"
+
+
+def nap(seconds: float) -> str:
+    """
+    Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "rested"
+
+
 # -- the tool loop on scripted turns -------------------------------------------------------------------------
 
 
@@ -336,6 +376,16 @@ def test_a_history_rewriting_template_forks_and_still_trains_each_token_once(tok
     assert stats.transitions == 2 and stats.forks == 2 and len(sequences) == 3
     assert all(drift > 0 for drift in stats.drift_tokens)
     assert_each_generated_token_trained_once(turns, sequences)
+
+
+def test_an_unknown_template_that_rewrites_history_is_reported_once(caplog):
+    detector = RewriteDetector()
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.rollout.chat"):
+        detector.observe(transitions=2, forks=0)
+        assert not caplog.records, "no fork, no warning"
+        detector.observe(transitions=2, forks=2)
+        detector.observe(transitions=3, forks=1)
+    assert len(caplog.records) == 1 and "rollout/fork_frac" in caplog.records[0].getMessage()
 
 
 def test_known_qwen3_template_is_replaced_by_the_training_template():
