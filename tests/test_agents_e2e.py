@@ -257,8 +257,8 @@ def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
     assert last > first + LEARNING_MARGIN, [round(entry["reward"], 2) for entry in history]
 
 
-# Measured (2-core machine, other jobs running): at 4e-4 the reward went 0.26 -> 0.95 in 24 steps
-# (first 6 steps 0.38, steps 19-24 0.85); 1e-3 reached 0.67 in 7 steps, then collapsed to 0 (the
+# Measured (2-core machine, other jobs running): at 4e-4 the reward went from 0.34 (first 6 steps) to
+# 0.77 (last 6); 1e-3 reached 0.67 in 7 steps, then collapsed to 0 (the
 # model looping on the tool) by step 18. Past ~24 steps nearly every group is all right, so groups
 # are dropped and each step waits half a minute for samples.
 GRPO_STEPS, GRPO_LR = 24, 4e-4
