@@ -36,7 +36,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from asyncgrpo.demo import run_demo
 
-    return run_demo(workdir=args.workdir)
+    return run_demo(workdir=args.workdir, seed=args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="a real async GRPO run of the tiny model on CPU (make demo)")
     demo.add_argument("--workdir", default=".demo")
+    demo.add_argument("--seed", type=int, default=0, help="seeds the warm start, the prompts' order and sampling")
     demo.set_defaults(run=_demo)
     return parser
 

@@ -1,4 +1,4 @@
-"""AsyncGRPOConfig: TrainingArguments plus the asynchronous GRPO fields, with the seed's defaults.
+"""AsyncGRPOConfig: TrainingArguments plus the asynchronous GRPO fields, with TRL's names and defaults.
 
 Every field of TRL's `AsyncGRPOConfig` keeps its name and default (only the import changes). Values
 are checked at construction: a bad value fails here with a message saying what to change, never
@@ -8,50 +8,76 @@ minutes later inside the worker process.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from transformers import TrainingArguments
 
+from asyncgrpo.trl_compat import TrlCompatFields
+
 WEIGHT_SYNC_BACKENDS = ("auto", "filesystem", "nccl")
 
 
 @dataclass
-class AsyncGRPOConfig(TrainingArguments):
-    # -- TrainingArguments defaults this trainer overrides (see the seed) -----------------------
-    logging_steps: float = field(default=1, metadata={"help": "Log every step: RL runs are read step by step."})
+class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments' fields first (output_dir)
+    """Settings of AsyncGRPOTrainer: TrainingArguments plus the asynchronous GRPO fields.
+
+    Field names and defaults are TRL's. docs/configuration.md explains every field; the help texts
+    below say what each does, its unit and why its default.
+    """
+
+    # -- TrainingArguments defaults this trainer overrides ------------------------------------------
+    logging_steps: float = field(
+        default=1, metadata={"help": "Optimizer steps per logging window (default 1: RL runs are read step by step)."}
+    )
     gradient_checkpointing: bool = field(
-        default=True, metadata={"help": "Rows of token_budget tokens need activation checkpointing to fit."}
+        default=True,
+        metadata={"help": "Recompute activations in backward: rows of token_budget tokens need it to fit in memory."},
     )
     bf16: bool | None = field(
         default=None,
         metadata={
-            "help": "None: True when fp16 is unset and the training device supports bf16 (a CUDA GPU), "
-            "else False. The seed's default is True; on a CPU-only machine that would fail at start."
+            "help": "Mixed precision in bfloat16. None: True when fp16 is unset and the training device supports "
+            "bf16 (a CUDA GPU), else False, so the same script runs on a CPU-only machine."
         },
     )
-    learning_rate: float = field(default=1e-6, metadata={"help": "RL fine-tuning moves a pretrained policy gently."})
+    learning_rate: float = field(
+        default=1e-6, metadata={"help": "Peak learning rate. 1e-6: RL fine-tuning moves a pretrained policy gently."}
+    )
     lr_scheduler_type: str = field(
         default="constant",
-        metadata={"help": "The number of optimizer steps is unknown in advance (it depends on forks and drops)."},
+        metadata={
+            "help": "Learning-rate schedule. constant: the number of optimizer steps per epoch is unknown in "
+            "advance (it depends on forks and dropped groups); a decaying schedule needs max_steps > 0."
+        },
     )
     ignore_data_skip: bool = field(
         default=True,
-        metadata={"help": "Resume fast-forwards the rollout worker instead (rollout_state.json); always True."},
+        metadata={"help": "Must stay True: resume repositions the rollout worker (rollout_state.json) instead."},
     )
     remove_unused_columns: bool = field(
-        default=False, metadata={"help": "Every dataset column reaches the reward functions; must stay False."}
+        default=False, metadata={"help": "Must stay False: every dataset column reaches the reward functions."}
     )
-    # Newer TrainingArguments have these; kept here so every seed field exists on every version.
+    # Newer TrainingArguments have these two; declared here so TRL's signature exists on every version.
     activation_checkpointing: bool | None = field(
-        default=None, metadata={"help": "FSDP activation checkpointing (preferred over gradient_checkpointing)."}
+        default=None,
+        metadata={
+            "help": "Accepted for TRL compatibility, not used: this trainer shards with FSDP2 itself and "
+            "recomputes activations through gradient_checkpointing."
+        },
     )
-    activation_checkpointing_kwargs: dict[str, Any] | str | None = field(default=None)
+    activation_checkpointing_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Accepted for TRL compatibility, not used (see activation_checkpointing)."}
+    )
 
     # -- model ------------------------------------------------------------------------------------
     model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Keyword arguments of from_pretrained when the model is given by name."}
+        default=None,
+        metadata={
+            "help": "Keyword arguments of from_pretrained when the model is given by name (a dict or a JSON "
+            "string); its `revision` also selects the tokenizer's revision, and its `dtype` wins over `dtype`."
+        },
     )
     dtype: str = field(
         default="float32",
@@ -60,20 +86,65 @@ class AsyncGRPOConfig(TrainingArguments):
             "train/inference mismatch is very sensitive to the trainer's precision; serve vLLM with the same dtype."
         },
     )
-    trust_remote_code: bool = field(default=False)
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow model and tokenizer code from the Hub. False: running downloaded code is opt-in."},
+    )
     router_aux_loss_coef: float | None = field(
-        default=None, metadata={"help": "MoE load-balancing loss coefficient; None: the model config's; error on non-MoE."}
+        default=None,
+        metadata={
+            "help": "MoE load-balancing loss coefficient; None: the model config's. Not used yet: MoE auxiliary "
+            "losses are not added in this version."
+        },
     )
 
     # -- generation -------------------------------------------------------------------------------
-    num_generations: int = field(default=8, metadata={"help": "Rollouts per prompt (the GRPO group)."})
-    max_completion_length: int = field(default=2048, metadata={"help": "Max tokens per vLLM request (per turn)."})
-    temperature: float = field(default=1.0)
-    top_p: float = field(default=1.0, metadata={"help": "< 1 requires top_k and a server with candidate sets."})
-    top_k: int = field(default=0, metadata={"help": "0 disables top-k."})
-    min_p: float | None = field(default=None)
-    chat_template_kwargs: dict | str | None = field(default=None)
-    max_tool_calling_iterations: int | None = field(default=None)
+    num_generations: int = field(
+        default=8,
+        metadata={"help": "Rollouts per prompt (the GRPO group); >= 2, since advantages compare a group's rollouts."},
+    )
+    max_completion_length: int = field(
+        default=2048,
+        metadata={"help": "Max generated tokens per vLLM request, i.e. per turn (the server's max_model_len also caps it)."},
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": "Sampling temperature (> 0). The trainer's log-probs use logits / temperature, as the sampler. "
+            "1.0: the policy's own distribution."
+        },
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata={
+            "help": "Nucleus sampling mass in (0, 1]; 1.0 disables it. < 1 requires top_k and a server started "
+            "with --return-sampling-mask --enable-scale-out (the trainer renormalizes over each candidate set)."
+        },
+    )
+    top_k: int = field(
+        default=0,
+        metadata={"help": "Top-k sampling; 0 disables it. Required with top_p < 1 or min_p > 0 (it bounds the set vLLM returns)."},
+    )
+    min_p: float | None = field(
+        default=None,
+        metadata={"help": "Min-p sampling in [0, 1] (relative to the top token's probability); None/0 disables it. Needs top_k."},
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "vLLM's repetition penalty (> 1 discourages repeating prompt or generated tokens); 1.0 disables "
+            "it. The trainer's log-probs do not apply it, so a value != 1 widens the train/inference mismatch that "
+            "masked importance sampling corrects (more masked tokens, sampling/masked_mean)."
+        },
+    )
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Extra keyword arguments of apply_chat_template (e.g. {'enable_thinking': False})."},
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={"help": "Cap on tool-calling turns per rollout; None: unlimited. Not used yet (no tools in this version)."},
+    )
 
     # -- vLLM server --------------------------------------------------------------------------------
     vllm_server_base_url: str | list[str] = field(
@@ -81,25 +152,116 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata={"help": "One URL, several separated by commas, or a list: requests go to the least busy."},
     )
     vllm_server_timeout: float = field(
-        default=1800.0, metadata={"help": "Bound on every wait for the server (start, each request, each sync)."}
+        default=1800.0,
+        metadata={
+            "help": "Seconds bounding every wait for the server: start-up (TRL's meaning), and each request and "
+            "each weight sync unless request_timeout / weight_sync_timeout say otherwise. 1800: a large model's "
+            "server can take many minutes to start; a timed-out generation request is retried."
+        },
+    )
+    request_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds one generation request may take before it is retried (a few times, then the run "
+            "fails). None: vllm_server_timeout (TRL's default is 600)."
+        },
+    )
+    weight_sync_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds each server call of a weight sync may take (pause, reload or NCCL broadcast, resume) "
+            "before the sync raises instead of hanging. None: vllm_server_timeout (TRL's default is 1800)."
+        },
     )
 
     # -- loss ---------------------------------------------------------------------------------------
-    epsilon: float = field(default=0.2)
-    epsilon_high: float | None = field(default=None, metadata={"help": "None: epsilon. DAPO suggests 0.28."})
-    score_centering: bool = field(default=True)
-    vllm_importance_sampling_clip_min: float = field(default=0.5)
-    vllm_importance_sampling_clip_max: float = field(default=5.0)
-    num_sampler_logprobs: int = field(default=8)
+    epsilon: float = field(
+        default=0.2,
+        metadata={
+            "help": "Lower trust-region half-width: the clipped loss clips the ratio at 1 - epsilon (with "
+            "score_centering it only defines the clip_ratio/* metrics). 0.2: PPO/GRPO's usual value."
+        },
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={"help": "Upper trust-region half-width (ratio clipped at 1 + epsilon_high); None: epsilon. DAPO suggests 0.28."},
+    )
+    score_centering: bool = field(
+        default=True,
+        metadata={
+            "help": "Score-centered loss (True) or GRPO's clipped surrogate (False). True: subtracting the "
+            "sampler's expected score removes the pull toward the sampler that importance weighting leaves."
+        },
+    )
+    vllm_importance_sampling_clip_min: float = field(
+        default=0.5,
+        metadata={
+            "help": "Lower bound of the trainer/sampler ratio exp(logp - sampler logp); a trained token below it "
+            "leaves the loss (masked, not reweighted). 0.5: tolerate a 2x drop, mask what is likely a mismatch."
+        },
+    )
+    vllm_importance_sampling_clip_max: float = field(
+        default=5.0,
+        metadata={
+            "help": "Upper bound of that ratio; a trained token above it leaves the loss. 5.0: a ratio can fall only "
+            "to 0 but rise without bound; far above 1 it is more likely a mismatch than signal, and would dominate."
+        },
+    )
+    num_sampler_logprobs: int = field(
+        default=8,
+        metadata={
+            "help": "Top log-probs the server returns per generated token, for score centering (0 with "
+            "score_centering=False). More covers more of the sampler's mass (sampling/sampler_mass shows how much) "
+            "but costs the server serialization; its --max-logprobs caps it. 8: TRL's default."
+        },
+    )
     token_budget: int | None = field(
-        default=None, metadata={"help": "Forwarded tokens per row (shared counted once); None: server max_model_len."}
+        default=None,
+        metadata={
+            "help": "Tokens one process forwards per micro-batch (a row), shared prefixes counted once; bounds "
+            "peak memory. None: the server's max_model_len, so every sample fits. Longer samples are dropped."
+        },
     )
 
     # -- asynchronous pipeline ------------------------------------------------------------------------
-    max_concurrent_rollouts: int = field(default=512)
-    max_staleness: int = field(default=4)
-    weight_sync_steps: int = field(default=1)
-    rollout_worker_timeout: float = field(default=300.0)
+    max_concurrent_rollouts: int = field(
+        default=512,
+        metadata={
+            "help": "Upper bound on rollouts running at once (each holds a server connection and, with tools, a "
+            "thread). Set it to what environments and tools can take; the server's load may cap it lower."
+        },
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "A sample more than this many policy versions (weight syncs) behind the trainer when taken is "
+            "dropped; generation may also hold max(max_staleness, 1) steps' worth of tokens queued or in flight. "
+            "Versions equal steps when weight_sync_steps=1. 4: enough run-ahead for generation and training to "
+            "overlap, while samples stay within a few updates of the policy."
+        },
+    )
+    weight_sync_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Optimizer steps between weight syncs to the server; each sync is one policy version. 1: the "
+            "freshest samples; raise it when a sync costs much against a step."
+        },
+    )
+    rollout_worker_timeout: float = field(
+        default=300.0,
+        metadata={
+            "help": "Seconds without a heartbeat from the rollout worker before it is declared hung and training "
+            "stops with an error. The heartbeat beats every second, so 300 only fires on a real hang."
+        },
+    )
+    reward_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Seconds one reward-function call (one group) may take. A call past it stops the run with "
+            "an error naming the function and the dataset row, instead of hanging it: a judge that never "
+            "answers must not stall training silently. Generous by default for remote judges."
+        },
+    )
     weight_sync_backend: str = field(
         default="auto",
         metadata={
@@ -111,8 +273,13 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     # -- logging --------------------------------------------------------------------------------------
-    log_completions: bool = field(default=False)
-    num_completions_to_print: int | None = field(default=None)
+    log_completions: bool = field(
+        default=False, metadata={"help": "Print a table of recent completions (prompt, completion, reward) at each log."}
+    )
+    num_completions_to_print: int | None = field(
+        default=None,
+        metadata={"help": "Rows of that table; None: every sample trained since the last log (at most 64)."},
+    )
 
     def __post_init__(self) -> None:
         if self.bf16 is None:
@@ -125,6 +292,11 @@ class AsyncGRPOConfig(TrainingArguments):
             self.vllm_server_base_url = [url.strip() for url in self.vllm_server_base_url.split(",") if url.strip()]
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.request_timeout is None:
+            self.request_timeout = self.vllm_server_timeout
+        if self.weight_sync_timeout is None:
+            self.weight_sync_timeout = self.vllm_server_timeout
+        self._apply_trl_compat(_DEFAULTS["max_concurrent_rollouts"], _DEFAULTS["rollout_worker_timeout"])
         self._validate()
         super().__post_init__()
 
@@ -158,8 +330,11 @@ class AsyncGRPOConfig(TrainingArguments):
         for url in self.vllm_server_base_url:
             if not url.startswith(("http://", "https://")):
                 fail(f"vllm_server_base_url {url!r} must start with http:// or https://")
-        if self.vllm_server_timeout <= 0:
-            fail(f"vllm_server_timeout={self.vllm_server_timeout} must be > 0")
+        for name in ("vllm_server_timeout", "request_timeout", "weight_sync_timeout"):
+            if getattr(self, name) <= 0:
+                fail(f"{name}={getattr(self, name)} must be > 0")
+        if self.repetition_penalty <= 0:
+            fail(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
         if not 0 < self.vllm_importance_sampling_clip_min <= 1 <= self.vllm_importance_sampling_clip_max:
             fail(
                 "need 0 < vllm_importance_sampling_clip_min <= 1 <= vllm_importance_sampling_clip_max, got "
@@ -181,6 +356,8 @@ class AsyncGRPOConfig(TrainingArguments):
             fail(f"weight_sync_steps={self.weight_sync_steps} must be >= 1")
         if self.rollout_worker_timeout <= 0:
             fail(f"rollout_worker_timeout={self.rollout_worker_timeout} must be > 0")
+        if self.reward_timeout <= 0:
+            fail(f"reward_timeout={self.reward_timeout} must be > 0 (seconds one reward call may take)")
         if self.weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
             fail(f"weight_sync_backend={self.weight_sync_backend!r} must be one of {WEIGHT_SYNC_BACKENDS}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -197,3 +374,37 @@ class AsyncGRPOConfig(TrainingArguments):
             fail("DeepSpeed is not supported: use FSDP2 for sharded training")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             fail("num_completions_to_print must be >= 1 or None")
+        self._validate_schedule(fail)
+        self._validate_parallelism(fail)
+
+    def _validate_schedule(self, fail) -> None:
+        """Without max_steps, epochs end training and the number of steps is unknown in advance
+        (it depends on forks and dropped groups): nothing may be sized from it."""
+        if self.max_steps > 0:
+            return
+        if any(0 < steps < 1 for steps in (self.logging_steps, self.save_steps)):
+            fail(
+                "logging_steps/save_steps given as a fraction of training need max_steps > 0: the number of "
+                "steps in an epoch is not known in advance"
+            )
+        schedule = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
+        if schedule not in ("constant", "constant_with_warmup"):
+            fail(
+                f"lr_scheduler_type={schedule!r} decays over max_steps, which epochs cannot give (the number "
+                "of steps depends on forks and drops): set max_steps, or use a constant schedule"
+            )
+
+    def _validate_parallelism(self, fail) -> None:
+        """Tree-packed rows are split between processes by data parallelism only."""
+        config = self.parallelism_config
+        if config is None:
+            return
+        for name in ("cp_size", "sp_size"):
+            if (getattr(config, name, 1) or 1) > 1:
+                fail(
+                    f"parallelism_config.{name}={getattr(config, name)} is not supported: context and sequence "
+                    "parallelism do not apply to tree-packed rows; use FSDP2 (data parallel) only"
+                )
+
+
+_DEFAULTS = {f.name: f.default for f in fields(AsyncGRPOConfig)}

@@ -6,11 +6,13 @@ mismatch, and a trained token whose ratio leaves [clip_min, clip_max] leaves the
 reweighted: a huge ratio would dominate the step).
 
 Normalization: the sum over the micro-batch's entries is divided by `num_trained_tokens_global`
-(the micro-batch's trained tokens counted over all processes, which the caller all-reduces) and by
-`gradient_accumulation_steps`. Summed over processes and accumulation steps, the gradient is then
-the mean over every trained token of the step. DDP and FSDP *average* gradients over processes,
-i.e. divide that sum by the world size: the caller multiplies the loss by the world size before
-backward (this module never sees torch.distributed).
+(the micro-batch's trained tokens counted over all processes, masked ones included, which the
+caller knows from the plan) and by `gradient_accumulation_steps`. Summed over processes and
+accumulation steps, the gradient is then the mean over micro-batches of each micro-batch's
+per-token mean. DDP and FSDP *average* gradients over processes, i.e. divide that sum by the world
+size: the caller multiplies the loss by the world size before backward (this module never sees
+torch.distributed). `epsilon_high` has one default, in AsyncGRPOConfig (it equals `epsilon`).
+docs/algorithm.md derives the formulas.
 
 Metrics are `Stat`s whose merge across micro-batches and processes is exact (means carry their
 (sum, count)); values are detached 0-d tensors, converted by whoever logs them.
@@ -75,7 +77,7 @@ def score_centered_loss(
     clip_min: float,
     clip_max: float,
     epsilon: float,
-    epsilon_high: float | None,
+    epsilon_high: float,
     num_trained_tokens_global: float,
     gradient_accumulation_steps: int,
 ) -> tuple[torch.Tensor, dict[str, Stat]]:
@@ -117,13 +119,12 @@ def clipped_surrogate_loss(
     clip_min: float,
     clip_max: float,
     epsilon: float,
-    epsilon_high: float | None,
+    epsilon_high: float,
     num_trained_tokens_global: float,
     gradient_accumulation_steps: int,
 ) -> tuple[torch.Tensor, dict[str, Stat]]:
     """GRPO's clipped surrogate with the masked ratio (score_centering=False): per entry
     `loss_t = -m_t * min(rho_t * A_t, clip(rho_t, 1 - epsilon, 1 + epsilon_high) * A_t)`."""
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
     rho_sg, mask = importance_ratio(x.logprobs, x.sampler_logprobs, clip_min, clip_max)
     # Recomputed with gradient: exp of -inf (a target outside the candidate set) is a finite 0.
     rho = torch.exp(x.logprobs - x.sampler_logprobs)
@@ -154,13 +155,12 @@ def _normalize(
 
 
 def _shared_metrics(
-    x: LossInputs, rho: torch.Tensor, mask: torch.Tensor, epsilon: float, epsilon_high: float | None
+    x: LossInputs, rho: torch.Tensor, mask: torch.Tensor, epsilon: float, epsilon_high: float
 ) -> dict[str, Stat]:
     """The sampling/*, entropy and clip_ratio/* metrics, over the trained tokens (masked or not)."""
     count = float(len(rho))
     if count == 0:  # nothing to report; an empty extreme (max of nothing) would be wrong
         return {}
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
     advantages = x.advantages.detach()
     logp_diff = (x.logprobs.detach() - x.sampler_logprobs).abs()
     low = (rho < 1.0 - epsilon) & (advantages < 0)

@@ -1,10 +1,9 @@
 """Metrics with their reduction declared where they are recorded.
 
-The seed's window rules: per-rollout/sample/call values are averaged over the logging window; a rate
-is total over total; a name whose last part contains `count` is summed; `max`/`min` keep the
+Window rules (docs/metrics.md): per-rollout/sample/call values are averaged over the logging window;
+a rate is total over total; a name whose last part contains `count` is summed; `max`/`min` keep the
 extreme. Guessing the rule from a name breaks on user-chosen names (a reward function called
-`max_score` must still be averaged), so every record says how it reduces; `reduce_for_name` only
-serves the seed's fixed metric names.
+`max_score` must still be averaged), so every record says how it reduces.
 """
 
 from __future__ import annotations
@@ -48,20 +47,6 @@ class Stat:
         if self.reduce in (Reduce.MEAN, Reduce.RATE):
             return self.value / self.weight if self.weight else math.nan
         return self.value
-
-
-def reduce_for_name(name: str) -> Reduce:
-    """The seed's rule for its own metric names (never for user-chosen ones)."""
-    last = name.rsplit("/", 1)[-1]
-    if "count" in last:
-        return Reduce.SUM
-    if "max" in last:
-        return Reduce.MAX
-    if "min" in last:
-        return Reduce.MIN
-    if last.endswith("tokens_per_s"):
-        return Reduce.RATE
-    return Reduce.MEAN
 
 
 class MetricsWindow:

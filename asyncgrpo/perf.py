@@ -5,7 +5,7 @@ Model FLOPs (no recomputation counted) of one forward+backward:
   + 6 x V x H per loss entry (the output head runs only where a token is trained)
   + 12 x layers x heads x head_dim per attended query-key pair (QK^T and AV, forward and backward).
 Only architectures whose parameter layout this formula matches are supported; for the others, and
-when the device's peak is unknown, MFU is not logged (the seed's rule).
+when the device's peak is unknown, MFU is not logged: a guessed figure would mislead more than none.
 """
 
 from __future__ import annotations

@@ -26,15 +26,40 @@ def test_accuracy_reward_on_the_shipped_sample():
     assert {0.0, 1.0} <= set(rewards), "the sample holds right and wrong answers"
 
 
-def test_accuracy_reward_works_in_a_worker_thread():
-    """Reward functions run in the worker's threads, where signal-based timeouts cannot work."""
+def test_accuracy_reward_works_in_a_worker_thread_with_math_verify_timeouts_on():
+    """Reward functions run in the worker's threads, where SIGALRM-based timeouts cannot work: there
+    the answers are verified in processes whose main thread runs math-verify, timeouts on."""
     results = []
     thread = threading.Thread(
-        target=lambda: results.append(accuracy_reward(as_completions(["\\boxed{\\frac{2}{4}}"]), solution=["0.5"]))
+        target=lambda: results.append(
+            accuracy_reward(as_completions(["\\boxed{\\frac{2}{4}}", "\\boxed{3}"]), solution=["0.5", "4"])
+        )
     )
     thread.start()
-    thread.join(timeout=30)
-    assert results == [[1.0]]
+    thread.join(timeout=60)
+    assert results == [[1.0, 0.0]]
+    from asyncgrpo.rewards import accuracy as module
+
+    assert module._pool is not None, "verified in the pool"
+    assert module._pool.submit(_timeouts_on).result(timeout=30), "the pool's workers run math-verify in a main thread"
+
+
+def _timeouts_on() -> bool:
+    """In a pool worker: math-verify's SIGALRM timeout really fires there."""
+    import time
+
+    import math_verify.errors
+    import math_verify.utils
+
+    @math_verify.utils.timeout(timeout_seconds=1)
+    def slow():
+        time.sleep(5)
+
+    try:
+        slow()
+    except math_verify.errors.TimeoutException:
+        return True
+    return False
 
 
 def test_an_unparsable_reference_scores_none():

@@ -103,7 +103,7 @@ def test_a_server_that_never_answers_times_out_within_the_bound():
             await runner.cleanup()
 
     error, generation_elapsed, control_elapsed, retries = asyncio.run(scenario())
-    # One timed-out attempt is retried (as the seed says generation requests are), then it fails.
+    # One timed-out attempt is retried (generation requests are retried on timeout), then it fails.
     assert 2.0 <= generation_elapsed < 4.0 and retries == 1
     assert control_elapsed < 2.0
     assert "did not answer within 1 s" in str(error)

@@ -237,7 +237,7 @@ def test_metrics_by_hand():
     x.entropy = torch.tensor([1.0, 2.0, 3.0, 4.0])
     x.top_logprobs = torch.zeros(4, 2, dtype=torch.float64)
     x.sampler_top_logprobs = torch.tensor([[math.log(0.5), math.log(0.3)]] * 4, dtype=torch.float64)
-    settings = dict(SETTINGS, epsilon_high=None)
+    settings = dict(SETTINGS, epsilon_high=0.2)
     _, m = score_centered_loss(x, **settings, num_trained_tokens_global=4, gradient_accumulation_steps=1)
     want = {
         "sampling/sampling_logp_difference/mean": (0 + math.log(2) + math.log(4) + -math.log(0.7)) / 4,

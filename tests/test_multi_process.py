@@ -64,5 +64,5 @@ def test_two_processes_train_checkpoint_and_resume_against_the_server(vllm_serve
     assert [entry["step"] for entry in resumed] == [1, 2, 3, 4]  # the restored history, then 3 and 4
     state_2 = json.loads((checkpoint / "rollout_state.json").read_text())
     state_4 = json.loads((tmp_path / "checkpoint-4" / "rollout_state.json").read_text())
-    assert state_4["consumed_prompts"] > state_2["consumed_prompts"] > 0
+    assert state_4["epoch_prompts"] > state_2["epoch_prompts"] > 0
     assert state_4["model_version"] > state_2["model_version"]

@@ -21,7 +21,7 @@ import requests
 import torch
 
 from asyncgrpo.generation.background import BackgroundLoop
-from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.generation.client import VLLMClient, policy_label
 from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer
 from asyncgrpo.weight_sync.base import serving_tensors
 from asyncgrpo.weight_sync.buckets import pack, plan_buckets, unpack
@@ -112,7 +112,7 @@ def test_weights_arrive_exactly_with_the_protocol_in_order():
         backend = sender(bucket_bytes=64 * 1024)
         backend.sync(model, version=1)
         first = received(url)
-        assert first["version"] == "1"
+        assert first["version"] == policy_label(1)
         assert first["checksums"] == expected_checksums(model)
         assert "lm_head.weight" in first["checksums"]  # untied: its own tensor
         assert first["log"] == [
@@ -128,7 +128,7 @@ def test_weights_arrive_exactly_with_the_protocol_in_order():
                 parameter.add_(0.01)
         backend.sync(model, version=2)
         second = received(url)
-        assert second["version"] == "2" and second["checksums"] == expected_checksums(model)
+        assert second["version"] == policy_label(2) and second["checksums"] == expected_checksums(model)
         assert second["checksums"] != first["checksums"]
         backend.close()
         assert received(url)["log"][-1] == "/shutdown_weight_transfer_engine"
@@ -142,7 +142,7 @@ def test_two_servers_join_one_group_at_their_rank_offsets():
         backend.sync(model, version=1)
         for url in urls:
             answer = received(url)
-            assert answer["version"] == "1" and answer["checksums"] == expected_checksums(model)
+            assert answer["version"] == policy_label(1) and answer["checksums"] == expected_checksums(model)
         backend.close()
 
 
@@ -192,7 +192,7 @@ def test_fsdp2_sharded_weights_sync_from_two_processes():
         ]
         assert [worker.wait(timeout=120) for worker in workers] == [0, 0]
         answer = received(url)
-        assert answer["version"] == "1"
+        assert answer["version"] == policy_label(1)
         assert answer["checksums"] == expected_checksums(model)
 
 
@@ -230,16 +230,37 @@ def test_nccl_weights_arrive_bit_exact_on_a_second_gpu():
         backend = sender(timeout_s=60, bucket_bytes=1 << 20)
         backend.sync(model, version=1)
         answer = received(url)
-        assert answer["version"] == "1" and answer["checksums"] == expected_checksums(model)
+        assert answer["version"] == policy_label(1) and answer["checksums"] == expected_checksums(model)
+        backend.close()
+
+
+def test_reconnect_forms_a_new_group_and_weights_arrive_through_it():
+    """What the trainer does after a server restart (which leaves the old group): shut the engine down
+    everywhere, join a new group, send the weights again."""
+    model = tiny_model()
+    with against_doubles() as ([url], sender):
+        backend = sender()
+        backend.sync(model, version=1)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.02)
+        backend.reconnect()
+        backend.sync(model, version=1)
+        answer = received(url)
+        assert answer["checksums"] == expected_checksums(model)
+        log = answer["log"]
+        assert log.count("/init_weight_transfer_engine") == 2
+        assert log.index("/shutdown_weight_transfer_engine") < len(log) - 1 - log[::-1].index("/init_weight_transfer_engine")
         backend.close()
 
 
 def test_server_engine_and_version_detection():
-    from asyncgrpo.weight_sync.nccl import server_transfer_backend, vllm_at_least
+    from asyncgrpo.generation.server_info import parse_server_info
+    from asyncgrpo.weight_sync.nccl import vllm_at_least
 
-    assert server_transfer_backend({"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}) == "nccl"
-    assert server_transfer_backend({"vllm_config": {"weight_transfer_config": None}}) is None
-    assert server_transfer_backend(None) is None
+    assert parse_server_info({"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}).transfer_backend == "nccl"
+    assert parse_server_info({"vllm_config": {"weight_transfer_config": None}}).transfer_backend is None
+    assert parse_server_info(None) is None
     assert vllm_at_least("0.32.0+cpu", (0, 30)) and vllm_at_least("1.0.0", (0, 30))
     assert not vllm_at_least("0.11.1rc2.dev3", (0, 30)) and not vllm_at_least("unknown", (0, 30))
 

@@ -1,5 +1,5 @@
 """Pure pieces of the rollout side: advantages, reward sums, the cap rules, the allowance, prompt
-streams, turn reconciliation, and the seed's reward-function examples."""
+streams, turn reconciliation, and the reward-function examples of TRL's AsyncGRPO documentation."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from asyncgrpo.generation.server_load import ServerLoad
-from asyncgrpo.metrics import MetricsWindow, Reduce, reduce_for_name
+from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.concurrency import TokenAllowance, initial_cap, next_cap
 from asyncgrpo.rollout.prompts import prompt_stream
 from asyncgrpo.rollout.scoring import (
@@ -54,7 +54,7 @@ def test_sum_rewards_skips_none_and_marks_unscored_nan():
     assert total[0] == 1.5 and total[1] == 2.0 and math.isnan(total[2])
 
 
-# -- the seed's reward-function examples, scored as the seed says --------------------------------
+# -- TRL's documented reward-function examples, with the rewards they document -------------------
 
 
 def length_reward(completion_ids, **kwargs):
@@ -87,7 +87,7 @@ def score(functions, prompts, completions, completion_ids, **columns):
     return asyncio.run(run())
 
 
-def test_seed_examples_length_and_format():
+def test_documented_examples_length_and_format():
     prompts = [[{"role": "user", "content": "The sky is"}], [{"role": "user", "content": "The sun is"}]]
     completions = [
         [{"role": "assistant", "content": "<think>3 * 4 = 12.</think><answer>(1 + 2) * 4 = 12</answer>"}],
@@ -97,7 +97,7 @@ def test_seed_examples_length_and_format():
     assert rewards == [[2.0, 4.0], [1.0, 0.0]]
 
 
-def test_seed_example_multi_task_returns_none_for_other_tasks():
+def test_documented_multi_task_example_returns_none_for_other_tasks():
     prompts = [[{"role": "user", "content": "What is 2+2?"}], [{"role": "user", "content": "Write a sum function."}]]
     completions = [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "def f(a, b)"}]]
     per_function = score([math_reward_func, coding_reward_func], prompts, completions, [[1], [2]], task=["math", "code"])
@@ -153,10 +153,9 @@ def test_user_named_metric_is_averaged_whatever_its_name():
         "rollout/generated_tokens_per_s": 100.0,
         "sample/dropped_stale_count": 7,
     }
-    assert reduce_for_name("sample/dropped_stale_count") is Reduce.SUM
 
 
-# -- the adaptive cap (SPEC section 4) -----------------------------------------------------------------
+# -- the adaptive cap (docs/architecture.md, "Three limits on generation") ------------------------------
 
 
 def load(usage: float, waiting: int = 0) -> ServerLoad:
@@ -226,15 +225,15 @@ def test_resume_starts_at_the_index_and_skips_trained_ones():
     assert [item.row_index for item in resumed] == [full[i].row_index for i in (7, 9, 10, 11, 13)]
 
 
-def test_iterable_dataset_streams_and_restarts(caplog):
+def test_iterable_dataset_streams_and_restarts():
     from datasets import Dataset
 
     iterable = Dataset.from_list(rows(4)).to_iterable_dataset()
     items = take(prompt_stream(iterable, seed=0), 8)
     assert [item.stream_index for item in items] == list(range(8))
     assert sorted(item.row["i"] for item in items[:4]) == [0, 1, 2, 3]
-    take(prompt_stream(iterable, seed=0, start_index=5), 1)
-    assert "cannot be repositioned" in caplog.text
+    # A stream cannot seek: a resumed run starts it again from its first prompt (the trainer warns).
+    assert take(prompt_stream(iterable, seed=0, start_index=5), 1)[0].stream_index == 0
 
 
 # -- turns to training sequences -------------------------------------------------------------------------

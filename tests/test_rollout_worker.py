@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.generation.client import VLLMClient, policy_label
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.scoring import group_advantages
@@ -45,7 +47,19 @@ def prompts_dataset(n: int = 16) -> Dataset:
     )
 
 
+def label_server(url: str, version: int = 0) -> None:
+    """What a trainer does before its worker starts: label the weights the server runs as one of its
+    policy versions (rollouts sampled by unlabelled weights are regenerated, see docs/reliability.md)."""
+
+    async def run():
+        async with VLLMClient(url, timeout=60) as client:
+            await client._on_all("POST", "/update_weight_version", {"new_version": policy_label(version)})
+
+    asyncio.run(run())
+
+
 def make_worker(server_url, model_dir, reward_funcs, allowance=1e9, loop_cls=AsyncRolloutLoop, **config_overrides):
+    label_server(server_url)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     options = dict(
         output_dir="/tmp/unused",

@@ -13,13 +13,13 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.generation.client import SamplingParams, VLLMClient
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_label
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 
 pytestmark = pytest.mark.vllm
 
-# The seed's metric names that a plain single-turn run must log (tools/env ones need agents).
-SEED_METRICS = [
+# Metric names (docs/metrics.md) that a plain single-turn run must log (tools/env ones need agents).
+EXPECTED_METRICS = [
     "num_tokens", "loss", "grad_norm", "learning_rate", "entropy", "reward", "reward_trained", "reward_group_std",
     "frac_zero_std_groups", "completions/mean_length", "completions/min_length", "completions/max_length",
     "completions/clipped_ratio", "completions/duplicate_frac", "rewards/token_parity_reward/mean",
@@ -91,7 +91,7 @@ def hf_greedy(model, steps: int = 12) -> list[int]:
 def restore_server(url: str, model_dir) -> None:
     async def run():
         async with VLLMClient(url, timeout=60) as client:
-            await client.reload_weights(str(model_dir), version="0")
+            await client.reload_weights(str(model_dir), version=policy_label(0))
             # Unsalted requests of later tests must not reuse prefixes cached by the trained weights.
             await client.reset_prefix_cache()
 
@@ -106,7 +106,7 @@ def shared_server_weights_restored(request, tiny_model_dir):
         restore_server(request.getfixturevalue("vllm_server").url, tiny_model_dir)
 
 
-def test_training_steps_change_the_weights_the_server_runs_and_log_the_seed_metrics(vllm_server, tiny_model_dir, tmp_path):
+def test_training_steps_change_the_weights_the_server_runs_and_log_the_documented_metrics(vllm_server, tiny_model_dir, tmp_path):
     before_server = server_greedy(vllm_server.url)
     args = make_config(vllm_server, tmp_path, max_steps=3, learning_rate=3e-2, max_grad_norm=0.0)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
@@ -125,18 +125,30 @@ def test_training_steps_change_the_weights_the_server_runs_and_log_the_seed_metr
     assert after_server == expected
     assert after_server != before_server
     logged = set().union(*(entry.keys() for entry in trainer.state.log_history))
-    missing = [name for name in SEED_METRICS if name not in logged]
+    missing = [name for name in EXPECTED_METRICS if name not in logged]
     assert not missing, f"metrics never logged: {missing}"
     first = trainer.state.log_history[0]
     assert first["batch/microbatches_per_step"] == 1 and first["batch/samples_per_step"] > 0
     assert 0.0 <= first["frac_zero_std_groups"] <= 1.0
 
 
-# -- the seed's code examples, with only the import changed ---------------------------------------
+def test_one_epoch_ends_training_once_every_prompt_is_counted(vllm_server, tiny_model_dir, tmp_path):
+    """Without max_steps, num_train_epochs counts prompts (docs/configuration.md): one epoch over six
+    prompts stops once six prompts were trained or consumed without samples."""
+    args = make_config(vllm_server, tmp_path, num_train_epochs=1, max_steps=-1)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts(6))
+    output = trainer.train()
+    assert output.global_step >= 1
+    assert trainer._ledger.epoch_prompts >= 6 and trainer.state.epoch >= 1.0
+    watermark, resolved_after = trainer._ledger.state()
+    assert watermark + len(resolved_after) >= trainer._ledger.epoch_prompts, "a counted prompt is resolved"
+
+
+# -- TRL's documented code examples, with only the import changed --------------------------------
 
 
 def reward_len(completion_ids, **kwargs):
-    """Seed example 1: longer completions score higher."""
+    """Documented example 1: longer completions score higher."""
     return [float(len(ids)) for ids in completion_ids]
 
 
@@ -160,7 +172,7 @@ async def async_reward_func(prompts, completions, **kwargs):
     return [1.0 if completion else 0.0 for completion in completions]
 
 
-def test_seed_reward_examples_train(vllm_server, tiny_model_dir, tmp_path):
+def test_documented_reward_examples_train(vllm_server, tiny_model_dir, tmp_path):
     dataset = Dataset.from_list(
         [
             {"prompt": [{"role": "user", "content": "What is 2+2?"}], "task": "math"},
@@ -181,7 +193,7 @@ def test_seed_reward_examples_train(vllm_server, tiny_model_dir, tmp_path):
         assert f"rewards/{name}/mean" in logged
 
 
-# The seed's CurriculumRolloutLoop, defined at module level as the seed says (the worker re-imports it).
+# TRL's documented CurriculumRolloutLoop, defined at module level (the worker process re-imports it).
 from dataclasses import dataclass  # noqa: E402
 
 from asyncgrpo.trainer.async_grpo_trainer import AsyncRolloutLoop  # noqa: E402
@@ -214,7 +226,7 @@ def positive_if_even_start(completion_ids, **kwargs):
     return [1.0 if ids and ids[0] % 2 == 0 else 0.0 for ids in completion_ids]
 
 
-def test_seed_curriculum_loop_with_config_subclass(vllm_server, tiny_model_dir, tmp_path):
+def test_documented_curriculum_loop_with_config_subclass(vllm_server, tiny_model_dir, tmp_path):
     config = make_config(vllm_server, tmp_path, config_class=CurriculumConfig, max_steps=2, num_generations=8)
     assert config.pass_rate_cap == 0.9
     trainer = CurriculumTrainer(
@@ -225,7 +237,8 @@ def test_seed_curriculum_loop_with_config_subclass(vllm_server, tiny_model_dir, 
 
 
 def test_the_config_subclass_field_reaches_the_worker(vllm_server, tiny_model_dir, tmp_path):
-    """With pass_rate_cap=0 the seed's filter rejects every prompt: the worker says so (seed rule)."""
+    """With pass_rate_cap=0 the curriculum filter rejects every prompt: the worker says so, since no
+    sample could ever reach the trainer."""
     from asyncgrpo.rollout.worker import RolloutWorkerError
 
     config = make_config(vllm_server, tmp_path, config_class=CurriculumConfig, max_steps=2, pass_rate_cap=0.0)
@@ -237,7 +250,7 @@ def test_the_config_subclass_field_reaches_the_worker(vllm_server, tiny_model_di
 
 
 def test_quick_start_shape_with_accuracy_reward(vllm_server, tiny_model_dir, tmp_path):
-    """The seed's quick start: model, accuracy_reward, a dataset with a `solution` column. The random
+    """TRL's documented quick start: model, accuracy_reward, a dataset with a `solution` column. The random
     tiny model never writes a \\boxed{} answer, so every group scores 0: the run must say so and stop
     after one pass over the prompts instead of waiting forever."""
     from asyncgrpo.rewards import accuracy_reward

@@ -11,7 +11,6 @@ from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.generation.client import VLLMUnavailableError
-from asyncgrpo.trainer.checks import check_parallelism
 
 
 def some_reward(completions, **kwargs):
@@ -44,6 +43,8 @@ def test_unknown_config_value_is_rejected():
         ({"use_liger_kernel": True}, "use_liger_kernel=True is not supported"),
         ({"vllm_server_base_url": "localhost:8000"}, "must start with http"),
         ({"score_centering": True, "num_sampler_logprobs": 0}, "num_sampler_logprobs > 0"),
+        ({"lr_scheduler_type": "linear"}, "set max_steps, or use a constant schedule"),
+        ({"logging_steps": 0.1}, "fraction of training need max_steps > 0"),
     ],
 )
 def test_bad_config_values_fail_at_construction(overrides, message):
@@ -51,7 +52,7 @@ def test_bad_config_values_fail_at_construction(overrides, message):
         AsyncGRPOConfig(output_dir="x", **overrides)
 
 
-def test_seed_defaults():
+def test_trl_defaults():
     args = AsyncGRPOConfig(output_dir="x")
     assert (args.logging_steps, args.learning_rate, args.gradient_checkpointing) == (1, 1e-6, True)
     assert args.lr_scheduler_type == "constant" and args.ignore_data_skip and not args.remove_unused_columns
@@ -91,11 +92,13 @@ def test_reward_models_are_rejected(tiny_model_dir, tmp_path):
         )
 
 
-def test_context_and_sequence_parallelism_are_rejected():
+def test_context_and_sequence_parallelism_are_rejected_by_the_config():
+    from accelerate import ParallelismConfig
+
     with pytest.raises(ValueError, match="cp_size=2 is not supported"):
-        check_parallelism(SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=2, sp_size=1)))
+        AsyncGRPOConfig(output_dir="x", parallelism_config=ParallelismConfig(cp_size=2))
     with pytest.raises(ValueError, match="sp_size=4 is not supported"):
-        check_parallelism(SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=1, sp_size=4)))
+        AsyncGRPOConfig(output_dir="x", parallelism_config=SimpleNamespace(cp_size=1, sp_size=4))
 
 
 def test_deepspeed_is_rejected():
@@ -169,8 +172,51 @@ def test_processes_launched_but_not_joined_are_refused(monkeypatch):
 def test_multi_process_limits_are_said_at_start():
     from asyncgrpo.trainer.checks import check_multi_process
 
-    with pytest.raises(ValueError, match="without an FSDP or DeepSpeed config"):
-        check_multi_process(sharded_by_accelerate=True, has_optimizer=False)
+    with pytest.raises(ValueError, match="not a DeepSpeed one"):
+        check_multi_process(deepspeed=True, has_optimizer=False)
     with pytest.raises(ValueError, match="do not pass `optimizers`"):
-        check_multi_process(sharded_by_accelerate=False, has_optimizer=True)
-    check_multi_process(sharded_by_accelerate=False, has_optimizer=False)
+        check_multi_process(deepspeed=False, has_optimizer=True)
+    check_multi_process(deepspeed=False, has_optimizer=False)
+
+
+def test_the_tokenizer_loads_the_revision_of_model_init_kwargs(tiny_model_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    import asyncgrpo.trainer.async_grpo_trainer as trainer_module
+
+    seen = []
+    load = AutoTokenizer.from_pretrained
+
+    def recording(name, *args, **kwargs):
+        seen.append(kwargs.get("revision"))
+        return load(name, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.AutoTokenizer, "from_pretrained", recording)
+    args = config(tmp_path, model_init_kwargs={"revision": "main"})
+    AsyncGRPOTrainer(str(tiny_model_dir), some_reward, args, train_dataset=conversational())
+    assert seen == ["main"]
+
+
+def test_torch_compile_leaves_the_callers_args_as_given(tiny_model_dir, tmp_path):
+    args = config(tmp_path, torch_compile=True)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), some_reward, args, train_dataset=conversational())
+    assert args.torch_compile and args.torch_compile_backend == "inductor"
+    assert trainer._compile_layers and not trainer.args.torch_compile and trainer.args.torch_compile_backend is None
+
+
+def test_vision_language_checkpoints_are_refused(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.config.vision_config = {"model_type": "siglip_vision_model"}
+    with pytest.raises(NotImplementedError, match="vision-language checkpoint"):
+        AsyncGRPOTrainer(model, some_reward, config(tmp_path), train_dataset=conversational())
+    by_name = tmp_path / "vlm"
+    shutil.copytree(tiny_model_dir, by_name)
+    settings = json.loads((by_name / "config.json").read_text())
+    (by_name / "config.json").write_text(json.dumps(dict(settings, vision_config={"model_type": "siglip_vision_model"})))
+    with pytest.raises(NotImplementedError, match="vision-language checkpoint"):
+        AsyncGRPOTrainer(str(by_name), some_reward, config(tmp_path), train_dataset=conversational())

@@ -106,8 +106,8 @@ def compare_with_reference(rng, num_tokens, window=None, softcap=None, heads=(4,
     return out.detach()
 
 
-def test_mask_rule_on_seed_example():
-    """The seed's worked example: [p1 p2] -> [p3 a1 a2] | [p3 b1 b2]."""
+def test_mask_rule_on_the_worked_example():
+    """The worked example of docs/architecture.md: [p1 p2] -> [p3 a1 a2] | [p3 b1 b2]."""
     subtree_end = torch.tensor([8, 8, 5, 5, 5, 8, 8, 8])
     positions = torch.tensor([0, 1, 2, 3, 4, 2, 3, 4])
     mask = build_tree_block_mask(subtree_end, positions)

@@ -34,7 +34,7 @@ def attention_keys(row, q: int) -> np.ndarray:
     return kv[q < row.subtree_end[: q + 1]]
 
 
-# Worked example of the seed: p = [1, 2, 3], a = [10, 11], b = [20, 21].
+# The worked example of docs/architecture.md ("Tree packing"): p = [1, 2, 3], a = [10, 11], b = [20, 21].
 P1, P2, P3, A1, A2, B1, B2 = 1, 2, 3, 10, 11, 20, 21
 
 

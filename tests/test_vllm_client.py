@@ -150,7 +150,7 @@ def test_max_model_len_and_version(vllm_server):
     max_len, version, info = run(scenario())
     assert max_len == 1024
     assert version.startswith("0.")
-    assert info["vllm_config"]["model_config"]["logprobs_mode"] == "processed_logprobs"
+    assert info.logprobs_mode == "processed_logprobs" and info.dtype == "float32" and not info.lora_enabled
 
 
 def test_prompt_longer_than_max_model_len_fails_with_server_message(vllm_server):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_cache_salt
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_cache_salt, policy_label
 
 pytestmark = pytest.mark.vllm
 
@@ -54,7 +54,7 @@ def test_reload_weights_from_directory_serves_the_new_weights(vllm_server, tiny_
                 await client.resume()  # never leave the shared server paused
             after = await client.complete(PROMPT, GREEDY, seed=0)
             # Restore the shared server for the tests that follow.
-            await client.reload_weights(str(tiny_model_dir), version="0")
+            await client.reload_weights(str(tiny_model_dir), version=policy_label(0))
             await client.reset_prefix_cache()  # these requests are unsalted: drop v1's cached prefixes
             restored = await client.complete(PROMPT, GREEDY, seed=0)
             return before, after, restored
@@ -89,7 +89,7 @@ def test_after_a_sync_without_a_cache_clear_the_new_version_never_reuses_old_pre
                 await client.resume()  # never leave the shared server paused
             fresh = await client.complete(long_prompt, one_token, seed=0, cache_salt=policy_cache_salt(1))
             stale = await client.complete(long_prompt, one_token, seed=0, cache_salt=policy_cache_salt(0))
-            await client.reload_weights(str(tiny_model_dir), version="0")
+            await client.reload_weights(str(tiny_model_dir), version=policy_label(0))
             await client.reset_prefix_cache()  # no request holds blocks now: leave no stale prefix behind
             return fresh, stale
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ import aiohttp
 import msgspec
 
 from asyncgrpo.generation.responses import Completion, parse_completion_response, parse_generate_response
+from asyncgrpo.generation.server_info import ServerInfo, parse_server_info
 from asyncgrpo.generation.server_load import ServerLoad, parse_server_load
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,33 @@ class SamplingParams:
         }
 
 
+POLICY_LABEL_PREFIX = "asyncgrpo-policy-"
+
+
+def policy_label(version: int) -> str:
+    """The weight-version label the trainer gives the servers with policy `version`. A server that
+    reports any other label (vLLM's own is "default") runs weights the trainer did not push: it was
+    restarted and serves its original checkpoint."""
+    return f"{POLICY_LABEL_PREFIX}{version}"
+
+
+def parse_policy_label(label: str | None) -> int | None:
+    """The policy version of a label `policy_label` made; None for any other label."""
+    if not label or not label.startswith(POLICY_LABEL_PREFIX):
+        return None
+    try:
+        return int(label[len(POLICY_LABEL_PREFIX) :])
+    except ValueError:
+        return None
+
+
+def auth_headers() -> dict[str, str]:
+    """vLLM's convention: a server started with `--api-key` (or VLLM_API_KEY) wants it as a bearer
+    token; every request of ours sends it when the variable is set."""
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def policy_cache_salt(version: int) -> str:
     """The `cache_salt` of a request sent under policy `version`. vLLM keys prefix-cache blocks by
     it, so after a weight sync new requests never reuse KV computed by older weights, and nothing
@@ -108,6 +137,7 @@ class VLLMClient:
         timeout: float = 1800.0,
         model: str | None = None,
         generation_timeout_retries: int = 3,
+        request_timeout: float | None = None,
     ):
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
@@ -116,6 +146,7 @@ class VLLMClient:
         self.timeout = float(timeout)
         self.model = model
         self.generation_timeout_retries = generation_timeout_retries
+        self.request_timeout = request_timeout  # per generation request; None: `timeout`
         self.retry_count = 0
         self._in_flight = dict.fromkeys(self.base_urls, 0)
         self._tie_breaker = itertools.count()
@@ -135,7 +166,7 @@ class VLLMClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # No connection cap here: the rollout worker's own concurrency limits govern.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers())
         return self._session
 
     # -- transport -----------------------------------------------------------------------------
@@ -150,11 +181,16 @@ class VLLMClient:
         timeout_retries: int = 0,
         timeout: float | None = None,
         retry: bool = True,
+        retry_server_errors: bool = True,
+        unreachable: list[str] | None = None,
     ) -> bytes:
         """One HTTP call with the retry policy of this module; returns the body of a 2xx.
 
         `retry=False` is for calls that must not be repeated (joining a collective, receiving a
-        broadcast): any failure raises at once."""
+        broadcast): any failure raises at once. `retry_server_errors=False` still waits out an
+        unreachable server but takes a 5xx answer as final (a reload the server rejects is not
+        going to succeed on the next try). Each connection failure that was retried is appended to
+        `unreachable` when given: the server answering afterwards may be a restarted one."""
         url = base_url + path
         budget = self.timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
@@ -185,13 +221,18 @@ class VLLMClient:
                             f"the vLLM engine behind {url} has died and will not recover: {message} "
                             "(its log has the cause); restart the server"
                         )
+                    if not retry_server_errors:
+                        raise VLLMRequestError(url, response.status, message)
                     error: str = f"HTTP {response.status}: {message}"
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
+                if unreachable is not None:
+                    unreachable.append(error)
             except asyncio.TimeoutError:
                 if timeouts_left <= 0 or not retry:
                     raise VLLMUnavailableError(
-                        f"vLLM server {url} did not answer within {budget:.0f} s (vllm_server_timeout)"
+                        f"vLLM server {url} did not answer within {budget:.0f} s (vllm_server_timeout, request_timeout, "
+                        "weight_sync_timeout)"
                     ) from None
                 timeouts_left -= 1
                 deadline = loop.time() + budget
@@ -220,10 +261,16 @@ class VLLMClient:
             return data.decode(errors="replace")
 
     async def _on_all(self, method: str, path: str, payload: Any = None, **kwargs) -> list[Any]:
-        """The same call on every server at once (pause, reload, metrics...)."""
-        return list(
-            await asyncio.gather(*(self._json(method, url, path, payload, **kwargs) for url in self.base_urls))
+        """The same call on every server at once (pause, reload, metrics...). Every server's call
+        runs to its end even when another's fails (a failed pause must not leave the others
+        un-resumed); the first error is raised after all have finished."""
+        answers = await asyncio.gather(
+            *(self._json(method, url, path, payload, **kwargs) for url in self.base_urls), return_exceptions=True
         )
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return list(answers)
 
     def _least_busy(self) -> str:
         if len(self.base_urls) == 1:
@@ -271,18 +318,22 @@ class VLLMClient:
         answers = await self._on_all("GET", "/v1/models")
         return min(int(answer["data"][0]["max_model_len"]) for answer in answers)
 
+    async def weight_labels(self, urls: list[str] | None = None) -> list[str]:
+        """Each server's weight-version label (`GET /weight_info`), in `base_urls` order (or `urls`')."""
+        answers = await asyncio.gather(*(self._json("GET", url, "/weight_info") for url in urls or self.base_urls))
+        return [str(answer.get("weight_version")) for answer in answers]
+
     async def version(self) -> str:
         return (await self._json("GET", self.base_urls[0], "/version"))["version"]
 
-    async def server_info(self) -> dict[str, Any] | None:
-        """`/server_info` (dev mode); None on servers that do not have it."""
+    async def server_info(self) -> ServerInfo | None:
+        """What the first server was started with (`/server_info`, dev mode); None when it does
+        not say. Every server of a run is expected to be started alike."""
         try:
-            return await self._json("GET", self.base_urls[0], "/server_info", params={"config_format": "json"})
+            answer = await self._json("GET", self.base_urls[0], "/server_info", params={"config_format": "json"})
         except VLLMRequestError:
             return None
-
-    async def world_size(self) -> int:
-        return sum(await self.world_sizes())
+        return parse_server_info(answer if isinstance(answer, dict) else None)
 
     async def world_sizes(self) -> list[int]:
         """Worker processes (TP x PP x DP) of each server, in `base_urls` order."""
@@ -303,8 +354,7 @@ class VLLMClient:
         """Whether every server reports top-k/top-p candidate sets (`--return-sampling-mask`
         and `--enable-scale-out`)."""
         info = await self.server_info()
-        model_config = ((info or {}).get("vllm_config") or {}).get("model_config") or {}
-        return bool(model_config.get("return_sampling_mask")) and await self.supports_token_generate()
+        return info is not None and info.return_sampling_mask and await self.supports_token_generate()
 
     # -- generation --------------------------------------------------------------------------------
 
@@ -329,8 +379,14 @@ class VLLMClient:
             "stream": False,
             **sampling.as_request_fields(),
         }
-        body = await self._generation_call("/v1/completions", payload, cache_salt)
-        return parse_completion_response(body, sampling.num_top_logprobs)
+        unreachable: list[str] = []
+        url, body = await self._generation_call("/v1/completions", payload, cache_salt, unreachable)
+        completion = parse_completion_response(body, sampling.num_top_logprobs)
+        if unreachable:
+            # This route does not say which weights sampled the tokens: after losing the server once,
+            # ask which weights it runs now (a restarted server answers with vLLM's own label).
+            completion.weight_labels = tuple(await self.weight_labels([url]))
+        return completion
 
     async def generate_tokens(
         self,
@@ -349,16 +405,23 @@ class VLLMClient:
         top = sampling.num_top_logprobs + 1 if sampling.num_top_logprobs > 0 else 0
         fields.update(seed=seed, logprobs=top, detokenize=False)
         payload = {"token_ids": prompt_ids, "sampling_params": fields, "model": model or await self.model_name()}
-        body = await self._generation_call("/inference/v1/generate", payload, cache_salt)
+        _, body = await self._generation_call("/inference/v1/generate", payload, cache_salt)
         return parse_generate_response(body, sampling.num_top_logprobs)
 
-    async def _generation_call(self, path: str, payload: dict[str, Any], cache_salt: str | None) -> bytes:
+    async def _generation_call(
+        self, path: str, payload: dict[str, Any], cache_salt: str | None, unreachable: list[str] | None = None
+    ) -> tuple[str, bytes]:
+        """(the server that answered, its answer)."""
         if cache_salt is not None:  # both generation routes take it at the top level
             payload["cache_salt"] = cache_salt
         url = self._least_busy()
         self._in_flight[url] += 1
         try:
-            return await self._request("POST", url, path, payload, timeout_retries=self.generation_timeout_retries)
+            body = await self._request(
+                "POST", url, path, payload, timeout_retries=self.generation_timeout_retries,
+                timeout=self.request_timeout, unreachable=unreachable,
+            )  # fmt: skip
+            return url, body
         finally:
             self._in_flight[url] -= 1
 
@@ -376,17 +439,18 @@ class VLLMClient:
 
     # -- control (dev mode: VLLM_SERVER_DEV_MODE=1) --------------------------------------------------
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+    async def pause(self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None) -> None:
         """Stop scheduling. `keep` freezes running requests (they continue on resume), `wait`
         lets them finish first, `abort` ends them. `clear_cache=True` also empties the KV and
         prefix caches, which under `keep` preempts every frozen request: on resume each one
         recomputes its whole KV. The trainer does not need that: requests carry their policy
         version as `cache_salt` (see `policy_cache_salt`), so no request reuses a prefix computed
         by older weights than its own version's."""
-        await self._on_all("POST", "/pause", params={"mode": mode, "clear_cache": "true" if clear_cache else "false"})
+        clear = "true" if clear_cache else "false"
+        await self._on_all("POST", "/pause", params={"mode": mode, "clear_cache": clear}, timeout=timeout)
 
-    async def resume(self) -> None:
-        await self._on_all("POST", "/resume")
+    async def resume(self, timeout: float | None = None) -> None:
+        await self._on_all("POST", "/resume", timeout=timeout)
 
     async def is_paused(self) -> bool:
         return all(answer["is_paused"] for answer in await self._on_all("GET", "/is_paused"))
@@ -394,20 +458,15 @@ class VLLMClient:
     async def reset_prefix_cache(self) -> None:
         await self._on_all("POST", "/reset_prefix_cache")
 
-    async def reload_weights(self, weights_dir: str, version: str | None = None) -> None:
+    async def reload_weights(self, weights_dir: str, version: str | None = None, timeout: float | None = None) -> None:
         """Load new weights from a directory of safetensors (HF names) on every server. Prefix-cache
         entries of the old weights stay, under their own `cache_salt`; callers that send no salt
         must `reset_prefix_cache` (it succeeds only once no request holds blocks)."""
         payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
-        calls = [self._on_all("POST", "/collective_rpc", payload)]
+        calls = [self._on_all("POST", "/collective_rpc", payload, retry_server_errors=False, timeout=timeout)]
         if version is not None:  # only a label: set it alongside, not after, while the servers wait
-            calls.append(self._on_all("POST", "/update_weight_version", {"new_version": version}))
+            calls.append(self._on_all("POST", "/update_weight_version", {"new_version": version}, timeout=timeout))
         await asyncio.gather(*calls)
-
-    async def weight_checksums(self) -> dict[str, str]:
-        """Per-tensor checksums of the weights the (first) server runs."""
-        answer = await self._json("POST", self.base_urls[0], "/weight_checker", {"action": "checksum"})
-        return answer["checksums"]
 
     # -- native weight transfer (`--weight-transfer-config`): never retried, each call joins a
     # collective or a protocol step that must happen exactly once --------------------------------

@@ -34,7 +34,9 @@ class Completion:
     top_ids: np.ndarray | None = None  # (n, N) int64
     top_logprobs: np.ndarray | None = None  # (n, N) float32
     sampling_masks: list[np.ndarray] | None = None
-    weight_version: str | None = None
+    # The weight-version labels of the weights that sampled the tokens, in order (token route only;
+    # () when the server does not report them). More than one: a weight sync happened mid-request.
+    weight_labels: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +76,11 @@ class _GenerateLogprobs(msgspec.Struct):
 
 
 class _WeightVersionSpan(msgspec.Struct):
-    weight_version: str | None = None
+    """Output tokens [start, end) were sampled by the weights labelled `version`."""
+
+    version: str
+    start: int = 0
+    end: int = 0
 
 
 class _GenerateChoice(msgspec.Struct):
@@ -234,7 +240,5 @@ def parse_generate_response(body: bytes, num_top: int) -> Completion:
     masks = None
     if choice.sampling_mask is not None:
         masks = [np.asarray(ids, dtype=np.int64) for ids in choice.sampling_mask]
-    version = None
-    if choice.weight_versions:
-        version = choice.weight_versions[-1].weight_version
-    return Completion(token_ids, logprobs, choice.finish_reason, top_ids, top_logprobs, masks, version)
+    labels = tuple(span.version for span in choice.weight_versions or ())
+    return Completion(token_ids, logprobs, choice.finish_reason, top_ids, top_logprobs, masks, labels)

@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncgrpo.generation.client import auth_headers
 from asyncgrpo.generation.model_flags import model_flags
 
 
@@ -119,11 +120,18 @@ def format_command(argv: list[str], env: dict[str, str]) -> str:
     return " ".join([*(f"{key}={shlex.quote(value)}" for key, value in env.items()), shlex.join(argv)])
 
 
+def guarded(argv: list[str]) -> list[str]:
+    """`argv` under the guard (generation/guard.py): it runs in a process group of its own and is
+    stopped when this process dies, however it dies (a SIGKILL included)."""
+    return [sys.executable, "-m", "asyncgrpo.generation.guard", str(os.getpid()), "--", *argv]
+
+
 class VLLMServer:
     """A `vllm serve` child process: `with VLLMServer(options) as server: ... server.url`.
 
     The server runs in its own process group so that stopping it also stops the engine processes
-    it spawns; on exit it gets SIGTERM, then SIGKILL after `stop_timeout` seconds.
+    it spawns; on exit it gets SIGTERM, then SIGKILL after `stop_timeout` seconds. It runs under the
+    guard, so it also stops when this process dies without stopping it.
     """
 
     def __init__(
@@ -156,7 +164,7 @@ class VLLMServer:
         with open(self.log_path, "ab") as log:
             log.write(f"$ {format_command(argv, env_additions)}\n".encode())
             self.process = subprocess.Popen(
-                argv,
+                guarded(argv),
                 env={**os.environ, **env_additions},
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -177,7 +185,8 @@ class VLLMServer:
                     f"last lines of {self.log_path}:\n{self.log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as response:
+                request = urllib.request.Request(self.url + "/v1/models", headers=auth_headers())
+                with urllib.request.urlopen(request, timeout=2) as response:
                     if response.status == 200:
                         return
             except (urllib.error.URLError, OSError):
@@ -216,7 +225,7 @@ def serve_foreground(options: ServerOptions) -> int:
     """`asyncgrpo serve`: print the exact command, run it, forward SIGINT/SIGTERM, return its code."""
     argv, env_additions = build_command(options)
     print(format_command(argv, env_additions), flush=True)
-    process = subprocess.Popen(argv, env={**os.environ, **env_additions}, start_new_session=True)
+    process = subprocess.Popen(guarded(argv), env={**os.environ, **env_additions}, start_new_session=True)
 
     def forward(signum, _frame):
         _signal_group(process, signum)

@@ -1,6 +1,7 @@
 """The vLLM server's load, read from its Prometheus `/metrics` text.
 
-The rollout worker sizes its concurrency cap from these numbers (SPEC section 4) and logs them as
+The rollout worker sizes its concurrency cap from these numbers (docs/architecture.md, "Three limits
+on generation") and logs them as
 `rollout/vllm_*`. One server may run several engines (data parallel): KV usage is the maximum over
 engines (the fullest one preempts first), counts are sums.
 """

@@ -2,7 +2,7 @@
 
 A micro-batch holds one row per training process; each row is packed as a prefix trie and may
 forward at most `token_budget` tokens, shared tokens counted once. Samples are offered one at a
-time, in queue order (SPEC section 5):
+time, in queue order:
   1. a sample longer than the budget on its own can never be trained: it is dropped and counted;
   2. it goes to the row already holding its group, where its prompt is already forwarded;
   3. when that row is full, it spills to another row if some row is still empty, or if adding it
@@ -26,6 +26,12 @@ import numpy as np
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.packing.trie import PrefixTrie, prediction_targets
 from asyncgrpo.sample import Sample
+
+# The trainer's `min_shared_tokens` (see PrefixTrie): a prefix shorter than one attention block is not
+# shared with samples whose own tails are longer than a block. 128 is the block size of the tree
+# attention kernel (FlexAttention's default sparse block); a planner with another kernel would pick
+# its own, which is why this is the planner's setting and not read from the kernel.
+MIN_SHARED_TOKENS = 128
 
 
 class Placement(enum.Enum):

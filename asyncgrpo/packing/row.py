@@ -1,7 +1,7 @@
 """A packed row: several samples laid out as one prefix trie, ready for one forward pass.
 
-Layout (see the seed's "Đóng gói cây" worked example): the trie's segments (maximal runs of tokens
-with one child) are laid out depth-first, so every ancestor of a token sits before it. A token at
+Layout (docs/architecture.md, "Tree packing", works an example): the trie's segments (maximal runs
+of tokens with one child) are laid out depth-first, so every ancestor of a token sits before it. A token at
 packed index `q` may attend to packed index `kv` iff `kv <= q < subtree_end[kv]`: `kv` is at or
 before `q`, and `q` lies inside the subtree of the segment that holds `kv`. With no sharing this is
 the usual document mask of padding-free packing.

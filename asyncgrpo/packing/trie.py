@@ -6,8 +6,9 @@ ratio, while the attention rule of `PackedRow` still shows each sample exactly i
 
 The one-target rule: a packed position's output predicts at most one token, so two samples share
 the node at position i only if they agree on tokens[0..i] and on the target of position i
-(tokens[i+1] when trained[i+1], else none). That is why the seed's worked example forwards p3 twice:
-it predicts a1 in r0 and b1 in r1. A position without a target is a wildcard: it joins a node
+(tokens[i+1] when trained[i+1], else none). That is why, with a prompt p1 p2 p3 and completions a1 a2 and
+b1 b2, p3 is forwarded twice: it predicts a1 in one sample and b1 in the other (docs/architecture.md,
+"Tree packing"). A position without a target is a wildcard: it joins a node
 whatever that node's target, and a node without a target takes the target of the first sample
 that needs one (a completion that is a strict prefix of another then shares all its tokens).
 

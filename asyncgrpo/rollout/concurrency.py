@@ -1,4 +1,4 @@
-"""The three limits on how many rollouts run (SPEC section 4).
+"""The three limits on how many rollouts run (docs/architecture.md, "Three limits on generation").
 
 1. Staleness budget, in tokens (`TokenAllowance`): the trainer publishes a cumulative limit on the
    tokens the worker may have produced; queued plus in-flight tokens must stay under it. Until the
@@ -89,12 +89,26 @@ class RolloutSlots:
     sees them before their tasks run and never starts more groups than there is room for.
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, stall_timeout_s: float = math.inf):
         self.limit = limit
         self.running = 0
         self.waiting = 0
         self.reserved = 0
+        # No rollout finishing for this long means generation is stuck (every request is bounded
+        # by vllm_server_timeout): waiting for a place then fails instead of hanging.
+        self.stall_timeout_s = stall_timeout_s
         self._changed = asyncio.Condition()
+
+    async def _wait(self, predicate, what: str) -> None:
+        try:
+            await asyncio.wait_for(
+                self._changed.wait_for(predicate), None if math.isinf(self.stall_timeout_s) else self.stall_timeout_s
+            )
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"waited {self.stall_timeout_s:g} s {what} but none of the {self.running} running rollouts finished: "
+                "generation is stuck (a server or a tool that never answers?)"
+            ) from None
 
     def reserve(self, count: int) -> None:
         self.reserved += count
@@ -105,7 +119,7 @@ class RolloutSlots:
             self.reserved -= 1
             self.waiting += 1
             try:
-                await self._changed.wait_for(lambda: self.running < self.limit)
+                await self._wait(lambda: self.running < self.limit, "for a place to run a rollout")
             finally:
                 self.waiting -= 1
             self.running += 1
@@ -123,4 +137,4 @@ class RolloutSlots:
     async def wait_for_room(self) -> None:
         """Until a new group's rollouts could start without queueing behind others."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self.running + self.waiting + self.reserved < self.limit)
+            await self._wait(lambda: self.running + self.waiting + self.reserved < self.limit, "for room to start a group")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import signal
 import time
@@ -21,7 +20,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_cache_salt
+from asyncgrpo.generation.client import (
+    SamplingParams,
+    VLLMClient,
+    VLLMUnavailableError,
+    parse_policy_label,
+    policy_cache_salt,
+)
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.concurrency import (
     LOAD_POLL_INTERVAL_S,
@@ -35,6 +40,7 @@ from asyncgrpo.rollout.prompts import PromptItem, prompt_stream
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
 from asyncgrpo.rollout.scoring import (
     call_reward_functions,
+    finite_reward,
     group_advantages,
     is_degenerate_group,
     reward_function_name,
@@ -46,11 +52,21 @@ from asyncgrpo.sample import Sample
 
 logger = logging.getLogger(__name__)
 
+
+class ServerLostWeightsError(RuntimeError):
+    """A server answered with weights the trainer did not push (it restarted from its checkpoint)."""
+
 HEARTBEAT_INTERVAL_S = 1.0
 METRICS_FLUSH_INTERVAL_S = 1.0
 # Groups scored at once. Scoring is mostly waiting (threads, async judges, the event loop running
 # generation callbacks between them), so many groups in flight keep it off the critical path.
 SCORE_CONCURRENCY = 64
+# What the user's close() hook may take when the loop stops, before the process leaves without it.
+CLOSE_HOOK_TIMEOUT_S = 30.0
+# Beyond reward_timeout, how long a full scoring queue may stand still before scoring counts as stuck.
+SCORE_QUEUE_GRACE_S = 60.0
+# How many vllm_server_timeouts the trainer may leave the staleness budget unmoved before it counts as stuck.
+ALLOWANCE_STALL_FACTOR = 4
 
 
 class AsyncRolloutLoop:
@@ -142,12 +158,21 @@ class AsyncRolloutLoop:
             top_p=self.config.top_p,
             top_k=self.config.top_k,
             min_p=self.config.min_p or 0.0,
+            repetition_penalty=self.config.repetition_penalty,
             num_top_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else 0,
         )
         version = self.model_version_value.value
         seed = self._request_seeds.getrandbits(62)
         generate = self.client.generate_tokens if self._token_route else self.client.complete
         completion = await generate(prompt_ids, sampling, seed, model=self.lora_name, cache_salt=policy_cache_salt(version))
+        if completion.weight_labels:  # which weights sampled the tokens (see VLLMClient.complete)
+            versions = [parse_policy_label(label) for label in completion.weight_labels]
+            if None in versions:
+                raise ServerLostWeightsError(
+                    f"tokens sampled by weights labelled {completion.weight_labels}: a server restarted and runs "
+                    "weights the trainer did not push"
+                )
+            version = min(versions)
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=completion.token_ids.tolist(),
@@ -194,7 +219,12 @@ class AsyncRolloutLoop:
         # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         self._tool_executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts)
-        self.client = VLLMClient(config.vllm_server_urls, timeout=config.vllm_server_timeout, model=self.model_name)
+        self.client = VLLMClient(
+            config.vllm_server_urls,
+            timeout=config.vllm_server_timeout,
+            model=self.model_name,
+            request_timeout=config.request_timeout,
+        )
         try:
             await self.client.wait_until_ready()
             self.max_model_len = await self.client.max_model_len()
@@ -223,7 +253,9 @@ class AsyncRolloutLoop:
                 task.cancel()
             await asyncio.gather(*getattr(self, "_tasks", ()), return_exceptions=True)
             try:
-                await self.close()
+                await asyncio.wait_for(self.close(), CLOSE_HOOK_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("the rollout loop's close() did not finish within %.0f s; leaving without it", CLOSE_HOOK_TIMEOUT_S)
             finally:
                 await self.client.close()
                 self._tool_executor.shutdown(wait=False, cancel_futures=True)
@@ -247,13 +279,14 @@ class AsyncRolloutLoop:
         self._has_metrics = load is not None
         cap = initial_cap(load.kv_cache_tokens if load else 0, self.max_model_len, config.max_concurrent_rollouts)
         self.concurrency_cap = cap
-        self.slots = RolloutSlots(min(cap, config.max_concurrent_rollouts))
+        self.slots = RolloutSlots(min(cap, config.max_concurrent_rollouts), stall_timeout_s=config.vllm_server_timeout)
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
         self._finished_since_raise = 0
         self._generated_tokens = 0
         self._last_preemptions = load.preemptions if load else 0
         self._reported_retries = 0
         self._next_group_id = 0
+        self._warned_skip = False
 
     def _fail(self, error: BaseException) -> None:
         if not self._fatal.done():
@@ -285,6 +318,10 @@ class AsyncRolloutLoop:
                     )
                 self._put_result(GroupResult(item.stream_index, item.epoch, item.row_index, -1, []))
                 continue
+            problem = self._prompt_problem(item)
+            if problem is not None:
+                self._skip_prompt(item, problem)
+                continue
             await self._wait_for_allowance()
             await self.slots.wait_for_room()
             group_id = self._next_group_id
@@ -293,12 +330,55 @@ class AsyncRolloutLoop:
             self.slots.reserve(self.config.num_generations)
             self._watch(asyncio.create_task(self._run_group(item, group_id)))
 
+    def _prompt_problem(self, item: PromptItem) -> str | None:
+        """Why a dataset row cannot be generated for (None when it can): no prompt, not a list of
+        messages, a chat template that fails on it, or too long for the server."""
+        if self.environment_factory is not None and "prompt" not in item.row:
+            return None  # the environment's reset() provides the prompt
+        prompt = item.row.get("prompt")
+        if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m for m in prompt):
+            return f"its 'prompt' is not a list of {{'role', 'content'}} messages: {str(prompt)[:80]!r}"
+        try:
+            length = len(self.render_prompt(prompt, self.tools, group_id=-2 - item.stream_index))
+        except Exception as error:  # the chat template refused it: the row is the problem
+            return f"the chat template failed on it ({type(error).__name__}: {error})"
+        finally:
+            self._rendered.pop(-2 - item.stream_index, None)
+        if length >= self.max_model_len:
+            return f"its prompt is {length} tokens, which leaves no room to generate under max_model_len={self.max_model_len}"
+        return None
+
+    def _skip_prompt(self, item: PromptItem, problem: str) -> None:
+        """A bad row is consumed without training, counted, and reported once: a run hours in does
+        not stop for one malformed row."""
+        if not self._warned_skip:
+            self._warned_skip = True
+            logger.warning(
+                "skipping dataset row %d: %s. Bad rows are skipped and counted (rollout/skipped_prompts); "
+                "only the first is reported.", item.row_index, problem,
+            )
+        self.metrics.record("rollout/skipped_prompts", 1, Reduce.SUM)
+        self._put_result(GroupResult(item.stream_index, item.epoch, item.row_index, -1, []))
+
     async def _wait_for_allowance(self) -> None:
+        """Until the staleness budget lets a new group start. The trainer raises the budget at every
+        step. Each of its waits is bounded by vllm_server_timeout, so a trainer that has not moved the
+        budget for several times that (a step may hold a few such waits, a checkpoint, long compute)
+        is stuck, and the worker says so instead of waiting forever."""
         if self.allowance.may_start_group(self.token_allowance.value):
             return
-        started = time.monotonic()
+        started = moved = time.monotonic()
+        limit = self.token_allowance.value
+        bound = ALLOWANCE_STALL_FACTOR * self.config.vllm_server_timeout
         while not self.allowance.may_start_group(self.token_allowance.value):
             await asyncio.sleep(0.01)
+            if self.token_allowance.value != limit:
+                limit, moved = self.token_allowance.value, time.monotonic()
+            elif time.monotonic() - moved > bound:
+                raise RuntimeError(
+                    f"the trainer took no sample for {time.monotonic() - moved:.0f} s while the worker held a full "
+                    f"staleness budget ({ALLOWANCE_STALL_FACTOR} x vllm_server_timeout): the trainer is stuck"
+                )
         self.metrics.record("rollout/backpressure_s", time.monotonic() - started)
 
     async def _run_group(self, item: PromptItem, group_id: int) -> None:
@@ -314,7 +394,13 @@ class AsyncRolloutLoop:
         blocked_since = time.monotonic()
         group.queued_at = blocked_since
         if self.score_queue.full():
-            await self.score_queue.put(group)
+            # Every scorer is busy; each call is bounded by reward_timeout, so a queue that does not
+            # move for longer means scoring itself is stuck.
+            bound = self.config.reward_timeout + SCORE_QUEUE_GRACE_S
+            try:
+                await asyncio.wait_for(self.score_queue.put(group), bound)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s)") from None
             self.metrics.record("rollout/score_block_s", time.monotonic() - blocked_since)
         else:
             self.score_queue.put_nowait(group)
@@ -323,13 +409,37 @@ class AsyncRolloutLoop:
         await self.slots.acquire()
         started = time.monotonic()
         try:
-            rollout = await self.generate_one(prompt, self.tools, group_id)
+            while True:
+                try:
+                    rollout = await self.generate_one(prompt, self.tools, group_id)
+                    break
+                except ServerLostWeightsError:
+                    # A server answered with weights the trainer never pushed: it restarted from its
+                    # checkpoint. Wait until every server runs the trainer's weights again (the trainer
+                    # pushes them), then sample anew.
+                    self.metrics.record("rollout/regenerated_count", 1, Reduce.SUM)
+                    await self._wait_for_trainer_weights()
         finally:
             await self.slots.release()
         duration = time.monotonic() - started
         self._finished_since_raise += 1
         self._generated_tokens += sum(len(turn.output_ids) for turn in rollout.turns)
         return rollout, duration
+
+    async def _wait_for_trainer_weights(self) -> None:
+        """Until every server reports a weight label the trainer set; at most vllm_server_timeout."""
+        deadline = time.monotonic() + self.config.vllm_server_timeout
+        while True:
+            labels = await self.client.weight_labels()
+            if all(parse_policy_label(label) is not None for label in labels):
+                return
+            if time.monotonic() > deadline:
+                lost = [url for url, label in zip(self.client.base_urls, labels) if parse_policy_label(label) is None]
+                raise ServerLostWeightsError(
+                    f"vLLM server(s) {', '.join(lost)} came back without the trainer's weights and the trainer did "
+                    f"not push them within vllm_server_timeout={self.config.vllm_server_timeout:g} s"
+                )
+            await asyncio.sleep(1.0)
 
     def _make_group(self, item: PromptItem, group_id: int, model_version: int, prompt, rollouts) -> RolloutGroup:
         columns = {key: value for key, value in item.row.items() if key != "prompt"}
@@ -372,15 +482,25 @@ class AsyncRolloutLoop:
                 group.completions,
                 group.completions_ids,
                 group.reward_kwargs,
+                timeout_s=self.config.reward_timeout,
+                where=f" (dataset row {group.row_index})",
             )
-            env_sources = [[None if reward is None else reward[1] for reward in group.env_rewards]]
-            group.rewards = sum_rewards([*per_function, *env_sources, group.rollout_rewards], len(group.prompts))
+            env_sources = [
+                [None if reward is None else finite_reward(reward[1], "an environment's get_reward()") for reward in group.env_rewards]
+            ]
+            rollout_rewards = [
+                None if reward is None else finite_reward(float(reward), "a Rollout.reward set by generate_one")
+                for reward in group.rollout_rewards
+            ]
+            group.rewards = sum_rewards([*per_function, *env_sources, rollout_rewards], len(group.prompts))
             advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
             if advantages.shape != (len(group.prompts),):
                 raise ValueError(
                     f"compute_advantages must return one advantage per rollout ({len(group.prompts)}), "
                     f"got shape {advantages.shape}"
                 )
+            if not np.all(np.isfinite(advantages)):
+                raise ValueError(f"compute_advantages returned a non-finite advantage for dataset row {group.row_index}: {advantages}")
             dropped = is_degenerate_group(group.rewards)
             samples = [] if dropped else self._samples(group, advantages)
             names = [reward_function_name(function) for function in self.reward_funcs]
@@ -430,17 +550,22 @@ class AsyncRolloutLoop:
     # -- upkeep ---------------------------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        parent = os.getppid()
+        # (A trainer that dies is noticed by the process's parent watch, rollout/worker.py.)
         while True:
             self.heartbeat_value.value = time.time()
-            if os.getppid() != parent:  # the trainer died without stopping us: do not linger
-                raise RuntimeError("the trainer process is gone")
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _load_loop(self) -> None:
         """Read the servers' load now and every `load_poll_interval_s`, and move the cap."""
         while True:
-            load = await self.client.load()
+            try:
+                load = await self.client.load()
+            except VLLMUnavailableError as error:
+                # A server down (restarting?): keep the cap. Generation waits for it, within
+                # vllm_server_timeout, and fails naming it if it does not come back.
+                logger.warning("reading the vLLM servers' load: %s; keeping the concurrency cap at %d", error, self.concurrency_cap)
+                await asyncio.sleep(self.load_poll_interval_s)
+                continue
             if load is None:
                 cap = self.config.max_concurrent_rollouts
             else:

@@ -9,14 +9,11 @@ after it that were already trained (`skip_stream_indices`).
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,8 @@ def prompt_stream(
 ) -> Iterator[PromptItem]:
     """Endless stream of prompts (the trainer decides when to stop)."""
     if _is_iterable_dataset(dataset):
-        yield from _iterable_stream(dataset, seed, start_index, shuffle)
+        # A stream cannot seek: a resumed run restarts it from its first prompt (the trainer warns).
+        yield from _iterable_stream(dataset, seed, shuffle)
         return
     num_rows = len(dataset)
     if num_rows == 0:
@@ -63,13 +61,8 @@ def prompt_stream(
         epoch, position = epoch + 1, 0
 
 
-def _iterable_stream(dataset: Any, seed: int, start_index: int, shuffle: bool) -> Iterator[PromptItem]:
-    """A streaming dataset cannot seek: it restarts from its first prompt (the seed's behaviour)."""
-    if start_index > 0:
-        logger.warning(
-            "resuming with an IterableDataset: it cannot be repositioned, so the rollout worker restarts "
-            "from its first prompt (prompts trained before the checkpoint will be seen again)"
-        )
+def _iterable_stream(dataset: Any, seed: int, shuffle: bool) -> Iterator[PromptItem]:
+    """A streaming dataset, epoch after epoch, from its first prompt."""
     stream_index = 0
     for epoch in itertools.count():
         source = dataset

@@ -1,4 +1,4 @@
-"""The rollout process's per-rollout and per-group metrics (names and meanings from the seed).
+"""The rollout process's per-rollout and per-group metrics (TRL's names; meanings in docs/metrics.md).
 
 Recorded when a rollout finishes or a group is scored, so they include groups that are later
 dropped (no reward signal) or whose samples go stale; the trainer-side metrics (`reward_trained`,
@@ -53,7 +53,8 @@ def record_group_metrics(
     dropped: bool,
     num_samples: int,
 ) -> None:
-    """Reward and saturation metrics of one scored group (see the seed's table of diagnoses)."""
+    """Reward and saturation metrics of one scored group (how to read them together: docs/metrics.md,
+    "Rewards and saturation")."""
     for name, values in zip(function_names, per_function):
         scored = [value for value in values if value is not None]
         for value in scored:

@@ -3,7 +3,10 @@
 Reward functions receive `prompts`, `completions`, `completion_ids` and every dataset column except
 `prompt` as keyword arguments. Sync functions run in threads and async ones are awaited, all at
 once, so a slow judge's latency overlaps with the others'. A function may return None for an item:
-that item's sum leaves it out; an item no source scored is NaN (SPEC section 3).
+that item's sum leaves it out; an item no source scored is NaN. A non-finite value (inf, NaN) is an
+error: one inf would turn the group's advantages, then the loss, then the weights into NaN. Each call
+has a deadline (`reward_timeout`): a function that never returns stops the run, naming itself.
+Formulas: docs/algorithm.md.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from typing import Any, Callable
 import numpy as np
 
 ADVANTAGE_EPSILON = 1e-4
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function broke its contract: too slow, or a value that cannot be trained on."""
 
 
 def reward_function_name(function: Callable) -> str:
@@ -41,16 +48,28 @@ async def call_reward_functions(
     completions: list,
     completion_ids: list[list[int]],
     reward_kwargs: dict[str, list[Any]],
+    timeout_s: float = math.inf,
+    where: str = "",
 ) -> list[list[float | None]]:
-    """Every function's rewards for the group (one list per function), computed concurrently."""
+    """Every function's rewards for the group (one list per function), computed concurrently.
+    A call that takes longer than `timeout_s` raises RewardFunctionError naming the function and
+    `where` (the dataset row); a sync function's thread cannot be stopped, so the caller must not
+    wait for it (the rollout process exits without joining it)."""
     loop = asyncio.get_running_loop()
     kwargs = dict(reward_kwargs, prompts=prompts, completions=completions, completion_ids=completion_ids)
 
     async def one(function: Callable) -> list[float | None]:
         if _is_async(function):
-            result = await function(**kwargs)
+            call = function(**kwargs)
         else:
-            result = await loop.run_in_executor(executor, functools.partial(function, **kwargs))
+            call = loop.run_in_executor(executor, functools.partial(function, **kwargs))
+        try:
+            result = await asyncio.wait_for(call, None if math.isinf(timeout_s) else timeout_s)
+        except asyncio.TimeoutError:
+            raise RewardFunctionError(
+                f"reward function {reward_function_name(function)!r} did not return within reward_timeout="
+                f"{timeout_s:g} s{where}; it is stuck (a judge that never answers?). Fix it or raise reward_timeout."
+            ) from None
         return _checked_rewards(function, result, len(completions))
 
     return list(await asyncio.gather(*(one(function) for function in functions)))
@@ -70,13 +89,21 @@ def _checked_rewards(function: Callable, result: Any, expected: int) -> list[flo
     for value in result:
         if value is None:
             checked.append(None)
-        elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-            checked.append(float(value))
-        elif isinstance(value, bool):
-            checked.append(float(value))
+        elif isinstance(value, (int, float, np.integer, np.floating)):
+            checked.append(finite_reward(float(value), f"reward function {name!r}"))
         else:
             raise TypeError(f"reward function {name!r} returned {value!r}; rewards must be floats or None")
     return checked
+
+
+def finite_reward(value: float, source: str) -> float:
+    """`value`, or RewardFunctionError when it is inf or NaN (None is how a source says "not scored")."""
+    if not math.isfinite(value):
+        raise RewardFunctionError(
+            f"{source} returned {value!r}: rewards must be finite (an inf or NaN reward makes the group's "
+            "advantages, the loss and then the weights NaN). Return None for a completion it does not score."
+        )
+    return value
 
 
 def sum_rewards(sources: list[list[float | None]], num_rollouts: int) -> np.ndarray:
@@ -93,7 +120,8 @@ def sum_rewards(sources: list[list[float | None]], num_rollouts: int) -> np.ndar
 
 def group_advantages(rewards: np.ndarray) -> np.ndarray:
     """GRPO advantages over the scored (non-NaN) rollouts S: (R - mean_S) / (std_S + eps), with
-    the population std; unscored rollouts get 0. No scale_rewards option (SPEC section 3)."""
+    the population std; unscored rollouts get 0. There is no scale_rewards option: advantages are
+    always divided by the group's std."""
     advantages = np.zeros(len(rewards), dtype=np.float64)
     scored = ~np.isnan(rewards)
     if scored.sum() < 2:

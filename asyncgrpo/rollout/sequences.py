@@ -2,7 +2,7 @@
 
 Each turn renders the whole conversation and samples a response. A chat template does not always
 render a growing conversation the same way (some drop earlier reasoning), so a turn's prompt may not
-start with the tokens kept so far. Rule (SPEC section 6): a turn whose prompt starts with the kept
+start with the tokens kept so far. Rule: a turn whose prompt starts with the kept
 tokens extends the same sequence; any other turn starts a new sequence (a fork). Every generated
 token is trained in exactly one sequence: a fork costs forwarded tokens, never a second gradient.
 """

@@ -1,7 +1,7 @@
-"""The rollout dataclasses of the seed's API: TurnRecord, Rollout, TrainingSequence, RolloutGroup.
+"""The rollout dataclasses of TRL's API: TurnRecord, Rollout, TrainingSequence, RolloutGroup.
 
 Field names and defaults are TRL's, so a user's `generate_one`/`generate_one_turn` override works
-unchanged. Where the seed uses Python lists of dicts per token (`output_sampler_logprobs`), the
+unchanged. Where TRL uses Python lists of dicts per token (`output_sampler_logprobs`), the
 default path fills array fields instead (`output_top_ids`/`output_top_logprobs`): building 8 dicts
 per generated token would cost the worker more than the HTTP call. Either form is accepted.
 """
@@ -76,7 +76,7 @@ class RolloutGroup:
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
-    # Not in the seed: where the prompt sits in the stream of prompts (epoch * len(dataset) + k),
+    # Not in TRL's dataclass: where the prompt sits in the stream of prompts (epoch * len(dataset) + k),
     # which is what resume counts, and the rollouts themselves for metrics.
     stream_index: int = -1
     epoch: int = 0

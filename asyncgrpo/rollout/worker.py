@@ -4,6 +4,16 @@ The loop runs in a spawned process with `CUDA_VISIBLE_DEVICES=""` (reward code m
 trainer's GPU). Everything sent to it must pickle, so that is checked before spawning, naming the
 object that does not. The trainer never waits blindly: every wait watches the worker's failure
 event (its exception and traceback come back verbatim), its exit code and its heartbeat.
+
+Neither side can be left behind by the other:
+- the worker watches the trainer's pid from its first instruction (a thread, so even a stuck event
+  loop or a reward function that never returns cannot keep it alive) and exits when the trainer is
+  gone, however the trainer died;
+- the worker always leaves with `os._exit`: threads running a stuck reward function or tool cannot
+  keep the process alive after a failure or a stop;
+- the trainer reads the worker's queues in daemon threads: a worker that dies half-way through
+  writing a message leaves a partial message in the pipe, and a direct `Queue.get` would then block
+  forever in the middle of reading it.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import pickle
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -53,8 +64,23 @@ def check_worker_payload(reward_funcs, loop_cls, tools=None, environment_factory
     check_picklable({"environment_factory": environment_factory})
 
 
-def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event) -> None:
+PARENT_WATCH_INTERVAL_S = 0.5
+
+
+def exit_when_parent_dies(parent_pid: int) -> None:
+    """A daemon thread that ends this process as soon as `parent_pid` is no longer its parent."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_WATCH_INTERVAL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="asyncgrpo-parent-watch", daemon=True).start()
+
+
+def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event, parent_pid: int) -> None:
     """Entry point of the spawned process."""
+    exit_when_parent_dies(parent_pid)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # The trainer stops us with SIGTERM; Ctrl-C reaches the whole process group, and the trainer
     # decides what happens then, so SIGINT is ignored here.
@@ -62,20 +88,53 @@ def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event) -> None:
     # Sync reward functions and tools run in threads while the event loop thread is nearly always
     # busy: with the default 5 ms GIL switch interval a 10 us reward waited ~100 ms for its turn.
     sys.setswitchinterval(0.0005)
+    exit_code = 0
     try:
         rollout_loop = loop_cls(**loop_kwargs)
         rollout_loop.run(ready_event)
     except BaseException as error:  # everything, so the trainer hears of it
-        if isinstance(error, (SystemExit, KeyboardInterrupt, asyncio.CancelledError)):
-            return  # a requested stop
-        loop_kwargs["exception_info_queue"].put(
-            (type(error).__name__, str(error), traceback.format_exc())
-        )
-        loop_kwargs["failed_event"].set()
+        if not isinstance(error, (SystemExit, KeyboardInterrupt, asyncio.CancelledError)):  # not a requested stop
+            exit_code = 1
+            loop_kwargs["exception_info_queue"].put((type(error).__name__, str(error), traceback.format_exc()))
+            loop_kwargs["failed_event"].set()
     finally:
-        # Exit without waiting to flush queued samples into a pipe the trainer no longer reads.
+        # Exit without waiting to flush queued samples into a pipe the trainer no longer reads; the
+        # error report, though, must reach it.
         loop_kwargs["rollout_buffer"].cancel_join_thread()
         loop_kwargs["metrics_queue"].cancel_join_thread()
+        loop_kwargs["exception_info_queue"].close()
+        loop_kwargs["exception_info_queue"].join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)  # threads stuck in user code (a reward, a tool) must not keep us alive
+
+
+class _QueueReader:
+    """Moves a multiprocessing queue's messages into a local queue from a daemon thread, so that
+    no trainer thread that matters ever blocks inside a half-written message."""
+
+    def __init__(self, source, name: str):
+        self.source = source
+        self.local: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._pump, name=name, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                message = self.source.get()
+            except (EOFError, OSError, ValueError):  # the queue was closed: nothing more will come
+                return
+            self.local.put(message)
+
+    def get(self, timeout: float):
+        """The next message; queue.Empty after `timeout` seconds (0: do not wait)."""
+        if timeout <= 0:
+            return self.local.get_nowait()
+        return self.local.get(timeout=timeout)
+
+    def qsize(self) -> int:
+        return self.local.qsize()
 
 
 @contextmanager
@@ -120,6 +179,9 @@ class RolloutWorker:
             metrics_queue=self.metrics_queue,
         )
         self.process: multiprocessing.Process | None = None
+        self._results = _QueueReader(self.rollout_buffer, "asyncgrpo-results")
+        self._metrics = _QueueReader(self.metrics_queue, "asyncgrpo-metrics")
+        self._errors = _QueueReader(self.exception_info_queue, "asyncgrpo-errors")
 
     def start(self, ready_timeout: float) -> None:
         """Spawn the process and wait until it has reached the server and run `setup()`."""
@@ -131,9 +193,12 @@ class RolloutWorker:
         )
         self.process = self._context.Process(
             target=_worker_main,
-            args=(self.loop_cls, self.loop_kwargs, self.ready_event),
+            args=(self.loop_cls, self.loop_kwargs, self.ready_event, os.getpid()),
             name="asyncgrpo-rollout",
-            daemon=True,
+            # Not a daemon: reward code may start processes of its own (accuracy_reward's verifier
+            # pool), which daemons may not. The trainer stops it in every case, and it exits by
+            # itself if the trainer dies.
+            daemon=False,
         )
         with _child_environment(CUDA_VISIBLE_DEVICES=""):
             self.process.start()
@@ -149,9 +214,10 @@ class RolloutWorker:
         """Raise if the worker failed, exited or stopped beating."""
         if self.failed_event.is_set():
             try:
-                name, message, trace = self.exception_info_queue.get(timeout=5)
+                name, message, trace = self._errors.get(timeout=5)
             except queue.Empty:
                 name, message, trace = "UnknownError", "(no details)", ""
+            self.process.join(5)  # it leaves by itself after a failure; stop() only if it does not
             self.stop()
             raise RolloutWorkerError(
                 f"the rollout worker failed with {name}: {message}\n\nWorker traceback:\n{trace}"
@@ -172,17 +238,11 @@ class RolloutWorker:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.rollout_buffer.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                return self._results.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
                 self.check_alive()
                 if time.monotonic() >= deadline:
                     return None
-
-    def queued_results(self) -> int:
-        try:
-            return self.rollout_buffer.qsize()
-        except NotImplementedError:  # macOS
-            return 0
 
     def publish_allowance(self, cumulative_tokens: float) -> None:
         self.token_allowance.value = float(cumulative_tokens)
@@ -194,7 +254,7 @@ class RolloutWorker:
         drained = []
         while True:
             try:
-                drained.append(self.metrics_queue.get_nowait())
+                drained.append(self._metrics.get(timeout=0))
             except queue.Empty:
                 return drained
 

@@ -10,16 +10,22 @@ Logging, checkpointing and callbacks go through the base Trainer's machinery, so
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+import os
+import shutil
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerState
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, Trainer, TrainerState
+from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
 from transformers.trainer import OPTIMIZER_NAME as OPTIMIZER_FILE
 from transformers.trainer import SCHEDULER_NAME as SCHEDULER_FILE
 from transformers.trainer import TRAINER_STATE_NAME as TRAINER_STATE_FILE
@@ -27,8 +33,9 @@ from transformers.trainer_utils import TrainOutput, rotate_checkpoints
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.background import BackgroundLoop
-from asyncgrpo.generation.client import VLLMClient
-from asyncgrpo.trainer.intake import SampleIntake, StepBatch, TrainingComplete
+from asyncgrpo.generation.client import VLLMClient, policy_label
+from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
+from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
 from asyncgrpo.loss import LossInputs, clipped_surrogate_loss, score_centered_loss
@@ -36,29 +43,56 @@ from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.packing.tree_attention import enable_tree_attention, padded_length
 from asyncgrpo.perf import device_peak_flops, flop_model
 from asyncgrpo.trainer.progress import AsyncProgressCallback
+from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.compile import compile_decoder_layers
+from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
+from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
+from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
 from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state, local_value, shard_model
 from asyncgrpo.trainer.checks import (
     check_conversational,
     check_launch,
     check_multi_process,
-    check_parallelism,
     check_prompt_lengths,
     check_reward_funcs,
+    check_text_only_model,
     check_transformers_version,
 )
-from asyncgrpo.weight_sync import non_sending_weight_sync
-from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
-from asyncgrpo.weight_sync.nccl import NcclWeightSync, server_transfer_backend, vllm_at_least
-from asyncgrpo.weight_sync.transport import NcclTransport
+from asyncgrpo.weight_sync import choose_backend, make_weight_sync
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+# Steps in a row with a non-finite loss or gradient norm (each skipped) before the run stops.
+MAX_NONFINITE_STEPS = 3
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Training produced inf/NaN values that must not reach the weights or the server."""
+
+
+@contextmanager
+def _sigterm_raises_keyboard_interrupt():
+    """Within the block, SIGTERM raises KeyboardInterrupt in the main thread, unless the program
+    installed its own handler (then it stays in charge)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def weights_are_finite(model: torch.nn.Module) -> bool:
+    """Whether every (local shard of every) parameter is finite: one device sync."""
+    checks = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()]
+    return bool(torch.stack(checks).all()) if checks else True
 
 
 class AsyncGRPOTrainer(Trainer):
@@ -77,6 +111,8 @@ class AsyncGRPOTrainer(Trainer):
         peft_config=None,
         tools: list[Callable] | None = None,
         environment_factory=None,
+        rollout_worker=None,
+        weight_transfer=None,
     ):
         check_transformers_version()
         model_id = model if isinstance(model, str) else model.config._name_or_path
@@ -87,10 +123,14 @@ class AsyncGRPOTrainer(Trainer):
         elif not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
         check_reward_funcs(list(reward_funcs))
-        check_parallelism(args)
         if tools or environment_factory is not None:
             raise NotImplementedError(
                 "tools and environment_factory (agent training) are not available in this version yet"
+            )
+        if rollout_worker is not None or weight_transfer is not None:
+            raise NotImplementedError(
+                "injecting a rollout_worker or weight_transfer object (TRL's protocols) is not supported: subclass "
+                "AsyncRolloutLoop (set loop_cls) to change generation, weight_sync_backend to choose the sync"
             )
         if not reward_funcs:
             raise ValueError("reward_funcs is empty: give at least one reward function")
@@ -99,19 +139,15 @@ class AsyncGRPOTrainer(Trainer):
         streaming = not hasattr(train_dataset, "__len__")
         if streaming and args.max_steps <= 0:
             raise ValueError("an IterableDataset has no length, so epochs cannot end training: set max_steps > 0")
-        if args.max_steps <= 0 and any(0 < steps < 1 for steps in (args.logging_steps, args.save_steps)):
-            raise ValueError(
-                "logging_steps/save_steps given as a fraction of training need max_steps > 0: the number of "
-                "steps in an epoch is not known in advance"
-            )
-        if args.max_steps <= 0 and args.lr_scheduler_type not in ("constant", "constant_with_warmup"):
-            raise ValueError(
-                f"lr_scheduler_type={args.lr_scheduler_type!r} decays over max_steps, which epochs cannot give "
-                "(the number of steps depends on forks and drops): set max_steps, or use a constant schedule"
-            )
         check_conversational(train_dataset, environment_factory)
+        revision = (args.model_init_kwargs or {}).get("revision")  # the tokenizer's too, as in TRL
         if isinstance(model, str):
+            check_text_only_model(
+                AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=args.trust_remote_code)
+            )
             model = self._load_model(model, args)
+        else:
+            check_text_only_model(model.config)
         if peft_config is not None:
             raise NotImplementedError("PEFT adapters are not available in this version yet")
         frozen = freeze_outside_language_model(model)  # a vision tower: text-only training never uses it
@@ -121,15 +157,18 @@ class AsyncGRPOTrainer(Trainer):
         enable_tree_attention(model)  # refuses attention sinks and layers it cannot pack
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
-                model_id, trust_remote_code=args.trust_remote_code, padding_side="left"
+                model_id, revision=revision, trust_remote_code=args.trust_remote_code, padding_side="left"
             )
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
-        # base Trainer would compile the whole model, whose forward this trainer does not call.
+        # base Trainer would compile the whole model, whose forward this trainer does not call. It gets
+        # a copy with compilation off: the caller's `args` stay as given.
         self._compile_layers = args.torch_compile
-        args.torch_compile = False
+        if args.torch_compile:
+            args = copy.copy(args)
+            args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
         self.reward_funcs = list(reward_funcs)
         self.model_id = model_id
         self.streaming = streaming
@@ -148,6 +187,31 @@ class AsyncGRPOTrainer(Trainer):
         )
         self.remove_callback(ProgressCallback)
         self.remove_callback(PrinterCallback)
+        # An accelerate FSDP config (TRL's multi-GPU launch): this trainer shards the model itself, so none of
+        # the base Trainer's FSDP paths (wrapping by accelerate, FSDP checkpoint files) may run.
+        self._fsdp_launch = read_fsdp_launch(getattr(self.accelerator.state, "fsdp_plugin", None))
+        self.is_fsdp_enabled = False
+
+    # -- TRL's public attributes (rank 0 holds the client, worker and sync; other ranks see None) ---------
+
+    @property
+    def vllm_client(self) -> VLLMClient | None:
+        """The HTTP client of the vLLM servers (async methods: run them on the trainer's loop)."""
+        return getattr(self, "_client", None)
+
+    @property
+    def model_version(self) -> int:
+        """The policy version the servers run: the number of weight syncs since the run began."""
+        return getattr(self, "_model_version", 0)
+
+    @property
+    def rollout_worker(self) -> RolloutWorker | None:
+        return getattr(self, "_worker", None)
+
+    @property
+    def weight_transfer(self):
+        """The weight-sync backend (FilesystemWeightSync or NcclWeightSync)."""
+        return getattr(self, "_weight_sync", None)
 
     @staticmethod
     def _load_model(model_id: str, args: AsyncGRPOConfig) -> PreTrainedModel:
@@ -158,19 +222,31 @@ class AsyncGRPOTrainer(Trainer):
 
     # -- the training loop ----------------------------------------------------------------------------
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
+        """`Trainer.train`, with SIGTERM (`kill`, a scheduler's timeout) unwinding like Ctrl-C: the
+        rollout worker is stopped, the server resumed and the weight files removed either way."""
+        with _sigterm_raises_keyboard_interrupt():
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
     def _inner_training_loop(
         self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None
     ) -> TrainOutput:
         args = args or self.args
         check_launch(self.accelerator.num_processes, args.use_cpu)
         self._processes = Processes(self.accelerator.num_processes, self.accelerator.process_index)
+        self._sharded = self._processes.distributed or self._fsdp_launch is not None
         if self._processes.distributed:
-            check_multi_process(self.is_fsdp_enabled or self.is_deepspeed_enabled, self.optimizer is not None)
+            check_multi_process(self.is_deepspeed_enabled, self.optimizer is not None)
         self.accelerator.free_memory()
         rollout_state = self._restore_state(args, resume_from_checkpoint)
-        if self._processes.distributed:
+        if self._sharded:
             # FSDP2 applied here, not by accelerate: the packed forward must be registered with it.
-            shard_model(self.model)  # the checkpoint's weights are already in (Trainer.train loads them)
+            reshard = True
+            if self._fsdp_launch is not None:
+                reshard = self._fsdp_launch.reshard_after_forward
+                if self._processes.is_main:
+                    announce_fsdp_launch(self._fsdp_launch)
+            shard_model(self.model, reshard)  # the checkpoint's weights are already in (Trainer.train loads them)
             self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
             model = self.model_wrapped = self.model
             if resume_from_checkpoint:
@@ -188,7 +264,10 @@ class AsyncGRPOTrainer(Trainer):
             self._peak_flops = device_peak_flops(self.args.device, self._compute_dtype())
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             self._sync_weights(model)  # the server runs exactly the weights training starts from
+            self._start_rollouts()
+            epochs = EpochCallbacks(self.callback_handler)
             while not self._processes.broadcast(self._should_stop(args) if self._processes.is_main else None):
+                self.control = epochs.before_step(args, self.state, self.control)
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                 try:
                     self._train_step(model)
@@ -196,15 +275,15 @@ class AsyncGRPOTrainer(Trainer):
                     break
                 self.state.global_step += 1
                 self.state.epoch = self._processes.broadcast(self._epoch() if self._processes.is_main else None)
-                self._progress.advance_to(self.state.global_step if args.max_steps > 0 else self._ledger.consumed_prompts)
+                self._progress.advance_to(self.state.global_step if args.max_steps > 0 else self._ledger.epoch_prompts)
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-                if self.control.should_log:
-                    self._log_window()
-                if self.control.should_save:
-                    self._save_checkpoint(model, trial)
-                    self.control = self.callback_handler.on_save(args, self.state, self.control)
+                self.control = epochs.after_step(args, self.state, self.control)
+                self._log_and_save(model, trial)
                 if self.control.should_training_stop:
                     break
+            self.control.should_log = self.control.should_save = False  # the last step's are done
+            self.control = epochs.finish(args, self.state, self.control)
+            self._log_and_save(model, trial)  # what on_epoch_end asked for (epoch strategies)
         finally:
             self._teardown_generation()
         runtime = time.time() - started
@@ -215,6 +294,13 @@ class AsyncGRPOTrainer(Trainer):
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
+    def _log_and_save(self, model, trial) -> None:
+        if self.control.should_log:
+            self._log_window()
+        if self.control.should_save:
+            self._save_checkpoint(model, trial)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
     def _restore_state(self, args: AsyncGRPOConfig, checkpoint: str | None) -> RolloutState:
         max_steps = args.max_steps if args.max_steps > 0 else 2**62  # epochs end training (_should_stop)
         self.state = TrainerState(
@@ -224,6 +310,7 @@ class AsyncGRPOTrainer(Trainer):
         self.state.max_steps = max_steps
         self.state.compute_steps(args, max_steps)
         rollout_state = RolloutState()
+        self._held_on_resume = []
         if checkpoint is not None:
             state_file = Path(checkpoint) / "trainer_state.json"
             if state_file.exists():
@@ -235,14 +322,21 @@ class AsyncGRPOTrainer(Trainer):
                 logger.warning("%s has no rollout_state.json: the rollout worker restarts at the first prompt", checkpoint)
             else:
                 rollout_state = restored
-            if self.streaming:
+            if self.streaming and (rollout_state.first_untrained_index or rollout_state.consumed_after):
+                logger.warning(
+                    "resuming with an IterableDataset: it cannot be repositioned, so the rollout worker restarts "
+                    "from its first prompt (prompts trained before the checkpoint will be seen again)"
+                )
                 rollout_state.first_untrained_index, rollout_state.consumed_after = 0, []
+            elif not self.streaming:
+                self._held_on_resume = load_held_samples(checkpoint)
         self._model_version = rollout_state.model_version
         self._num_tokens = rollout_state.num_tokens
         self._ledger = PromptLedger(
-            rollout_state.first_untrained_index, rollout_state.consumed_after, rollout_state.consumed_prompts
+            rollout_state.first_untrained_index, rollout_state.consumed_after, rollout_state.epoch_prompts
         )
         self._train_loss_sum = 0.0
+        self._nonfinite_streak = 0
         self._window = MetricsWindow()
         return rollout_state
 
@@ -252,20 +346,22 @@ class AsyncGRPOTrainer(Trainer):
         self._worker = self._weight_sync = self._http = None  # what `_teardown_generation` closes, once open
         if not self._processes.is_main:
             self.token_budget, backend = self._processes.broadcast(None)
-            self._weight_sync = non_sending_weight_sync(backend)
+            self._weight_sync = make_weight_sync(backend, is_sender=False)
             return
         check_worker_payload(self.reward_funcs, self.loop_cls)  # before anything slow: a lambda fails here
-        self._http = BackgroundLoop()
+        self._http = BackgroundLoop(default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60)
         self._client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
         logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))
         self._http.run(self._client.wait_until_ready())
         max_model_len = self._http.run(self._client.max_model_len())
         served_name = self._http.run(self._client.model_name())
         server_info = self._http.run(self._client.server_info())
+        check_logprobs_mode(server_info, args.vllm_server_urls[0])
         self._warn_on_dtype_mismatch(server_info)
         self.token_budget = args.token_budget or max_model_len
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
-        self._weight_sync = self._make_weight_sync(args, server_info)
+        backend = choose_backend(args.weight_sync_backend, server_info, self.args.device.type == "cuda")
+        self._weight_sync = make_weight_sync(backend, self._client, self._http, args.output_dir, args.weight_sync_timeout)
         self._worker = RolloutWorker(
             self.loop_cls,
             dict(
@@ -276,7 +372,8 @@ class AsyncGRPOTrainer(Trainer):
                 processing_class=self.processing_class,
                 eos_token_ids=self._eos_token_ids(),
                 dataset_start_index=rollout_state.first_untrained_index,
-                skip_stream_indices=frozenset(rollout_state.consumed_after),
+                skip_stream_indices=frozenset(rollout_state.consumed_after)
+                | {sample.stream_index for sample in self._held_on_resume},
             ),
             initial_allowance=0.0,  # SampleIntake publishes the allowance
             worker_timeout=args.rollout_worker_timeout,
@@ -290,10 +387,16 @@ class AsyncGRPOTrainer(Trainer):
             rows_per_step=args.gradient_accumulation_steps * self.accelerator.num_processes,
             prompts_per_epoch=None if self.streaming else len(self.train_dataset),
             stop_condition=lambda: self._should_stop(args),
+            check_servers=self._check_servers,
         )
+        self._intake.restore(self._held_on_resume)
         self._worker.publish_model_version(self._model_version)
-        self._worker.start(ready_timeout=args.vllm_server_timeout + 300)
         self._processes.broadcast((self.token_budget, self._weight_sync.name))
+
+    def _start_rollouts(self) -> None:
+        """Rank 0, once the servers run the starting weights: spawn the rollout worker."""
+        if self._worker is not None:
+            self._worker.start(ready_timeout=self.args.vllm_server_timeout + 300)
 
     def _teardown_generation(self) -> None:
         """Close what `_setup_generation` got to open, even when it failed half-way."""
@@ -310,31 +413,15 @@ class AsyncGRPOTrainer(Trainer):
             except Exception as error:  # shutting down: report, keep closing the rest
                 logger.warning("while shutting down: %s", error)
 
-    def _make_weight_sync(self, args: AsyncGRPOConfig, server_info: dict | None):
-        backend = args.weight_sync_backend
-        server_has_nccl = server_transfer_backend(server_info) == "nccl"
-        if backend == "auto":
-            backend = "nccl" if server_has_nccl and self.args.device.type == "cuda" else "filesystem"
-        if backend == "filesystem":
-            return FilesystemWeightSync(self._client, self._http, Path(args.output_dir) / ".vllm_weights")
-        if server_info is not None and not server_has_nccl:
-            raise ValueError(
-                "weight_sync_backend='nccl' but the vLLM server was not started with the NCCL engine: serve with "
-                "--weight-transfer-config '{\"backend\": \"nccl\"}' (`asyncgrpo serve` does on GPU)"
-            )
-        rendezvous = "unique_id" if vllm_at_least(self._http.run(self._client.version()), (0, 30)) else "tcp_store"
-        logger.info("weight sync: NCCL broadcast to the vLLM workers (%s rendezvous)", rendezvous)
-        return NcclWeightSync(self._client, self._http, NcclTransport(rendezvous), args.vllm_server_timeout)
-
     def _should_stop(self, args: AsyncGRPOConfig) -> bool:
         if args.max_steps > 0:
             return self.state.global_step >= args.max_steps
-        return self._ledger.consumed_prompts >= math.ceil(args.num_train_epochs * len(self.train_dataset))
+        return self._ledger.epoch_prompts >= math.ceil(args.num_train_epochs * len(self.train_dataset))
 
     def _epoch(self) -> float:
         if self.streaming:
             return float(self.state.global_step) / max(self.args.max_steps, 1)
-        return self._ledger.consumed_prompts / len(self.train_dataset)
+        return self._ledger.epoch_prompts / len(self.train_dataset)
 
     # -- one optimizer step ---------------------------------------------------------------------------
 
@@ -342,14 +429,17 @@ class AsyncGRPOTrainer(Trainer):
         args, metrics = self.args, self._window
         started = time.perf_counter()
         batch = self._processes.broadcast(self._next_batch() if self._processes.is_main else None)
+        while isinstance(batch, ServersLostWeights):
+            self._restore_server_weights(model, batch)
+            batch = self._processes.broadcast(self._next_batch() if self._processes.is_main else None)
         if batch is None:
             raise TrainingComplete()
         fwd_s, fwd_bwd_s, loss = self._forward_backward(model, batch)
-        optimizer_s = self._optimizer_step(model)
-        if (self.state.global_step + 1) % args.weight_sync_steps == 0:
+        optimizer_s, stepped = self._optimizer_step(model, loss)
+        if stepped and (self.state.global_step + 1) % args.weight_sync_steps == 0:
             self._model_version += 1
             self._sync_weights(model)
-        self._train_loss_sum += loss
+        self._train_loss_sum += loss if stepped else 0.0
         self._record_step(batch, loss, fwd_s, fwd_bwd_s, optimizer_s, time.perf_counter() - started)
         if self._worker is not None:
             for stats in self._worker.drain_metrics():
@@ -359,9 +449,22 @@ class AsyncGRPOTrainer(Trainer):
         """Rank 0: the step's samples, planned into rows for every process; None once training is
         complete (the last prompts were consumed while waiting)."""
         try:
+            self._check_servers()
             return self._intake.next_step(self.args.gradient_accumulation_steps, self._window, self._model_version)
         except TrainingComplete:
             return None
+        except ServersLostWeights as lost:  # every rank learns it, and helps push the weights again
+            return lost
+
+    def _check_servers(self) -> None:
+        """Rank 0: raise ServersLostWeights for servers that no longer run the current policy (a
+        restarted server reports vLLM's own label, not ours). A server that does not answer is
+        waited for up to vllm_server_timeout, then the error names it."""
+        expected = policy_label(self._model_version)
+        labels = self._http.run(self._client.weight_labels())
+        lost = [url for url, label in zip(self._client.base_urls, labels) if label != expected]
+        if lost:
+            raise ServersLostWeights(lost)
 
     def _forward_backward(self, model, batch: StepBatch) -> tuple[float, float, float]:
         """Tree-packed forward and backward of every micro-batch; returns (fwd_s, fwd_bwd_s, loss)."""
@@ -369,7 +472,9 @@ class AsyncGRPOTrainer(Trainer):
         fwd_s = fwd_bwd_s = loss_total = 0.0
         world, rank = self._processes.world_size, self._processes.rank
         row_stats = []
-        for plan in batch.plans:
+        for index, plan in enumerate(batch.plans):
+            if index:  # the base Trainer's point: after each micro-batch but the step's last
+                self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
             rows = plan.pack()
             row, weight = rows[rank], 1.0
             entries_global = float(sum(r.num_entries for r in rows))
@@ -396,23 +501,61 @@ class AsyncGRPOTrainer(Trainer):
                 self._window.merge(stats)
         return fwd_s, fwd_bwd_s, sum(rank_loss for rank_loss, _ in gathered)
 
-    def _optimizer_step(self, model) -> float:
+    def _optimizer_step(self, model, loss: float) -> tuple[float, bool]:
+        """Clip and step; returns (seconds, whether the weights changed). A non-finite loss or
+        gradient norm skips the step (and so the weight sync): one bad batch must not turn the
+        weights, and then the server's, into NaN. `MAX_NONFINITE_STEPS` in a row stop the run."""
         started = self._now()
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else math.inf
-        grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)  # inf: measure only
-        self._window.record("grad_norm", local_value(grad_norm))
-        self.optimizer.step()
-        self.lr_scheduler.step()
+        grad_norm = local_value(self.accelerator.clip_grad_norm_(model.parameters(), max_norm))  # inf: measure only
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)  # both are global: every rank agrees
+        self._window.record("train/nonfinite_steps", 0 if finite else 1, Reduce.SUM)
+        if finite:
+            self._window.record("grad_norm", grad_norm)
+            self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+            self.optimizer.step()
+            self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
+            self.lr_scheduler.step()
+            self._nonfinite_streak = 0
+        else:
+            self._nonfinite_streak += 1
+            logger.warning(
+                "step %d: non-finite loss (%s) or gradient norm (%s): the optimizer step and the weight sync are "
+                "skipped (%d in a row)", self.state.global_step + 1, loss, grad_norm, self._nonfinite_streak,
+            )
+            if self._nonfinite_streak >= MAX_NONFINITE_STEPS:
+                raise NonFiniteTrainingError(
+                    f"{self._nonfinite_streak} steps in a row had a non-finite loss or gradient norm (last: loss "
+                    f"{loss}, gradient norm {grad_norm}); training stopped before the weights were touched. Lower "
+                    "learning_rate, set max_grad_norm, and look at the rewards and advantages of recent steps."
+                )
         model.zero_grad(set_to_none=True)
-        return self._now() - started
+        return self._now() - started, finite
+
+    def _restore_server_weights(self, model, lost: ServersLostWeights) -> None:
+        """Servers restarted with their original checkpoint: push the current policy again (a new
+        NCCL group for the NCCL backend). Rollouts sampled meanwhile are regenerated by the worker."""
+        logger.warning("%s: pushing policy version %d to them again", lost, self._model_version)
+        self._window.record("rollout/server_restarts", len(lost.urls), Reduce.SUM)
+        self._weight_sync.reconnect()
+        self._sync_weights(model)
 
     def _sync_weights(self, model) -> None:
-        timings = self._weight_sync.sync(self.accelerator.unwrap_model(model), self._model_version)
+        unwrapped = self.accelerator.unwrap_model(model)
+        waiting = time.perf_counter()
+        finite = self._processes.gather(weights_are_finite(unwrapped))  # every process reaches the sync
+        barrier_s = time.perf_counter() - waiting
+        if not all(finite):
+            raise NonFiniteTrainingError(
+                f"the weights of policy version {self._model_version} hold inf or NaN: they were not sent to the "
+                "vLLM server. The optimizer produced them from finite gradients: lower learning_rate."
+            )
+        timings = self._weight_sync.sync(unwrapped, self._model_version)
         if self._worker is not None:
             self._worker.publish_model_version(self._model_version)
-        self._window.record("perf/weight_sync_s", timings.total_s)
+        self._window.record("perf/weight_sync_s", barrier_s + timings.total_s)
         self._window.record("perf/weight_sync_pause_s", timings.pause_s)
-        self._window.record("perf/weight_sync_barrier_s", timings.barrier_s)
+        self._window.record("perf/weight_sync_barrier_s", barrier_s)
         self._window.record("perf/weight_sync_transfer_s", timings.transfer_s)
 
     def _record_step(self, batch: StepBatch, loss: float, fwd_s: float, fwd_bwd_s: float, optimizer_s: float, step_s: float) -> None:
@@ -475,50 +618,72 @@ class AsyncGRPOTrainer(Trainer):
     # -- checkpoints --------------------------------------------------------------------------------------
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The base checkpoint plus rollout_state.json, written first and atomically."""
+        """A checkpoint written whole or not at all: every file goes to a hidden staging directory,
+        renamed to `checkpoint-N` once complete, so a run killed while saving leaves nothing that
+        `resume_from_checkpoint=True` would pick. With several processes every rank helps gather the
+        full model and optimizer states and rank 0 writes the same files a single process writes."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         run_directory = Path(self._get_output_dir(trial=trial))
-        directory = run_directory / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self._processes.distributed:
-            self._save_sharded_checkpoint(model, directory, run_directory)
-            return
-        directory.mkdir(parents=True, exist_ok=True)
+        final = run_directory / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = run_directory / f".{final.name}.partial"  # not a name get_last_checkpoint matches
+        gathered = full_state(model, self.optimizer) if self._sharded else None
+        if self._processes.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            self._write_checkpoint(staging, gathered)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            rotate_checkpoints(
+                output_dir=str(run_directory),
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+            )
+            if self.args.push_to_hub:
+                self._push_from_checkpoint(str(final))
+        self._processes.gather(None)  # no rank runs ahead of a checkpoint being written
+
+    def _write_checkpoint(self, directory: Path, gathered: tuple[dict, dict] | None) -> None:
+        """Rank 0: model, tokenizer, optimizer, scheduler, RNG, trainer and rollout states."""
+        if gathered is None:
+            self.save_model(str(directory), _internal_call=True)
+            if not self.args.save_only_model:
+                self._save_optimizer_and_scheduler(str(directory))
+                self._save_scaler(str(directory))
+                self._save_rng_state(str(directory))
+        else:
+            model_state, optimizer_state = gathered
+            self.model.save_pretrained(directory, state_dict=model_state)
+            self.processing_class.save_pretrained(directory)
+            if not self.args.save_only_model:
+                torch.save(optimizer_state, directory / OPTIMIZER_FILE)
+                torch.save(self.lr_scheduler.state_dict(), directory / SCHEDULER_FILE)
+        stateful = self.state.stateful_callbacks
+        for callback in self.callback_handler.callbacks + [self.control]:
+            if isinstance(callback, ExportableState):
+                name = type(callback).__name__
+                if isinstance(stateful.get(name), list):
+                    stateful[name].append(callback.state())
+                else:
+                    stateful[name] = callback.state()
+        self.state.save_to_json(str(directory / TRAINER_STATE_FILE))
         self._save_rollout_state(directory)
-        super()._save_checkpoint(model, trial)
 
     def _save_rollout_state(self, directory: Path) -> None:
         watermark, consumed_after = self._ledger.state()
         RolloutState(
             first_untrained_index=watermark,
             consumed_after=consumed_after,
-            consumed_prompts=self._ledger.consumed_prompts,
+            epoch_prompts=self._ledger.epoch_prompts,
             model_version=self._model_version,
             num_tokens=self._num_tokens,
         ).save(directory)
-
-    def _save_sharded_checkpoint(self, model, directory: Path, run_directory: Path) -> None:
-        """Every rank helps gather the full model and optimizer states; rank 0 writes a checkpoint
-        with the same files a single-process run writes."""
-        model_state, optimizer_state = full_state(model, self.optimizer)
-        if self._processes.is_main:
-            directory.mkdir(parents=True, exist_ok=True)
-            self._save_rollout_state(directory)
-            self.model.save_pretrained(directory, state_dict=model_state)
-            self.processing_class.save_pretrained(directory)
-            torch.save(optimizer_state, directory / OPTIMIZER_FILE)
-            torch.save(self.lr_scheduler.state_dict(), directory / SCHEDULER_FILE)
-            self.state.save_to_json(str(directory / TRAINER_STATE_FILE))
-            rotate_checkpoints(
-                output_dir=str(run_directory),
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-            )
-        self._processes.gather(None)  # no rank runs ahead of a checkpoint being written
+        save_held_samples(self._intake.held_samples(), directory)
 
     def _load_sharded_optimizer(self, checkpoint: str) -> None:
-        load_optimizer_state(self.model, self.optimizer, torch.load(Path(checkpoint) / OPTIMIZER_FILE, weights_only=False))
-        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=False))
+        load_optimizer_state(self.model, self.optimizer, torch.load(Path(checkpoint) / OPTIMIZER_FILE, weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
 
     # -- helpers --------------------------------------------------------------------------------------------
 
@@ -549,17 +714,15 @@ class AsyncGRPOTrainer(Trainer):
         )
         return len(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
-    def _warn_on_dtype_mismatch(self, server_info: dict | None) -> None:
-        model_config = ((server_info or {}).get("vllm_config") or {}).get("model_config") or {}
-        served = str(model_config.get("dtype", "")).replace("torch.", "")
-        trained = str(next(self.model.parameters()).dtype).replace("torch.", "")
+    def _warn_on_dtype_mismatch(self, server_info: ServerInfo | None) -> None:
+        served = server_info.dtype if server_info is not None else None
+        trained = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         if served and served != trained:
             logger.warning(
                 "the vLLM server runs %s weights but the trainer holds %s: expect a larger train/inference "
                 "mismatch (sampling/importance_sampling_ratio far from 1). Serve with `--dtype %s`.",
                 served, trained, trained,
             )
-
 
 def row_loss(model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig, loss_fn) -> tuple[torch.Tensor, dict]:
     """The loss of one packed row (this process's share of a micro-batch), normalized by the trained
@@ -597,6 +760,8 @@ def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | No
 
 
 
-# TRL's module exports these next to the trainer: `from asyncgrpo.trainer.async_grpo_trainer import
-# AsyncRolloutLoop` works like `from trl.trainer.async_grpo_trainer import AsyncRolloutLoop`.
+# The rollout-loop names are importable from this module as well as from `asyncgrpo`. TRL 1.16 has no
+# counterpart to import them from: its module is `trl.experimental.async_grpo`, which exports only the
+# config and the trainer, and its rollout loop is the private `_AsyncRolloutLoop` of
+# `trl.experimental.async_grpo.async_rollout_worker`, with other hooks than AsyncRolloutLoop's.
 __all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]

@@ -1,4 +1,5 @@
-"""The seed's compatibility rules, each a clear error at construction instead of a late crash."""
+"""Checks that need more than the settings (the model, the dataset, the launch), each a clear error at
+construction or start instead of a late crash. Settings-only checks live in AsyncGRPOConfig."""
 
 from __future__ import annotations
 
@@ -34,16 +35,14 @@ def check_reward_funcs(reward_funcs: list[Any]) -> None:
             raise ValueError(f"reward_funcs[{index}] ({function!r}) is not callable")
 
 
-def check_parallelism(args) -> None:
-    config = getattr(args, "parallelism_config", None)
-    if config is None:
-        return
-    for name in ("cp_size", "sp_size"):
-        if (getattr(config, name, 1) or 1) > 1:
-            raise ValueError(
-                f"parallelism_config.{name}={getattr(config, name)} is not supported: context and sequence "
-                "parallelism do not apply to tree-packed rows; use FSDP2 (data parallel) only"
-            )
+def check_text_only_model(config) -> None:
+    """Vision-language checkpoints are refused until they are supported (their vision tower would
+    have to be frozen and left out of weight sync)."""
+    if getattr(config, "vision_config", None) is not None:
+        raise NotImplementedError(
+            f"{type(config).__name__} ({getattr(config, 'model_type', '?')}) is a vision-language checkpoint: "
+            "vision-language models are not available in this version yet; train a text-only checkpoint"
+        )
 
 
 def check_conversational(dataset, environment_factory: Callable | None) -> None:
@@ -87,6 +86,8 @@ def check_prompt_lengths(dataset, render: Callable[[list], int], max_model_len: 
         return
     prompts = dataset[: min(len(dataset), limit)]["prompt"]
     for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, list):
+            continue  # not messages: the rollout worker skips such a row and counts it
         length = render(prompt)
         if length >= max_model_len:
             raise ValueError(
@@ -108,12 +109,13 @@ def check_launch(num_processes: int, use_cpu: bool) -> None:
         )
 
 
-def check_multi_process(sharded_by_accelerate: bool, has_optimizer: bool) -> None:
-    """What several training processes do not support, said before anything starts."""
-    if sharded_by_accelerate:
+def check_multi_process(deepspeed: bool, has_optimizer: bool) -> None:
+    """What several training processes do not support, said before anything starts. An accelerate
+    FSDP config is accepted (trainer/fsdp_launch.py); a DeepSpeed one is not."""
+    if deepspeed:
         raise ValueError(
             "asyncgrpo shards the model with FSDP2 itself when launched on several processes: launch with "
-            "torchrun or `accelerate launch` without an FSDP or DeepSpeed config"
+            "torchrun, `accelerate launch` or an accelerate FSDP config, not a DeepSpeed one"
         )
     if has_optimizer:
         raise ValueError(

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from asyncgrpo.logprobs import PACKED_FORWARD_METHOD, packed_forward
-from asyncgrpo.weight_sync.base import full_tensor
 
 T = TypeVar("T")
 
@@ -57,7 +56,7 @@ def _collective_device() -> torch.device | None:
     return None
 
 
-def shard_model(model: torch.nn.Module) -> None:
+def shard_model(model: torch.nn.Module, reshard_after_forward: bool = True) -> None:
     """FSDP2 over all processes: each decoder layer its own unit (gathered one at a time), the
     rest (embeddings, final norm, head) in the root unit. The packed forward, which calls the decoder
     and reads the head's weight directly rather than through `model.forward`, is registered as a
@@ -66,10 +65,17 @@ def shard_model(model: torch.nn.Module) -> None:
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     for layer in model.get_decoder().layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
     setattr(model, PACKED_FORWARD_METHOD, types.MethodType(packed_forward, model))
     register_fsdp_forward_method(model, PACKED_FORWARD_METHOD)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a collective over the training processes for a sharded DTensor (all of
+    them must call it in the same order), the tensor itself otherwise."""
+    gather = getattr(tensor, "full_tensor", None)
+    return gather() if gather is not None else tensor
 
 
 def local_value(value: torch.Tensor | float) -> float:

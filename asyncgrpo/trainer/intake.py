@@ -14,8 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from asyncgrpo.metrics import MetricsWindow, Reduce
-from asyncgrpo.packing.tree_attention import BLOCK_SIZE
-from asyncgrpo.packing.planner import MicroBatchPlan, Placement, TokenBudgetBatcher
+from asyncgrpo.packing.planner import MIN_SHARED_TOKENS, MicroBatchPlan, Placement, TokenBudgetBatcher
 from asyncgrpo.trainer.prompt_ledger import PromptLedger
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.sample import Sample
@@ -23,6 +22,9 @@ from asyncgrpo.sample import Sample
 logger = logging.getLogger(__name__)
 
 WAIT_LOG_INTERVAL_S = 30.0
+# While the trainer waits for samples, how often it asks the servers whether they still run its
+# weights (a restarted server does not, and rollouts wait for the trainer to push them again).
+SERVER_CHECK_INTERVAL_S = 5.0
 
 
 class NoTrainingSignalError(RuntimeError):
@@ -31,6 +33,14 @@ class NoTrainingSignalError(RuntimeError):
 
 class TrainingComplete(Exception):
     """The stop condition was met while waiting for samples (epochs counted in prompts)."""
+
+
+class ServersLostWeights(Exception):
+    """vLLM servers that answer again but no longer run the trainer's weights (restarted)."""
+
+    def __init__(self, urls: list[str]):
+        super().__init__(f"vLLM server(s) {', '.join(urls)} restarted and lost the trainer's weights")
+        self.urls = urls
 
 
 @dataclass
@@ -60,8 +70,10 @@ class SampleIntake:
         rows_per_step: int,
         prompts_per_epoch: int | None = None,
         stop_condition=lambda: False,
+        check_servers=lambda: None,
     ):
         self.worker = worker
+        self.check_servers = check_servers  # raises ServersLostWeights
         self.prompts_per_epoch = prompts_per_epoch
         self.stop_condition = stop_condition
         self.ledger = ledger
@@ -76,6 +88,20 @@ class SampleIntake:
         self._warned_oversize = False
         self._publish_allowance(held_tokens=0)
 
+    def restore(self, samples: list[Sample]) -> None:
+        """Samples a checkpoint carried (held, not yet trained): they are trained first."""
+        by_prompt: dict[int, int] = {}
+        for sample in samples:
+            by_prompt[sample.stream_index] = by_prompt.get(sample.stream_index, 0) + 1
+        for stream_index, count in by_prompt.items():
+            self.ledger.add_group(stream_index, count)
+        self.buffer.extend(samples)
+
+    def held_samples(self) -> list[Sample]:
+        """Every sample taken from the worker and not trained yet: each belongs to a prompt the ledger
+        has not consumed, so a checkpoint that keeps them can resume exactly."""
+        return list(self.buffer)
+
     def _publish_allowance(self, held_tokens: int) -> None:
         self.worker.publish_allowance(
             self.consumed_tokens_total + held_tokens + self.allowance_factor * self.last_step_tokens
@@ -85,6 +111,8 @@ class SampleIntake:
         """Move what the worker queued into the buffer; wait up to `wait_s` for the first result."""
         result = self.worker.next_result(timeout=wait_s)
         while result is not None:
+            for sample in result.samples:
+                sample.validate()  # a malformed sample fails here, naming the broken invariant
             self.ledger.add_group(result.stream_index, len(result.samples))
             self.buffer.extend(result.samples)
             result = self.worker.next_result(timeout=0.0)
@@ -95,10 +123,14 @@ class SampleIntake:
         if self.buffer:
             return
         self._publish_allowance(held_tokens=sum(sample.num_tokens for sample in batch.samples))
-        started = last_note = time.monotonic()
+        started = last_note = last_server_check = time.monotonic()
         while not self.buffer:
             self._drain(1.0)
             self._check_progress_possible()
+            if time.monotonic() - last_server_check > SERVER_CHECK_INTERVAL_S:
+                batch.wait_s += time.monotonic() - started
+                self.check_servers()
+                started = last_server_check = time.monotonic()
             if time.monotonic() - last_note > WAIT_LOG_INTERVAL_S:
                 logger.warning(
                     "waiting for rollouts for %.0f s; the last %d prompts brought no sample to train on "
@@ -130,20 +162,34 @@ class SampleIntake:
             sample = self.buffer.popleft()
             staleness = model_version - sample.model_version
             if staleness > self.max_staleness:
-                self._consumed(sample)
+                self._consumed(sample, trained=False)
                 metrics.record("sample/dropped_stale_count", 1, Reduce.SUM)
                 continue
             return sample
 
-    def _consumed(self, sample: Sample) -> None:
-        self.ledger.sample_done(sample.stream_index)
+    def _consumed(self, sample: Sample, trained: bool) -> None:
+        self.ledger.sample_done(sample.stream_index, trained)
         self.consumed_tokens_total += sample.num_tokens
 
     def next_step(self, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int) -> StepBatch:
         """Plan one optimizer step's micro-batches from the queue."""
         batch = StepBatch(plans=[])
-        metrics.record("rollout/queue_size", len(self.buffer) + self.worker.queued_results())
-        batcher = TokenBudgetBatcher(self.token_budget, self.num_rows, min_shared_tokens=BLOCK_SIZE)
+        self._drain(0.0)  # what the worker queued joins the buffer, so the size counts samples only
+        metrics.record("rollout/queue_size", len(self.buffer))
+        try:
+            self._plan(batch, gradient_accumulation_steps, metrics, model_version)
+        except ServersLostWeights:
+            # Nothing of this batch was trained: its samples wait at the head of the buffer.
+            self.buffer.extendleft(reversed(batch.samples))
+            raise
+        for sample in batch.samples:
+            self._consumed(sample, trained=True)
+        self.last_step_tokens = sum(sample.num_tokens for sample in batch.samples)
+        self._publish_allowance(held_tokens=0)
+        return batch
+
+    def _plan(self, batch: StepBatch, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int) -> None:
+        batcher = TokenBudgetBatcher(self.token_budget, self.num_rows, min_shared_tokens=MIN_SHARED_TOKENS)
         while len(batch.plans) < gradient_accumulation_steps:
             sample = self._next_sample(batch, metrics, model_version)
             placement = batcher.offer(sample)
@@ -151,7 +197,7 @@ class SampleIntake:
                 batch.samples.append(sample)
                 self._record_taken(sample, metrics, model_version)
             elif placement is Placement.DROPPED_OVERSIZE:
-                self._consumed(sample)
+                self._consumed(sample, trained=False)
                 metrics.record("batch/dropped_oversize_count", 1, Reduce.SUM)
                 if not self._warned_oversize:
                     self._warned_oversize = True
@@ -162,11 +208,6 @@ class SampleIntake:
             else:  # CLOSED: this sample opens the next micro-batch
                 self.buffer.appendleft(sample)
                 batch.plans.append(batcher.close())
-        for sample in batch.samples:
-            self._consumed(sample)
-        self.last_step_tokens = sum(sample.num_tokens for sample in batch.samples)
-        self._publish_allowance(held_tokens=0)
-        return batch
 
     def _record_taken(self, sample: Sample, metrics: MetricsWindow, model_version: int) -> None:
         staleness = model_version - sample.model_version

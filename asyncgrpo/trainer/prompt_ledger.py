@@ -1,11 +1,20 @@
-"""Which prompts the trainer has consumed: the epoch counter and the resume position.
+"""Which prompts the trainer is done with: the resume position and the epoch count.
 
-A prompt is consumed when every sample of its group has been trained or dropped (stale, oversize),
+A prompt is *resolved* when every sample of its group has been trained or dropped (stale, oversize),
 or at once when it carried none (filtered out, or a group without reward signal). The worker runs
 ahead of training by the queue's depth, and groups finish out of order, so the resume position is
-the first stream index not yet consumed (the watermark) plus the consumed indices after it: a
+the first stream index not yet resolved (the watermark) plus the resolved indices after it: a
 resumed worker starts at the watermark and skips those, so no prompt is trained twice or skipped.
-Samples still queued when a run stops are lost; their prompts are regenerated on resume.
+The samples the trainer holds for prompts not yet resolved (a group can straddle two steps) travel
+with the checkpoint (trainer/held_samples.py) and are trained first on resume; results still in the
+worker's queue are lost, and their prompts regenerated.
+
+The epoch count (`epoch_prompts`) counts the prompts a pass over the data has covered: a prompt
+with at least one trained sample, and a prompt consumed without samples (filtered out, or dropped
+for equal rewards: it was seen, and had nothing to teach). A prompt whose samples were all dropped
+as stale or oversize is resolved but not counted: it was never trained, and counting it would let a
+run that drops much of its data end its epochs early. `num_train_epochs` then means passes of
+trained prompts, and the stream simply continues into the next epoch to make up the count.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ class RolloutState:
 
     first_untrained_index: int = 0
     consumed_after: list[int] = field(default_factory=list)
-    consumed_prompts: int = 0
+    epoch_prompts: int = 0  # prompts counted toward num_train_epochs (see the module doc)
     model_version: int = 0
     num_tokens: int = 0
 
@@ -40,15 +49,20 @@ class RolloutState:
         path = Path(directory) / ROLLOUT_STATE_NAME
         if not path.exists():
             return None
-        return cls(**json.loads(path.read_text()))
+        fields = json.loads(path.read_text())
+        if "prompt_index" in fields:  # a TRL checkpoint: {"prompt_index", "model_version"}
+            return cls(first_untrained_index=int(fields["prompt_index"]), model_version=int(fields.get("model_version", 0)))
+        known = {name: value for name, value in fields.items() if name in cls.__dataclass_fields__}
+        return cls(**known)
 
 
 class PromptLedger:
-    def __init__(self, start_index: int = 0, consumed_after: list[int] | None = None, consumed_prompts: int = 0):
+    def __init__(self, start_index: int = 0, consumed_after: list[int] | None = None, epoch_prompts: int = 0):
         self.watermark = start_index
         self._consumed_ahead: set[int] = set(consumed_after or ())
-        self._pending: dict[int, int] = {}
-        self.consumed_prompts = consumed_prompts
+        self._pending: dict[int, int] = {}  # stream index -> samples not yet trained or dropped
+        self._trained: set[int] = set()  # pending stream indices with at least one trained sample
+        self.epoch_prompts = epoch_prompts
         # Prompts in a row whose groups brought nothing to train (filtered, or equal rewards).
         self.prompts_without_samples_streak = 0
         self._advance()
@@ -57,22 +71,28 @@ class PromptLedger:
         """A group result arrived with `num_samples` samples for training."""
         if num_samples == 0:
             self.prompts_without_samples_streak += 1
+            self.epoch_prompts += 1
             self._consume(stream_index)
         else:
             self.prompts_without_samples_streak = 0
             self._pending[stream_index] = num_samples
 
-    def sample_done(self, stream_index: int) -> None:
-        """One of the group's samples was trained or dropped."""
+    def sample_done(self, stream_index: int, trained: bool) -> None:
+        """One of the group's samples was trained (`trained`) or dropped."""
+        if trained:
+            self._trained.add(stream_index)
         remaining = self._pending[stream_index] - 1
         if remaining:
             self._pending[stream_index] = remaining
-        else:
-            del self._pending[stream_index]
-            self._consume(stream_index)
+            return
+        del self._pending[stream_index]
+        if stream_index in self._trained:
+            self._trained.discard(stream_index)
+            self.epoch_prompts += 1
+        self._consume(stream_index)
 
     def _consume(self, stream_index: int) -> None:
-        self.consumed_prompts += 1
+        """The prompt is resolved: nothing of it is left to train."""
         self._consumed_ahead.add(stream_index)
         self._advance()
 
@@ -82,5 +102,5 @@ class PromptLedger:
             self.watermark += 1
 
     def state(self) -> tuple[int, list[int]]:
-        """(first unconsumed stream index, consumed indices after it)."""
+        """(first unresolved stream index, resolved indices after it)."""
         return self.watermark, sorted(self._consumed_ahead)

@@ -1,17 +1,62 @@
-"""Pushing the trainer's weights to the vLLM servers: backends behind one small interface."""
+"""Pushing the trainer's weights to the vLLM servers: backends behind one small interface, chosen in
+one place (`make_weight_sync`)."""
 
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from asyncgrpo.config import WEIGHT_SYNC_BACKENDS
+from asyncgrpo.generation.server_info import ServerInfo
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
-from asyncgrpo.weight_sync.nccl import NcclWeightSync
+from asyncgrpo.weight_sync.nccl import NcclWeightSync, vllm_at_least
+from asyncgrpo.weight_sync.transport import NcclTransport
+
+logger = logging.getLogger(__name__)
 
 
-def non_sending_weight_sync(backend: str) -> WeightSyncBackend:
-    """The backend of a training process other than rank 0: it only takes part in the gathers."""
+def choose_backend(requested: str, info: ServerInfo | None, trainer_on_gpu: bool) -> str:
+    """'auto' is NCCL when the trainer has a GPU and the server runs the NCCL transfer engine, the
+    filesystem otherwise; an explicit 'nccl' needs a server that runs the engine."""
+    server_has_nccl = info is not None and info.transfer_backend == "nccl"
+    if requested == "auto":
+        return "nccl" if server_has_nccl and trainer_on_gpu else "filesystem"
+    if requested == "nccl" and info is not None and not server_has_nccl:
+        raise ValueError(
+            "weight_sync_backend='nccl' but the vLLM server was not started with the NCCL engine: serve with "
+            "--weight-transfer-config '{\"backend\": \"nccl\"}' (`asyncgrpo serve` does on GPU)"
+        )
+    return requested
+
+
+def make_weight_sync(
+    backend: str,
+    client=None,
+    loop=None,
+    output_dir: str | Path | None = None,
+    timeout_s: float = 0.0,
+    is_sender: bool = True,
+) -> WeightSyncBackend:
+    """The backend `choose_backend` named. The sender (rank 0) talks to the servers; every other
+    training process gets the same backend with `is_sender=False`, which only joins the gathers."""
     if backend == FilesystemWeightSync.name:
-        return FilesystemWeightSync(None, None, None, is_sender=False)
+        directory = Path(output_dir).resolve() / ".vllm_weights" if is_sender else None
+        return FilesystemWeightSync(client, loop, directory, is_sender=is_sender, timeout_s=timeout_s or None)
     if backend == NcclWeightSync.name:
-        return NcclWeightSync(None, None, None, timeout_s=0, is_sender=False)
-    raise ValueError(f"unknown weight-sync backend {backend!r}")
+        if not is_sender:
+            return NcclWeightSync(None, None, None, timeout_s=0, is_sender=False)
+        rendezvous = "unique_id" if vllm_at_least(loop.run(client.version()), (0, 30)) else "tcp_store"
+        logger.info("weight sync: NCCL broadcast to the vLLM workers (%s rendezvous)", rendezvous)
+        return NcclWeightSync(client, loop, NcclTransport(rendezvous), timeout_s)
+    raise ValueError(f"unknown weight-sync backend {backend!r} (one of {WEIGHT_SYNC_BACKENDS})")
 
 
-__all__ = ["FilesystemWeightSync", "NcclWeightSync", "SyncTimings", "WeightSyncBackend", "non_sending_weight_sync"]
+__all__ = [
+    "FilesystemWeightSync",
+    "NcclWeightSync",
+    "SyncTimings",
+    "WeightSyncBackend",
+    "choose_backend",
+    "make_weight_sync",
+]

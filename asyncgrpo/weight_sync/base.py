@@ -19,21 +19,22 @@ import torch
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.models import is_served
 from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.trainer.distributed import full_tensor
 
 
 @dataclass
 class SyncTimings:
     pause_s: float = 0.0  # waiting for vLLM to pause
-    barrier_s: float = 0.0  # waiting for the other training processes
     transfer_s: float = 0.0  # preparing and sending the weights
 
     @property
     def total_s(self) -> float:
-        return self.pause_s + self.barrier_s + self.transfer_s
+        return self.pause_s + self.transfer_s
 
 
 class WeightSyncBackend(abc.ABC):
     name: str = "abstract"
+    timeout_s: float | None = None  # bound of each server call of a sync (weight_sync_timeout); None: the client's
 
     def __init__(self, client: VLLMClient | None, loop: BackgroundLoop | None, is_sender: bool = True):
         if is_sender and (client is None or loop is None):
@@ -52,16 +53,22 @@ class WeightSyncBackend(abc.ABC):
         timings.transfer_s = staged - started
         if not self.is_sender:
             return timings
-        # Frozen requests keep their KV; new ones never reuse older weights' prefixes (policy_cache_salt).
-        self.loop.run(self.client.pause(mode="keep", clear_cache=False))
-        paused = time.perf_counter()
+        paused = staged
         try:
+            # Frozen requests keep their KV; new ones never reuse older weights' prefixes (policy_cache_salt).
+            self.loop.run(self.client.pause(mode="keep", clear_cache=False, timeout=self.timeout_s))
+            paused = time.perf_counter()
             self.apply(prepared, version)
         finally:
-            self.loop.run(self.client.resume())
+            # Every server is resumed, also when the pause itself failed on some of them: a server
+            # left paused would stall every rollout until the worker's timeout.
+            self.loop.run(self.client.resume(timeout=self.timeout_s))
         timings.pause_s = paused - staged
         timings.transfer_s += time.perf_counter() - paused
         return timings
+
+    def reconnect(self) -> None:
+        """After a server restart: re-establish whatever the backend keeps with the servers."""
 
     @abc.abstractmethod
     def prepare(self, model: torch.nn.Module, version: int) -> Any:
@@ -94,13 +101,6 @@ def serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         seen.add(id(tensor))
         weights.append((name, tensor.detach()))
     return weights
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a collective over the training processes for a sharded DTensor (all of
-    them must call it in the same order), the tensor itself otherwise."""
-    gather = getattr(tensor, "full_tensor", None)
-    return gather() if gather is not None else tensor
 
 
 def join_gathers(model: torch.nn.Module) -> None:

@@ -2,7 +2,9 @@
 
 Works everywhere vLLM runs (CPU included) and across nodes that share a filesystem. Each version
 goes to its own directory, written completely before the servers are told about it; the previous
-version's directory is removed once the servers have moved on.
+version's directory is removed once the servers have moved on. Paths sent to the servers are
+absolute: a server resolves a relative one against its own working directory. A directory a reload
+may still be reading (the sync was interrupted) is never removed; the next run clears it.
 """
 
 from __future__ import annotations
@@ -14,18 +16,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, join_gathers, serving_tensors
+from asyncgrpo.generation.client import policy_label
+from asyncgrpo.trainer.distributed import full_tensor
+from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_tensors
 
 
 class FilesystemWeightSync(WeightSyncBackend):
     name = "filesystem"
 
-    def __init__(self, client, loop, directory: str | os.PathLike | None, is_sender: bool = True):
+    def __init__(
+        self, client, loop, directory: str | os.PathLike | None, is_sender: bool = True, timeout_s: float | None = None
+    ):
         super().__init__(client, loop, is_sender)
-        self.directory = Path(directory) if directory is not None else None
+        self.timeout_s = timeout_s
+        self.directory = Path(directory).resolve() if directory is not None else None
         if is_sender:
+            shutil.rmtree(self.directory, ignore_errors=True)  # versions a previous run left behind
             self.directory.mkdir(parents=True, exist_ok=True)
         self._current: Path | None = None
+        self._reloading: Path | None = None
 
     def prepare(self, model: torch.nn.Module, version: int) -> Path | None:
         if not self.is_sender:
@@ -42,11 +51,19 @@ class FilesystemWeightSync(WeightSyncBackend):
         return target
 
     def apply(self, prepared: Path, version: int) -> None:
-        self.loop.run(self.client.reload_weights(str(prepared), version=str(version)))
+        self._reloading = prepared
+        self.loop.run(self.client.reload_weights(str(prepared), version=policy_label(version), timeout=self.timeout_s))
+        self._reloading = None
         previous, self._current = self._current, prepared
         if previous is not None and previous != self._current:
             shutil.rmtree(previous, ignore_errors=True)
 
     def close(self) -> None:
-        if self.directory is not None:
+        if self.directory is None:
+            return
+        if self._reloading is None:
             shutil.rmtree(self.directory, ignore_errors=True)
+            return
+        for child in self.directory.iterdir():  # a server may still be reading `_reloading`
+            if child != self._reloading:
+                shutil.rmtree(child, ignore_errors=True)

@@ -26,7 +26,9 @@ from urllib.parse import urlparse
 
 import torch
 
-from asyncgrpo.weight_sync.base import WeightSyncBackend, full_tensor, join_gathers, serving_tensors
+from asyncgrpo.generation.client import policy_label
+from asyncgrpo.trainer.distributed import full_tensor
+from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_tensors
 from asyncgrpo.weight_sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_NUM_BUFFERS,
@@ -118,17 +120,27 @@ class NcclWeightSync(WeightSyncBackend):
             self.loop.run(self.client.start_weight_update(), timeout=self.timeout_s)
             received = self.loop.submit(self.client.update_weights(prepared.update_info, timeout=self.timeout_s))
             _run_alongside(received, lambda: self._broadcast(prepared.tensors), self.timeout_s, "sending weights")
-            self.loop.run(self.client.finish_weight_update(str(version)), timeout=self.timeout_s)
+            self.loop.run(self.client.finish_weight_update(policy_label(version)), timeout=self.timeout_s)
         except BaseException as error:
             self._broken = f"{type(error).__name__}: {error}"
             self.transport.abort()
-            self._best_effort(self.client.finish_weight_update(str(version), timeout=CLEANUP_TIMEOUT_S))
+            self._best_effort(self.client.finish_weight_update(policy_label(version), timeout=CLEANUP_TIMEOUT_S))
             if not isinstance(error, Exception):
                 raise  # an interrupt stays an interrupt (after the cleanup above)
             raise WeightTransferError(
                 f"weight sync v{version} failed ({self._broken}); the vLLM server may be stuck in the "
                 "transfer: restart it before training on"
             ) from error
+
+    def reconnect(self) -> None:
+        """A server restarted and left the transfer group: tear the group down everywhere (best
+        effort on the servers that kept it) and form a new one with every server."""
+        if not self.is_sender:
+            return
+        self._best_effort(self.client.shutdown_weight_transfer_engine(timeout=CLEANUP_TIMEOUT_S))
+        self.transport.close()
+        self._broken = None
+        self._connect()
 
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Gather (a collective under FSDP2, on the default stream, before the tensor reaches the
@@ -153,12 +165,6 @@ class NcclWeightSync(WeightSyncBackend):
         if not self._broken:
             self._best_effort(self.client.shutdown_weight_transfer_engine(timeout=CLEANUP_TIMEOUT_S))
         self.transport.close()
-
-
-def server_transfer_backend(server_info: dict | None) -> str | None:
-    """The weight-transfer engine a server runs (`--weight-transfer-config`), from `/server_info`."""
-    config = ((server_info or {}).get("vllm_config") or {}).get("weight_transfer_config") or {}
-    return config.get("backend") if isinstance(config, dict) else None
 
 
 def vllm_at_least(version: str, minimum: tuple[int, int]) -> bool:
@@ -194,5 +200,5 @@ def _run_alongside(
             return
         if time.monotonic() > deadline:
             side = "the trainer's broadcast" if "local" not in outcome else "the vLLM server"
-            raise TimeoutError(f"{what}: {side} did not finish within {timeout_s:.0f} s (vllm_server_timeout)")
+            raise TimeoutError(f"{what}: {side} did not finish within {timeout_s:.0f} s (weight_sync_timeout)")
         time.sleep(0.002)

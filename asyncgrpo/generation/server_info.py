@@ -1,0 +1,59 @@
+"""What a running vLLM server was started with, read once from `GET /server_info` (dev mode).
+
+The trainer checks it at start: the log-prob mode (the importance ratio needs the log-probs of the
+distribution actually sampled), the dtype (the train/inference mismatch grows when they differ), the
+weight-transfer engine (NCCL sync), candidate sets for top-k/top-p, and LoRA slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+REQUIRED_LOGPROBS_MODE = "processed_logprobs"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    dtype: str | None = None  # "float32", "bfloat16", ...
+    logprobs_mode: str | None = None
+    transfer_backend: str | None = None  # "nccl" with --weight-transfer-config, else None
+    return_sampling_mask: bool = False
+    max_lora_rank: int | None = None  # None: LoRA not enabled
+    max_loras: int | None = None
+    raw: dict[str, Any] | None = None  # the whole answer, for what this class does not name
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.max_lora_rank is not None
+
+
+def parse_server_info(answer: dict[str, Any] | None) -> ServerInfo | None:
+    """None for a server without `/server_info` (not in dev mode): nothing can be checked."""
+    if not answer:
+        return None
+    config = answer.get("vllm_config") or {}
+    model = config.get("model_config") or {}
+    transfer = config.get("weight_transfer_config") or {}
+    lora = config.get("lora_config") or {}
+    return ServerInfo(
+        dtype=str(model["dtype"]).removeprefix("torch.") if model.get("dtype") else None,
+        logprobs_mode=model.get("logprobs_mode"),
+        transfer_backend=transfer.get("backend") if isinstance(transfer, dict) else None,
+        return_sampling_mask=bool(model.get("return_sampling_mask")),
+        max_lora_rank=lora.get("max_lora_rank") if isinstance(lora, dict) and lora else None,
+        max_loras=lora.get("max_loras") if isinstance(lora, dict) and lora else None,
+        raw=answer,
+    )
+
+
+def check_logprobs_mode(info: ServerInfo | None, url: str) -> None:
+    """Refuse a server whose log-probs are not those of the distribution it samples from: every
+    importance ratio would be biased (by the temperature and the top-k/top-p cut), silently."""
+    if info is None or info.logprobs_mode in (None, REQUIRED_LOGPROBS_MODE):
+        return
+    raise ValueError(
+        f"the vLLM server at {url} returns {info.logprobs_mode!r} log-probs; the trainer needs the log-probs of "
+        f"the distribution actually sampled: restart it with `--logprobs-mode {REQUIRED_LOGPROBS_MODE}` "
+        "(`asyncgrpo serve` adds it)"
+    )

@@ -1,0 +1,59 @@
+"""A training run for the fault tests to kill (tests/test_faults.py), in its own process.
+
+argv: server URL, model dir, output dir, max_steps, mode. A checkpoint every step. The run writes
+`<output_dir>/at-step-<N>` when step N ends; mode `hold-at-2` then blocks in step 3's wait for
+samples (training, worker and all alive), mode `slow-save-at-3` blocks while checkpoint 3 is being
+written (after its model and optimizer files), so the test can kill it there.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from transformers import TrainerCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
+from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
+from test_trainer_e2e import make_config, prompts, token_parity_reward  # noqa: E402
+
+
+class MarkSteps(TrainerCallback):
+    def __init__(self, output_dir: Path, mode: str):
+        self.output_dir, self.mode = output_dir, mode
+
+    def on_step_end(self, args, state, control, **kwargs):
+        (self.output_dir / f"at-step-{state.global_step}").touch()
+        if self.mode == "hold-at-2" and state.global_step == 2:
+            while True:  # alive and holding everything it started, as a long step would
+                time.sleep(1)
+
+
+def main() -> None:
+    url, model_dir, output_dir, max_steps, mode = sys.argv[1:6]
+    output = Path(output_dir)
+    if mode == "slow-save-at-3":
+        write_rollout_state = trainer_module.AsyncGRPOTrainer._save_rollout_state
+
+        def slow(self, directory):
+            if self.state.global_step == 3:
+                (output / "saving-3").touch()
+                time.sleep(3600)
+            write_rollout_state(self, directory)
+
+        trainer_module.AsyncGRPOTrainer._save_rollout_state = slow
+    config = make_config(
+        SimpleNamespace(url=url), output_dir, max_steps=int(max_steps), save_strategy="steps", save_steps=1,
+        learning_rate=1e-3, vllm_server_timeout=120,
+    )  # fmt: skip
+    trainer = AsyncGRPOTrainer(model_dir, token_parity_reward, config, train_dataset=prompts(60), callbacks=[MarkSteps(output, mode)])
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""Fault injection against the real vLLM CPU server: each test breaks something on purpose and
+proves the run survives it, or stops with a clear error, and leaves nothing behind.
+The table of faults and behaviours is in docs/reliability.md."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from datasets import Dataset
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+import asyncgrpo.trainer.async_grpo_trainer as trainer_module
+from asyncgrpo import AsyncGRPOTrainer
+from asyncgrpo.generation.client import SamplingParams, VLLMClient
+from asyncgrpo.generation.server import ServerOptions, VLLMServer
+from asyncgrpo.rollout.worker import RolloutWorkerError
+from asyncgrpo.trainer.held_samples import load_held_samples
+from asyncgrpo.trainer.intake import SampleIntake
+from conftest import MAX_MODEL_LEN, free_port
+from test_trainer_e2e import PROBE, hf_greedy, make_config, prompts, restore_server, server_greedy, token_parity_reward
+
+pytestmark = pytest.mark.vllm
+FAULT_TRAIN = Path(__file__).with_name("fault_train.py")
+
+
+@pytest.fixture(autouse=True)
+def shared_server_weights_restored(request, tiny_model_dir):
+    yield
+    if "vllm_server" in request.fixturenames:
+        restore_server(request.getfixturevalue("vllm_server").url, tiny_model_dir)
+
+
+def hanging_reward(completions, **kwargs):
+    Path(os.environ["ASYNCGRPO_TEST_HANG_MARK"]).write_text(str(time.time()))  # when the call began
+    time.sleep(3600)
+
+
+def inf_reward(completions, **kwargs):
+    return [math.inf] + [0.0] * (len(completions) - 1)
+
+
+def server_logprobs(url: str) -> np.ndarray:
+    async def run():
+        async with VLLMClient(url, timeout=60) as client:
+            return (await client.complete(PROBE, SamplingParams(max_tokens=8, temperature=1.0), seed=0)).logprobs
+
+    return asyncio.run(run())
+
+
+def history_sum(trainer, name: str) -> float:
+    return sum(entry.get(name, 0) for entry in trainer.state.log_history)
+
+
+# -- the reward side -------------------------------------------------------------------------------
+
+
+def test_a_reward_that_never_returns_stops_the_run_naming_it(vllm_server, tiny_model_dir, tmp_path, monkeypatch):
+    mark = tmp_path / "hang-began"
+    monkeypatch.setenv("ASYNCGRPO_TEST_HANG_MARK", str(mark))  # the spawned worker inherits it
+    args = make_config(vllm_server, tmp_path, max_steps=3, reward_timeout=3)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), hanging_reward, args, train_dataset=prompts())
+    with pytest.raises(RolloutWorkerError, match=r"'hanging_reward' did not return within reward_timeout=3 s \(dataset row \d+\)"):
+        trainer.train()
+    assert time.time() - float(mark.read_text()) < 3 + 10, "stopped within the timeout plus a few seconds"
+    assert not trainer._worker.process.is_alive()
+
+
+def test_an_inf_reward_is_an_error_and_the_served_weights_stay_finite(vllm_server, tiny_model_dir, tmp_path):
+    args = make_config(vllm_server, tmp_path, max_steps=3)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), inf_reward, args, train_dataset=prompts())
+    with pytest.raises(RolloutWorkerError, match=r"reward function 'inf_reward' returned inf"):
+        trainer.train()
+    assert np.all(np.isfinite(server_logprobs(vllm_server.url)))
+    assert server_greedy(vllm_server.url) == hf_greedy(trainer.model.eval())
+
+
+def poisoned_row_loss(poison_step):
+    """row_loss, made NaN on the steps `poison_step(step)` names (one row per step in these runs)."""
+    original, calls = trainer_module.row_loss, {"step": 0}
+
+    def row_loss(*args, **kwargs):
+        loss, stats = original(*args, **kwargs)
+        calls["step"] += 1
+        return (loss * math.nan if poison_step(calls["step"]) else loss), stats
+
+    return row_loss
+
+
+def test_nonfinite_steps_are_skipped_and_never_reach_the_server(vllm_server, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_module, "row_loss", poisoned_row_loss(lambda step: step <= 2))
+    args = make_config(vllm_server, tmp_path, max_steps=4, learning_rate=1e-2)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert history_sum(trainer, "train/nonfinite_steps") == 2
+    assert all(bool(p.isfinite().all()) for p in trainer.model.parameters())
+    assert any(not p.equal(initial[name]) for name, p in trainer.model.named_parameters()), "steps 3-4 trained"
+    assert server_greedy(vllm_server.url) == hf_greedy(trainer.model.eval())
+
+
+def test_three_nonfinite_steps_in_a_row_stop_the_run(vllm_server, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_module, "row_loss", poisoned_row_loss(lambda step: True))
+    args = make_config(vllm_server, tmp_path, max_steps=6)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
+    before = server_greedy(vllm_server.url)
+    with pytest.raises(trainer_module.NonFiniteTrainingError, match="3 steps in a row"):
+        trainer.train()
+    assert server_greedy(vllm_server.url) == before == hf_greedy(trainer.model.eval())
+    assert np.all(np.isfinite(server_logprobs(vllm_server.url)))
+
+
+def test_a_stuck_thread_cannot_keep_a_failed_worker_alive():
+    from asyncgrpo.rollout.worker import _worker_main
+
+    context = multiprocessing.get_context("spawn")
+    channels = dict(
+        rollout_buffer=context.Queue(),
+        metrics_queue=context.Queue(),
+        exception_info_queue=context.Queue(),
+        failed_event=context.Event(),
+    )
+    ready = context.Event()  # referenced until the child has unpickled it
+    process = context.Process(target=_worker_main, args=(StuckThreadThenFail, channels, ready, os.getpid()))
+    process.start()
+    process.join(60)
+    assert process.exitcode == 1, "the process left by itself, its stuck thread notwithstanding"
+    assert channels["failed_event"].is_set()
+    name, message, _ = channels["exception_info_queue"].get(timeout=10)
+    assert (name, message) == ("RuntimeError", "boom after starting a thread that never ends")
+
+
+class StuckThreadThenFail:
+    """A rollout loop whose run() starts a non-daemon thread that never ends, then fails."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    def run(self, ready_event=None):
+        threading.Thread(target=time.sleep, args=(3600,)).start()
+        raise RuntimeError("boom after starting a thread that never ends")
+
+
+# -- bad data -----------------------------------------------------------------------------------------
+
+
+def test_bad_rows_later_in_the_dataset_are_skipped_and_counted(vllm_server, tiny_model_dir, tmp_path):
+    rows = [[{"role": "user", "content": f"Say something about {i}."}] for i in range(8)]
+    dataset = _MixedRows([{"prompt": row} for row in rows])
+    dataset.rows[3] = {"prompt": "a plain string, not messages"}
+    dataset.rows[6] = {"prompt": [{"content": "a message without a role"}]}
+    args = make_config(vllm_server, tmp_path, num_train_epochs=1, max_steps=-1)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=dataset)
+    trainer.train()
+    assert trainer._ledger.watermark == 8, "the epoch ended: bad rows are consumed (skipped), not retried"
+    assert history_sum(trainer, "rollout/skipped_prompts") >= 1
+
+
+class _MixedRows:
+    """A map-style dataset whose rows do not share one schema (Arrow cannot hold a bad row)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.column_names = ["prompt"]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return {"prompt": [row["prompt"] for row in self.rows[index]]}
+        return self.rows[index]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+# -- paths and checkpoints ---------------------------------------------------------------------------
+
+
+def test_a_relative_output_dir_works(vllm_server, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = make_config(vllm_server, "rel_out", max_steps=2, learning_rate=1e-2)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
+    trainer.train()
+    assert trainer.state.global_step == 2 and (tmp_path / "rel_out").is_dir()
+    assert server_greedy(vllm_server.url) == hf_greedy(trainer.model.eval())
+
+
+def record_trained(monkeypatch) -> list[tuple[int, str]]:
+    """(stream_index, rollout_id) of every sample the trainer takes into a step."""
+    trained: list[tuple[int, str]] = []
+    original = SampleIntake.next_step
+
+    def recording(self, *args, **kwargs):
+        batch = original(self, *args, **kwargs)
+        trained.extend((sample.stream_index, sample.rollout_id) for sample in batch.samples)
+        return batch
+
+    monkeypatch.setattr(SampleIntake, "next_step", recording)
+    return trained
+
+
+def test_resume_across_a_split_group_trains_each_sample_once(vllm_server, tiny_model_dir, tmp_path, monkeypatch):
+    # token_budget=64 holds a prompt and two or three completions: every group straddles steps.
+    options = dict(max_steps=3, save_strategy="steps", save_steps=3, token_budget=64, num_generations=4)
+    first_run = record_trained(monkeypatch)
+    AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, make_config(vllm_server, tmp_path, **options), train_dataset=prompts(60)).train()
+    held = load_held_samples(tmp_path / "checkpoint-3")
+    assert held, "checkpoint 3 fell inside a group: its untrained samples travel with it"
+    monkeypatch.undo()
+    second_run = record_trained(monkeypatch)
+    options.update(max_steps=6, save_steps=6)
+    resumed = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, make_config(vllm_server, tmp_path, **options), train_dataset=prompts(60))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert resumed.state.global_step == 6
+    everything = first_run + second_run
+    assert len({rollout for _, rollout in everything}) == len(everything), "a sample was trained twice"
+    assert {sample.rollout_id for sample in held} <= {rollout for _, rollout in second_run}, "held samples trained"
+    per_prompt: dict[int, set[str]] = {}
+    for stream_index, rollout in everything:
+        per_prompt.setdefault(stream_index, set()).add(rollout)
+    assert max(len(rollouts) for rollouts in per_prompt.values()) <= 4, "a split prompt was regenerated"
+
+
+def _session_processes(session_id: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session_id and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def _start_fault_run(server, model_dir, output_dir: Path, max_steps: int, mode: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(FAULT_TRAIN), server.url, str(model_dir), str(output_dir), str(max_steps), mode],
+        start_new_session=True,  # its session id finds every process it started, orphans included
+        stdout=subprocess.DEVNULL,
+        stderr=open(output_dir.parent / f"{output_dir.name}.log", "w"),
+    )
+
+
+def _wait_for(path: Path, process: subprocess.Popen, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert process.poll() is None, f"the training process exited early ({process.returncode})"
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_killing_a_training_process_leaves_no_process_behind(vllm_server, tiny_model_dir, tmp_path, sig):
+    output = tmp_path / "run"
+    output.mkdir()
+    process = _start_fault_run(vllm_server, tiny_model_dir, output, 6, "hold-at-2")
+    try:
+        _wait_for(output / "at-step-2", process)
+        assert len(_session_processes(process.pid)) >= 2, "the trainer and its rollout worker are running"
+        process.send_signal(sig)
+        deadline = time.monotonic() + 15
+        while _session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        process.wait(5)
+        assert not _session_processes(process.pid), "processes outlived the killed trainer by 15 s"
+    finally:
+        for pid in _session_processes(process.pid):
+            os.kill(pid, signal.SIGKILL)
+    if sig == signal.SIGTERM:
+        assert not (output / ".vllm_weights").exists(), "SIGTERM ran the cleanup Ctrl-C runs"
+
+
+def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(vllm_server, tiny_model_dir, tmp_path):
+    output = tmp_path / "run"
+    output.mkdir()
+    process = _start_fault_run(vllm_server, tiny_model_dir, output, 6, "slow-save-at-3")
+    try:
+        _wait_for(output / "saving-3", process)
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+    finally:
+        for pid in _session_processes(process.pid):
+            os.kill(pid, signal.SIGKILL)
+    assert (output / ".checkpoint-3.partial").is_dir() and not (output / "checkpoint-3").exists()
+    assert get_last_checkpoint(str(output)) == str(output / "checkpoint-2")
+    args = make_config(vllm_server, output, max_steps=4, save_strategy="steps", save_steps=1, learning_rate=1e-3)
+    resumed = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts(60))
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    assert (output / "checkpoint-4").is_dir() and not (output / ".checkpoint-3.partial").exists()
+
+
+# -- the server side ------------------------------------------------------------------------------------
+
+
+def test_a_server_killed_and_restarted_mid_run_is_given_the_weights_and_training_finishes(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    # The server requires an API key: the client must send VLLM_API_KEY (vLLM's own convention).
+    monkeypatch.setenv("VLLM_API_KEY", "fault-test-key")
+    options = ServerOptions(model=str(tiny_model_dir), port=free_port(), max_model_len=MAX_MODEL_LEN, dtype="float32", cpu=True)
+    server = VLLMServer(options, log_path=tmp_path / "server.log")
+    server.start()
+    restarted = threading.Event()
+
+    def restart() -> None:
+        time.sleep(3)
+        server.start()  # the same port
+        restarted.set()
+
+    class KillServerAtStep2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.killpg(server.process.pid, signal.SIGKILL)  # the server's whole process group
+                server.process.wait()
+                threading.Thread(target=restart, daemon=True).start()
+
+    try:
+        args = make_config(server, tmp_path / "out", max_steps=6, learning_rate=1e-2, vllm_server_timeout=240)
+        trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts(), callbacks=[KillServerAtStep2()])
+        trainer.train()
+        assert restarted.is_set() and trainer.state.global_step == 6
+        assert history_sum(trainer, "rollout/server_restarts") >= 1
+        assert server_greedy(server.url) == hf_greedy(trainer.model.eval()), "the restarted server runs the trained weights"
+    finally:
+        server.stop()

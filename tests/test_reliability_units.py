@@ -1,0 +1,220 @@
+"""Unit tests of the reliability rules (no server): reward deadlines and finiteness, server flag checks,
+the samples a checkpoint carries, reading a TRL checkpoint, bounded waits, the server guard."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from asyncgrpo.generation.background import BackgroundLoop
+from asyncgrpo.generation.client import auth_headers, parse_policy_label, policy_label
+from asyncgrpo.generation.server_info import check_logprobs_mode, parse_server_info
+from asyncgrpo.rollout.concurrency import RolloutSlots
+from asyncgrpo.rollout.scoring import RewardFunctionError, call_reward_functions
+from asyncgrpo.sample import Sample
+from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
+from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+
+
+def call(functions, timeout_s=math.inf):
+    executor = ThreadPoolExecutor(2)
+    try:
+        return asyncio.run(
+            call_reward_functions(functions, executor, [[]] * 2, [[]] * 2, [[1], [2]], {}, timeout_s, " (dataset row 7)")
+        )
+    finally:
+        executor.shutdown(wait=False)  # a stuck call's thread is abandoned, as the worker does
+
+
+def slow(completions, **kwargs):
+    time.sleep(2)
+    return [0.0, 1.0]
+
+
+async def async_slow(completions, **kwargs):
+    await asyncio.sleep(2)
+    return [0.0, 1.0]
+
+
+@pytest.mark.parametrize("function", [slow, async_slow])
+def test_a_reward_call_past_its_deadline_names_the_function_and_the_row(function):
+    started = time.monotonic()
+    with pytest.raises(RewardFunctionError, match=rf"'{function.__name__}' did not return within reward_timeout=0.3 s \(dataset row 7\)"):
+        call([function], timeout_s=0.3)
+    assert time.monotonic() - started < 1.5
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, np.float32("inf")])
+def test_non_finite_rewards_are_errors_naming_the_function_and_the_value(value):
+    def judge(completions, **kwargs):
+        return [1.0, value]
+
+    with pytest.raises(RewardFunctionError, match=r"reward function 'judge' returned (inf|-inf|nan)"):
+        call([judge])
+
+
+def test_none_stays_not_scored():
+    def partial(completions, **kwargs):
+        return [None, 2]
+
+    assert call([partial]) == [[None, 2.0]]
+
+
+def test_server_flags_are_checked():
+    info = parse_server_info(
+        {"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs", "dtype": "torch.bfloat16"}, "lora_config": None}}
+    )
+    assert info.dtype == "bfloat16" and not info.lora_enabled
+    with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
+        check_logprobs_mode(info, "http://x:8000")
+    check_logprobs_mode(parse_server_info({"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}), "u")
+    check_logprobs_mode(None, "u")  # a server without /server_info cannot be checked
+
+
+def test_policy_labels_tell_the_trainers_weights_from_a_restarted_servers():
+    assert parse_policy_label(policy_label(12)) == 12
+    assert parse_policy_label("default") is None and parse_policy_label(None) is None
+    assert parse_policy_label("asyncgrpo-policy-x") is None
+
+
+def test_the_api_key_is_sent_when_set(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert auth_headers() == {}
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    assert auth_headers() == {"Authorization": "Bearer k"}
+
+
+def sample(stream_index: int, with_top: bool, with_sets: bool) -> Sample:
+    rng = np.random.default_rng(stream_index)
+    trained = np.array([False, False, True, True, True])
+    return Sample(
+        token_ids=rng.integers(0, 100, 5),
+        trained=trained,
+        sampler_logprobs=rng.normal(size=3).astype(np.float32),
+        advantage=0.5,
+        group_id=3,
+        top_ids=rng.integers(0, 100, (3, 4)) if with_top else None,
+        top_logprobs=rng.normal(size=(3, 4)).astype(np.float32) if with_top else None,
+        candidate_sets=[np.array([1, 2]), np.array([], dtype=np.int64), np.array([5])] if with_sets else None,
+        model_version=4,
+        row_index=9,
+        stream_index=stream_index,
+        epoch=1,
+        reward=1.0,
+        rollout_id=f"r{stream_index}",
+        queued_at=123.5,
+        metadata={"k": 1},
+    )
+
+
+def test_held_samples_round_trip_exactly(tmp_path):
+    samples = [sample(0, True, False), sample(1, False, True), sample(2, False, False)]
+    save_held_samples(samples, tmp_path)
+    loaded = load_held_samples(tmp_path)
+    assert len(loaded) == 3
+    for before, after in zip(samples, loaded):
+        for name in ("token_ids", "trained", "sampler_logprobs", "top_ids", "top_logprobs"):
+            left, right = getattr(before, name), getattr(after, name)
+            assert (left is None and right is None) or np.array_equal(left, right)
+        if before.candidate_sets is None:
+            assert after.candidate_sets is None
+        else:
+            assert all(np.array_equal(a, b) for a, b in zip(before.candidate_sets, after.candidate_sets))
+        for name in ("advantage", "group_id", "model_version", "row_index", "stream_index", "epoch", "reward", "rollout_id", "queued_at", "metadata"):
+            assert getattr(before, name) == getattr(after, name)
+    assert load_held_samples(tmp_path / "missing") == []
+
+
+def test_a_trl_rollout_state_is_read(tmp_path):
+    (tmp_path / "rollout_state.json").write_text(json.dumps({"prompt_index": 37, "model_version": 5}))
+    state = RolloutState.load(tmp_path)
+    assert state.first_untrained_index == 37 and state.model_version == 5 and state.consumed_after == []
+
+
+def test_restored_held_samples_are_pending_in_the_ledger():
+    from asyncgrpo.trainer.intake import SampleIntake
+
+    class Worker:
+        def publish_allowance(self, value):
+            pass
+
+    ledger = PromptLedger(start_index=3)
+    intake = SampleIntake(Worker(), ledger, max_staleness=2, token_budget=64, num_rows=1, rows_per_step=1)
+    intake.restore([sample(4, False, False), sample(4, False, False), sample(3, False, False)])
+    assert intake.held_samples()[0].stream_index == 4 and ledger.watermark == 3
+    for held in intake.held_samples():
+        intake._consumed(held, trained=True)
+    assert ledger.watermark == 5 and ledger.epoch_prompts == 2
+
+
+def test_waiting_for_a_rollout_place_is_bounded():
+    async def scenario():
+        slots = RolloutSlots(1, stall_timeout_s=0.2)
+        slots.reserve(2)
+        await slots.acquire()
+        await slots.acquire()  # nobody releases
+
+    with pytest.raises(RuntimeError, match="none of the 1 running rollouts finished"):
+        asyncio.run(scenario())
+
+
+def test_the_background_loop_bounds_every_wait():
+    loop = BackgroundLoop(default_timeout_s=0.2)
+    try:
+        with pytest.raises(TimeoutError, match="did not finish within 0.2 s"):
+            loop.run(asyncio.sleep(5))
+    finally:
+        loop.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_the_guard_stops_its_command_when_the_launcher_is_killed(tmp_path):
+    """launcher (SIGKILLed) -> guard -> `sleep`: the sleep must not survive its launcher."""
+    pid_file = tmp_path / "guarded.pid"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", f"""
+import os, subprocess, sys, time
+guard = subprocess.Popen([sys.executable, "-m", "asyncgrpo.generation.guard", str(os.getpid()), "--", "sleep", "600"], start_new_session=True)
+time.sleep(1.0)
+open({str(pid_file)!r}, "w").write(str(guard.pid))
+time.sleep(600)
+"""],
+    )  # fmt: skip
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    guard_pid = int(pid_file.read_text())
+    guarded = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == guard_pid]
+    assert guarded, "the guard runs its command"
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(5)
+    deadline = time.monotonic() + 15
+    while (_alive(guard_pid) or any(_alive(p) for p in guarded)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(guard_pid) and not any(_alive(p) for p in guarded)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
