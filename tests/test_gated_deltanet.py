@@ -139,4 +139,7 @@ def test_layer_is_exact_in_fp64():
         share = torch.from_numpy(1.0 / multiplicity[path])[:, None]
         (alone * weights[path] * share).sum().backward()
     for name, p in gdn.named_parameters():
-        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-9, atol=1e-10, msg=name)
+        # The models compute the decay g in fp32 (`A_log.float()`), so A_log's and dt_bias's
+        # gradients are fp32 sums whose order differs between the packed and unpacked forwards.
+        rtol = 1e-5 if name in ("A_log", "dt_bias") else 1e-9
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=rtol, atol=1e-10, msg=name)
