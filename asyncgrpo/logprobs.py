@@ -9,6 +9,10 @@ logits and their softmax are alive at a time.
 The distribution is the sampler's: softmax(logits / temperature), restricted and renormalized to
 the entry's candidate set when the sampler used top-k / top-p (an empty set = full vocabulary),
 so that the importance ratio compares like with like.
+
+On CUDA the same function runs fused (`fused_head.FusedHeadLogprobs`): the logits of a chunk are
+reduced to the (E,) statistics in one compiled pass and rebuilt in backward, which removes most of
+the (C, V) fp32 elementwise traffic; elsewhere (CPU) the plain chunked path below runs.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from asyncgrpo.fused_head import FusedHeadLogprobs, candidate_mask
 from asyncgrpo.models import load_balancing_loss
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.packing.tree_attention import TREE_ATTENTION, padded_length, tree_attention_masks
+
+CHUNK_SIZE = 1024  # entries per head chunk on the plain path
+FUSED_CHUNK_SIZE = 4096  # on the fused path
 
 
 @dataclass
@@ -66,18 +74,6 @@ def output_head(model) -> OutputHead:
     )
 
 
-def candidate_mask(sizes: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(C, V) bool: entry e may be sampled as token v. An empty set = full vocabulary.
-
-    sizes: (C,) set sizes; ids: (sizes.sum(),) the sets' token ids, concatenated.
-    """
-    rows = torch.repeat_interleave(torch.arange(len(sizes), device=ids.device), sizes)
-    mask = torch.zeros(len(sizes), vocab_size, dtype=torch.bool, device=ids.device)
-    mask[rows, ids] = True
-    mask[sizes == 0] = True
-    return mask
-
-
 def _chunk_logprobs(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -110,7 +106,8 @@ def token_logprobs(
     top_ids: torch.Tensor | None = None,
     candidate_offsets: torch.Tensor | None = None,
     candidate_ids: torch.Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
+    fused: bool | None = None,
 ) -> TokenLogprobs:
     """Log p(target), entropy and log p at the sampler's top-N ids, per entry.
 
@@ -119,9 +116,16 @@ def token_logprobs(
     candidate_ids: ragged candidate sets as in `PackedRow`. Entries are processed `chunk_size` at a
     time and each chunk's logits are recomputed in backward: peak memory is a few (chunk_size, V)
     fp32 tensors (about 4 x 1024 x 150k x 4 bytes = 2.5 GB at the default and a 150k vocabulary).
+    fused: None = on CUDA (see the module doc). chunk_size: None = 1024 unfused, 4096 fused (the
+    fused path keeps no (C, V) tensor between chunks, and fewer chunks mean fewer passes of the fp32
+    weight-gradient accumulation).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
+    if fused is None:
+        fused = hidden.device.type == "cuda"
+    if chunk_size is None:
+        chunk_size = FUSED_CHUNK_SIZE if fused else CHUNK_SIZE
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if (candidate_offsets is None) != (candidate_ids is None):
@@ -139,15 +143,27 @@ def token_logprobs(
     if candidate_offsets is not None:
         offsets = candidate_offsets.tolist()  # (E + 1,): slicing bounds, read once
         sizes = candidate_offsets[1:] - candidate_offsets[:-1]  # (E,)
-    parts = []
+    chunks = []  # (start, stop, candidates): candidates = (set sizes (C,), ids) or None
     for start in range(0, num_entries, chunk_size):
         stop = min(start + chunk_size, num_entries)
         candidates = None
         if candidate_offsets is not None:
             candidates = (sizes[start:stop], candidate_ids[offsets[start] : offsets[stop]])
+        chunks.append((start, stop, candidates))
+    grad_wanted = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    if fused and chunks:
+        inputs = (hidden, head.weight, head.bias)
+        if not grad_wanted:
+            inputs = tuple(None if t is None else t.detach() for t in inputs)
+        logprobs, entropy, top = FusedHeadLogprobs.apply(
+            *inputs, targets, top_ids, chunks, head.scale, head.softcap, temperature
+        )
+        return TokenLogprobs(logprobs, entropy, top)
+    parts = []
+    for start, stop, candidates in chunks:
         chunk_top = None if top_ids is None else top_ids[start:stop]
         args = (hidden[start:stop], targets[start:stop], chunk_top, candidates, head, temperature)
-        if torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
+        if grad_wanted:
             parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
             parts.append(_chunk_logprobs(*args))
@@ -173,7 +189,11 @@ PACKED_FORWARD_METHOD = "asyncgrpo_packed_forward"
 
 
 def row_logprobs(
-    model, row: PackedRow, temperature: float = 1.0, chunk_size: int = 1024, router_aux_loss: bool = False
+    model,
+    row: PackedRow,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    router_aux_loss: bool = False,
 ) -> TokenLogprobs:
     """Forward one packed row through `model` (switched with `enable_tree_attention`) and return the
     log-probs of its E loss entries, in entry order; with `router_aux_loss`, also the MoE
@@ -228,7 +248,7 @@ def packed_forward(
     top_ids: torch.Tensor | None,
     candidate_offsets: torch.Tensor | None,
     candidate_ids: torch.Tensor | None,
-    chunk_size: int,
+    chunk_size: int | None,
     router_token_weights: torch.Tensor | None = None,  # (L,): ask for the MoE load-balancing loss
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The decoder on the packed row, then the head on the E predicting positions only. Returns a

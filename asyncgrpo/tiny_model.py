@@ -33,6 +33,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from asyncgrpo.rollout.chat import QWEN3_TRAINING_TEMPLATE
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen3 registers these as added (not special) tokens: they survive skip_special_tokens=True.
 MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -40,43 +42,10 @@ MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respo
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 ARCHES = ("qwen3", "qwen3_5", "qwen3_5_vl", "qwen3_moe")
 
-# Qwen3's chat template, minus its rewriting of earlier assistant turns' reasoning: this one is
-# prefix-preserving (appending a message never changes how earlier ones render), which is what a
+# Qwen3's chat conventions without its rewriting of earlier assistant turns' reasoning: the template
+# is prefix-preserving (appending a message never changes how earlier ones render), which is what a
 # multi-turn tool loop needs to extend one training sample instead of forking.
-CHAT_TEMPLATE = """\
-{%- if tools %}
-{{- '<|im_start|>system\\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
-{{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
-{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- elif message.role == 'assistant' %}
-{%- set content = message.content if message.content is string else '' %}
-{{- '<|im_start|>assistant\\n' + content }}
-{%- for tool_call in message.tool_calls or [] %}
-{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
-{%- if loop.first and content or not loop.first %}{{- '\\n' }}{%- endif %}
-{{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
-{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
-{{- '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- '<|im_start|>assistant\\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
-{%- endif %}"""
+CHAT_TEMPLATE = QWEN3_TRAINING_TEMPLATE
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,9 @@ class TrlCompatFields:
     )
     heartbeat_stale_after_s: float = field(
         default=TRL_HEARTBEAT_STALE_AFTER_S,
-        metadata={"help": "TRL's name for rollout_worker_timeout (seconds without a heartbeat before aborting)."},
+        metadata={
+            "help": "TRL's name for rollout_worker_timeout (seconds without a heartbeat before aborting)."
+        },
     )
     fork_threshold_tokens: int = field(
         default=TRL_FORK_THRESHOLD_TOKENS,

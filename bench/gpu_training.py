@@ -96,7 +96,13 @@ def cuda_time(fn, repeats: int, warmup: int = 2) -> float:
 
 def matmul_peak(device) -> float:
     n = 8192 if device.type == "cuda" else 512
-    inputs = [(torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)) for _ in range(3)]
+    inputs = [
+        (
+            torch.randn(n, n, device=device, dtype=torch.bfloat16),
+            torch.randn(n, n, device=device, dtype=torch.bfloat16),
+        )
+        for _ in range(3)
+    ]
     index = iter(range(10**9))
 
     def run():
@@ -222,7 +228,9 @@ def speed(shape: str, device, smoke: bool, peak: float, repeats: int) -> list[di
     flops, rng = flop_model(model), np.random.default_rng(3)
     results = []
     for workload in SPEED_WORKLOADS:
-        results.append({"shape": shape, **compare_packings(model, flops, rng, workload, smoke, peak, repeats)})
+        results.append(
+            {"shape": shape, **compare_packings(model, flops, rng, workload, smoke, peak, repeats)}
+        )
         log(f"speed {results[-1]}")
     del model
     return results
@@ -303,7 +311,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     parts = set(args.only.split(","))
-    report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    report: dict = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    }
     log(f"{report}")
     started = time.perf_counter()
     report["matmul_peak_tflops"] = matmul_peak(device) / 1e12
@@ -323,7 +334,9 @@ def main() -> None:
         return False
 
     if "speed" in parts and time_left("speed"):
-        report["speed"] = [row for shape in QWEN3 for row in speed(shape, device, args.smoke, peak, args.repeats)]
+        report["speed"] = [
+            row for shape in QWEN3 for row in speed(shape, device, args.smoke, peak, args.repeats)
+        ]
     if "mfu" in parts and time_left("mfu"):
         report["mfu"] = mfu_rows(device, args.smoke, peak, args.repeats)
     if "compiled" in parts and time_left("compiled"):
@@ -337,24 +350,40 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    log(f"\n{report['device']} torch {report['torch']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s")
+    log(
+        f"\n{report['device']} torch {report['torch']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s"
+    )
     for row in report.get("correctness", []):
-        log(f"correct {row['shape']}: packed vs alone max|d|={row['max_abs_diff']:.3f} mean|d|={row['mean_abs_diff']:.4f}")
+        log(
+            f"correct {row['shape']}: packed vs alone max|d|={row['max_abs_diff']:.3f} "
+            f"mean|d|={row['mean_abs_diff']:.4f}"
+        )
     if "flex_vs_dense_rel_err" in report:
         log(f"flex vs dense fp32 rel err {report['flex_vs_dense_rel_err']:.1e}")
     log("| model | ratio | tok/s packed | tok/s unpacked | speedup | ideal | MFU (tree) | peak mem GB |")
     log("|---|---|---|---|---|---|---|---|")
     for row in report.get("speed", []):
-        log(f"| {row['shape']} | {row['ratio']:.2f} | {row['tree_tokens_per_s']:,.0f} | {row['plain_tokens_per_s']:,.0f} "
-            f"| {row['speedup']:.2f} | {row['ratio']:.2f} | {row['tree_mfu']:.1%} | {row['peak_memory_gb']:.1f} |")  # fmt: skip
+        log(
+            f"| {row['shape']} | {row['ratio']:.2f} | {row['tree_tokens_per_s']:,.0f} "
+            f"| {row['plain_tokens_per_s']:,.0f} "
+            f"| {row['speedup']:.2f} | {row['ratio']:.2f} | {row['tree_mfu']:.1%} | {row['peak_memory_gb']:.1f} |"
+        )
     for row in report.get("mfu", []):
         log(f"mfu 1.7B budget {row['token_budget']}: {row['tflops']:.0f} TFLOP/s = {row['mfu']:.1%} of peak")
     for row in report.get("memory", []):
-        log(f"memory 1.7B ckpt budget {row['token_budget']}: {row.get('peak_memory_gb', float('nan')):.1f} GB fits={row['fits']}")
+        log(
+            f"memory 1.7B ckpt budget {row['token_budget']}: "
+            f"{row.get('peak_memory_gb', float('nan')):.1f} GB fits={row['fits']}"
+        )
     for row in report.get("compiled", {}).get("mfu", []):
-        log(f"compiled layers, mfu 1.7B budget {row['token_budget']}: {row['tflops']:.0f} TFLOP/s = {row['mfu']:.1%}")
+        log(
+            f"compiled layers, mfu 1.7B budget {row['token_budget']}: {row['tflops']:.0f} TFLOP/s = {row['mfu']:.1%}"
+        )
     for row in report.get("compiled", {}).get("speed", []):
-        log(f"compiled layers, ratio {row['ratio']:.2f}: speedup {row['speedup']:.2f} (FLOP ratio {row['flop_ratio']:.2f})")
+        log(
+            f"compiled layers, ratio {row['ratio']:.2f}: speedup {row['speedup']:.2f} "
+            f"(FLOP ratio {row['flop_ratio']:.2f})"
+        )
     log(f"total {report['seconds']:.0f} s")
 
 

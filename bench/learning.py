@@ -123,7 +123,9 @@ def run_asyncgrpo(arm: str, seed: int, model_dir: str, url: str, prompts: int, o
     )
     trainer_class = SynchronousTrainer if arm == "asyncgrpo_sync" else AsyncGRPOTrainer
     log = RewardLog()
-    trainer = trainer_class(model_dir, correct_sum, args, train_dataset=addition_dataset(), callbacks=[log.callback])
+    trainer = trainer_class(
+        model_dir, correct_sum, args, train_dataset=addition_dataset(), callbacks=[log.callback]
+    )
     trainer.train()
     return log.records
 
@@ -156,13 +158,19 @@ def run_trl(seed: int, model_dir: str, prompts: int, samples_per_step: int, out:
     )
     log = RewardLog()
     trainer = GRPOTrainer(
-        model=model_dir, reward_funcs=correct_sum, args=args, train_dataset=addition_dataset(), callbacks=[log.callback]
+        model=model_dir,
+        reward_funcs=correct_sum,
+        args=args,
+        train_dataset=addition_dataset(),
+        callbacks=[log.callback],
     )
     trainer.train()
     return log.records
 
 
-def child(arm: str, seed: int, model_dir: str, url: str, prompts: int, samples_per_step: int, result: str) -> None:
+def child(
+    arm: str, seed: int, model_dir: str, url: str, prompts: int, samples_per_step: int, result: str
+) -> None:
     out = Path(result).parent
     if arm == "trl":
         records = run_trl(seed, model_dir, prompts, samples_per_step, out)
@@ -198,16 +206,23 @@ def expected_accuracy(model_dir: Path) -> float:
 
     from asyncgrpo.demo import addition_prompt
 
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(model_dir).eval(),
+        AutoTokenizer.from_pretrained(model_dir),
+    )
     total = 0.0
     with torch.no_grad():
         for a in range(10):
             for b in range(10):
-                prompt = tokenizer.apply_chat_template(addition_prompt(a, b), add_generation_prompt=True, tokenize=True)
+                prompt = tokenizer.apply_chat_template(
+                    addition_prompt(a, b), add_generation_prompt=True, tokenize=True
+                )
                 prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
                 answer = tokenizer.encode(str(a + b)) + [tokenizer.eos_token_id]
                 logprobs = torch.log_softmax(model(input_ids=torch.tensor([prompt + answer])).logits[0], -1)
-                total += float(sum(logprobs[len(prompt) - 1 + k, token] for k, token in enumerate(answer)).exp())
+                total += float(
+                    sum(logprobs[len(prompt) - 1 + k, token] for k, token in enumerate(answer)).exp()
+                )
     return total / 100
 
 
@@ -312,22 +327,42 @@ def free_port() -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 seed, 1000 prompts (about 60 optimizer steps)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="1 seed, 1000 prompts (about 60 optimizer steps)"
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument(
-        "--prompts", type=int, default=2000, help="prompts each run consumes (about 11 per asyncgrpo step here)"
+        "--prompts",
+        type=int,
+        default=2000,
+        help="prompts each run consumes (about 11 per asyncgrpo step here)",
     )
     parser.add_argument("--arms", default=",".join(ARMS))
-    parser.add_argument("--out", default=None, help="where the per-run logs, table and plot go (default: a temp dir)")
-    parser.add_argument("--model", metavar="DIR", help="start from this warm-started model (skips the warm start)")
-    parser.add_argument("--summarize", metavar="DIR", help="only rebuild the table and plot from DIR's run logs")
+    parser.add_argument(
+        "--out", default=None, help="where the per-run logs, table and plot go (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--model", metavar="DIR", help="start from this warm-started model (skips the warm start)"
+    )
+    parser.add_argument(
+        "--summarize", metavar="DIR", help="only rebuild the table and plot from DIR's run logs"
+    )
     parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.summarize:
         out = Path(options.summarize).resolve()
-        results = {arm: [json.loads(path.read_text()) for path in sorted(out.glob(f"{arm}-*.json"))] for arm in ARMS}
-        report({arm: runs for arm, runs in results.items() if runs}, expected_accuracy(out / "warm-start"), out, [])
+        results = {
+            arm: [json.loads(path.read_text()) for path in sorted(out.glob(f"{arm}-*.json"))] for arm in ARMS
+        }
+        report(
+            {arm: runs for arm, runs in results.items() if runs},
+            expected_accuracy(out / "warm-start"),
+            out,
+            [],
+        )
         return
     if options.child:
         arm, seed, model_dir, url, prompts, samples_per_step, result = options.child
@@ -354,7 +389,9 @@ def main() -> None:
     print(f"[learning] warm-started model in {model_dir}: expected accuracy {start:.3f}", flush=True)
     server = None
     if any(arm != "trl" for arm in arms):
-        options_ = ServerOptions(model=str(model_dir), port=free_port(), max_model_len=512, dtype="float32", cpu=True)
+        options_ = ServerOptions(
+            model=str(model_dir), port=free_port(), max_model_len=512, dtype="float32", cpu=True
+        )
         server = VLLMServer(options_, log_path=out / "vllm.log")
         server.start()
     results: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
@@ -382,7 +419,9 @@ def main() -> None:
                       f"{records[-1]['reward']:.3f}", flush=True)  # fmt: skip
                 if arm == "asyncgrpo" and seed == 0:  # TRL gets the same samples per optimizer step
                     measured = [r["batch/samples_per_step"] for r in records if "batch/samples_per_step" in r]
-                    samples_per_step = max(GROUP_SIZE, round(statistics.mean(measured) / GROUP_SIZE) * GROUP_SIZE)
+                    samples_per_step = max(
+                        GROUP_SIZE, round(statistics.mean(measured) / GROUP_SIZE) * GROUP_SIZE
+                    )
                     print(f"[learning] asyncgrpo trained {statistics.mean(measured):.1f} samples per step: TRL "
                           f"gets {samples_per_step}", flush=True)  # fmt: skip
     finally:

@@ -18,7 +18,6 @@ Run: `.venv/bin/python bench/overlap.py [--weight-sync-steps N] [--steps N] [--s
 from __future__ import annotations
 
 import argparse
-
 import os
 import socket
 import statistics
@@ -102,7 +101,15 @@ def worker_on(trainer_class, cores: set[int]):
     return Pinned
 
 
-def run(trainer_class, server_url: str, model_dir: Path, output_dir: Path, weight_sync_steps: int, steps: int, meter):
+def run(
+    trainer_class,
+    server_url: str,
+    model_dir: Path,
+    output_dir: Path,
+    weight_sync_steps: int,
+    steps: int,
+    meter,
+):
     """The logs of the measured steps."""
     args = AsyncGRPOConfig(
         output_dir=str(output_dir),
@@ -119,8 +126,12 @@ def run(trainer_class, server_url: str, model_dir: Path, output_dir: Path, weigh
         disable_tqdm=True,
         seed=0,
     )
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Tell me about {i}."}] for i in range(500)]})
-    trainer = trainer_class(str(model_dir), token_parity_reward, args, train_dataset=dataset, callbacks=[meter])
+    dataset = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"Tell me about {i}."}] for i in range(500)]}
+    )
+    trainer = trainer_class(
+        str(model_dir), token_parity_reward, args, train_dataset=dataset, callbacks=[meter]
+    )
     trainer.train()
     return [entry for entry in trainer.state.log_history if "perf/step_s" in entry][WARMUP_STEPS:]
 
@@ -145,13 +156,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shared-cores", action="store_true", help="server and trainer on the same cores")
     parser.add_argument("--weight-sync-steps", type=int, default=1, help="both schedules sync this often")
-    parser.add_argument("--worker-with-server", action="store_true", help="the rollout worker on the server's core")
-    parser.add_argument("--steps", type=int, default=24, help=f"steps per schedule (the first {WARMUP_STEPS} not measured)")
+    parser.add_argument(
+        "--worker-with-server", action="store_true", help="the rollout worker on the server's core"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=24, help=f"steps per schedule (the first {WARMUP_STEPS} not measured)"
+    )
     cli = parser.parse_args()
     shared = cli.shared_cores
     torch.set_num_threads(1)  # the server needs the other core (see demo.py)
     cores = sorted(os.sched_getaffinity(0))
-    server_cores, trainer_cores = ({cores[0]}, {cores[-1]}) if not shared and len(cores) > 1 else (set(cores),) * 2
+    server_cores, trainer_cores = (
+        ({cores[0]}, {cores[-1]}) if not shared and len(cores) > 1 else (set(cores),) * 2
+    )
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(server_cores)))
     os.sched_setaffinity(0, server_cores)  # the server's processes inherit this
     work = Path(tempfile.mkdtemp(prefix="overlap-"))
@@ -164,8 +181,15 @@ def main() -> None:
         os.sched_setaffinity(0, trainer_cores)  # the trainer, and the worker it spawns
         worker_cores = server_cores if cli.worker_with_server else trainer_cores
         sync_cpu, async_cpu = ServerCpuMeter(server.process.pid), ServerCpuMeter(server.process.pid)
-        synchronous = run(worker_on(SynchronousTrainer, worker_cores), options.url, model_dir, work / "sync",
-                          cli.weight_sync_steps, cli.steps, sync_cpu)
+        synchronous = run(
+            worker_on(SynchronousTrainer, worker_cores),
+            options.url,
+            model_dir,
+            work / "sync",
+            cli.weight_sync_steps,
+            cli.steps,
+            sync_cpu,
+        )
         asynchronous = run(worker_on(AsyncGRPOTrainer, worker_cores), options.url, model_dir, work / "async",
                            cli.weight_sync_steps, cli.steps, async_cpu)  # fmt: skip
     generation = statistics.mean(e["perf/rollout_wait_s"] for e in synchronous)
@@ -174,17 +198,30 @@ def main() -> None:
     async_step = statistics.mean(e["perf/step_s"] for e in asynchronous)
     ideal = max(generation, training)
     print(f"synchronous: {sync_step:.3f} s/step = generation {generation:.3f} + training {training:.3f}")
-    print(f"async:       {async_step:.3f} s/step (waiting {statistics.mean(e['perf/rollout_wait_s'] for e in asynchronous):.3f})")
+    print(
+        f"async:       {async_step:.3f} s/step "
+        f"(waiting {statistics.mean(e['perf/rollout_wait_s'] for e in asynchronous):.3f})"
+    )
     print(f"ideal async: {ideal:.3f} s/step = max(generation, training)")
     for name, history in (("synchronous", synchronous), ("async", asynchronous)):
-        means = {key: statistics.mean(e[key] for e in history if key in e) for key in DIAGNOSTICS if any(key in e for e in history)}
+        means = {
+            key: statistics.mean(e[key] for e in history if key in e)
+            for key in DIAGNOSTICS
+            if any(key in e for e in history)
+        }
         print(f"{name} means: " + ", ".join(f"{key}={value:.3g}" for key, value in means.items()))
     # Where the server's core goes: only the model runner stands for the GPU; the API server and the
     # engine core would have CPU cores of their own on a GPU host.
     for name, meter in (("synchronous", sync_cpu), ("async", async_cpu)):
-        print(f"{name} server core shares: " + ", ".join(f"{key}={value:.0%}" for key, value in sorted(meter.shares.items())))
-    print(f"server on cores {sorted(server_cores)}, trainer on {sorted(trainer_cores)}, worker on {sorted(worker_cores)}, "
-          f"a weight sync every {cli.weight_sync_steps} step(s)")
+        print(
+            f"{name} server core shares: "
+            + ", ".join(f"{key}={value:.0%}" for key, value in sorted(meter.shares.items()))
+        )
+    print(
+        f"server on cores {sorted(server_cores)}, trainer on {sorted(trainer_cores)}, "
+        f"worker on {sorted(worker_cores)}, "
+        f"a weight sync every {cli.weight_sync_steps} step(s)"
+    )
     print(f"overlap async_step_s={async_step:.3f} sync_step_s={sync_step:.3f} ideal_s={ideal:.3f} "
           f"ratio={async_step / ideal:.2f} target={TARGET:.2f}")  # fmt: skip
 

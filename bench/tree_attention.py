@@ -23,12 +23,12 @@ import time
 
 import numpy as np
 import torch
+from workloads import GROUP_SIZE, make_groups, plain_row
 
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.packing.tree_attention import BLOCK_SIZE, enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer
-from workloads import GROUP_SIZE, make_groups, plain_row
 
 SPEC = TinyModelSpec(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64)  # fmt: skip
@@ -69,7 +69,10 @@ def main() -> None:
     speedups = []
     for prompt_len, completion_len in WORKLOADS:
         samples = make_groups(rng, GROUPS_PER_ROW, prompt_len, completion_len, vocab)
-        tree, plain = pack_row(samples, min_shared_tokens=BLOCK_SIZE), plain_row(samples)  # as the trainer packs
+        tree, plain = (
+            pack_row(samples, min_shared_tokens=BLOCK_SIZE),
+            plain_row(samples),
+        )  # as the trainer packs
         assert plain.num_tokens == tree.num_unpacked_tokens
         tree_s = fwd_bwd_seconds(model, tree, args.repeats)
         plain_s = fwd_bwd_seconds(model, plain, args.repeats)

@@ -28,6 +28,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from weight_transfer_double import running_double  # noqa: E402
+
 from asyncgrpo.generation.background import BackgroundLoop  # noqa: E402
 from asyncgrpo.generation.client import VLLMClient  # noqa: E402
 from asyncgrpo.weight_sync.base import serving_tensors  # noqa: E402
@@ -35,7 +37,6 @@ from asyncgrpo.weight_sync.buckets import DEFAULT_BUCKET_BYTES, pack, plan_bucke
 from asyncgrpo.weight_sync.nccl import NcclWeightSync  # noqa: E402
 from asyncgrpo.weight_sync.nccl_library import NcclCommunicator, NcclLibrary  # noqa: E402
 from asyncgrpo.weight_sync.transport import NcclTransport  # noqa: E402
-from weight_transfer_double import running_double  # noqa: E402
 
 QWEN3_1_7B = dict(
     hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -55,7 +56,9 @@ def build(device: torch.device, layers: int) -> torch.nn.Module:
 
 def gpu_checksums(model) -> dict[str, str]:
     return {
-        name: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+        name: hashlib.sha256(
+            t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+        ).hexdigest()
         for name, t in serving_tensors(model)
     }
 
@@ -86,15 +89,21 @@ def sender_alone(model, device: torch.device, bucket_bytes: int) -> None:
             pack([tensors[i][1] for i in bucket])
 
     seconds = min(timed(pack_all, device) for _ in range(3))
-    log(f"sender alone: {len(tensors)} tensors, {total / 1e9:.2f} GB, {len(plan_buckets(sizes, bucket_bytes))} "
-        f"buckets; gather+pack {seconds * 1e3:.0f} ms ({total / seconds / 1e9:.0f} GB/s)")
+    log(
+        f"sender alone: {len(tensors)} tensors, {total / 1e9:.2f} GB, {len(plan_buckets(sizes, bucket_bytes))} "
+        f"buckets; gather+pack {seconds * 1e3:.0f} ms ({total / seconds / 1e9:.0f} GB/s)"
+    )
     library = NcclLibrary()
     log(f"NCCL {library.version()} from {library.path}")
     communicator = NcclCommunicator(library, library.new_unique_id(), 0, 1, device, timeout_s=60)
     communicator.all_reduce_sum(torch.zeros(1, device=device), timeout_s=60)
     buffer = pack([tensors[i][1] for i in plan_buckets(sizes, bucket_bytes)[0]])
-    seconds = min(timed(lambda: communicator.broadcast(buffer, root=0, timeout_s=60), device) for _ in range(3))
-    log(f"one-rank NCCL broadcast of a {buffer.numel() / 1e9:.2f} GB bucket: {seconds * 1e3:.1f} ms (no peer)")
+    seconds = min(
+        timed(lambda: communicator.broadcast(buffer, root=0, timeout_s=60), device) for _ in range(3)
+    )
+    log(
+        f"one-rank NCCL broadcast of a {buffer.numel() / 1e9:.2f} GB bucket: {seconds * 1e3:.1f} ms (no peer)"
+    )
     communicator.close()
 
 
@@ -119,7 +128,9 @@ def full_transfer(model, bucket_bytes: int, repeats: int) -> tuple[int, float]:
 
         answer = requests.get(url + "/received", timeout=600).json()
         exact = answer["checksums"] == expected
-        log(f"bit-exact at the receiver: {exact} ({len(answer['checksums'])} tensors, version {answer['version']})")
+        log(
+            f"bit-exact at the receiver: {exact} ({len(answer['checksums'])} tensors, version {answer['version']})"
+        )
         if not exact:
             raise SystemExit("weights arrived corrupted")
         backend.close()
@@ -140,7 +151,9 @@ def main() -> None:
     if gpus < 2:
         device = torch.device("cuda", 0)
         sender_alone(build(device, args.layers), device, args.bucket_bytes)
-        log("weight_sync transfer not measured: needs two GPUs (receiver on GPU 0, trainer on GPU 1) target=0.70")
+        log(
+            "weight_sync transfer not measured: needs two GPUs (receiver on GPU 0, trainer on GPU 1) target=0.70"
+        )
         return
     p2p = copy_bandwidth(torch.device("cuda", 1), torch.device("cuda", 0))
     log(f"GPU 1 -> GPU 0 copy: {p2p:.0f} GB/s")
@@ -149,8 +162,10 @@ def main() -> None:
     sender_alone(model, torch.device("cuda", 1), args.bucket_bytes)
     total, seconds = full_transfer(model, args.bucket_bytes, args.repeats)
     effective = total / seconds / 1e9
-    log(f"weight_sync bytes={total} sync_s={seconds:.3f} effective_GBps={effective:.0f} p2p_GBps={p2p:.0f} "
-        f"ratio={effective / p2p:.2f} target=0.70")
+    log(
+        f"weight_sync bytes={total} sync_s={seconds:.3f} effective_GBps={effective:.0f} p2p_GBps={p2p:.0f} "
+        f"ratio={effective / p2p:.2f} target=0.70"
+    )
 
 
 if __name__ == "__main__":

@@ -97,7 +97,9 @@ def main() -> None:
         target=run_fake_server, args=(port, len(tokenizer), other_core), daemon=True
     )
     server.start()
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Question {i}?"}] for i in range(4096)]})
+    dataset = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"Question {i}?"}] for i in range(4096)]}
+    )
     config = AsyncGRPOConfig(
         output_dir=tempfile.mkdtemp(),
         vllm_server_base_url=f"http://127.0.0.1:{port}",

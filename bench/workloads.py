@@ -33,7 +33,9 @@ def plain_row(samples: list[Sample]) -> PackedRow:
         position_ids=np.concatenate([np.arange(n) for n in lengths]),
         segment_ids=np.repeat(np.arange(len(samples), dtype=np.int32), lengths),
         subtree_end=np.repeat(starts + lengths, lengths),
-        predict_index=np.concatenate([start + np.flatnonzero(s.trained) - 1 for s, start in zip(samples, starts)]),
+        predict_index=np.concatenate(
+            [start + np.flatnonzero(s.trained) - 1 for s, start in zip(samples, starts)]
+        ),
         target_ids=packed.target_ids,
         advantages=packed.advantages,
         sampler_logprobs=packed.sampler_logprobs,

@@ -9,12 +9,15 @@ from __future__ import annotations
 import signal
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from asyncgrpo.generation.server import ServerOptions, VLLMServer
 from asyncgrpo.tiny_model import save_tiny_model
+
+if TYPE_CHECKING:  # the server module needs msgspec, which a GPU host may lack: imported where used
+    from asyncgrpo.generation.server import VLLMServer
 
 MAX_MODEL_LEN = 1024
 
@@ -53,9 +56,13 @@ class ServerPool:
         self.log_dir = log_dir
         self._servers: dict[tuple, VLLMServer] = {}
 
-    def get(self, *extra_args: str, enable_lora: bool = False, max_lora_rank=None, max_loras=None) -> VLLMServer:
+    def get(
+        self, *extra_args: str, enable_lora: bool = False, max_lora_rank=None, max_loras=None
+    ) -> VLLMServer:
         key = (extra_args, enable_lora, max_lora_rank, max_loras)
         if key not in self._servers:
+            from asyncgrpo.generation.server import ServerOptions, VLLMServer
+
             options = ServerOptions(
                 model=str(self.model_dir),
                 port=free_port(),
@@ -74,7 +81,12 @@ class ServerPool:
 
     def release(self, *extra_args: str, **kwargs) -> None:
         """Stop a server with unusual flags once its tests are done, to free its ~3 GB."""
-        key = (extra_args, kwargs.get("enable_lora", False), kwargs.get("max_lora_rank"), kwargs.get("max_loras"))
+        key = (
+            extra_args,
+            kwargs.get("enable_lora", False),
+            kwargs.get("max_lora_rank"),
+            kwargs.get("max_loras"),
+        )
         server = self._servers.pop(key, None)
         if server is not None:
             server.stop()

@@ -18,9 +18,10 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_trainer_e2e import make_config, prompts, token_parity_reward  # noqa: E402
+
 import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
 from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
-from test_trainer_e2e import make_config, prompts, token_parity_reward  # noqa: E402
 
 
 class MarkSteps(TrainerCallback):
@@ -51,7 +52,9 @@ def main() -> None:
         SimpleNamespace(url=url), output_dir, max_steps=int(max_steps), save_strategy="steps", save_steps=1,
         learning_rate=1e-3, vllm_server_timeout=120,
     )  # fmt: skip
-    trainer = AsyncGRPOTrainer(model_dir, token_parity_reward, config, train_dataset=prompts(60), callbacks=[MarkSteps(output, mode)])
+    trainer = AsyncGRPOTrainer(
+        model_dir, token_parity_reward, config, train_dataset=prompts(60), callbacks=[MarkSteps(output, mode)]
+    )
     trainer.train()
 
 

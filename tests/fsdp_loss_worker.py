@@ -16,13 +16,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_trie_packing import random_samples  # noqa: E402
+
 from asyncgrpo.loss import score_centered_loss  # noqa: E402
 from asyncgrpo.packing.planner import TokenBudgetBatcher  # noqa: E402
 from asyncgrpo.packing.tree_attention import enable_tree_attention  # noqa: E402
 from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.trainer.async_grpo_trainer import row_loss  # noqa: E402
 from asyncgrpo.trainer.distributed import shard_model  # noqa: E402
-from test_trie_packing import random_samples  # noqa: E402
 
 TOP_N = 4
 ARGS = SimpleNamespace(
@@ -78,7 +79,9 @@ def main() -> None:
     for name, parameter in sharded.named_parameters():
         gradient = parameter.grad.full_tensor()
         worst = max(worst, float((gradient - expected[name].grad).abs().max()))
-    print(f"rank {rank}: loss {float(total):.6f} vs {reference_loss:.6f}, max grad diff {worst:.2e}", flush=True)
+    print(
+        f"rank {rank}: loss {float(total):.6f} vs {reference_loss:.6f}, max grad diff {worst:.2e}", flush=True
+    )
     assert worst < 1e-5, worst
     dist.destroy_process_group()
 

@@ -8,7 +8,10 @@ from pathlib import Path
 
 from asyncgrpo.rewards import accuracy_reward
 
-SAMPLE = [json.loads(line) for line in (Path(__file__).parent / "data" / "math_completions.jsonl").read_text().splitlines()]
+SAMPLE = [
+    json.loads(line)
+    for line in (Path(__file__).parent / "data" / "math_completions.jsonl").read_text().splitlines()
+]
 
 
 def as_completions(texts):
@@ -21,7 +24,11 @@ def test_accuracy_reward_on_the_shipped_sample():
         solution=[row["solution"] for row in SAMPLE],
         prompts=[[{"role": "user", "content": row["problem"]}] for row in SAMPLE],
     )
-    wrong = [(row["problem"], row["completion"], got) for row, got in zip(SAMPLE, rewards) if got != row["expected"]]
+    wrong = [
+        (row["problem"], row["completion"], got)
+        for row, got in zip(SAMPLE, rewards)
+        if got != row["expected"]
+    ]
     assert not wrong
     assert {0.0, 1.0} <= set(rewards), "the sample holds right and wrong answers"
 
@@ -41,7 +48,9 @@ def test_accuracy_reward_works_in_a_worker_thread_with_math_verify_timeouts_on()
     from asyncgrpo.rewards import accuracy as module
 
     assert module._pool is not None, "verified in the pool"
-    assert module._pool.submit(_timeouts_on).result(timeout=30), "the pool's workers run math-verify in a main thread"
+    assert module._pool.submit(_timeouts_on).result(timeout=30), (
+        "the pool's workers run math-verify in a main thread"
+    )
 
 
 def _timeouts_on() -> bool:

@@ -7,9 +7,14 @@ import json
 import time
 
 import pytest
-from aiohttp import web
 
-from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMRequestError, VLLMUnavailableError
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+from aiohttp import web  # noqa: E402
+
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMRequestError, VLLMUnavailableError  # noqa: E402
 
 SAMPLING = SamplingParams(max_tokens=2)
 GOOD_BODY = {

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -77,7 +76,9 @@ def test_links_in_docs_resolve(page):
 
 def test_code_points_to_docs_not_to_documents_outside_the_repository():
     """Comments once cited a requirement document and a specification that are not shipped."""
-    pointer = re.compile(r"the seed|seed's|seed_metric|SPEC section|\(seed rule\)|[\u00c0-\u024f\u1e00-\u1eff]")
+    pointer = re.compile(
+        r"the seed|seed's|seed_metric|SPEC section|\(seed rule\)|[\u00c0-\u024f\u1e00-\u1eff]"
+    )
     offenders = [
         f"{path.relative_to(ROOT)}:{number}"
         for path in python_sources("asyncgrpo", "tests")

@@ -10,11 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from conftest import free_port
-from test_trainer_e2e import restore_server, server_greedy
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+import torch  # noqa: E402
+from conftest import free_port  # noqa: E402
+from test_trainer_e2e import restore_server, server_greedy  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -38,12 +42,20 @@ def test_fsdp2_loss_and_gradients_match_one_process():
 def test_two_processes_train_checkpoint_and_resume_against_the_server(vllm_server, tiny_model_dir, tmp_path):
     before = server_greedy(vllm_server.url)
     try:
-        first = torchrun("multi_process_train.py", vllm_server.url, str(tiny_model_dir), str(tmp_path), "2", timeout=600)
+        first = torchrun(
+            "multi_process_train.py", vllm_server.url, str(tiny_model_dir), str(tmp_path), "2", timeout=600
+        )
         after = server_greedy(vllm_server.url)
         assert first.returncode == 0, first.stderr[-5000:]
         checkpoint = tmp_path / "checkpoint-2"
         second = torchrun(
-            "multi_process_train.py", vllm_server.url, str(tiny_model_dir), str(tmp_path), "4", str(checkpoint), timeout=600
+            "multi_process_train.py",
+            vllm_server.url,
+            str(tiny_model_dir),
+            str(tmp_path),
+            "4",
+            str(checkpoint),
+            timeout=600,
         )
         assert second.returncode == 0, second.stderr[-5000:]
     finally:

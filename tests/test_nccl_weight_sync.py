@@ -17,18 +17,23 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
-import requests
-import torch
 
-from asyncgrpo.generation.background import BackgroundLoop
-from asyncgrpo.generation.client import VLLMClient, policy_label
-from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer
-from asyncgrpo.weight_sync.base import serving_tensors
-from asyncgrpo.weight_sync.buckets import pack, plan_buckets, unpack
-from asyncgrpo.weight_sync.nccl import NcclWeightSync, WeightTransferError
-from asyncgrpo.weight_sync.transport import pickled_vllm_unique_id
-from conftest import free_port
-from weight_transfer_double import GlooTransport, checksum, running_double
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+import requests  # noqa: E402
+import torch  # noqa: E402
+from conftest import free_port  # noqa: E402
+from weight_transfer_double import GlooTransport, checksum, running_double  # noqa: E402
+
+from asyncgrpo.generation.background import BackgroundLoop  # noqa: E402
+from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
+from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
+from asyncgrpo.weight_sync.base import serving_tensors  # noqa: E402
+from asyncgrpo.weight_sync.buckets import pack, plan_buckets, unpack  # noqa: E402
+from asyncgrpo.weight_sync.nccl import NcclWeightSync, WeightTransferError  # noqa: E402
+from asyncgrpo.weight_sync.transport import pickled_vllm_unique_id  # noqa: E402
 
 
 def received(url: str) -> dict:
@@ -89,11 +94,16 @@ def test_the_tcp_store_payload_unpickles_as_vllms_unique_id():
 
 
 @contextmanager
-def against_doubles(count: int = 1, fault: str = "none", receiver: str = "gloo", device: str = "cpu", transport=GlooTransport):
+def against_doubles(
+    count: int = 1, fault: str = "none", receiver: str = "gloo", device: str = "cpu", transport=GlooTransport
+):
     """`count` doubles of a server, each in its own process, and a factory of senders to all of them."""
     loop = BackgroundLoop()
     with ExitStack() as stack:
-        urls = [stack.enter_context(running_double(fault=fault, receiver=receiver, device=device)) for _ in range(count)]
+        urls = [
+            stack.enter_context(running_double(fault=fault, receiver=receiver, device=device))
+            for _ in range(count)
+        ]
         client = VLLMClient(urls, timeout=60)
 
         def sender(timeout_s: float = 30, **options) -> NcclWeightSync:
@@ -185,8 +195,14 @@ def test_fsdp2_sharded_weights_sync_from_two_processes():
         workers = [
             subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("fsdp_sync_worker.py")), url],
-                env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""},
+                env={
+                    **os.environ,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "CUDA_VISIBLE_DEVICES": "",
+                },
             )
             for rank in range(2)
         ]
@@ -250,7 +266,9 @@ def test_reconnect_forms_a_new_group_and_weights_arrive_through_it():
         assert answer["checksums"] == expected_checksums(model)
         log = answer["log"]
         assert log.count("/init_weight_transfer_engine") == 2
-        assert log.index("/shutdown_weight_transfer_engine") < len(log) - 1 - log[::-1].index("/init_weight_transfer_engine")
+        assert log.index("/shutdown_weight_transfer_engine") < len(log) - 1 - log[::-1].index(
+            "/init_weight_transfer_engine"
+        )
         backend.close()
 
 
@@ -258,7 +276,10 @@ def test_server_engine_and_version_detection():
     from asyncgrpo.generation.server_info import parse_server_info
     from asyncgrpo.weight_sync.nccl import vllm_at_least
 
-    assert parse_server_info({"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}).transfer_backend == "nccl"
+    assert (
+        parse_server_info({"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}).transfer_backend
+        == "nccl"
+    )
     assert parse_server_info({"vllm_config": {"weight_transfer_config": None}}).transfer_backend is None
     assert parse_server_info(None) is None
     assert vllm_at_least("0.32.0+cpu", (0, 30)) and vllm_at_least("1.0.0", (0, 30))

@@ -115,7 +115,9 @@ def test_single_row_takes_new_groups_until_the_budget_is_full():
     assert batcher.offer(make_sample(np.arange(10), 0)) is Placement.PLACED
     assert batcher.offer(make_sample(np.arange(10) + 50, 1)) is Placement.PLACED
     assert batcher.offer(make_sample(np.arange(10) + 100, 2)) is Placement.CLOSED  # 30 > 25
-    assert batcher.offer(make_sample(np.r_[np.arange(5), 77], 0, 5)) is Placement.PLACED  # group row, +1 token
+    assert (
+        batcher.offer(make_sample(np.r_[np.arange(5), 77], 0, 5)) is Placement.PLACED
+    )  # group row, +1 token
 
 
 def test_new_groups_go_to_the_cheapest_row():

@@ -69,7 +69,9 @@ def sample(stream_index: int, model_version: int = 0, length: int = 10) -> Sampl
 
 def make_intake(results: list[GroupResult], max_staleness: int = 1) -> tuple[SampleIntake, PromptLedger]:
     ledger = PromptLedger()
-    intake = SampleIntake(QueueDouble(results), ledger, max_staleness, token_budget=25, num_rows=1, rows_per_step=1)
+    intake = SampleIntake(
+        QueueDouble(results), ledger, max_staleness, token_budget=25, num_rows=1, rows_per_step=1
+    )
     return intake, ledger
 
 

@@ -16,21 +16,27 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from asyncgrpo.generation.background import BackgroundLoop
-from asyncgrpo.generation.client import auth_headers, parse_policy_label, policy_label
-from asyncgrpo.generation.server_info import check_logprobs_mode, parse_server_info
-from asyncgrpo.rollout.concurrency import RolloutSlots
-from asyncgrpo.rollout.scoring import RewardFunctionError, call_reward_functions
-from asyncgrpo.sample import Sample
-from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
-from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+from asyncgrpo.generation.background import BackgroundLoop  # noqa: E402
+from asyncgrpo.generation.client import auth_headers, parse_policy_label, policy_label  # noqa: E402
+from asyncgrpo.generation.server_info import check_logprobs_mode, parse_server_info  # noqa: E402
+from asyncgrpo.rollout.concurrency import RolloutSlots  # noqa: E402
+from asyncgrpo.rollout.scoring import RewardFunctionError, call_reward_functions  # noqa: E402
+from asyncgrpo.sample import Sample  # noqa: E402
+from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples  # noqa: E402
+from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState  # noqa: E402
 
 
 def call(functions, timeout_s=math.inf):
     executor = ThreadPoolExecutor(2)
     try:
         return asyncio.run(
-            call_reward_functions(functions, executor, [[]] * 2, [[]] * 2, [[1], [2]], {}, timeout_s, " (dataset row 7)")
+            call_reward_functions(
+                functions, executor, [[]] * 2, [[]] * 2, [[1], [2]], {}, timeout_s, " (dataset row 7)"
+            )
         )
     finally:
         executor.shutdown(wait=False)  # a stuck call's thread is abandoned, as the worker does
@@ -49,7 +55,10 @@ async def async_slow(completions, **kwargs):
 @pytest.mark.parametrize("function", [slow, async_slow])
 def test_a_reward_call_past_its_deadline_names_the_function_and_the_row(function):
     started = time.monotonic()
-    with pytest.raises(RewardFunctionError, match=rf"'{function.__name__}' did not return within reward_timeout=0.3 s \(dataset row 7\)"):
+    with pytest.raises(
+        RewardFunctionError,
+        match=rf"'{function.__name__}' did not return within reward_timeout=0.3 s \(dataset row 7\)",
+    ):
         call([function], timeout_s=0.3)
     assert time.monotonic() - started < 1.5
 
@@ -72,12 +81,19 @@ def test_none_stays_not_scored():
 
 def test_server_flags_are_checked():
     info = parse_server_info(
-        {"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs", "dtype": "torch.bfloat16"}, "lora_config": None}}
+        {
+            "vllm_config": {
+                "model_config": {"logprobs_mode": "raw_logprobs", "dtype": "torch.bfloat16"},
+                "lora_config": None,
+            }
+        }
     )
     assert info.dtype == "bfloat16" and not info.lora_enabled
     with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
         check_logprobs_mode(info, "http://x:8000")
-    check_logprobs_mode(parse_server_info({"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}), "u")
+    check_logprobs_mode(
+        parse_server_info({"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}), "u"
+    )
     check_logprobs_mode(None, "u")  # a server without /server_info cannot be checked
 
 
@@ -130,7 +146,18 @@ def test_held_samples_round_trip_exactly(tmp_path):
             assert after.candidate_sets is None
         else:
             assert all(np.array_equal(a, b) for a, b in zip(before.candidate_sets, after.candidate_sets))
-        for name in ("advantage", "group_id", "model_version", "row_index", "stream_index", "epoch", "reward", "rollout_id", "queued_at", "metadata"):
+        for name in (
+            "advantage",
+            "group_id",
+            "model_version",
+            "row_index",
+            "stream_index",
+            "epoch",
+            "reward",
+            "rollout_id",
+            "queued_at",
+            "metadata",
+        ):
             assert getattr(before, name) == getattr(after, name)
     assert load_held_samples(tmp_path / "missing") == []
 
@@ -192,7 +219,8 @@ def test_the_guard_stops_its_command_when_the_launcher_is_killed(tmp_path):
     launcher = subprocess.Popen(
         [sys.executable, "-c", f"""
 import os, subprocess, sys, time
-guard = subprocess.Popen([sys.executable, "-m", "asyncgrpo.generation.guard", str(os.getpid()), "--", "sleep", "600"], start_new_session=True)
+command = [sys.executable, "-m", "asyncgrpo.generation.guard", str(os.getpid()), "--", "sleep", "600"]
+guard = subprocess.Popen(command, start_new_session=True)
 time.sleep(1.0)
 open({str(pid_file)!r}, "w").write(str(guard.pid))
 time.sleep(600)

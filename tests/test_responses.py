@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
-import msgspec
 import numpy as np
 import pytest
 
-from asyncgrpo.generation.responses import (
+msgspec = pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+from asyncgrpo.generation.responses import (  # noqa: E402
     MalformedResponseError,
     _top_dicts_decoder,
     _top_from_dicts,
@@ -34,7 +37,10 @@ def completion_body(token_ids, tops, compact=True) -> bytes:
 
 def test_sampled_token_outside_the_top_n_is_dropped_and_inside_it_is_kept():
     # Position 0: sampled 7 is among the top 2 (dict of 2). Position 1: sampled 9 is not (dict of 3).
-    tops = [{"token_id:7": -0.1, "token_id:3": -2.5}, {"token_id:9": -4.0, "token_id:1": -0.2, "token_id:2": -1.7}]
+    tops = [
+        {"token_id:7": -0.1, "token_id:3": -2.5},
+        {"token_id:9": -4.0, "token_id:1": -0.2, "token_id:2": -1.7},
+    ]
     for compact in (True, False):
         completion = parse_completion_response(completion_body([7, 9], tops, compact), num_top=2)
         assert completion.token_ids.tolist() == [7, 9]
@@ -109,7 +115,11 @@ def test_generate_endpoint_body():
 
 
 def test_generate_endpoint_top_log_probs_without_ranks_are_refused():
-    entry = {"token_id": 5, "logprob": -0.3, "top_logprobs": [{"token_id": 5, "logprob": -0.3}, {"token_id": 8, "logprob": -1.4}]}
+    entry = {
+        "token_id": 5,
+        "logprob": -0.3,
+        "top_logprobs": [{"token_id": 5, "logprob": -0.3}, {"token_id": 8, "logprob": -1.4}],
+    }
     body = json.dumps({"choices": [{"token_ids": [5], "logprobs": {"content": [entry]}}]}).encode()
     with pytest.raises(MalformedResponseError, match="no ranks"):
         parse_generate_response(body, num_top=1)

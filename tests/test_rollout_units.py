@@ -67,11 +67,16 @@ def format_reward_func(completions, **kwargs):
 
 
 def math_reward_func(prompts, completions, task, **kwargs):
-    return [(1.0 if "4" in c[0]["content"] else -1.0) if t == "math" else None for c, t in zip(completions, task)]
+    return [
+        (1.0 if "4" in c[0]["content"] else -1.0) if t == "math" else None for c, t in zip(completions, task)
+    ]
 
 
 def coding_reward_func(prompts, completions, task, **kwargs):
-    return [(1.0 if "def" in c[0]["content"] else -1.0) if t == "code" else None for c, t in zip(completions, task)]
+    return [
+        (1.0 if "def" in c[0]["content"] else -1.0) if t == "code" else None
+        for c, t in zip(completions, task)
+    ]
 
 
 async def async_reward_func(prompts, completions, **kwargs):
@@ -93,14 +98,21 @@ def test_documented_examples_length_and_format():
         [{"role": "assistant", "content": "<think>3 * 4 = 12.</think><answer>(1 + 2) * 4 = 12</answer>"}],
         [{"role": "assistant", "content": "So (3 + 1) * 2 = 8."}],
     ]
-    rewards = score([length_reward, format_reward_func], prompts, completions, [[6303, 13], [304, 279, 12884, 13]])
+    rewards = score(
+        [length_reward, format_reward_func], prompts, completions, [[6303, 13], [304, 279, 12884, 13]]
+    )
     assert rewards == [[2.0, 4.0], [1.0, 0.0]]
 
 
 def test_documented_multi_task_example_returns_none_for_other_tasks():
-    prompts = [[{"role": "user", "content": "What is 2+2?"}], [{"role": "user", "content": "Write a sum function."}]]
+    prompts = [
+        [{"role": "user", "content": "What is 2+2?"}],
+        [{"role": "user", "content": "Write a sum function."}],
+    ]
     completions = [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "def f(a, b)"}]]
-    per_function = score([math_reward_func, coding_reward_func], prompts, completions, [[1], [2]], task=["math", "code"])
+    per_function = score(
+        [math_reward_func, coding_reward_func], prompts, completions, [[1], [2]], task=["math", "code"]
+    )
     assert per_function == [[1.0, None], [None, 1.0]]
     assert sum_rewards(per_function, 2).tolist() == [1.0, 1.0]
 
@@ -240,7 +252,9 @@ def test_iterable_dataset_streams_and_restarts():
 
 
 def turn(prompt, output, version=0):
-    return TurnRecord(prompt_ids=prompt, output_ids=output, output_log_probs=[-0.5] * len(output), model_version=version)
+    return TurnRecord(
+        prompt_ids=prompt, output_ids=output, output_log_probs=[-0.5] * len(output), model_version=version
+    )
 
 
 def test_single_turn_sequence():

@@ -12,15 +12,23 @@ import time
 
 import numpy as np
 import pytest
-from datasets import Dataset
-from transformers import AutoTokenizer
 
-from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.generation.client import VLLMClient, policy_label
-from asyncgrpo.metrics import MetricsWindow
-from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.scoring import group_advantages
-from asyncgrpo.rollout.worker import RolloutWorker, RolloutWorkerError
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+from datasets import Dataset  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from asyncgrpo.config import AsyncGRPOConfig  # noqa: E402
+from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
+from asyncgrpo.metrics import MetricsWindow  # noqa: E402
+from asyncgrpo.rollout.loop import AsyncRolloutLoop  # noqa: E402
+from asyncgrpo.rollout.scoring import group_advantages  # noqa: E402
+from asyncgrpo.rollout.worker import RolloutWorker, RolloutWorkerError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -58,7 +66,9 @@ def label_server(url: str, version: int = 0) -> None:
     asyncio.run(run())
 
 
-def make_worker(server_url, model_dir, reward_funcs, allowance=1e9, loop_cls=AsyncRolloutLoop, **config_overrides):
+def make_worker(
+    server_url, model_dir, reward_funcs, allowance=1e9, loop_cls=AsyncRolloutLoop, **config_overrides
+):
     label_server(server_url)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     options = dict(
@@ -125,8 +135,15 @@ def test_worker_produces_scored_groups_with_correct_advantages(vllm_server, tiny
             assert sample.num_trained == len(completion) and sample.top_ids.shape == (len(completion), 8)
             assert np.all(sample.sampler_logprobs <= 0)
         np.testing.assert_allclose([s.advantage for s in result.samples], group_advantages(np.array(rewards)))
-    for name in ("reward", "rewards/even_token_reward/mean", "frac_zero_std_groups", "completions/mean_length",
-                 "rollout/duration_s", "rollout/generated_tokens_per_s", "rollout/concurrency_cap"):
+    for name in (
+        "reward",
+        "rewards/even_token_reward/mean",
+        "frac_zero_std_groups",
+        "completions/mean_length",
+        "rollout/duration_s",
+        "rollout/generated_tokens_per_s",
+        "rollout/concurrency_cap",
+    ):
         assert name in metrics, name
     assert worker.process.exitcode is not None, "stopped worker must have exited"
 
@@ -159,7 +176,9 @@ def test_a_raising_reward_stops_the_trainer_side_with_the_original_traceback(vll
 
 
 def test_a_lambda_reward_fails_before_spawning_naming_it(vllm_server, tiny_model_dir):
-    worker = make_worker(vllm_server.url, tiny_model_dir, [lambda completions, **kw: [0.0] * len(completions)])
+    worker = make_worker(
+        vllm_server.url, tiny_model_dir, [lambda completions, **kw: [0.0] * len(completions)]
+    )
     with pytest.raises(TypeError, match="reward function #0 .*lambda.* cannot be sent to the rollout worker"):
         worker.start(ready_timeout=10)
     assert worker.process is None

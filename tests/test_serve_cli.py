@@ -11,12 +11,19 @@ import urllib.request
 
 import pytest
 
-from asyncgrpo.generation.server import ServerOptions, build_command
-from conftest import free_port
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+from conftest import free_port  # noqa: E402
+
+from asyncgrpo.generation.server import ServerOptions, build_command  # noqa: E402
 
 
 def test_cpu_command_and_environment():
-    argv, env = build_command(ServerOptions(model="m", port=8123, max_model_len=512, cpu=True, extra_args=["--seed", "3"]))
+    argv, env = build_command(
+        ServerOptions(model="m", port=8123, max_model_len=512, cpu=True, extra_args=["--seed", "3"])
+    )
     joined = " ".join(argv)
     assert "serve m --host 127.0.0.1 --port 8123" in joined
     assert "--logprobs-mode processed_logprobs" in joined and "--generation-config vllm" in joined
@@ -96,3 +103,26 @@ def test_serve_prints_the_command_and_a_kill_leaves_no_process(tiny_model_dir, s
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_serve_enable_lora_picks_the_lora_flags_from_the_run_settings(monkeypatch):
+    from asyncgrpo import cli
+
+    seen = {}
+
+    def serve_foreground(options):
+        seen["o"] = options
+        return 0
+
+    monkeypatch.setattr("asyncgrpo.generation.server.serve_foreground", serve_foreground)
+    cli.main(["serve", "m", "--enable-lora", "--lora-rank", "12", "--max-staleness", "2"])
+    assert (seen["o"].max_lora_rank, seen["o"].max_loras) == (16, 4)
+    seen.clear()
+    cli.main(["serve", "m", "--enable-lora"])  # the trainer's default max_staleness=4; vLLM's default rank
+    assert (seen["o"].max_lora_rank, seen["o"].max_loras) == (None, 6)
+    seen.clear()
+    cli.main(["serve", "m", "--enable-lora", "--lora-rank", "4", "--max-lora-rank", "64", "--max-loras", "9"])
+    assert (seen["o"].max_lora_rank, seen["o"].max_loras) == (64, 9)  # explicit flags win
+    seen.clear()
+    cli.main(["serve", "m", "--max-staleness", "2"])
+    assert (seen["o"].enable_lora, seen["o"].max_loras) == (False, None)

@@ -8,38 +8,100 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_label
-from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_label  # noqa: E402
+from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 # Metric names (docs/metrics.md) that a plain single-turn run must log (tools/env ones need agents).
 EXPECTED_METRICS = [
-    "num_tokens", "loss", "grad_norm", "learning_rate", "entropy", "reward", "reward_trained", "reward_group_std",
-    "frac_zero_std_groups", "completions/mean_length", "completions/min_length", "completions/max_length",
-    "completions/clipped_ratio", "completions/duplicate_frac", "rewards/token_parity_reward/mean",
-    "rewards/token_parity_reward/group_std", "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/min",
-    "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max", "sampling/masked_mean",
-    "sampling/sampler_mass", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/low_min",
-    "clip_ratio/high_mean", "clip_ratio/high_max", "rollout/duration_s", "rollout/generated_tokens_per_s",
-    "rollout/concurrency", "rollout/concurrency_cap", "rollout/turns_mean", "rollout/turns_max",
-    "rollout/samples_per_rollout", "rollout/score_queue_size", "rollout/queue_size", "rollout/score_s",
-    "rollout/score_wait_s", "rollout/vllm_retry_count", "rollout/vllm_kv_cache_usage_frac",
-    "rollout/vllm_running_requests", "rollout/vllm_queued_requests", "rollout/vllm_preemption_count",
-    "sample/forwarded_tokens_mean", "sample/forwarded_tokens_max", "sample/trained_tokens_mean",
-    "sample/time_in_queue_s", "sample/staleness_mean", "sample/staleness_max",
-    "batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step", "batch/samples_per_step",
-    "batch/groups_per_step", "batch/microbatches_per_step", "batch/masked_token_frac", "batch/samples_per_row",
-    "batch/row_tokens_mean", "batch/row_tokens_max", "batch/row_fill_frac", "batch/row_imbalance",
-    "batch/packing_ratio", "batch/pad_frac", "perf/step_s", "perf/fwd_bwd_s", "perf/fwd_s", "perf/optimizer_s",
-    "perf/rollout_wait_s", "perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_barrier_s",
-    "perf/weight_sync_transfer_s", "perf/fwd_bwd_forwarded_tokens_per_s", "perf/wall_clock_forwarded_tokens_per_s",
+    "num_tokens",
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "entropy",
+    "reward",
+    "reward_trained",
+    "reward_group_std",
+    "frac_zero_std_groups",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/duplicate_frac",
+    "rewards/token_parity_reward/mean",
+    "rewards/token_parity_reward/group_std",
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+    "sampling/masked_mean",
+    "sampling/sampler_mass",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_mean",
+    "clip_ratio/high_max",
+    "rollout/duration_s",
+    "rollout/generated_tokens_per_s",
+    "rollout/concurrency",
+    "rollout/concurrency_cap",
+    "rollout/turns_mean",
+    "rollout/turns_max",
+    "rollout/samples_per_rollout",
+    "rollout/score_queue_size",
+    "rollout/queue_size",
+    "rollout/score_s",
+    "rollout/score_wait_s",
+    "rollout/vllm_retry_count",
+    "rollout/vllm_kv_cache_usage_frac",
+    "rollout/vllm_running_requests",
+    "rollout/vllm_queued_requests",
+    "rollout/vllm_preemption_count",
+    "sample/forwarded_tokens_mean",
+    "sample/forwarded_tokens_max",
+    "sample/trained_tokens_mean",
+    "sample/time_in_queue_s",
+    "sample/staleness_mean",
+    "sample/staleness_max",
+    "batch/forwarded_tokens_per_step",
+    "batch/trained_tokens_per_step",
+    "batch/samples_per_step",
+    "batch/groups_per_step",
+    "batch/microbatches_per_step",
+    "batch/masked_token_frac",
+    "batch/samples_per_row",
+    "batch/row_tokens_mean",
+    "batch/row_tokens_max",
+    "batch/row_fill_frac",
+    "batch/row_imbalance",
+    "batch/packing_ratio",
+    "batch/pad_frac",
+    "perf/step_s",
+    "perf/fwd_bwd_s",
+    "perf/fwd_s",
+    "perf/optimizer_s",
+    "perf/rollout_wait_s",
+    "perf/weight_sync_s",
+    "perf/weight_sync_pause_s",
+    "perf/weight_sync_barrier_s",
+    "perf/weight_sync_transfer_s",
+    "perf/fwd_bwd_forwarded_tokens_per_s",
+    "perf/wall_clock_forwarded_tokens_per_s",
     "perf/wall_clock_trained_tokens_per_s",
 ]
 PROBE = [952, 648, 198, 287, 260, 294, 10, 18, 30, 950, 198, 952, 653, 198]
@@ -50,7 +112,9 @@ def token_parity_reward(completion_ids, **kwargs):
 
 
 def prompts(n: int = 40) -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say something about {i}."}] for i in range(n)]})
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"Say something about {i}."}] for i in range(n)]}
+    )
 
 
 def make_config(server, output_dir, config_class=AsyncGRPOConfig, **overrides) -> AsyncGRPOConfig:
@@ -75,7 +139,9 @@ def make_config(server, output_dir, config_class=AsyncGRPOConfig, **overrides) -
 def server_greedy(url: str) -> list[int]:
     async def run():
         async with VLLMClient(url, timeout=60) as client:
-            return (await client.complete(PROBE, SamplingParams(max_tokens=12, temperature=0.0), seed=0)).token_ids.tolist()
+            return (
+                await client.complete(PROBE, SamplingParams(max_tokens=12, temperature=0.0), seed=0)
+            ).token_ids.tolist()
 
     return asyncio.run(run())
 
@@ -106,7 +172,9 @@ def shared_server_weights_restored(request, tiny_model_dir):
         restore_server(request.getfixturevalue("vllm_server").url, tiny_model_dir)
 
 
-def test_training_steps_change_the_weights_the_server_runs_and_log_the_documented_metrics(vllm_server, tiny_model_dir, tmp_path):
+def test_training_steps_change_the_weights_the_server_runs_and_log_the_documented_metrics(
+    vllm_server, tiny_model_dir, tmp_path
+):
     before_server = server_greedy(vllm_server.url)
     args = make_config(vllm_server, tmp_path, max_steps=3, learning_rate=3e-2, max_grad_norm=0.0)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
@@ -119,7 +187,9 @@ def test_training_steps_change_the_weights_the_server_runs_and_log_the_documente
     finally:
         restore_server(vllm_server.url, tiny_model_dir)
     assert output.global_step == 3
-    changed = [name for name, p in trained_model.named_parameters() if not torch.equal(p.detach(), initial[name])]
+    changed = [
+        name for name, p in trained_model.named_parameters() if not torch.equal(p.detach(), initial[name])
+    ]
     assert len(changed) == len(initial), "every parameter must have moved"
     # The server really runs the new weights: its greedy output is the trained model's, not the old one.
     assert after_server == expected
@@ -160,11 +230,17 @@ def format_reward_func(completions, **kwargs):
 
 
 def math_reward_func(prompts, completions, task, **kwargs):
-    return [(1.0 if len(c[0]["content"]) % 2 else -1.0) if t == "math" else None for c, t in zip(completions, task)]
+    return [
+        (1.0 if len(c[0]["content"]) % 2 else -1.0) if t == "math" else None
+        for c, t in zip(completions, task)
+    ]
 
 
 def coding_reward_func(prompts, completions, task, **kwargs):
-    return [(1.0 if len(c[0]["content"]) % 3 else -1.0) if t == "code" else None for c, t in zip(completions, task)]
+    return [
+        (1.0 if len(c[0]["content"]) % 3 else -1.0) if t == "code" else None
+        for c, t in zip(completions, task)
+    ]
 
 
 async def async_reward_func(prompts, completions, **kwargs):
@@ -176,20 +252,38 @@ def test_documented_reward_examples_train(vllm_server, tiny_model_dir, tmp_path)
     dataset = Dataset.from_list(
         [
             {"prompt": [{"role": "user", "content": "What is 2+2?"}], "task": "math"},
-            {"prompt": [{"role": "user", "content": "Write a function that returns the sum."}], "task": "code"},
+            {
+                "prompt": [{"role": "user", "content": "Write a function that returns the sum."}],
+                "task": "code",
+            },
             {"prompt": [{"role": "user", "content": "What is 3*4?"}], "task": "math"},
-            {"prompt": [{"role": "user", "content": "Write a function that returns the product."}], "task": "code"},
+            {
+                "prompt": [{"role": "user", "content": "Write a function that returns the product."}],
+                "task": "code",
+            },
         ]
     )
     trainer = AsyncGRPOTrainer(
         model=str(tiny_model_dir),
-        reward_funcs=[reward_len, format_reward_func, math_reward_func, coding_reward_func, async_reward_func],
+        reward_funcs=[
+            reward_len,
+            format_reward_func,
+            math_reward_func,
+            coding_reward_func,
+            async_reward_func,
+        ],
         args=make_config(vllm_server, tmp_path, max_steps=2),
         train_dataset=dataset,
     )
     trainer.train()
     logged = set().union(*(entry.keys() for entry in trainer.state.log_history))
-    for name in ("reward_len", "format_reward_func", "math_reward_func", "coding_reward_func", "async_reward_func"):
+    for name in (
+        "reward_len",
+        "format_reward_func",
+        "math_reward_func",
+        "coding_reward_func",
+        "async_reward_func",
+    ):
         assert f"rewards/{name}/mean" in logged
 
 
@@ -258,7 +352,9 @@ def test_quick_start_shape_with_accuracy_reward(vllm_server, tiny_model_dir, tmp
 
     dataset = Dataset.from_dict(
         {
-            "prompt": [[{"role": "user", "content": f"What is {i} + {i}? Put it in \\boxed{{}}."}] for i in range(8)],
+            "prompt": [
+                [{"role": "user", "content": f"What is {i} + {i}? Put it in \\boxed{{}}."}] for i in range(8)
+            ],
             "solution": [str(2 * i) for i in range(8)],
         }
     )
@@ -287,7 +383,9 @@ def record_consumed(monkeypatch) -> list[int]:
     return consumed
 
 
-def test_checkpoint_then_resume_continues_prompts_and_versions(vllm_server, tiny_model_dir, tmp_path, monkeypatch):
+def test_checkpoint_then_resume_continues_prompts_and_versions(
+    vllm_server, tiny_model_dir, tmp_path, monkeypatch
+):
     dataset = prompts(60)
     args = make_config(vllm_server, tmp_path, max_steps=3, save_strategy="steps", save_steps=3)
     first_run = record_consumed(monkeypatch)
@@ -295,7 +393,10 @@ def test_checkpoint_then_resume_continues_prompts_and_versions(vllm_server, tiny
     checkpoint = Path(tmp_path) / "checkpoint-3"
     state = RolloutState.load(checkpoint)
     assert state is not None and state.model_version == 3
-    assert json.loads((checkpoint / "rollout_state.json").read_text())["first_untrained_index"] == state.first_untrained_index
+    assert (
+        json.loads((checkpoint / "rollout_state.json").read_text())["first_untrained_index"]
+        == state.first_untrained_index
+    )
     trained_before = set(range(state.first_untrained_index)) | set(state.consumed_after)
     assert trained_before == set(first_run), "the checkpoint records exactly the prompts consumed"
 
@@ -321,6 +422,8 @@ def test_trainer_tokenizer_and_model_defaults(vllm_server, tiny_model_dir, tmp_p
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.pad_token = None
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    trainer = AsyncGRPOTrainer(model, token_parity_reward, make_config(vllm_server, tmp_path), prompts(), processing_class=tokenizer)
+    trainer = AsyncGRPOTrainer(
+        model, token_parity_reward, make_config(vllm_server, tmp_path), prompts(), processing_class=tokenizer
+    )
     assert trainer.processing_class.pad_token == tokenizer.eos_token
     assert trainer.model.config._attn_implementation == "asyncgrpo_tree"

@@ -6,11 +6,19 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
-from datasets import Dataset
 
-from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.generation.client import VLLMUnavailableError
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.generation.client import VLLMUnavailableError  # noqa: E402
 
 
 def some_reward(completions, **kwargs):
@@ -85,10 +93,15 @@ def test_prompts_with_images_are_rejected(tiny_model_dir, tmp_path):
 
 def test_reward_models_are_rejected(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="reward models are not supported"):
-        AsyncGRPOTrainer(str(tiny_model_dir), "some-org/reward-model", config(tmp_path), train_dataset=conversational())
+        AsyncGRPOTrainer(
+            str(tiny_model_dir), "some-org/reward-model", config(tmp_path), train_dataset=conversational()
+        )
     with pytest.raises(ValueError, match="reward models are not supported"):
         AsyncGRPOTrainer(
-            str(tiny_model_dir), [some_reward, torch.nn.Linear(2, 1)], config(tmp_path), train_dataset=conversational()
+            str(tiny_model_dir),
+            [some_reward, torch.nn.Linear(2, 1)],
+            config(tmp_path),
+            train_dataset=conversational(),
         )
 
 
@@ -109,13 +122,19 @@ def test_deepspeed_is_rejected():
 def test_iterable_dataset_needs_max_steps(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="set max_steps > 0"):
         AsyncGRPOTrainer(
-            str(tiny_model_dir), some_reward, config(tmp_path, max_steps=-1), train_dataset=conversational().to_iterable_dataset()
+            str(tiny_model_dir),
+            some_reward,
+            config(tmp_path, max_steps=-1),
+            train_dataset=conversational().to_iterable_dataset(),
         )
 
 
 def test_a_lambda_reward_fails_at_train_naming_it(tiny_model_dir, tmp_path):
     trainer = AsyncGRPOTrainer(
-        str(tiny_model_dir), lambda completions, **kw: [0.0] * len(completions), config(tmp_path), train_dataset=conversational()
+        str(tiny_model_dir),
+        lambda completions, **kw: [0.0] * len(completions),
+        config(tmp_path),
+        train_dataset=conversational(),
     )
     with pytest.raises(TypeError, match="reward function #0 .*lambda.* cannot be sent to the rollout worker"):
         trainer.train()
@@ -153,7 +172,9 @@ def test_nccl_weight_sync_needs_a_server_with_the_nccl_engine(vllm_server, tiny_
     trainer = AsyncGRPOTrainer(
         str(tiny_model_dir),
         some_reward,
-        config(tmp_path, vllm_server_base_url=vllm_server.url, vllm_server_timeout=30, weight_sync_backend="nccl"),
+        config(
+            tmp_path, vllm_server_base_url=vllm_server.url, vllm_server_timeout=30, weight_sync_backend="nccl"
+        ),
         train_dataset=conversational(),
     )
     with pytest.raises(ValueError, match="not started with the NCCL engine.*--weight-transfer-config"):
@@ -201,22 +222,25 @@ def test_torch_compile_leaves_the_callers_args_as_given(tiny_model_dir, tmp_path
     args = config(tmp_path, torch_compile=True)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), some_reward, args, train_dataset=conversational())
     assert args.torch_compile and args.torch_compile_backend == "inductor"
-    assert trainer._compile_layers and not trainer.args.torch_compile and trainer.args.torch_compile_backend is None
+    assert (
+        trainer._compile_layers
+        and not trainer.args.torch_compile
+        and trainer.args.torch_compile_backend is None
+    )
 
 
-def test_vision_language_checkpoints_are_refused(tiny_model_dir, tmp_path):
-    import json
-    import shutil
+def test_vision_language_checkpoint_trains_on_text(tmp_path):
+    """A checkpoint with a vision tower loads with the image-text-to-text class; only its language
+    model trains; prompts with images fail at construction."""
+    from asyncgrpo.tiny_model import save_tiny_model
 
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    model.config.vision_config = {"model_type": "siglip_vision_model"}
-    with pytest.raises(NotImplementedError, match="vision-language checkpoint"):
-        AsyncGRPOTrainer(model, some_reward, config(tmp_path), train_dataset=conversational())
-    by_name = tmp_path / "vlm"
-    shutil.copytree(tiny_model_dir, by_name)
-    settings = json.loads((by_name / "config.json").read_text())
-    (by_name / "config.json").write_text(json.dumps(dict(settings, vision_config={"model_type": "siglip_vision_model"})))
-    with pytest.raises(NotImplementedError, match="vision-language checkpoint"):
-        AsyncGRPOTrainer(str(by_name), some_reward, config(tmp_path), train_dataset=conversational())
+    model_dir = save_tiny_model(tmp_path / "vl", arch="qwen3_5_vl")
+    trainer = AsyncGRPOTrainer(str(model_dir), some_reward, config(tmp_path), train_dataset=conversational())
+    assert type(trainer.model).__name__ == "Qwen3_5ForConditionalGeneration"
+    trained = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and not any(".visual." in f".{name}" for name in trained)
+    with_image = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text"}]}]]}
+    )
+    with pytest.raises(ValueError, match="prompts with images are not supported"):
+        AsyncGRPOTrainer(str(model_dir), some_reward, config(tmp_path), train_dataset=with_image)

@@ -129,7 +129,9 @@ def test_flex_matches_dense_reference(num_tokens):
 
 
 @pytest.mark.parametrize(
-    "feature, seed, sizes", [({"window": 6}, 1, (90, 260)), ({"softcap": 0.5}, 2, (100, 300))], ids=["window", "softcap"]
+    "feature, seed, sizes",
+    [({"window": 6}, 1, (90, 260)), ({"softcap": 0.5}, 2, (100, 300))],
+    ids=["window", "softcap"],
 )
 def test_sliding_window_and_softcap_match_dense_reference(feature, seed, sizes):
     rng = np.random.default_rng(seed)

@@ -332,7 +332,9 @@ def test_short_prefixes_of_long_tails_are_not_shared_but_short_samples_share():
     assert unshared.num_tokens == 3 * 316 and unshared.packing_ratio == 1.0
     assert unshared.subtree_end.tolist() == [316] * 316 + [632] * 316 + [948] * 316  # plain packing
     short_samples = [
-        Sample(np.concatenate([prompt, [500 + k, 600 + k]]), np.arange(18) >= 16, np.zeros(2, np.float32), 1.0, 0)
+        Sample(
+            np.concatenate([prompt, [500 + k, 600 + k]]), np.arange(18) >= 16, np.zeros(2, np.float32), 1.0, 0
+        )
         for k in range(3)
     ]
     assert pack_row(short_samples, min_shared_tokens=128).num_tokens == 15 + 3 * 3

@@ -4,26 +4,22 @@ trainer attributes and the Trainer callbacks its loop calls."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-import random
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-import torch
-from aiohttp import web
-from transformers import TrainerCallback
 
-from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMUnavailableError
-from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
-from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
 
-HERE = Path(__file__).parent
+from aiohttp import web  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMUnavailableError  # noqa: E402
+from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks  # noqa: E402
+from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch  # noqa: E402
 
 # Every field TRL 1.16's AsyncGRPOConfig declares itself, at TRL's defaults.
 TRL_116_FIELDS = dict(  # noqa: C408 (keyword form: the fields read as a config call)
@@ -40,7 +36,11 @@ TRL_116_FIELDS = dict(  # noqa: C408 (keyword form: the fields read as a config 
 
 def test_every_trl_116_config_field_is_accepted(tmp_path):
     config = AsyncGRPOConfig(str(tmp_path), report_to="none", **TRL_116_FIELDS)
-    assert (config.request_timeout, config.weight_sync_timeout, config.vllm_server_timeout) == (600, 1800, 240.0)
+    assert (config.request_timeout, config.weight_sync_timeout, config.vllm_server_timeout) == (
+        600,
+        1800,
+        240.0,
+    )
     assert config.max_concurrent_rollouts == 512  # -1: auto, ours stays in charge
     # Left unset, both timeouts are the server timeout (one bound for every wait, as before).
     config = AsyncGRPOConfig(str(tmp_path), report_to="none", vllm_server_timeout=42.0)
@@ -48,12 +48,16 @@ def test_every_trl_116_config_field_is_accepted(tmp_path):
 
 
 def test_trl_names_map_onto_ours_and_conflicts_are_refused(tmp_path):
-    config = AsyncGRPOConfig(str(tmp_path), report_to="none", max_inflight_tasks=64, heartbeat_stale_after_s=30.0)
+    config = AsyncGRPOConfig(
+        str(tmp_path), report_to="none", max_inflight_tasks=64, heartbeat_stale_after_s=30.0
+    )
     assert (config.max_concurrent_rollouts, config.rollout_worker_timeout) == (64, 30.0)
     with pytest.raises(ValueError, match="give only one of them"):
         AsyncGRPOConfig(str(tmp_path), report_to="none", max_inflight_tasks=64, max_concurrent_rollouts=32)
     with pytest.raises(ValueError, match="give only one of them"):
-        AsyncGRPOConfig(str(tmp_path), report_to="none", heartbeat_stale_after_s=30.0, rollout_worker_timeout=60.0)
+        AsyncGRPOConfig(
+            str(tmp_path), report_to="none", heartbeat_stale_after_s=30.0, rollout_worker_timeout=60.0
+        )
     with pytest.raises(ValueError, match="max_inflight_tasks=0"):
         AsyncGRPOConfig(str(tmp_path), report_to="none", max_inflight_tasks=0)
     with pytest.raises(ValueError, match="request_timeout=0"):
@@ -89,7 +93,9 @@ def test_request_timeout_bounds_generation_requests_not_the_other_calls():
         await site.start()
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         try:
-            client = VLLMClient(url, timeout=30.0, model="m", generation_timeout_retries=0, request_timeout=0.5)
+            client = VLLMClient(
+                url, timeout=30.0, model="m", generation_timeout_retries=0, request_timeout=0.5
+            )
             async with client:
                 started = time.monotonic()
                 with pytest.raises(VLLMUnavailableError, match="within 0 s|within 1 s"):
@@ -110,13 +116,21 @@ def test_trl_fsdp2_config_is_read_not_refused():
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     # TRL's fsdp2.yaml, as accelerate turns it into a plugin (sync_module_states needs a GPU: off here).
-    common = {"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wrap", "cpu_ram_efficient_loading": False}
+    common = {
+        "fsdp_version": 2,
+        "auto_wrap_policy": "transformer_based_wrap",
+        "cpu_ram_efficient_loading": False,
+    }
     launch = read_fsdp_launch(
-        FullyShardedDataParallelPlugin(reshard_after_forward=True, state_dict_type="FULL_STATE_DICT", **common)
+        FullyShardedDataParallelPlugin(
+            reshard_after_forward=True, state_dict_type="FULL_STATE_DICT", **common
+        )
     )
     assert launch.reshard_after_forward is True and launch.notes == []
     launch = read_fsdp_launch(
-        FullyShardedDataParallelPlugin(reshard_after_forward=False, state_dict_type="SHARDED_STATE_DICT", **common)
+        FullyShardedDataParallelPlugin(
+            reshard_after_forward=False, state_dict_type="SHARDED_STATE_DICT", **common
+        )
     )
     assert launch.reshard_after_forward is False and "full (gathered)" in launch.notes[0]
     with pytest.raises(ValueError, match="fsdp_offload_params"):
@@ -156,67 +170,6 @@ def test_epoch_callbacks_bracket_passes_over_the_prompts():
 # -- against a real vLLM server ---------------------------------------------------------------------------
 
 
-def boxed_answer_model(out_dir: Path) -> Path:
-    """The tiny model after a few supervised steps that make it answer `\\boxed{1}` or `\\boxed{2}`,
-    about half of the time each, then stop: rewards differ within a group, so GRPO has a signal."""
-    from asyncgrpo.tiny_model import build_model, build_tokenizer
-
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    model = build_model(tokenizer)
-    rng = random.Random(0)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 1 + 0?"}], add_generation_prompt=True, tokenize=True
-    )
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    answers = [tokenizer.encode(f"\\boxed{{{n}}}") + [tokenizer.eos_token_id] for n in (1, 2)]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(40):
-        batch = [prompt + rng.choice(answers) for _ in range(16)]
-        length = max(map(len, batch))
-        ids = torch.full((len(batch), length), tokenizer.pad_token_id)
-        labels = torch.full((len(batch), length), -100)
-        for row, sequence in enumerate(batch):
-            ids[row, : len(sequence)] = torch.tensor(sequence)
-            labels[row, len(prompt) : len(sequence)] = torch.tensor(sequence[len(prompt) :])
-        model(input_ids=ids, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
-
-
-def gsm8k_shaped(path: Path, n: int = 16) -> Path:
-    rows = [{"question": "What is 1 + 0?", "answer": "One plus zero is one.\n#### 1"} for _ in range(n)]
-    path.write_text("\n".join(json.dumps(row) for row in rows))
-    return path
-
-
-@pytest.mark.vllm
-def test_trl_example_script_runs_with_only_the_import_changed(vllm_server, tiny_model_dir, tmp_path):
-    """TRL 1.16's async GRPO example (tests/trl_example/async_grpo.py says what differs), launched the
-    way TRL documents it: `accelerate launch --config_file fsdp2.yaml` with TRL's own config."""
-    from test_trainer_e2e import restore_server
-
-    model_dir = boxed_answer_model(tmp_path / "model")
-    data = gsm8k_shaped(tmp_path / "gsm8k.jsonl")
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(HERE / "trl_example" / "fsdp2.yaml"),
-        "--num_processes", "1", str(HERE / "trl_example" / "async_grpo.py"), str(model_dir), str(data), vllm_server.url,
-    ]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    try:
-        result = subprocess.run(
-            command, check=False, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600
-        )
-    finally:
-        restore_server(vllm_server.url, tiny_model_dir)
-    assert result.returncode == 0, result.stderr[-5000:]
-    output = result.stdout + result.stderr
-    assert "step 3  reward=" in output, output[-3000:]  # the progress line of the last of its 3 steps
-
-
 @pytest.mark.vllm
 def test_trl_attributes_and_trainer_callbacks_during_training(vllm_server, tiny_model_dir, tmp_path):
     from test_trainer_e2e import make_config, prompts, restore_server, token_parity_reward
@@ -226,7 +179,9 @@ def test_trl_attributes_and_trainer_callbacks_during_training(vllm_server, tiny_
         vllm_server, tmp_path, max_steps=2, gradient_accumulation_steps=2, token_budget=64, repetition_penalty=1.3,
         request_timeout=60, weight_sync_timeout=60,
     )  # fmt: skip
-    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, config, train_dataset=prompts(), callbacks=[recorder])
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir), token_parity_reward, config, train_dataset=prompts(), callbacks=[recorder]
+    )
     assert trainer.vllm_client is None and trainer.model_version == 0 and trainer.rollout_worker is None
 
     class Attributes(TrainerCallback):
@@ -243,6 +198,19 @@ def test_trl_attributes_and_trainer_callbacks_during_training(vllm_server, tiny_
         restore_server(vllm_server.url, tiny_model_dir)
     assert recorder.seen[1] == (1, [vllm_server.url], True, "filesystem", 60)
     assert recorder.seen[2][0] == 2
-    per_step = ["on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"]
+    per_step = [
+        "on_step_begin",
+        "on_substep_end",
+        "on_pre_optimizer_step",
+        "on_optimizer_step",
+        "on_step_end",
+    ]
     events = [event for event in recorder.events if event not in ("on_log", "on_save", "on_evaluate")]
-    assert events == ["on_train_begin", "on_epoch_begin", *per_step, *per_step, "on_epoch_end", "on_train_end"]
+    assert events == [
+        "on_train_begin",
+        "on_epoch_begin",
+        *per_step,
+        *per_step,
+        "on_epoch_end",
+        "on_train_end",
+    ]

@@ -6,10 +6,15 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncgrpo.generation.client import SamplingParams, VLLMClient
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -31,7 +36,9 @@ def hf_model(tiny_model_dir):
 def prompt_ids(tiny_model_dir) -> list[int]:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     messages = [{"role": "user", "content": "What is 12 + 30? Answer with a number."}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    )
 
 
 def run(coroutine):
@@ -39,7 +46,12 @@ def run(coroutine):
 
 
 async def _complete(
-    url: str, prompt_ids, sampling: SamplingParams, seed: int = 0, model: str | None = None, route: str = "complete"
+    url: str,
+    prompt_ids,
+    sampling: SamplingParams,
+    seed: int = 0,
+    model: str | None = None,
+    route: str = "complete",
 ):
     """One sample through `/v1/completions` (`route="complete"`) or `/inference/v1/generate`
     (`route="generate_tokens"`)."""
@@ -68,7 +80,9 @@ def test_processed_logprobs_and_top_n_at_temperature(vllm_server, hf_model, prom
     assert completion.top_ids.shape == (32, 5)
     # (In vLLM's order: the sampled token first when it is among them.)
     top_ids = logprobs.topk(5, dim=-1).indices
-    sampled_outside_top = [token not in top for token, top in zip(completion.token_ids.tolist(), top_ids.tolist())]
+    sampled_outside_top = [
+        token not in top for token, top in zip(completion.token_ids.tolist(), top_ids.tolist())
+    ]
     assert any(sampled_outside_top) and not all(sampled_outside_top)  # both cases are exercised
     for position in range(32):
         assert sorted(completion.top_ids[position].tolist()) == sorted(top_ids[position].tolist())
@@ -102,7 +116,9 @@ def test_pause_with_request_in_flight_then_resume_completes(vllm_server, prompt_
 
     async def scenario():
         async with VLLMClient(vllm_server.url, timeout=120) as client:
-            requests = [asyncio.create_task(client.complete(prompt_ids, sampling, seed=seed)) for seed in range(8)]
+            requests = [
+                asyncio.create_task(client.complete(prompt_ids, sampling, seed=seed)) for seed in range(8)
+            ]
             await asyncio.sleep(0.3)
             await client.pause(mode="keep")
             try:
@@ -110,7 +126,9 @@ def test_pause_with_request_in_flight_then_resume_completes(vllm_server, prompt_
                 pending = [request for request in requests if not request.done()]
                 assert pending, "every request finished before the pause: nothing to freeze"
                 await asyncio.sleep(1.5)
-                assert not any(request.done() for request in pending), "a paused server must not finish a request"
+                assert not any(request.done() for request in pending), (
+                    "a paused server must not finish a request"
+                )
             finally:
                 await client.resume()  # never leave the shared server paused
             assert not await client.is_paused()

@@ -6,10 +6,15 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_cache_salt, policy_label
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_cache_salt, policy_label  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -76,7 +81,9 @@ def test_after_a_sync_without_a_cache_clear_the_new_version_never_reuses_old_pre
     version 0, must then run entirely on the new weights under version 1's salt; the control, the
     same prompt under version 0's salt, shows the old blocks really were still cached."""
     new_model = perturbed_copy(tiny_model_dir, tmp_path / "v1", seed=2)
-    long_prompt = [int(token) for token in torch.randint(10, 900, (600,), generator=torch.Generator().manual_seed(0))]
+    long_prompt = [
+        int(token) for token in torch.randint(10, 900, (600,), generator=torch.Generator().manual_seed(0))
+    ]
     one_token = SamplingParams(max_tokens=4, temperature=0.0, num_top_logprobs=0)
 
     async def scenario():

@@ -48,7 +48,9 @@ class GlooTransport:
         self._group = None
 
     def rendezvous_fields(self, server_host: str) -> dict:
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT)
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT
+        )
         return {"master_address": "127.0.0.1", "master_port": self._store.port}
 
     def join(self, world_size: int, timeout_s: float) -> None:
@@ -92,7 +94,9 @@ class Receiver:
         assert info["packed"] is True, "the trainer sends packed buckets"
         rank, world_size = int(info["rank_offset"]), int(info["world_size"])
         if self.kind == "gloo":
-            store = dist.TCPStore(info["master_address"], int(info["master_port"]), is_master=False, timeout=GROUP_TIMEOUT)
+            store = dist.TCPStore(
+                info["master_address"], int(info["master_port"]), is_master=False, timeout=GROUP_TIMEOUT
+            )
             self.group = dist.ProcessGroupGloo(store, rank, world_size, GROUP_TIMEOUT)
             self.group.allreduce([torch.zeros(1)]).wait()
             return
@@ -218,10 +222,16 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--receiver", choices=["gloo", "nccl"], default="gloo")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--fault", choices=["none", "reject_update", "never_join", "stall_receive"], default="none")
+    parser.add_argument(
+        "--fault", choices=["none", "reject_update", "never_join", "stall_receive"], default="none"
+    )
     args = parser.parse_args()
-    web.run_app(make_app(Receiver(args.receiver, args.device), args.fault), host="127.0.0.1", port=args.port,
-                print=lambda _: print("READY", flush=True))
+    web.run_app(
+        make_app(Receiver(args.receiver, args.device), args.fault),
+        host="127.0.0.1",
+        port=args.port,
+        print=lambda _: print("READY", flush=True),
+    )
 
 
 if __name__ == "__main__":

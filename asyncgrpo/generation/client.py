@@ -112,6 +112,11 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def policy_adapter_name(prefix: str, version: int) -> str:
+    """The name policy `version`'s LoRA adapter is served under (adapter-only weight sync)."""
+    return f"{prefix}-v{version}"
+
+
 def policy_cache_salt(version: int) -> str:
     """The `cache_salt` of a request sent under policy `version`. vLLM keys prefix-cache blocks by
     it, so after a weight sync new requests never reuse KV computed by older weights, and nothing
@@ -166,7 +171,9 @@ class VLLMClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # No connection cap here: the rollout worker's own concurrency limits govern.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers())
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), headers=auth_headers()
+            )
         return self._session
 
     # -- transport -----------------------------------------------------------------------------
@@ -231,7 +238,8 @@ class VLLMClient:
             except asyncio.TimeoutError:
                 if timeouts_left <= 0 or not retry:
                     raise VLLMUnavailableError(
-                        f"vLLM server {url} did not answer within {budget:.0f} s (vllm_server_timeout, request_timeout, "
+                        f"vLLM server {url} did not answer within {budget:.0f} s "
+                        "(vllm_server_timeout, request_timeout, "
                         "weight_sync_timeout)"
                     ) from None
                 timeouts_left -= 1
@@ -242,7 +250,9 @@ class VLLMClient:
             self.retry_count += 1
             if loop.time() - last_warning > RETRY_WARNING_INTERVAL_S:
                 last_warning = loop.time()
-                logger.warning("vLLM server %s: %s; retrying for up to %.0f s more", url, error, deadline - loop.time())
+                logger.warning(
+                    "vLLM server %s: %s; retrying for up to %.0f s more", url, error, deadline - loop.time()
+                )
             if loop.time() + backoff > deadline:
                 raise VLLMUnavailableError(
                     f"vLLM server {url} kept failing for {budget:.0f} s (last error: {error}); "
@@ -265,7 +275,8 @@ class VLLMClient:
         runs to its end even when another's fails (a failed pause must not leave the others
         un-resumed); the first error is raised after all have finished."""
         answers = await asyncio.gather(
-            *(self._json(method, url, path, payload, **kwargs) for url in self.base_urls), return_exceptions=True
+            *(self._json(method, url, path, payload, **kwargs) for url in self.base_urls),
+            return_exceptions=True,
         )
         for answer in answers:
             if isinstance(answer, BaseException):
@@ -291,7 +302,8 @@ class VLLMClient:
             while True:
                 try:
                     async with self._http().get(
-                        url + "/v1/models", timeout=aiohttp.ClientTimeout(total=max(deadline - loop.time(), 0.1))
+                        url + "/v1/models",
+                        timeout=aiohttp.ClientTimeout(total=max(deadline - loop.time(), 0.1)),
                     ) as response:
                         if response.status == 200:
                             break
@@ -320,7 +332,9 @@ class VLLMClient:
 
     async def weight_labels(self, urls: list[str] | None = None) -> list[str]:
         """Each server's weight-version label (`GET /weight_info`), in `base_urls` order (or `urls`')."""
-        answers = await asyncio.gather(*(self._json("GET", url, "/weight_info") for url in urls or self.base_urls))
+        answers = await asyncio.gather(
+            *(self._json("GET", url, "/weight_info") for url in urls or self.base_urls)
+        )
         return [str(answer.get("weight_version")) for answer in answers]
 
     async def version(self) -> str:
@@ -330,7 +344,9 @@ class VLLMClient:
         """What the first server was started with (`/server_info`, dev mode); None when it does
         not say. Every server of a run is expected to be started alike."""
         try:
-            answer = await self._json("GET", self.base_urls[0], "/server_info", params={"config_format": "json"})
+            answer = await self._json(
+                "GET", self.base_urls[0], "/server_info", params={"config_format": "json"}
+            )
         except VLLMRequestError:
             return None
         return parse_server_info(answer if isinstance(answer, dict) else None)
@@ -404,7 +420,11 @@ class VLLMClient:
         # +1: the server's list starts with the sampled token and is cut to `logprobs` entries.
         top = sampling.num_top_logprobs + 1 if sampling.num_top_logprobs > 0 else 0
         fields.update(seed=seed, logprobs=top, detokenize=False)
-        payload = {"token_ids": prompt_ids, "sampling_params": fields, "model": model or await self.model_name()}
+        payload = {
+            "token_ids": prompt_ids,
+            "sampling_params": fields,
+            "model": model or await self.model_name(),
+        }
         _, body = await self._generation_call("/inference/v1/generate", payload, cache_salt)
         return parse_generate_response(body, sampling.num_top_logprobs)
 
@@ -431,7 +451,10 @@ class VLLMClient:
         """The servers' combined load from `/metrics`; None when a server has no usable metrics."""
         try:
             texts = await asyncio.gather(
-                *(self._request("GET", url, "/metrics", timeout=min(self.timeout, 30.0)) for url in self.base_urls)
+                *(
+                    self._request("GET", url, "/metrics", timeout=min(self.timeout, 30.0))
+                    for url in self.base_urls
+                )
             )
             return ServerLoad.combine([parse_server_load(text.decode()) for text in texts])
         except (VLLMRequestError, ValueError):
@@ -439,7 +462,9 @@ class VLLMClient:
 
     # -- control (dev mode: VLLM_SERVER_DEV_MODE=1) --------------------------------------------------
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None) -> None:
+    async def pause(
+        self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None
+    ) -> None:
         """Stop scheduling. `keep` freezes running requests (they continue on resume), `wait`
         lets them finish first, `abort` ends them. `clear_cache=True` also empties the KV and
         prefix caches, which under `keep` preempts every frozen request: on resume each one
@@ -458,14 +483,22 @@ class VLLMClient:
     async def reset_prefix_cache(self) -> None:
         await self._on_all("POST", "/reset_prefix_cache")
 
-    async def reload_weights(self, weights_dir: str, version: str | None = None, timeout: float | None = None) -> None:
+    async def set_weight_label(self, label: str) -> None:
+        """Label the weights every server runs (what `weight_labels` reports) without loading any."""
+        await self._on_all("POST", "/update_weight_version", {"new_version": label})
+
+    async def reload_weights(
+        self, weights_dir: str, version: str | None = None, timeout: float | None = None
+    ) -> None:
         """Load new weights from a directory of safetensors (HF names) on every server. Prefix-cache
         entries of the old weights stay, under their own `cache_salt`; callers that send no salt
         must `reset_prefix_cache` (it succeeds only once no request holds blocks)."""
         payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
         calls = [self._on_all("POST", "/collective_rpc", payload, retry_server_errors=False, timeout=timeout)]
         if version is not None:  # only a label: set it alongside, not after, while the servers wait
-            calls.append(self._on_all("POST", "/update_weight_version", {"new_version": version}, timeout=timeout))
+            calls.append(
+                self._on_all("POST", "/update_weight_version", {"new_version": version}, timeout=timeout)
+            )
         await asyncio.gather(*calls)
 
     # -- native weight transfer (`--weight-transfer-config`): never retried, each call joins a
@@ -487,16 +520,23 @@ class VLLMClient:
     async def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None:
         """Receive the broadcast described by `update_info` (names, dtype_names, shapes); returns
         when the servers have loaded every tensor, so the trainer must broadcast meanwhile."""
-        await self._on_all("POST", "/update_weights", {"update_info": update_info}, retry=False, timeout=timeout)
+        await self._on_all(
+            "POST", "/update_weights", {"update_info": update_info}, retry=False, timeout=timeout
+        )
 
     async def finish_weight_update(self, version: str, timeout: float | None = None) -> None:
-        await self._on_all("POST", "/finish_weight_update", {"weight_version": version}, retry=False, timeout=timeout)
+        await self._on_all(
+            "POST", "/finish_weight_update", {"weight_version": version}, retry=False, timeout=timeout
+        )
 
     async def shutdown_weight_transfer_engine(self, timeout: float | None = None) -> None:
         await self._on_all("POST", "/shutdown_weight_transfer_engine", retry=False, timeout=timeout)
 
-    async def load_lora_adapter(self, name: str, path: str) -> None:
-        await self._on_all("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+    async def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> None:
+        """Load an adapter from `path` (readable by the servers) as model `name`; `load_inplace`
+        replaces one already loaded under that name (and loads it where it is not)."""
+        payload = {"lora_name": name, "lora_path": str(path), "load_inplace": load_inplace}
+        await self._on_all("POST", "/v1/load_lora_adapter", payload)
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._on_all("POST", "/v1/unload_lora_adapter", {"lora_name": name})

@@ -7,9 +7,8 @@ fields skipped in C) followed by a single pass per token. Benchmark: `bench/clie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import itertools
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -159,7 +158,9 @@ def _top_from_raw(raw: bytes, sampled: list[int], num_top: int) -> tuple[np.ndar
     if len(number_rows) != n:
         return None
     counts = np.fromiter(map(len, number_rows), dtype=np.int64, count=n) // 2
-    flat = np.fromiter(itertools.chain.from_iterable(number_rows), dtype=np.float64, count=int(counts.sum()) * 2)
+    flat = np.fromiter(
+        itertools.chain.from_iterable(number_rows), dtype=np.float64, count=int(counts.sum()) * 2
+    )
     ids = flat[0::2].astype(np.int64)
     values = flat[1::2].astype(np.float32)
     rows = np.repeat(np.arange(n), counts)
@@ -229,7 +230,11 @@ def parse_generate_response(body: bytes, num_top: int) -> Completion:
                     "this vLLM is too old for the token route; serve without --enable-scale-out"
                 )
             candidates = sorted(
-                (candidate for candidate in entry.top_logprobs if candidate.rank is not None and candidate.rank <= num_top),
+                (
+                    candidate
+                    for candidate in entry.top_logprobs
+                    if candidate.rank is not None and candidate.rank <= num_top
+                ),
                 key=lambda candidate: candidate.rank,
             )
             for column, candidate in enumerate(candidates):

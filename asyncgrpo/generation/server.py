@@ -26,6 +26,27 @@ from pathlib import Path
 from asyncgrpo.generation.client import auth_headers
 from asyncgrpo.generation.model_flags import model_flags
 
+# The values vLLM accepts for --max-lora-rank.
+SERVABLE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def serving_lora_rank(rank: int) -> int | None:
+    """The smallest `--max-lora-rank` that serves an adapter of `rank`; None above vLLM's largest."""
+    return next((value for value in SERVABLE_LORA_RANKS if value >= rank), None)
+
+
+def lora_flags_for_run(lora_rank: int | None, max_staleness: int) -> dict[str, int | None]:
+    """`--max-lora-rank` and `--max-loras` for a run training adapters of `lora_rank` with
+    `max_staleness`: the trainer keeps max_staleness + 1 versions loaded and loads one more per sync."""
+    if lora_rank is not None and serving_lora_rank(lora_rank) is None:
+        raise ValueError(
+            f"--lora-rank {lora_rank} is above vLLM's largest --max-lora-rank {SERVABLE_LORA_RANKS[-1]}"
+        )
+    return {
+        "max_lora_rank": None if lora_rank is None else serving_lora_rank(lora_rank),
+        "max_loras": max_staleness + 2,
+    }
+
 
 @dataclass
 class ServerOptions:

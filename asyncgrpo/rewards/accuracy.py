@@ -75,7 +75,9 @@ def _verifier_pool() -> ProcessPoolExecutor:
         return _pool
 
 
-def accuracy_reward(completions: list[list[dict[str, str]]], solution: list[str], **kwargs: Any) -> list[float | None]:
+def accuracy_reward(
+    completions: list[list[dict[str, str]]], solution: list[str], **kwargs: Any
+) -> list[float | None]:
     """1.0 when the completion's last message answers `solution` correctly, 0.0 when not, None when
     the reference itself cannot be parsed (the item is left out of the reward)."""
     contents = [completion[-1]["content"] if completion else "" for completion in completions]

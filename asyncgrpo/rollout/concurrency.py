@@ -30,7 +30,9 @@ def initial_cap(kv_cache_tokens: int, max_model_len: int, max_concurrent_rollout
     return max(1, min(max_concurrent_rollouts, kv_cache_tokens // max_model_len))
 
 
-def next_cap(cap: int, load: ServerLoad, finished_since_raise: int, max_concurrent_rollouts: int) -> tuple[int, bool]:
+def next_cap(
+    cap: int, load: ServerLoad, finished_since_raise: int, max_concurrent_rollouts: int
+) -> tuple[int, bool]:
     """One adjustment from a `/metrics` reading: returns (new cap, whether it was raised).
 
     Above 80% KV usage the cap drops by 30% (running requests continue; new ones wait). Below 60%
@@ -102,7 +104,8 @@ class RolloutSlots:
     async def _wait(self, predicate, what: str) -> None:
         try:
             await asyncio.wait_for(
-                self._changed.wait_for(predicate), None if math.isinf(self.stall_timeout_s) else self.stall_timeout_s
+                self._changed.wait_for(predicate),
+                None if math.isinf(self.stall_timeout_s) else self.stall_timeout_s,
             )
         except asyncio.TimeoutError:
             raise RuntimeError(
@@ -137,4 +140,6 @@ class RolloutSlots:
     async def wait_for_room(self) -> None:
         """Until a new group's rollouts could start without queueing behind others."""
         async with self._changed:
-            await self._wait(lambda: self.running + self.waiting + self.reserved < self.limit, "for room to start a group")
+            await self._wait(
+                lambda: self.running + self.waiting + self.reserved < self.limit, "for room to start a group"
+            )

@@ -23,11 +23,15 @@ import numpy as np
 from asyncgrpo.generation.client import (
     SamplingParams,
     VLLMClient,
+    VLLMRequestError,
     VLLMUnavailableError,
     parse_policy_label,
+    policy_adapter_name,
     policy_cache_salt,
 )
 from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.rollout.agent import record_tool_rollout_metrics, run_tool_loop
+from asyncgrpo.rollout.chat import RewriteDetector, render_prompt_ids
 from asyncgrpo.rollout.concurrency import (
     LOAD_POLL_INTERVAL_S,
     RolloutSlots,
@@ -35,6 +39,7 @@ from asyncgrpo.rollout.concurrency import (
     initial_cap,
     next_cap,
 )
+from asyncgrpo.rollout.environments import EnvironmentPool, environment_reward_sources
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompts import PromptItem, prompt_stream
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
@@ -56,6 +61,7 @@ logger = logging.getLogger(__name__)
 class ServerLostWeightsError(RuntimeError):
     """A server answered with weights the trainer did not push (it restarted from its checkpoint)."""
 
+
 HEARTBEAT_INTERVAL_S = 1.0
 METRICS_FLUSH_INTERVAL_S = 1.0
 # Groups scored at once. Scoring is mostly waiting (threads, async judges, the event loop running
@@ -65,6 +71,9 @@ SCORE_CONCURRENCY = 64
 CLOSE_HOOK_TIMEOUT_S = 30.0
 # Beyond reward_timeout, how long a full scoring queue may stand still before scoring counts as stuck.
 SCORE_QUEUE_GRACE_S = 60.0
+# Adapter-only sync: how many times (about a second apart) a request retries when its policy
+# adapter is not loaded (retired by a sync, or being pushed again to a restarted server).
+ADAPTER_MISSING_RETRIES = 30
 # How many vllm_server_timeouts the trainer may leave the staleness budget unmoved before it counts as stuck.
 ALLOWANCE_STALL_FACTOR = 4
 
@@ -116,7 +125,9 @@ class AsyncRolloutLoop:
         self.metrics = MetricsWindow()
         self.client: VLLMClient | None = None
         self._request_seeds = random.Random(config.seed)
-        self._rendered: dict[int, list[int]] = {}
+        self._rendered: dict[int, tuple[Any, list[int]]] = {}
+        self.environments: EnvironmentPool | None = None  # made in _main, with the tool thread pool
+        self._rewrites = RewriteDetector()
         self._tasks: set[asyncio.Task] = set()
 
     # -- hooks ---------------------------------------------------------------------------------------
@@ -131,17 +142,13 @@ class AsyncRolloutLoop:
     async def close(self) -> None:
         """Release what setup() created. Runs when the loops stop, errors included."""
 
-    async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0) -> Rollout:
-        """One rollout for a prompt. The default samples one assistant turn (the multi-turn tool
-        loop builds on the same turn structure: every sampling request is one TurnRecord)."""
-        prompt_ids = self.render_prompt(prompt, tools, group_id)
-        turn = await self.generate_one_turn(prompt_ids)
-        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(
-            completion=[{"role": "assistant", "content": text}],
-            completion_ids=list(turn.output_ids),
-            turns=[turn],
-        )
+    async def generate_one(
+        self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0
+    ) -> Rollout:
+        """One rollout for a prompt: the multi-turn tool loop (rollout/agent.py), one sampling request
+        (TurnRecord) per turn, until a turn calls no tool or max_tool_calling_iterations is reached.
+        `tools` are the trainer's tools plus, with environment_factory, the environment's methods."""
+        return await run_tool_loop(self, prompt, tools, group_id)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """Sample one response from the vLLM server with the config's sampling settings."""
@@ -161,10 +168,8 @@ class AsyncRolloutLoop:
             repetition_penalty=self.config.repetition_penalty,
             num_top_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else 0,
         )
-        version = self.model_version_value.value
         seed = self._request_seeds.getrandbits(62)
-        generate = self.client.generate_tokens if self._token_route else self.client.complete
-        completion = await generate(prompt_ids, sampling, seed, model=self.lora_name, cache_salt=policy_cache_salt(version))
+        completion, version = await self._sample(prompt_ids, sampling, seed)
         if completion.weight_labels:  # which weights sampled the tokens (see VLLMClient.complete)
             versions = [parse_policy_label(label) for label in completion.weight_labels]
             if None in versions:
@@ -172,7 +177,8 @@ class AsyncRolloutLoop:
                     f"tokens sampled by weights labelled {completion.weight_labels}: a server restarted and runs "
                     "weights the trainer did not push"
                 )
-            version = min(versions)
+            if not self.lora_name:  # with adapters, the adapter the request named sampled every token
+                version = min(versions)
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=completion.token_ids.tolist(),
@@ -186,6 +192,28 @@ class AsyncRolloutLoop:
             model_version=version,
         )
 
+    async def _sample(self, prompt_ids: list[int], sampling: SamplingParams, seed: int):
+        """One request under the current policy version; returns (completion, version). With
+        adapter-only weight sync (`lora_name` set) each version is its own adapter, named from the
+        version, so the request runs to its end under the version it started with."""
+        generate = self.client.generate_tokens if self._token_route else self.client.complete
+        version, missing = self.model_version_value.value, 0
+        while True:
+            model = policy_adapter_name(self.lora_name, version) if self.lora_name else None
+            try:
+                return await generate(
+                    prompt_ids, sampling, seed, model=model, cache_salt=policy_cache_salt(version)
+                ), version
+            except VLLMRequestError as error:
+                # The version read just before a sync retired it, or a restarted server is being given
+                # the current adapter again: take the newest version once it is there.
+                missing += 1
+                if not self.lora_name or error.status != 404 or missing > ADAPTER_MISSING_RETRIES:
+                    raise
+                if self.model_version_value.value == version:
+                    await asyncio.sleep(1.0)
+                version = self.model_version_value.value
+
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards normalized in the group; NaN rewards get 0."""
         return group_advantages(group.rewards)
@@ -193,20 +221,19 @@ class AsyncRolloutLoop:
     # -- helpers for hooks -------------------------------------------------------------------------------
 
     def render_prompt(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int) -> list[int]:
-        """The prompt's token ids through the chat template (rendered once per group)."""
+        """The prompt's token ids through the chat template, with the tools' schemas (rendered once
+        per group when its rollouts share the prompt; an environment's reset() may give each its own)."""
         cached = self._rendered.get(group_id)
-        if cached is not None:
-            return cached
-        rendered = self.tokenizer.apply_chat_template(
-            prompt,
-            tools=tools or None,
-            add_generation_prompt=True,
-            tokenize=True,
-            **(self.config.chat_template_kwargs or {}),
-        )
-        ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-        self._rendered[group_id] = ids
+        if cached is not None and cached[0] is prompt:
+            return cached[1]
+        ids = render_prompt_ids(self.tokenizer, prompt, tools, self.config.chat_template_kwargs)
+        self._rendered[group_id] = (prompt, ids)
         return ids
+
+    @property
+    def tool_executor(self) -> ThreadPoolExecutor:
+        """The thread pool sync tools, environments and reward functions run on."""
+        return self._tool_executor
 
     # -- the process's main -------------------------------------------------------------------------------
 
@@ -219,6 +246,10 @@ class AsyncRolloutLoop:
         # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         self._tool_executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts)
+        if self.environment_factory is not None:
+            self.environments = EnvironmentPool(
+                self.environment_factory, self._tool_executor, lambda: self.metrics
+            )
         self.client = VLLMClient(
             config.vllm_server_urls,
             timeout=config.vllm_server_timeout,
@@ -255,7 +286,10 @@ class AsyncRolloutLoop:
             try:
                 await asyncio.wait_for(self.close(), CLOSE_HOOK_TIMEOUT_S)
             except asyncio.TimeoutError:
-                logger.warning("the rollout loop's close() did not finish within %.0f s; leaving without it", CLOSE_HOOK_TIMEOUT_S)
+                logger.warning(
+                    "the rollout loop's close() did not finish within %.0f s; leaving without it",
+                    CLOSE_HOOK_TIMEOUT_S,
+                )
             finally:
                 await self.client.close()
                 self._tool_executor.shutdown(wait=False, cancel_futures=True)
@@ -277,9 +311,13 @@ class AsyncRolloutLoop:
         self.allowance = TokenAllowance(config.num_generations)
         load = await self.client.load()
         self._has_metrics = load is not None
-        cap = initial_cap(load.kv_cache_tokens if load else 0, self.max_model_len, config.max_concurrent_rollouts)
+        cap = initial_cap(
+            load.kv_cache_tokens if load else 0, self.max_model_len, config.max_concurrent_rollouts
+        )
         self.concurrency_cap = cap
-        self.slots = RolloutSlots(min(cap, config.max_concurrent_rollouts), stall_timeout_s=config.vllm_server_timeout)
+        self.slots = RolloutSlots(
+            min(cap, config.max_concurrent_rollouts), stall_timeout_s=config.vllm_server_timeout
+        )
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
         self._finished_since_raise = 0
         self._generated_tokens = 0
@@ -345,7 +383,10 @@ class AsyncRolloutLoop:
         finally:
             self._rendered.pop(-2 - item.stream_index, None)
         if length >= self.max_model_len:
-            return f"its prompt is {length} tokens, which leaves no room to generate under max_model_len={self.max_model_len}"
+            return (
+                f"its prompt is {length} tokens, which leaves no room to generate under "
+                f"max_model_len={self.max_model_len}"
+            )
         return None
 
     def _skip_prompt(self, item: PromptItem, problem: str) -> None:
@@ -355,7 +396,9 @@ class AsyncRolloutLoop:
             self._warned_skip = True
             logger.warning(
                 "skipping dataset row %d: %s. Bad rows are skipped and counted (rollout/skipped_prompts); "
-                "only the first is reported.", item.row_index, problem,
+                "only the first is reported.",
+                item.row_index,
+                problem,
             )
         self.metrics.record("rollout/skipped_prompts", 1, Reduce.SUM)
         self._put_result(GroupResult(item.stream_index, item.epoch, item.row_index, -1, []))
@@ -382,15 +425,14 @@ class AsyncRolloutLoop:
         self.metrics.record("rollout/backpressure_s", time.monotonic() - started)
 
     async def _run_group(self, item: PromptItem, group_id: int) -> None:
-        if "prompt" not in item.row:
+        if "prompt" not in item.row and self.environments is None:
             raise KeyError(f"dataset row {item.row_index} has no 'prompt' column")
-        prompt = item.row["prompt"]
         model_version = self.model_version_value.value
         rollouts = await asyncio.gather(
-            *(self._run_rollout(prompt, group_id) for _ in range(self.config.num_generations))
+            *(self._run_rollout(item.row, group_id) for _ in range(self.config.num_generations))
         )
         self._rendered.pop(group_id, None)
-        group = self._make_group(item, group_id, model_version, prompt, rollouts)
+        group = self._make_group(item, group_id, model_version, rollouts)
         blocked_since = time.monotonic()
         group.queued_at = blocked_since
         if self.score_queue.full():
@@ -400,18 +442,23 @@ class AsyncRolloutLoop:
             try:
                 await asyncio.wait_for(self.score_queue.put(group), bound)
             except asyncio.TimeoutError:
-                raise RuntimeError(f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s)") from None
+                raise RuntimeError(
+                    f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s)"
+                ) from None
             self.metrics.record("rollout/score_block_s", time.monotonic() - blocked_since)
         else:
             self.score_queue.put_nowait(group)
 
-    async def _run_rollout(self, prompt, group_id: int) -> tuple[Rollout, float]:
+    async def _run_rollout(
+        self, row: dict[str, Any], group_id: int
+    ) -> tuple[Rollout, float, list, tuple | None]:
+        """(the rollout, its duration, its prompt, its environment's reward or None)."""
         await self.slots.acquire()
         started = time.monotonic()
         try:
             while True:
                 try:
-                    rollout = await self.generate_one(prompt, self.tools, group_id)
+                    rollout, prompt, env_reward = await self._generate_episode(row, group_id)
                     break
                 except ServerLostWeightsError:
                     # A server answered with weights the trainer never pushed: it restarted from its
@@ -424,7 +471,7 @@ class AsyncRolloutLoop:
         duration = time.monotonic() - started
         self._finished_since_raise += 1
         self._generated_tokens += sum(len(turn.output_ids) for turn in rollout.turns)
-        return rollout, duration
+        return rollout, duration, prompt, env_reward
 
     async def _wait_for_trainer_weights(self) -> None:
         """Until every server reports a weight label the trainer set; at most vllm_server_timeout."""
@@ -434,38 +481,58 @@ class AsyncRolloutLoop:
             if all(parse_policy_label(label) is not None for label in labels):
                 return
             if time.monotonic() > deadline:
-                lost = [url for url, label in zip(self.client.base_urls, labels) if parse_policy_label(label) is None]
+                lost = [
+                    url
+                    for url, label in zip(self.client.base_urls, labels)
+                    if parse_policy_label(label) is None
+                ]
                 raise ServerLostWeightsError(
                     f"vLLM server(s) {', '.join(lost)} came back without the trainer's weights and the trainer did "
                     f"not push them within vllm_server_timeout={self.config.vllm_server_timeout:g} s"
                 )
             await asyncio.sleep(1.0)
 
-    def _make_group(self, item: PromptItem, group_id: int, model_version: int, prompt, rollouts) -> RolloutGroup:
+    async def _generate_episode(
+        self, row: dict[str, Any], group_id: int
+    ) -> tuple[Rollout, list, tuple | None]:
+        """One rollout of a row: (the rollout, its prompt, its environment's reward or None). With
+        environments, each attempt is a fresh episode (reset, tools of the routed environment)."""
+        if self.environments is None:
+            prompt = row["prompt"]
+            return await self.generate_one(prompt, self.tools, group_id), prompt, None
+        async with self.environments.episode(row) as episode:
+            rollout = await self.generate_one(episode.prompt, self.tools + episode.tools, group_id)
+            return rollout, episode.prompt, await self.environments.reward(episode.instance)
+
+    def _make_group(self, item: PromptItem, group_id: int, model_version: int, rollouts) -> RolloutGroup:
         columns = {key: value for key, value in item.row.items() if key != "prompt"}
         size = len(rollouts)
         sequences, reconcile = [], []
-        for rollout, duration in rollouts:
+        with_tools = bool(self.tools) or self.environments is not None
+        for rollout, duration, _, _ in rollouts:
             built, stats = build_training_sequences(rollout.turns)
             sequences.append(built)
             reconcile.append(stats)
             record_rollout_metrics(self.metrics, rollout, duration, len(built), stats, self.eos_token_ids)
+            if with_tools:
+                record_tool_rollout_metrics(self.metrics, rollout)
+            self._rewrites.observe(stats.transitions, stats.forks)
         return RolloutGroup(
-            prompts=[prompt] * size,
+            prompts=[prompt for _, _, prompt, _ in rollouts],
             reward_kwargs={key: [value] * size for key, value in columns.items()},
-            completions=[rollout.completion for rollout, _ in rollouts],
-            completions_ids=[rollout.completion_ids for rollout, _ in rollouts],
+            completions=[rollout.completion for rollout, *_ in rollouts],
+            completions_ids=[rollout.completion_ids for rollout, *_ in rollouts],
             completions_sequences=sequences,
-            tool_call_counts=[rollout.tool_call_count for rollout, _ in rollouts],
-            tool_failure_counts=[rollout.tool_failure_count for rollout, _ in rollouts],
+            tool_call_counts=[rollout.tool_call_count for rollout, *_ in rollouts],
+            tool_failure_counts=[rollout.tool_failure_count for rollout, *_ in rollouts],
             model_version=model_version,
             group_id=group_id,
             row_index=item.row_index,
-            env_rewards=[None] * size,
-            rollout_rewards=[rollout.reward for rollout, _ in rollouts],
+            env_rewards=[env_reward for *_, env_reward in rollouts],
+            rollout_rewards=[rollout.reward for rollout, *_ in rollouts],
             stream_index=item.stream_index,
             epoch=item.epoch,
-            rollouts=[rollout for rollout, _ in rollouts],
+            rollouts=[rollout for rollout, *_ in rollouts],
         )
 
     # -- scoring --------------------------------------------------------------------------------------------
@@ -485,11 +552,18 @@ class AsyncRolloutLoop:
                 timeout_s=self.config.reward_timeout,
                 where=f" (dataset row {group.row_index})",
             )
+            env_names, env_sources = environment_reward_sources(group.env_rewards)
             env_sources = [
-                [None if reward is None else finite_reward(reward[1], "an environment's get_reward()") for reward in group.env_rewards]
+                [
+                    None if value is None else finite_reward(value, "an environment's get_reward()")
+                    for value in source
+                ]
+                for source in env_sources
             ]
             rollout_rewards = [
-                None if reward is None else finite_reward(float(reward), "a Rollout.reward set by generate_one")
+                None
+                if reward is None
+                else finite_reward(float(reward), "a Rollout.reward set by generate_one")
                 for reward in group.rollout_rewards
             ]
             group.rewards = sum_rewards([*per_function, *env_sources, rollout_rewards], len(group.prompts))
@@ -500,11 +574,16 @@ class AsyncRolloutLoop:
                     f"got shape {advantages.shape}"
                 )
             if not np.all(np.isfinite(advantages)):
-                raise ValueError(f"compute_advantages returned a non-finite advantage for dataset row {group.row_index}: {advantages}")
+                raise ValueError(
+                    "compute_advantages returned a non-finite advantage for dataset row "
+                    f"{group.row_index}: {advantages}"
+                )
             dropped = is_degenerate_group(group.rewards)
             samples = [] if dropped else self._samples(group, advantages)
-            names = [reward_function_name(function) for function in self.reward_funcs]
-            record_group_metrics(self.metrics, group, per_function, names, dropped, len(samples))
+            names = [reward_function_name(function) for function in self.reward_funcs] + env_names
+            record_group_metrics(
+                self.metrics, group, [*per_function, *env_sources], names, dropped, len(samples)
+            )
             self.metrics.record("rollout/score_s", time.monotonic() - started)
             self.allowance.group_finished(
                 [int(sum(len(s.token_ids) for s in seqs)) for seqs in group.completions_sequences],
@@ -512,7 +591,9 @@ class AsyncRolloutLoop:
             )
             # The group's metrics leave before its samples, so the step that trains them logs them.
             self._flush_metrics()
-            self._put_result(GroupResult(group.stream_index, group.epoch, group.row_index, group.group_id, samples))
+            self._put_result(
+                GroupResult(group.stream_index, group.epoch, group.row_index, group.group_id, samples)
+            )
 
     def _samples(self, group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:
         """Training samples of a kept group. Unscored rollouts (advantage 0) add no gradient, only
@@ -563,14 +644,21 @@ class AsyncRolloutLoop:
             except VLLMUnavailableError as error:
                 # A server down (restarting?): keep the cap. Generation waits for it, within
                 # vllm_server_timeout, and fails naming it if it does not come back.
-                logger.warning("reading the vLLM servers' load: %s; keeping the concurrency cap at %d", error, self.concurrency_cap)
+                logger.warning(
+                    "reading the vLLM servers' load: %s; keeping the concurrency cap at %d",
+                    error,
+                    self.concurrency_cap,
+                )
                 await asyncio.sleep(self.load_poll_interval_s)
                 continue
             if load is None:
                 cap = self.config.max_concurrent_rollouts
             else:
                 cap, raised = next_cap(
-                    self.concurrency_cap, load, self._finished_since_raise, self.config.max_concurrent_rollouts
+                    self.concurrency_cap,
+                    load,
+                    self._finished_since_raise,
+                    self.config.max_concurrent_rollouts,
                 )
                 if raised:
                     self._finished_since_raise = 0
@@ -578,7 +666,9 @@ class AsyncRolloutLoop:
                 self.metrics.record("rollout/vllm_running_requests", load.running)
                 self.metrics.record("rollout/vllm_queued_requests", load.waiting)
                 self.metrics.record(
-                    "rollout/vllm_preemption_count", max(0, load.preemptions - self._last_preemptions), Reduce.SUM
+                    "rollout/vllm_preemption_count",
+                    max(0, load.preemptions - self._last_preemptions),
+                    Reduce.SUM,
                 )
                 self._last_preemptions = load.preemptions
             if cap != self.concurrency_cap:

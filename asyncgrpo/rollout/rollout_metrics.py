@@ -27,7 +27,9 @@ def record_rollout_metrics(
     metrics.record("rollout/turns_max", len(rollout.turns), Reduce.MAX)
     metrics.record("rollout/samples_per_rollout", num_samples)
     if reconcile.transitions:
-        metrics.record("rollout/fork_frac", reconcile.forks / reconcile.transitions, weight=reconcile.transitions)
+        metrics.record(
+            "rollout/fork_frac", reconcile.forks / reconcile.transitions, weight=reconcile.transitions
+        )
         for drift in reconcile.drift_tokens:
             metrics.record("rollout/drift_tokens_mean", drift)
             metrics.record("rollout/drift_tokens_max", drift, Reduce.MAX)
@@ -77,4 +79,6 @@ def record_group_metrics(
         duplicates += key in seen
         seen.add(key)
     if group.rollouts:
-        metrics.record("completions/duplicate_frac", duplicates / len(group.rollouts), weight=len(group.rollouts))
+        metrics.record(
+            "completions/duplicate_frac", duplicates / len(group.rollouts), weight=len(group.rollouts)
+        )

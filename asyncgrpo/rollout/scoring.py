@@ -38,7 +38,9 @@ def reward_function_name(function: Callable) -> str:
 def _is_async(function: Callable) -> bool:
     while isinstance(function, functools.partial):
         function = function.func
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
+        getattr(function, "__call__", None)
+    )
 
 
 async def call_reward_functions(

@@ -26,7 +26,9 @@ class ReconcileStats:
 def _turn_top(turn: TurnRecord) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The turn's sampler top-N as (n, N) arrays, from whichever form it carries."""
     if turn.output_top_ids is not None:
-        return np.asarray(turn.output_top_ids, dtype=np.int64), np.asarray(turn.output_top_logprobs, dtype=np.float32)
+        return np.asarray(turn.output_top_ids, dtype=np.int64), np.asarray(
+            turn.output_top_logprobs, dtype=np.float32
+        )
     if turn.output_sampler_logprobs is None:
         return None, None
     width = max((len(entry) for entry in turn.output_sampler_logprobs), default=0)
@@ -60,7 +62,11 @@ class _SequenceBuilder:
 
     def add_turn_output(self, turn: TurnRecord) -> None:
         output = np.asarray(turn.output_ids, dtype=np.int64)
-        mask = np.ones(len(output), dtype=bool) if turn.output_mask is None else np.asarray(turn.output_mask, dtype=bool)
+        mask = (
+            np.ones(len(output), dtype=bool)
+            if turn.output_mask is None
+            else np.asarray(turn.output_mask, dtype=bool)
+        )
         if self.length == 0:
             mask = mask.copy()
             mask[:1] = False  # nothing predicts a sequence's first token
@@ -86,10 +92,16 @@ class _SequenceBuilder:
         if turn.output_sampling_mask is not None:
             self.has_candidates = True
             self.candidate_sets.append(
-                [np.asarray(ids, dtype=np.int64) for ids, keep in zip(turn.output_sampling_mask, mask) if keep]
+                [
+                    np.asarray(ids, dtype=np.int64)
+                    for ids, keep in zip(turn.output_sampling_mask, mask)
+                    if keep
+                ]
             )
         else:
-            self.candidate_sets.append(int(mask.sum()))  # expanded to empty sets only if another turn has sets
+            self.candidate_sets.append(
+                int(mask.sum())
+            )  # expanded to empty sets only if another turn has sets
         self.model_version = min(self.model_version, turn.model_version)
 
     def token_array(self) -> np.ndarray:
@@ -113,7 +125,6 @@ class _SequenceBuilder:
             candidate_sets=self._candidate_sets() if self.has_candidates else None,
             model_version=self.model_version,
         )
-
 
     def _candidate_sets(self) -> list[np.ndarray]:
         """One set per trained token; an empty set means the full vocabulary."""

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from asyncgrpo.rollout.messages import GroupResult
+from asyncgrpo.trainer.run_directory import attach_warnings_file
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +89,19 @@ def _worker_main(loop_cls, loop_kwargs: dict[str, Any], ready_event, parent_pid:
     # Sync reward functions and tools run in threads while the event loop thread is nearly always
     # busy: with the default 5 ms GIL switch interval a 10 us reward waited ~100 ms for its turn.
     sys.setswitchinterval(0.0005)
+    attach_warnings_file()  # the run directory's warnings.log, when the trainer keeps one
     exit_code = 0
     try:
         rollout_loop = loop_cls(**loop_kwargs)
         rollout_loop.run(ready_event)
     except BaseException as error:  # everything, so the trainer hears of it
-        if not isinstance(error, (SystemExit, KeyboardInterrupt, asyncio.CancelledError)):  # not a requested stop
+        if not isinstance(
+            error, (SystemExit, KeyboardInterrupt, asyncio.CancelledError)
+        ):  # not a requested stop
             exit_code = 1
-            loop_kwargs["exception_info_queue"].put((type(error).__name__, str(error), traceback.format_exc()))
+            loop_kwargs["exception_info_queue"].put(
+                (type(error).__name__, str(error), traceback.format_exc())
+            )
             loop_kwargs["failed_event"].set()
     finally:
         # Exit without waiting to flush queued samples into a pipe the trainer no longer reads; the
@@ -155,7 +161,9 @@ def _child_environment(**variables: str):
 class RolloutWorker:
     """Trainer-side handle of the rollout process."""
 
-    def __init__(self, loop_cls, loop_kwargs: dict[str, Any], initial_allowance: float, worker_timeout: float):
+    def __init__(
+        self, loop_cls, loop_kwargs: dict[str, Any], initial_allowance: float, worker_timeout: float
+    ):
         self.loop_cls = loop_cls
         self.worker_timeout = worker_timeout
         self._context = multiprocessing.get_context("spawn")

@@ -24,45 +24,63 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, Trainer, TrainerState
-from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
+from transformers import (
+    AutoTokenizer,
+    PreTrainedModel,
+    Trainer,
+    TrainerState,
+)
 from transformers.trainer import OPTIMIZER_NAME as OPTIMIZER_FILE
 from transformers.trainer import SCHEDULER_NAME as SCHEDULER_FILE
 from transformers.trainer import TRAINER_STATE_NAME as TRAINER_STATE_FILE
+from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
 from transformers.trainer_utils import TrainOutput, rotate_checkpoints
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, policy_label
 from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
-from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
 from asyncgrpo.loss import LossInputs, clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.packing.tree_attention import enable_tree_attention, padded_length
 from asyncgrpo.perf import device_peak_flops, flop_model
-from asyncgrpo.trainer.progress import AsyncProgressCallback
-from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
-from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+from asyncgrpo.rollout.chat import render_prompt_ids, use_training_template
+from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
-from asyncgrpo.trainer.compile import compile_decoder_layers
-from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
-from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
-from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
-from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state, local_value, shard_model
+from asyncgrpo.trainer.activation_memory import CheckpointToFit
+from asyncgrpo.trainer.adapters import is_peft_model, wrap_with_peft
 from asyncgrpo.trainer.checks import (
+    check_agent_inputs,
     check_conversational,
     check_launch,
     check_multi_process,
     check_prompt_lengths,
     check_reward_funcs,
-    check_text_only_model,
     check_transformers_version,
 )
+from asyncgrpo.trainer.compile import compile_decoder_layers
+from asyncgrpo.trainer.distributed import (
+    Processes,
+    full_state,
+    load_optimizer_state,
+    local_value,
+    shard_model,
+)
+from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
+from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
+from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
+from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
+from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
+from asyncgrpo.trainer.progress import AsyncProgressCallback
+from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
+from asyncgrpo.trainer.run_directory import RunDirectoryCallback
 from asyncgrpo.weight_sync import choose_backend, make_weight_sync
+from asyncgrpo.weight_sync.lora import adapter_sync_for
+from asyncgrpo.weight_sync.merged import sync_policy
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +97,10 @@ class NonFiniteTrainingError(RuntimeError):
 def _sigterm_raises_keyboard_interrupt():
     """Within the block, SIGTERM raises KeyboardInterrupt in the main thread, unless the program
     installed its own handler (then it stays in charge)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+    ):
         yield
         return
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -123,37 +144,31 @@ class AsyncGRPOTrainer(Trainer):
         elif not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
         check_reward_funcs(list(reward_funcs))
-        if tools or environment_factory is not None:
-            raise NotImplementedError(
-                "tools and environment_factory (agent training) are not available in this version yet"
-            )
+        tools = list(tools or [])
+        check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args)
+        if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
+            train_dataset = EnvironmentOwnedData()
         if rollout_worker is not None or weight_transfer is not None:
             raise NotImplementedError(
                 "injecting a rollout_worker or weight_transfer object (TRL's protocols) is not supported: subclass "
                 "AsyncRolloutLoop (set loop_cls) to change generation, weight_sync_backend to choose the sync"
             )
-        if not reward_funcs:
-            raise ValueError("reward_funcs is empty: give at least one reward function")
-        if train_dataset is None:
-            raise ValueError("train_dataset is required (it must have a conversational 'prompt' column)")
         streaming = not hasattr(train_dataset, "__len__")
         if streaming and args.max_steps <= 0:
-            raise ValueError("an IterableDataset has no length, so epochs cannot end training: set max_steps > 0")
+            raise ValueError(
+                "an IterableDataset has no length, so epochs cannot end training: set max_steps > 0"
+            )
         check_conversational(train_dataset, environment_factory)
         revision = (args.model_init_kwargs or {}).get("revision")  # the tokenizer's too, as in TRL
         if isinstance(model, str):
-            check_text_only_model(
-                AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=args.trust_remote_code)
-            )
             model = self._load_model(model, args)
-        else:
-            check_text_only_model(model.config)
-        if peft_config is not None:
-            raise NotImplementedError("PEFT adapters are not available in this version yet")
+        # Before PEFT wraps it: the frozen vision tower's names are the checkpoint's, and the adapter skips it.
         frozen = freeze_outside_language_model(model)  # a vision tower: text-only training never uses it
         if frozen:
             logger.info("froze %d parameters outside the language model (vision tower)", len(frozen))
         args.router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
+        if peft_config is not None:
+            model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
         enable_tree_attention(model)  # refuses attention sinks and layers it cannot pack
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
@@ -161,6 +176,8 @@ class AsyncGRPOTrainer(Trainer):
             )
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
+        if tools or environment_factory is not None:
+            use_training_template(processing_class)  # known families only; unknown ones are watched for forks
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
         # base Trainer would compile the whole model, whose forward this trainer does not call. It gets
@@ -170,11 +187,15 @@ class AsyncGRPOTrainer(Trainer):
             args = copy.copy(args)
             args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
         self.reward_funcs = list(reward_funcs)
+        self.tools = tools
+        self.environment_factory = environment_factory
         self.model_id = model_id
         self.streaming = streaming
         self._loss_fn = score_centered_loss if args.score_centering else clipped_surrogate_loss
         self._progress = AsyncProgressCallback(
-            total=args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * len(train_dataset)),
+            total=args.max_steps
+            if args.max_steps > 0
+            else math.ceil(args.num_train_epochs * len(train_dataset)),
             unit="step" if args.max_steps > 0 else "prompt",
         )
         super().__init__(
@@ -182,7 +203,7 @@ class AsyncGRPOTrainer(Trainer):
             args=args,
             train_dataset=train_dataset,
             processing_class=processing_class,
-            callbacks=list(callbacks or []) + [self._progress],
+            callbacks=list(callbacks or []) + [self._progress, RunDirectoryCallback()],
             optimizers=optimizers,
         )
         self.remove_callback(ProgressCallback)
@@ -213,6 +234,12 @@ class AsyncGRPOTrainer(Trainer):
         """The weight-sync backend (FilesystemWeightSync or NcclWeightSync)."""
         return getattr(self, "_weight_sync", None)
 
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        """bf16/fp16 autocast around the loss. The base Trainer relies on accelerate wrapping
+        `model.forward` for it, but this trainer calls the decoder and the head directly: without
+        this, `bf16=True` trained fp32 weights with fp32 matmuls."""
+        return self.accelerator.autocast()
+
     @staticmethod
     def _load_model(model_id: str, args: AsyncGRPOConfig) -> PreTrainedModel:
         kwargs = dict(args.model_init_kwargs or {})
@@ -239,22 +266,7 @@ class AsyncGRPOTrainer(Trainer):
             check_multi_process(self.is_deepspeed_enabled, self.optimizer is not None)
         self.accelerator.free_memory()
         rollout_state = self._restore_state(args, resume_from_checkpoint)
-        if self._sharded:
-            # FSDP2 applied here, not by accelerate: the packed forward must be registered with it.
-            reshard = True
-            if self._fsdp_launch is not None:
-                reshard = self._fsdp_launch.reshard_after_forward
-                if self._processes.is_main:
-                    announce_fsdp_launch(self._fsdp_launch)
-            shard_model(self.model, reshard)  # the checkpoint's weights are already in (Trainer.train loads them)
-            self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
-            model = self.model_wrapped = self.model
-            if resume_from_checkpoint:
-                self._load_sharded_optimizer(resume_from_checkpoint)
-        else:
-            model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
-        if self._compile_layers:
-            compile_decoder_layers(self.accelerator.unwrap_model(model))
+        model = self._prepare_model(args, resume_from_checkpoint)
         self.state.init_training_references(self, self.state.max_steps, args.num_train_epochs, trial)
         started = time.time()
         self._initial_global_step = self.state.global_step
@@ -274,8 +286,12 @@ class AsyncGRPOTrainer(Trainer):
                 except TrainingComplete:  # the last prompts were consumed while the step waited
                     break
                 self.state.global_step += 1
-                self.state.epoch = self._processes.broadcast(self._epoch() if self._processes.is_main else None)
-                self._progress.advance_to(self.state.global_step if args.max_steps > 0 else self._ledger.epoch_prompts)
+                self.state.epoch = self._processes.broadcast(
+                    self._epoch() if self._processes.is_main else None
+                )
+                self._progress.advance_to(
+                    self.state.global_step if args.max_steps > 0 else self._ledger.epoch_prompts
+                )
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                 self.control = epochs.after_step(args, self.state, self.control)
                 self._log_and_save(model, trial)
@@ -289,7 +305,11 @@ class AsyncGRPOTrainer(Trainer):
         runtime = time.time() - started
         steps = self.state.global_step - self._initial_global_step
         train_loss = self._train_loss_sum / max(steps, 1)
-        metrics = {"train_runtime": runtime, "train_steps_per_second": steps / max(runtime, 1e-9), "train_loss": train_loss}
+        metrics = {
+            "train_runtime": runtime,
+            "train_steps_per_second": steps / max(runtime, 1e-9),
+            "train_loss": train_loss,
+        }
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
@@ -301,10 +321,37 @@ class AsyncGRPOTrainer(Trainer):
             self._save_checkpoint(model, trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
+    def _prepare_model(self, args: AsyncGRPOConfig, resume_from_checkpoint: str | None):
+        """The model to train (wrapped, sharded, compiled as configured) and its optimizer."""
+        if self._sharded:
+            # FSDP2 applied here, not by accelerate: the packed forward must be registered with it.
+            reshard = True
+            if self._fsdp_launch is not None:
+                reshard = self._fsdp_launch.reshard_after_forward
+                if self._processes.is_main:
+                    announce_fsdp_launch(self._fsdp_launch)
+            shard_model(
+                self.model, reshard
+            )  # the checkpoint's weights are already in (Trainer.train loads them)
+            self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
+            model = self.model_wrapped = self.model
+            if resume_from_checkpoint:
+                self._load_sharded_optimizer(resume_from_checkpoint)
+        else:
+            model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
+        if self._compile_layers:
+            compile_decoder_layers(self.accelerator.unwrap_model(model))
+        self._fit_checkpointing = CheckpointToFit.for_training(
+            self.accelerator.unwrap_model(model), self.optimizer, args, self._sharded
+        )
+        return model
+
     def _restore_state(self, args: AsyncGRPOConfig, checkpoint: str | None) -> RolloutState:
         max_steps = args.max_steps if args.max_steps > 0 else 2**62  # epochs end training (_should_stop)
         self.state = TrainerState(
-            stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control] if hasattr(cb, "state")]
+            stateful_callbacks=[
+                cb for cb in self.callback_handler.callbacks + [self.control] if hasattr(cb, "state")
+            ]
         )
         self.state.train_batch_size = self._train_batch_size
         self.state.max_steps = max_steps
@@ -319,7 +366,10 @@ class AsyncGRPOTrainer(Trainer):
                 self._load_callback_state()
             restored = RolloutState.load(checkpoint)
             if restored is None:
-                logger.warning("%s has no rollout_state.json: the rollout worker restarts at the first prompt", checkpoint)
+                logger.warning(
+                    "%s has no rollout_state.json: the rollout worker restarts at the first prompt",
+                    checkpoint,
+                )
             else:
                 rollout_state = restored
             if self.streaming and (rollout_state.first_untrained_index or rollout_state.consumed_after):
@@ -348,8 +398,11 @@ class AsyncGRPOTrainer(Trainer):
             self.token_budget, backend = self._processes.broadcast(None)
             self._weight_sync = make_weight_sync(backend, is_sender=False)
             return
-        check_worker_payload(self.reward_funcs, self.loop_cls)  # before anything slow: a lambda fails here
-        self._http = BackgroundLoop(default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60)
+        # Before anything slow: a lambda fails here.
+        check_worker_payload(self.reward_funcs, self.loop_cls, self.tools, self.environment_factory)
+        self._http = BackgroundLoop(
+            default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60
+        )
         self._client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
         logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))
         self._http.run(self._client.wait_until_ready())
@@ -360,8 +413,18 @@ class AsyncGRPOTrainer(Trainer):
         self._warn_on_dtype_mismatch(server_info)
         self.token_budget = args.token_budget or max_model_len
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
-        backend = choose_backend(args.weight_sync_backend, server_info, self.args.device.type == "cuda")
-        self._weight_sync = make_weight_sync(backend, self._client, self._http, args.output_dir, args.weight_sync_timeout)
+        adapter_sync = None
+        if is_peft_model(self.model):  # adapter-only sync when the servers run --enable-lora
+            adapter_sync = adapter_sync_for(
+                self.model, server_info, self._client, self._http, args.output_dir, args.max_staleness
+            )
+        if adapter_sync is not None:
+            self._weight_sync = adapter_sync
+        else:
+            backend = choose_backend(args.weight_sync_backend, server_info, self.args.device.type == "cuda")
+            self._weight_sync = make_weight_sync(
+                backend, self._client, self._http, args.output_dir, args.weight_sync_timeout
+            )
         self._worker = RolloutWorker(
             self.loop_cls,
             dict(
@@ -371,9 +434,12 @@ class AsyncGRPOTrainer(Trainer):
                 reward_funcs=self.reward_funcs,
                 processing_class=self.processing_class,
                 eos_token_ids=self._eos_token_ids(),
+                tools=self.tools,
+                environment_factory=self.environment_factory,
                 dataset_start_index=rollout_state.first_untrained_index,
                 skip_stream_indices=frozenset(rollout_state.consumed_after)
                 | {sample.stream_index for sample in self._held_on_resume},
+                lora_name=adapter_sync.prefix if adapter_sync is not None else None,
             ),
             initial_allowance=0.0,  # SampleIntake publishes the allowance
             worker_timeout=args.rollout_worker_timeout,
@@ -385,7 +451,10 @@ class AsyncGRPOTrainer(Trainer):
             self.token_budget,
             num_rows=self.accelerator.num_processes,
             rows_per_step=args.gradient_accumulation_steps * self.accelerator.num_processes,
-            prompts_per_epoch=None if self.streaming else len(self.train_dataset),
+            # Environment-owned data has no pass over prompts: one degenerate group is not a dead dataset.
+            prompts_per_epoch=None
+            if self.streaming or isinstance(self.train_dataset, EnvironmentOwnedData)
+            else len(self.train_dataset),
             stop_condition=lambda: self._should_stop(args),
             check_servers=self._check_servers,
         )
@@ -450,7 +519,9 @@ class AsyncGRPOTrainer(Trainer):
         complete (the last prompts were consumed while waiting)."""
         try:
             self._check_servers()
-            return self._intake.next_step(self.args.gradient_accumulation_steps, self._window, self._model_version)
+            return self._intake.next_step(
+                self.args.gradient_accumulation_steps, self._window, self._model_version
+            )
         except TrainingComplete:
             return None
         except ServersLostWeights as lost:  # every rank learns it, and helps push the weights again
@@ -483,6 +554,10 @@ class AsyncGRPOTrainer(Trainer):
                     continue
                 # FSDP2 needs every rank in every forward/backward: borrow a row, count it zero times.
                 row, weight = next(r for r in rows if r.num_entries), 0.0
+            if self._fit_checkpointing is not None:
+                self._window.record(
+                    "perf/checkpointed_layers", self._fit_checkpointing.before_row(row.num_tokens)
+                )
             started = self._now()
             with self.compute_loss_context_manager():
                 loss, stats = row_loss(model, row, entries_global, args, self._loss_fn)
@@ -494,7 +569,9 @@ class AsyncGRPOTrainer(Trainer):
             fwd_bwd_s += done - started
             if weight:
                 loss_total += float(loss.detach())
-                row_stats.append({name: Stat(s.reduce, float(s.value), float(s.weight)) for name, s in stats.items()})
+                row_stats.append(
+                    {name: Stat(s.reduce, float(s.value), float(s.weight)) for name, s in stats.items()}
+                )
         gathered = self._processes.gather((loss_total, row_stats))
         for _, stats_of_rank in gathered:
             for stats in stats_of_rank:
@@ -506,8 +583,12 @@ class AsyncGRPOTrainer(Trainer):
         gradient norm skips the step (and so the weight sync): one bad batch must not turn the
         weights, and then the server's, into NaN. `MAX_NONFINITE_STEPS` in a row stop the run."""
         started = self._now()
-        max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else math.inf
-        grad_norm = local_value(self.accelerator.clip_grad_norm_(model.parameters(), max_norm))  # inf: measure only
+        max_norm = (
+            self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else math.inf
+        )
+        grad_norm = local_value(
+            self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        )  # inf: measure only
         finite = math.isfinite(loss) and math.isfinite(grad_norm)  # both are global: every rank agrees
         self._window.record("train/nonfinite_steps", 0 if finite else 1, Reduce.SUM)
         if finite:
@@ -521,7 +602,11 @@ class AsyncGRPOTrainer(Trainer):
             self._nonfinite_streak += 1
             logger.warning(
                 "step %d: non-finite loss (%s) or gradient norm (%s): the optimizer step and the weight sync are "
-                "skipped (%d in a row)", self.state.global_step + 1, loss, grad_norm, self._nonfinite_streak,
+                "skipped (%d in a row)",
+                self.state.global_step + 1,
+                loss,
+                grad_norm,
+                self._nonfinite_streak,
             )
             if self._nonfinite_streak >= MAX_NONFINITE_STEPS:
                 raise NonFiniteTrainingError(
@@ -550,7 +635,8 @@ class AsyncGRPOTrainer(Trainer):
                 f"the weights of policy version {self._model_version} hold inf or NaN: they were not sent to the "
                 "vLLM server. The optimizer produced them from finite gradients: lower learning_rate."
             )
-        timings = self._weight_sync.sync(unwrapped, self._model_version)
+        timings, sent_bytes = sync_policy(self._weight_sync, unwrapped, self._model_version)
+        self._window.record("perf/weight_sync_bytes", sent_bytes)
         if self._worker is not None:
             self._worker.publish_model_version(self._model_version)
         self._window.record("perf/weight_sync_s", barrier_s + timings.total_s)
@@ -558,7 +644,9 @@ class AsyncGRPOTrainer(Trainer):
         self._window.record("perf/weight_sync_barrier_s", barrier_s)
         self._window.record("perf/weight_sync_transfer_s", timings.transfer_s)
 
-    def _record_step(self, batch: StepBatch, loss: float, fwd_s: float, fwd_bwd_s: float, optimizer_s: float, step_s: float) -> None:
+    def _record_step(
+        self, batch: StepBatch, loss: float, fwd_s: float, fwd_bwd_s: float, optimizer_s: float, step_s: float
+    ) -> None:
         window = self._window
         rows = [row for plan in batch.plans for row in plan.tries]
         forwarded = sum(plan_tokens for plan in batch.plans for plan_tokens in plan.row_tokens)
@@ -606,13 +694,23 @@ class AsyncGRPOTrainer(Trainer):
         logs = self._window.summarize()
         if self.args.log_completions:
             self._print_completions()
-        self.log({name: value for name, value in logs.items() if not (isinstance(value, float) and math.isnan(value))})
+        self.log(
+            {
+                name: value
+                for name, value in logs.items()
+                if not (isinstance(value, float) and math.isnan(value))
+            }
+        )
 
     def _print_completions(self) -> None:
         from asyncgrpo.trainer.completions_table import print_completions
 
         samples = getattr(self, "_recent_samples", [])
-        print_completions(samples[-(self.args.num_completions_to_print or len(samples)) :], self.processing_class, self.state.global_step)
+        print_completions(
+            samples[-(self.args.num_completions_to_print or len(samples)) :],
+            self.processing_class,
+            self.state.global_step,
+        )
         self._recent_samples = []
 
     # -- checkpoints --------------------------------------------------------------------------------------
@@ -682,7 +780,9 @@ class AsyncGRPOTrainer(Trainer):
         save_held_samples(self._intake.held_samples(), directory)
 
     def _load_sharded_optimizer(self, checkpoint: str) -> None:
-        load_optimizer_state(self.model, self.optimizer, torch.load(Path(checkpoint) / OPTIMIZER_FILE, weights_only=True))
+        load_optimizer_state(
+            self.model, self.optimizer, torch.load(Path(checkpoint) / OPTIMIZER_FILE, weights_only=True)
+        )
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
 
     # -- helpers --------------------------------------------------------------------------------------------
@@ -709,10 +809,10 @@ class AsyncGRPOTrainer(Trainer):
         return sorted(token for token in ids if token is not None)
 
     def _prompt_length(self, prompt: list[dict[str, Any]]) -> int:
-        rendered = self.processing_class.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, **(self.args.chat_template_kwargs or {})
+        # The trainer's tools only: an environment's tools depend on the instance a rollout gets.
+        return len(
+            render_prompt_ids(self.processing_class, prompt, self.tools, self.args.chat_template_kwargs)
         )
-        return len(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
     def _warn_on_dtype_mismatch(self, server_info: ServerInfo | None) -> None:
         served = server_info.dtype if server_info is not None else None
@@ -721,10 +821,15 @@ class AsyncGRPOTrainer(Trainer):
             logger.warning(
                 "the vLLM server runs %s weights but the trainer holds %s: expect a larger train/inference "
                 "mismatch (sampling/importance_sampling_ratio far from 1). Serve with `--dtype %s`.",
-                served, trained, trained,
+                served,
+                trained,
+                trained,
             )
 
-def row_loss(model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig, loss_fn) -> tuple[torch.Tensor, dict]:
+
+def row_loss(
+    model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig, loss_fn
+) -> tuple[torch.Tensor, dict]:
     """The loss of one packed row (this process's share of a micro-batch), normalized by the trained
     tokens of the whole micro-batch over all processes, and its metrics."""
     aux_coef = args.router_aux_loss_coef or 0.0
@@ -759,9 +864,15 @@ def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | No
     return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
-
 # The rollout-loop names are importable from this module as well as from `asyncgrpo`. TRL 1.16 has no
 # counterpart to import them from: its module is `trl.experimental.async_grpo`, which exports only the
 # config and the trainer, and its rollout loop is the private `_AsyncRolloutLoop` of
 # `trl.experimental.async_grpo.async_rollout_worker`, with other hooks than AsyncRolloutLoop's.
-__all__ = ["AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
+__all__ = [
+    "AsyncGRPOTrainer",
+    "AsyncRolloutLoop",
+    "Rollout",
+    "RolloutGroup",
+    "TrainingSequence",
+    "TurnRecord",
+]

@@ -4,7 +4,6 @@ construction or start instead of a late crash. Settings-only checks live in Asyn
 from __future__ import annotations
 
 import os
-
 from typing import Any, Callable
 
 import torch
@@ -79,10 +78,16 @@ def check_conversational(dataset, environment_factory: Callable | None) -> None:
             raise ValueError("prompts with images are not supported yet; use text-only prompts")
 
 
-def check_prompt_lengths(dataset, render: Callable[[list], int], max_model_len: int, limit: int = 20_000) -> None:
+def check_prompt_lengths(
+    dataset, render: Callable[[list], int], max_model_len: int, limit: int = 20_000
+) -> None:
     """Fail before training when a prompt leaves no room to generate under the server's
     max_model_len (the first `limit` rows of a map-style dataset are checked)."""
-    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__") or "prompt" not in dataset.column_names:
+    if (
+        not hasattr(dataset, "__len__")
+        or not hasattr(dataset, "__getitem__")
+        or "prompt" not in dataset.column_names
+    ):
         return
     prompts = dataset[: min(len(dataset), limit)]["prompt"]
     for index, prompt in enumerate(prompts):
@@ -120,4 +125,52 @@ def check_multi_process(deepspeed: bool, has_optimizer: bool) -> None:
     if has_optimizer:
         raise ValueError(
             "with several processes the optimizer is built after sharding: do not pass `optimizers`"
+        )
+
+
+def check_agent_inputs(reward_funcs: list, train_dataset, tools: list, environment_factory, args) -> None:
+    """Reward sources, data and tools of a run, said before anything starts."""
+    from asyncgrpo.rollout.chat import tool_name
+    from asyncgrpo.rollout.environments import check_routing, factory_defines_reward
+
+    if not reward_funcs and (environment_factory is None or not factory_defines_reward(environment_factory)):
+        raise ValueError(
+            "reward_funcs is empty: give at least one reward function, or an environment_factory whose "
+            "environments define get_reward()"
+        )
+    if train_dataset is None:
+        if environment_factory is None:
+            raise ValueError("train_dataset is required (it must have a conversational 'prompt' column)")
+        if isinstance(environment_factory, dict):
+            raise ValueError(
+                "environment_factory is a dict but there is no train_dataset: the dataset's 'environment' column "
+                "routes each rollout to its environment"
+            )
+        if args.max_steps <= 0:
+            raise ValueError(
+                "environment_factory without train_dataset: the environment owns the data, so there are no epochs "
+                "to end training; set max_steps > 0 in AsyncGRPOConfig"
+            )
+    check_routing(environment_factory, train_dataset)
+    factories = (
+        environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+    )
+    for factory in factories if environment_factory is not None else []:
+        if not callable(factory):
+            raise TypeError(
+                f"environment_factory must be a class or a callable returning an environment, got {factory!r}"
+            )
+        if isinstance(factory, type) and not callable(getattr(factory, "reset", None)):
+            raise TypeError(
+                f"environment class {factory.__name__} has no reset() method (required; it starts an episode)"
+            )
+    names = []
+    for tool in tools:
+        if not callable(tool):
+            raise TypeError(f"tools must be callables, got {tool!r}")
+        names.append(tool_name(tool))
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(
+            f"several tools share the name(s) {duplicates}: the model calls a tool by its __name__"
         )

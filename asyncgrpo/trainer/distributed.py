@@ -86,10 +86,16 @@ def local_value(value: torch.Tensor | float) -> float:
 def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     """The whole model and optimizer states on CPU (a collective: every rank calls it), in the
     unsharded layout a checkpoint is written in."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(
+        model, optimizer, options=options
+    )
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:

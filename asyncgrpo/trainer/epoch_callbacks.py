@@ -16,15 +16,21 @@ from transformers.trainer_callback import CallbackHandler
 class EpochCallbacks:
     def __init__(self, handler: CallbackHandler):
         self.handler = handler
-        self.open_epoch: int | None = None  # the whole epoch whose on_epoch_begin ran and on_epoch_end did not
+        self.open_epoch: int | None = (
+            None  # the whole epoch whose on_epoch_begin ran and on_epoch_end did not
+        )
 
-    def before_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> TrainerControl:
+    def before_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl
+    ) -> TrainerControl:
         if self.open_epoch is None:
             self.open_epoch = int(state.epoch or 0)
             control = self.handler.on_epoch_begin(args, state, control)
         return control
 
-    def after_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> TrainerControl:
+    def after_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl
+    ) -> TrainerControl:
         if self.open_epoch is not None and int(state.epoch or 0) > self.open_epoch:
             self.open_epoch = None
             control = self.handler.on_epoch_end(args, state, control)

@@ -34,13 +34,17 @@ def read_fsdp_launch(plugin) -> FsdpLaunch | None:
     notes = []
     version = getattr(plugin, "fsdp_version", 1) or 1
     if version != 2:
-        notes.append(f"fsdp_version={version} is applied as FSDP2 (fully_shard), the only version asyncgrpo runs")
+        notes.append(
+            f"fsdp_version={version} is applied as FSDP2 (fully_shard), the only version asyncgrpo runs"
+        )
     reshard = getattr(plugin, "reshard_after_forward", True)
     if not isinstance(reshard, bool):  # FSDP1 expresses it as a sharding strategy
         reshard = "SHARD_GRAD_OP" not in str(reshard)
     state_dict_type = str(getattr(plugin, "state_dict_type", "") or "")
     if state_dict_type and "FULL_STATE_DICT" not in state_dict_type:
-        notes.append(f"{state_dict_type}: checkpoints always hold the full (gathered) model and optimizer states")
+        notes.append(
+            f"{state_dict_type}: checkpoints always hold the full (gathered) model and optimizer states"
+        )
     if getattr(plugin, "activation_checkpointing", False):
         notes.append("fsdp_activation_checkpointing is not applied by FSDP here: use gradient_checkpointing")
     return FsdpLaunch(reshard_after_forward=reshard, notes=notes)

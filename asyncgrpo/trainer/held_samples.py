@@ -19,7 +19,17 @@ from asyncgrpo.sample import Sample
 
 HELD_SAMPLES_ARRAYS = "held_samples.npz"
 HELD_SAMPLES_FIELDS = "held_samples.json"
-_SCALARS = ("advantage", "group_id", "model_version", "row_index", "stream_index", "epoch", "reward", "rollout_id", "queued_at")
+_SCALARS = (
+    "advantage",
+    "group_id",
+    "model_version",
+    "row_index",
+    "stream_index",
+    "epoch",
+    "reward",
+    "rollout_id",
+    "queued_at",
+)
 
 
 def save_held_samples(samples: list[Sample], directory: str | os.PathLike) -> None:
@@ -34,9 +44,13 @@ def save_held_samples(samples: list[Sample], directory: str | os.PathLike) -> No
             arrays[f"{index}.top_ids"] = sample.top_ids
             arrays[f"{index}.top_logprobs"] = sample.top_logprobs
         if sample.candidate_sets is not None:
-            arrays[f"{index}.candidate_sizes"] = np.array([len(c) for c in sample.candidate_sets], dtype=np.int64)
+            arrays[f"{index}.candidate_sizes"] = np.array(
+                [len(c) for c in sample.candidate_sets], dtype=np.int64
+            )
             arrays[f"{index}.candidates"] = (
-                np.concatenate(sample.candidate_sets) if sample.candidate_sets else np.zeros(0, dtype=np.int64)
+                np.concatenate(sample.candidate_sets)
+                if sample.candidate_sets
+                else np.zeros(0, dtype=np.int64)
             )
         fields.append({name: getattr(sample, name) for name in _SCALARS} | {"metadata": sample.metadata})
     np.savez(directory / HELD_SAMPLES_ARRAYS, **arrays)
@@ -55,7 +69,9 @@ def load_held_samples(directory: str | os.PathLike) -> list[Sample]:
             candidate_sets = None
             if f"{index}.candidate_sizes" in arrays:
                 sizes = arrays[f"{index}.candidate_sizes"]
-                candidate_sets = np.split(arrays[f"{index}.candidates"], np.cumsum(sizes)[:-1]) if len(sizes) else []
+                candidate_sets = (
+                    np.split(arrays[f"{index}.candidates"], np.cumsum(sizes)[:-1]) if len(sizes) else []
+                )
             top_ids = arrays[f"{index}.top_ids"] if f"{index}.top_ids" in arrays else None
             top_logprobs = arrays[f"{index}.top_logprobs"] if top_ids is not None else None
             samples.append(

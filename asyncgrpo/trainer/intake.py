@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.packing.planner import MIN_SHARED_TOKENS, MicroBatchPlan, Placement, TokenBudgetBatcher
-from asyncgrpo.trainer.prompt_ledger import PromptLedger
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.sample import Sample
+from asyncgrpo.trainer.prompt_ledger import PromptLedger
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,9 @@ class SampleIntake:
         self.ledger.sample_done(sample.stream_index, trained)
         self.consumed_tokens_total += sample.num_tokens
 
-    def next_step(self, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int) -> StepBatch:
+    def next_step(
+        self, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int
+    ) -> StepBatch:
         """Plan one optimizer step's micro-batches from the queue."""
         batch = StepBatch(plans=[])
         self._drain(0.0)  # what the worker queued joins the buffer, so the size counts samples only
@@ -188,7 +190,9 @@ class SampleIntake:
         self._publish_allowance(held_tokens=0)
         return batch
 
-    def _plan(self, batch: StepBatch, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int) -> None:
+    def _plan(
+        self, batch: StepBatch, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int
+    ) -> None:
         batcher = TokenBudgetBatcher(self.token_budget, self.num_rows, min_shared_tokens=MIN_SHARED_TOKENS)
         while len(batch.plans) < gradient_accumulation_steps:
             sample = self._next_sample(batch, metrics, model_version)
@@ -203,7 +207,9 @@ class SampleIntake:
                     self._warned_oversize = True
                     logger.warning(
                         "dropped a sample of %d tokens: longer than token_budget=%d (raise token_budget or "
-                        "lower max_completion_length)", sample.num_tokens, self.token_budget,
+                        "lower max_completion_length)",
+                        sample.num_tokens,
+                        self.token_budget,
                     )
             else:  # CLOSED: this sample opens the next micro-batch
                 self.buffer.appendleft(sample)

@@ -51,7 +51,10 @@ class RolloutState:
             return None
         fields = json.loads(path.read_text())
         if "prompt_index" in fields:  # a TRL checkpoint: {"prompt_index", "model_version"}
-            return cls(first_untrained_index=int(fields["prompt_index"]), model_version=int(fields.get("model_version", 0)))
+            return cls(
+                first_untrained_index=int(fields["prompt_index"]),
+                model_version=int(fields.get("model_version", 0)),
+            )
         known = {name: value for name, value in fields.items() if name in cls.__dataclass_fields__}
         return cls(**known)
 

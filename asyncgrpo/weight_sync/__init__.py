@@ -10,6 +10,7 @@ from asyncgrpo.config import WEIGHT_SYNC_BACKENDS
 from asyncgrpo.generation.server_info import ServerInfo
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
+from asyncgrpo.weight_sync.lora import LoraAdapterSync
 from asyncgrpo.weight_sync.nccl import NcclWeightSync, vllm_at_least
 from asyncgrpo.weight_sync.transport import NcclTransport
 
@@ -25,7 +26,7 @@ def choose_backend(requested: str, info: ServerInfo | None, trainer_on_gpu: bool
     if requested == "nccl" and info is not None and not server_has_nccl:
         raise ValueError(
             "weight_sync_backend='nccl' but the vLLM server was not started with the NCCL engine: serve with "
-            "--weight-transfer-config '{\"backend\": \"nccl\"}' (`asyncgrpo serve` does on GPU)"
+            '--weight-transfer-config \'{"backend": "nccl"}\' (`asyncgrpo serve` does on GPU)'
         )
     return requested
 
@@ -43,6 +44,8 @@ def make_weight_sync(
     if backend == FilesystemWeightSync.name:
         directory = Path(output_dir).resolve() / ".vllm_weights" if is_sender else None
         return FilesystemWeightSync(client, loop, directory, is_sender=is_sender, timeout_s=timeout_s or None)
+    if backend == LoraAdapterSync.name and not is_sender:  # the sender's comes from `adapter_sync_for`
+        return LoraAdapterSync(None, None, None, keep=1, is_sender=False)
     if backend == NcclWeightSync.name:
         if not is_sender:
             return NcclWeightSync(None, None, None, timeout_s=0, is_sender=False)
@@ -54,6 +57,7 @@ def make_weight_sync(
 
 __all__ = [
     "FilesystemWeightSync",
+    "LoraAdapterSync",
     "NcclWeightSync",
     "SyncTimings",
     "WeightSyncBackend",

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from asyncgrpo.generation.background import BackgroundLoop
-from asyncgrpo.models import is_served
 from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.models import is_served
 from asyncgrpo.trainer.distributed import full_tensor
 
 
@@ -34,7 +34,9 @@ class SyncTimings:
 
 class WeightSyncBackend(abc.ABC):
     name: str = "abstract"
-    timeout_s: float | None = None  # bound of each server call of a sync (weight_sync_timeout); None: the client's
+    timeout_s: float | None = (
+        None  # bound of each server call of a sync (weight_sync_timeout); None: the client's
+    )
 
     def __init__(self, client: VLLMClient | None, loop: BackgroundLoop | None, is_sender: bool = True):
         if is_sender and (client is None or loop is None):

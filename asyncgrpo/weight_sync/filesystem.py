@@ -25,7 +25,12 @@ class FilesystemWeightSync(WeightSyncBackend):
     name = "filesystem"
 
     def __init__(
-        self, client, loop, directory: str | os.PathLike | None, is_sender: bool = True, timeout_s: float | None = None
+        self,
+        client,
+        loop,
+        directory: str | os.PathLike | None,
+        is_sender: bool = True,
+        timeout_s: float | None = None,
     ):
         super().__init__(client, loop, is_sender)
         self.timeout_s = timeout_s
@@ -44,7 +49,9 @@ class FilesystemWeightSync(WeightSyncBackend):
         staging = self.directory / f".v{version}.partial"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        tensors = {name: full_tensor(tensor).to("cpu").contiguous() for name, tensor in serving_tensors(model)}
+        tensors = {
+            name: full_tensor(tensor).to("cpu").contiguous() for name, tensor in serving_tensors(model)
+        }
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)  # a reader never sees a half-written version
@@ -52,7 +59,9 @@ class FilesystemWeightSync(WeightSyncBackend):
 
     def apply(self, prepared: Path, version: int) -> None:
         self._reloading = prepared
-        self.loop.run(self.client.reload_weights(str(prepared), version=policy_label(version), timeout=self.timeout_s))
+        self.loop.run(
+            self.client.reload_weights(str(prepared), version=policy_label(version), timeout=self.timeout_s)
+        )
         self._reloading = None
         previous, self._current = self._current, prepared
         if previous is not None and previous != self._current:

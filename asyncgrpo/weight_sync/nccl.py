@@ -96,7 +96,9 @@ class NcclWeightSync(WeightSyncBackend):
         logger.info("joining %d vLLM worker(s) for NCCL weight transfer", world_size - 1)
         joined = self.loop.submit(self.client.init_weight_transfer_engine(init_infos))
         try:
-            _run_alongside(joined, lambda: self.transport.join(world_size, self.timeout_s), self.timeout_s, "joining")
+            _run_alongside(
+                joined, lambda: self.transport.join(world_size, self.timeout_s), self.timeout_s, "joining"
+            )
         except BaseException:
             self.transport.abort()
             raise
@@ -115,16 +117,24 @@ class NcclWeightSync(WeightSyncBackend):
 
     def apply(self, prepared: PreparedWeights, version: int) -> None:
         if self._broken:
-            raise WeightTransferError(f"NCCL weight transfer is unusable after an earlier failure: {self._broken}")
+            raise WeightTransferError(
+                f"NCCL weight transfer is unusable after an earlier failure: {self._broken}"
+            )
         try:
             self.loop.run(self.client.start_weight_update(), timeout=self.timeout_s)
-            received = self.loop.submit(self.client.update_weights(prepared.update_info, timeout=self.timeout_s))
-            _run_alongside(received, lambda: self._broadcast(prepared.tensors), self.timeout_s, "sending weights")
+            received = self.loop.submit(
+                self.client.update_weights(prepared.update_info, timeout=self.timeout_s)
+            )
+            _run_alongside(
+                received, lambda: self._broadcast(prepared.tensors), self.timeout_s, "sending weights"
+            )
             self.loop.run(self.client.finish_weight_update(policy_label(version)), timeout=self.timeout_s)
         except BaseException as error:
             self._broken = f"{type(error).__name__}: {error}"
             self.transport.abort()
-            self._best_effort(self.client.finish_weight_update(policy_label(version), timeout=CLEANUP_TIMEOUT_S))
+            self._best_effort(
+                self.client.finish_weight_update(policy_label(version), timeout=CLEANUP_TIMEOUT_S)
+            )
             if not isinstance(error, Exception):
                 raise  # an interrupt stays an interrupt (after the cleanup above)
             raise WeightTransferError(
@@ -200,5 +210,7 @@ def _run_alongside(
             return
         if time.monotonic() > deadline:
             side = "the trainer's broadcast" if "local" not in outcome else "the vLLM server"
-            raise TimeoutError(f"{what}: {side} did not finish within {timeout_s:.0f} s (weight_sync_timeout)")
+            raise TimeoutError(
+                f"{what}: {side} did not finish within {timeout_s:.0f} s (weight_sync_timeout)"
+            )
         time.sleep(0.002)

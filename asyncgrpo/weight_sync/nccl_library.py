@@ -84,7 +84,12 @@ class NcclLibrary:
         lib.ncclGetErrorString.argtypes = [ctypes.c_int]
         lib.ncclGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(_UniqueId)]
-        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _UniqueId, ctypes.c_int]
+        lib.ncclCommInitRank.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_int,
+            _UniqueId,
+            ctypes.c_int,
+        ]
         collective_tail = [ctypes.c_size_t, ctypes.c_int]
         lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *collective_tail, ctypes.c_int]
         lib.ncclAllReduce.argtypes += [ctypes.c_void_p, ctypes.c_void_p]
@@ -141,7 +146,8 @@ class NcclCommunicator:
             comm = ctypes.c_void_p()
             try:
                 library.check(
-                    library._lib.ncclCommInitRank(ctypes.byref(comm), world_size, handle, rank), "ncclCommInitRank"
+                    library._lib.ncclCommInitRank(ctypes.byref(comm), world_size, handle, rank),
+                    "ncclCommInitRank",
                 )
                 outcome["comm"] = comm
             except NcclError as error:
@@ -187,7 +193,9 @@ class NcclCommunicator:
         deadline = time.monotonic() + timeout_s
         status = ctypes.c_int()
         while not done.query():
-            self.library.check(self.library._lib.ncclCommGetAsyncError(self._comm, ctypes.byref(status)), what)
+            self.library.check(
+                self.library._lib.ncclCommGetAsyncError(self._comm, ctypes.byref(status)), what
+            )
             self.library.check(status.value, f"{what} (asynchronous error)")
             if time.monotonic() > deadline:
                 self.abort()

@@ -50,7 +50,9 @@ class NcclTransport:
         if rendezvous not in RENDEZVOUS_MODES:
             raise ValueError(f"rendezvous={rendezvous!r} must be one of {RENDEZVOUS_MODES}")
         if not torch.cuda.is_available():
-            raise RuntimeError("NCCL weight sync needs a CUDA GPU on the trainer; use weight_sync_backend='filesystem'")
+            raise RuntimeError(
+                "NCCL weight sync needs a CUDA GPU on the trainer; use weight_sync_backend='filesystem'"
+            )
         self.rendezvous = rendezvous
         self.library = library or NcclLibrary()
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -73,7 +75,9 @@ class NcclTransport:
 
     def join(self, world_size: int, timeout_s: float) -> None:
         assert self._unique_id is not None, "join() before rendezvous_fields()"
-        self._communicator = NcclCommunicator(self.library, self._unique_id, 0, world_size, self.device, timeout_s)
+        self._communicator = NcclCommunicator(
+            self.library, self._unique_id, 0, world_size, self.device, timeout_s
+        )
         self._communicator.all_reduce_sum(torch.zeros(1, device=self.device), timeout_s)
 
     def broadcast(self, buffer: torch.Tensor, timeout_s: float) -> None:
@@ -107,7 +111,8 @@ def pickled_vllm_unique_id(unique_id: bytes) -> bytes:
         b"c_ctypes\n_unpickle\n"  # GLOBAL
         b"cvllm.distributed.device_communicators.pynccl_wrapper\nncclUniqueId\n"  # GLOBAL
         b"}"  # EMPTY_DICT
-        b"C\x80" + unique_id  # SHORT_BINBYTES (128)
+        b"C\x80"
+        + unique_id  # SHORT_BINBYTES (128)
         + b"\x86"  # TUPLE2: ({}, bytes)
         b"\x86"  # TUPLE2: (class, state)
         b"R."  # REDUCE, STOP

@@ -1,0 +1,194 @@
+"""The output head, log-softmax, top-N gather and entropy as one autograd function (CUDA training).
+
+`logprobs.token_logprobs` builds each chunk's fp32 (C, V) logits with ordinary ops: a cast, a
+division by the temperature, log_softmax, exp, a product and a sum each read and write the whole
+(C, V) tensor, the chunk is recomputed in backward, and under autocast the fp32 head weight is cast
+to bf16 and its bf16 gradient cast back for every chunk. Over a 152k vocabulary that elementwise
+traffic, not the head's matmul, dominated the head's time on an H200.
+
+Here, per chunk, forward runs the head's matmul once (bf16 out under autocast) and one fused pass
+(compiled on CUDA) that reduces the logits to what the loss reads: log p(target), entropy, log p at
+the sampler's top-N ids and the log-normalizer. Only the hidden states and (E,) statistics are kept.
+Backward recomputes the chunk's logits, builds d loss / d logits in closed form in one more fused
+pass, and runs the two gradient matmuls; the weight is cast once per call and its gradient
+accumulated in fp32. Same function, same gradients as the unfused path (tests/test_fused_head.py).
+
+For outputs y_t = log p_t (target and top-N ids) and H = -sum_v p_v log p_v, with z the transformed
+logits (scale, softcap, / temperature, candidate mask):
+    d y_t / d z_v = [v = t] - p_v,     d H / d z_v = -p_v (log p_v + H).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def _widened(raw: torch.Tensor) -> torch.Tensor:
+    return raw.to(torch.promote_types(raw.dtype, torch.float32))
+
+
+def _transform(raw: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
+    """raw head output (C, V) -> the logits the sampler's softmax reads, in fp32 at least."""
+    logits = _widened(raw)
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits / temperature
+
+
+def _chunk_forward(raw, targets, top_ids, allowed, scale: float, softcap, temperature: float):
+    """(C, V) head output -> log p(target) (C,), entropy (C,), top log p (C, N) or None, lse (C,)."""
+    z = _transform(raw, scale, softcap, temperature)
+    if allowed is not None:
+        z = z.masked_fill(~allowed, NEG_INF)
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.exp(z - lse[:, None])
+    finite_z = z if allowed is None else z.masked_fill(~allowed, 0.0)  # p = 0 there: 0 * -inf is NaN
+    entropy = lse - (p * finite_z).sum(-1)
+    target_logp = z.gather(1, targets[:, None])[:, 0] - lse
+    top_logp = None
+    if top_ids is not None:
+        top_logp = (z.gather(1, top_ids.clamp(min=0)) - lse[:, None]).masked_fill(top_ids < 0, NEG_INF)
+    return target_logp, entropy, top_logp, lse
+
+
+def _chunk_backward(raw, lse, entropy, targets, top_ids, allowed, g_target, g_entropy, g_top,
+                    scale: float, softcap, temperature: float, out_dtype: torch.dtype):  # fmt: skip
+    """d loss / d raw head output (C, V) in `out_dtype`, from the gradients of the three outputs."""
+    z = _transform(raw, scale, softcap, temperature)
+    if allowed is not None:
+        z = z.masked_fill(~allowed, NEG_INF)
+    logp = z - lse[:, None]
+    p = torch.exp(logp)
+    total = g_target if g_top is None else g_target + g_top.masked_fill(top_ids < 0, 0.0).sum(-1)
+    grad = -p * total[:, None]
+    if g_entropy is not None:
+        finite_logp = logp if allowed is None else logp.masked_fill(~allowed, 0.0)
+        grad = grad - p * (finite_logp + entropy[:, None]) * g_entropy[:, None]
+    grad = grad.scatter_add(1, targets[:, None], g_target[:, None])
+    if g_top is not None:
+        grad = grad.scatter_add(1, top_ids.clamp(min=0), g_top.masked_fill(top_ids < 0, 0.0))
+    if allowed is not None:  # the unfused path's masked_fill passes no gradient to masked logits
+        grad = grad.masked_fill(~allowed, 0.0)
+    grad = grad / temperature
+    if softcap is not None:
+        capped = torch.tanh(_widened(raw) * (scale / softcap))
+        grad = grad * (1.0 - capped * capped)
+    if scale != 1.0:
+        grad = grad * scale
+    return grad.to(out_dtype)
+
+
+def candidate_mask(sizes: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(C, V) bool: entry e may be sampled as token v. An empty set = full vocabulary.
+
+    sizes: (C,) set sizes; ids: (sizes.sum(),) the sets' token ids, concatenated.
+    """
+    rows = torch.repeat_interleave(torch.arange(len(sizes), device=ids.device), sizes)
+    mask = torch.zeros(len(sizes), vocab_size, dtype=torch.bool, device=ids.device)
+    mask[rows, ids] = True
+    mask[sizes == 0] = True
+    return mask
+
+
+@functools.cache
+def _kernels(device_type: str):
+    """The two fused passes: compiled on CUDA (one or two kernels each instead of ~10 passes over
+    (C, V)); eager elsewhere, so the CPU path compiles nothing."""
+    if device_type != "cuda":
+        return _chunk_forward, _chunk_backward
+    return torch.compile(_chunk_forward, dynamic=True), torch.compile(_chunk_backward, dynamic=True)
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden.dtype
+
+
+class FusedHeadLogprobs(torch.autograd.Function):
+    """hidden (E, H), weight (V, H), bias (V,) or None -> log p(target) (E,), entropy (E,), top log p
+    (E, N) or None. `chunks`: list of (start, stop, candidates) covering 0..E, candidates = (set sizes
+    (C,), ids) or None; each chunk's (C, V) mask is rebuilt when needed, never kept."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, top_ids, chunks, scale, softcap, temperature):
+        dtype = _compute_dtype(hidden)
+        forward_kernel, _ = _kernels(hidden.device.type)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)  # once per call, not once per chunk
+            b = None if bias is None else bias.to(dtype)
+            outputs = []
+            for start, stop, candidates in chunks:
+                allowed = None if candidates is None else candidate_mask(*candidates, w.shape[0])
+                raw = torch.nn.functional.linear(hidden[start:stop].to(dtype), w, b)
+                chunk_top = None if top_ids is None else top_ids[start:stop]
+                outputs.append(
+                    forward_kernel(raw, targets[start:stop], chunk_top, allowed, scale, softcap, temperature)
+                )
+        target_logp = torch.cat([o[0] for o in outputs])
+        entropy = torch.cat([o[1] for o in outputs])
+        top_logp = None if top_ids is None else torch.cat([o[2] for o in outputs])
+        lse = torch.cat([o[3] for o in outputs])
+        ctx.save_for_backward(hidden, weight, bias, targets, top_ids, lse, entropy)
+        ctx.chunks, ctx.scale, ctx.softcap, ctx.temperature, ctx.dtype = (
+            chunks,
+            scale,
+            softcap,
+            temperature,
+            dtype,
+        )
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        return target_logp, entropy, top_logp
+
+    @staticmethod
+    def backward(ctx, g_target, g_entropy, g_top):
+        hidden, weight, bias, targets, top_ids, lse, entropy = ctx.saved_tensors
+        dtype = ctx.dtype
+        _, backward_kernel = _kernels(hidden.device.type)
+        if g_target is None:
+            g_target = torch.zeros_like(lse)
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = (
+            torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+            if want_weight
+            else None
+        )
+        grad_bias = (
+            torch.zeros_like(bias, dtype=grad_weight.dtype if grad_weight is not None else torch.float32)
+            if want_bias
+            else None
+        )
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
+            for start, stop, candidates in ctx.chunks:
+                allowed = None if candidates is None else candidate_mask(*candidates, w.shape[0])
+                h = hidden[start:stop].to(dtype)
+                raw = torch.nn.functional.linear(h, w, b)
+                rows = slice(start, stop)
+                grad_raw = backward_kernel(
+                    raw, lse[rows], entropy[rows], targets[rows],
+                    None if top_ids is None else top_ids[rows], allowed, g_target[rows],
+                    None if g_entropy is None else g_entropy[rows], None if g_top is None else g_top[rows],
+                    ctx.scale, ctx.softcap, ctx.temperature, dtype,
+                )  # fmt: skip
+                if grad_hidden is not None:
+                    grad_hidden[rows] = (grad_raw @ w).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight += grad_raw.t() @ h
+                if grad_bias is not None:
+                    grad_bias += grad_raw.sum(0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None

@@ -1,0 +1,348 @@
+"""Reading a run's metrics (docs/front-door.md, "The diagnosis"), as pure functions of its history.
+
+Two questions, each answered with a verdict, the evidence (metric, values, steps) and what to do:
+
+- Which side is the bottleneck? The trainer waiting on an empty queue (perf/rollout_wait_s) and
+  generation waiting because it is max_staleness steps ahead (rollout/backpressure_s) mirror each other:
+  only the first high: generation-bound; only the second: trainer-bound; both: max_staleness too tight;
+  neither: balanced.
+- Is the run still learning? frac_zero_std_groups (groups with no signal), reward_zero_std_groups
+  (where those groups are stuck) and reward, read as trends against the reward range: healthy,
+  saturated at the top, stuck at the bottom, regression, mixture; completions/duplicate_frac with
+  entropy: independent sampling, sampling that is not random, collapse.
+
+Trends compare the mean of the first third of the logging windows with the last third; the start-up
+windows (the first step always waits for the first rollouts) are left out of the bottleneck reading.
+The thresholds are named constants below; they are judgement calls, stated so a reader can disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from asyncgrpo.report.history import History
+
+# Bottleneck: the trainer "waits" when more than a fifth of its step time is rollout_wait_s. Generation
+# is "held" when its backpressure waits average more than a fifth of a step per window, or when it
+# waits in most windows (three in four) for at least a tenth of a step.
+WAIT_SHARE_HIGH = 0.2
+BACKPRESSURE_SHARE_HIGH = 0.2
+BACKPRESSURE_FREQUENT, BACKPRESSURE_FREQUENT_SHARE = 0.75, 0.1
+# Generation-bound at the user's limit: concurrency at 70% of max_concurrent_rollouts or more, with the
+# KV cache under half full.
+CONCURRENCY_AT_LIMIT, KV_BUSY = 0.7, 0.5
+# Saturation: frac_zero_std_groups is "low" below 0.3 and "high" from 0.5; it "climbs" when the last
+# third is 0.15 above the first third.
+FRAC_LOW, FRAC_HIGH, FRAC_CLIMB = 0.3, 0.5, 0.15
+# Positions in the reward range: the bottom and top quarters.
+BOTTOM, TOP = 0.25, 0.75
+# A reward trend is a change of at least 5% of the reward range between the first and last thirds.
+REWARD_TREND = 0.05
+# Duplicates: "near (G-1)/G" from 80% of it; "rising" by 0.1; entropy "falling" when it loses 20%.
+DUPLICATE_JUMP, DUPLICATE_RISE, ENTROPY_FALL = 0.8, 0.1, 0.2
+
+
+@dataclass
+class Finding:
+    question: str  # "bottleneck", "saturation" or "duplicates"
+    verdict: str  # a short name, e.g. "generation-bound"
+    explanation: str
+    action: str
+    evidence: list[str] = field(default_factory=list)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _thirds(history: History, name: str) -> tuple[float, float, str, str]:
+    """Means of the first and last thirds of `name`'s windows, and their step ranges as text."""
+    steps, values = history.series(name)
+    third = max(1, len(values) // 3)
+    first, last = values[:third], values[-third:]
+    return _mean(first), _mean(last), _step_range(steps[:third]), _step_range(steps[-third:])
+
+
+def _step_range(steps: list[int]) -> str:
+    if not steps:
+        return "no steps"
+    return f"step {steps[0]}" if steps[0] == steps[-1] else f"steps {steps[0]}-{steps[-1]}"
+
+
+def _steady(history: History) -> History:
+    """The windows after start-up: the first quarter of the run (at least the first window) dropped."""
+    skip = max(1, len(history.records) // 4) if len(history.records) > 2 else 0
+    return History(history.records[skip:], history.config)
+
+
+# -- which side is the bottleneck -------------------------------------------------------------------
+
+
+def diagnose_bottleneck(history: History) -> Finding:
+    steady = _steady(history)
+    span = _step_range(steady.steps)
+    step_s = _mean(steady.series("perf/step_s")[1])
+    waits = steady.series("perf/rollout_wait_s")[1]
+    if not waits or not step_s > 0:
+        return Finding(
+            "bottleneck",
+            "unknown",
+            "perf/step_s and perf/rollout_wait_s were not logged.",
+            "Log every step.",
+        )
+    wait_share = _mean(waits) / step_s
+    # backpressure_s is only logged by windows in which generation waited: the others count as 0.
+    backpressure = [record.get("rollout/backpressure_s") or 0.0 for record in steady.records]
+    held_share = _mean(backpressure) / step_s
+    held_windows = sum(1 for value in backpressure if value > 0) / len(backpressure)
+    queue = _mean(steady.series("rollout/queue_size")[1])
+    samples_per_step = _mean(steady.series("batch/samples_per_step")[1])
+    staleness = _mean(steady.series("sample/staleness_mean")[1])
+    max_staleness = steady.config.get("max_staleness")
+    evidence = [
+        (
+            f"perf/rollout_wait_s averages {_mean(waits):.3g} s, {wait_share:.0%} of perf/step_s "
+            f"({step_s:.3g} s), over {span}"
+        ),
+        (
+            f"rollout/backpressure_s averages {_mean(backpressure):.3g} s per window ({held_share:.0%} of a "
+            f"step); generation waited in {held_windows:.0%} of the windows of {span}"
+        ),
+    ]
+    if not math.isnan(queue):
+        queue_text = f"rollout/queue_size averages {queue:.3g} samples"
+        if samples_per_step > 0:
+            queue_text += f" ({queue / samples_per_step:.2g} steps of samples)"
+        evidence.append(queue_text + f" over {span}")
+    if not math.isnan(staleness) and max_staleness is not None:
+        evidence.append(f"sample/staleness_mean averages {staleness:.2g} (max_staleness={max_staleness})")
+    waiting = wait_share > WAIT_SHARE_HIGH
+    held = held_share > BACKPRESSURE_SHARE_HIGH or (
+        held_windows >= BACKPRESSURE_FREQUENT and held_share > BACKPRESSURE_FREQUENT_SHARE
+    )
+    if waiting and held:
+        return Finding(
+            "bottleneck",
+            "max_staleness too tight",
+            "The trainer waits for samples while generation is held back: the rollouts in flight fill the "
+            "staleness allowance before their samples reach the queue.",
+            "Raise max_staleness.",
+            evidence,
+        )
+    if waiting:
+        action = (
+            "Look at rollout/generated_tokens_per_s, rollout/concurrency and rollout/score_queue_size: add "
+            "or speed up vLLM servers, raise max_concurrent_rollouts if concurrency sits at it with a low "
+            "KV-cache usage, or make reward functions faster if groups wait to be scored."
+        )
+        if _at_concurrency_limit(steady):
+            action = (
+                "Raise max_concurrent_rollouts if your environments and tools allow it: concurrency sits at "
+                "it while vLLM's KV cache is mostly free."
+            )
+        return Finding(
+            "bottleneck",
+            "generation-bound",
+            "The queue runs dry and the trainer waits for samples.",
+            action,
+            evidence + _concurrency_evidence(steady),
+        )
+    if held:
+        return Finding(
+            "bottleneck",
+            "trainer-bound",
+            "Generation is held back max_staleness steps ahead of training; samples wait in the queue.",
+            "Expected when inference is faster than training. To go faster, speed up the trainer (more or "
+            "faster training devices, a larger token_budget) or move resources from inference to training.",
+            evidence,
+        )
+    return Finding(
+        "bottleneck",
+        "balanced",
+        "Neither side waits for long: the trainer rarely finds the queue empty and generation is rarely held.",
+        "Nothing to change.",
+        evidence,
+    )
+
+
+def _at_concurrency_limit(history: History) -> bool:
+    """Concurrency near max_concurrent_rollouts (within 70%) with the KV cache under half full."""
+    concurrency = _mean(history.series("rollout/concurrency")[1])
+    kv = _mean(history.series("rollout/vllm_kv_cache_usage_frac")[1])
+    limit = history.config.get("max_concurrent_rollouts")
+    return bool(limit) and concurrency >= CONCURRENCY_AT_LIMIT * limit and not kv >= KV_BUSY
+
+
+def _concurrency_evidence(history: History) -> list[str]:
+    concurrency = _mean(history.series("rollout/concurrency")[1])
+    cap = _mean(history.series("rollout/concurrency_cap")[1])
+    kv = _mean(history.series("rollout/vllm_kv_cache_usage_frac")[1])
+    limit = history.config.get("max_concurrent_rollouts")
+    if math.isnan(concurrency):
+        return []
+    text = f"rollout/concurrency averages {concurrency:.3g}"
+    if not math.isnan(cap):
+        text += f" against a cap of {cap:.3g}"
+    if limit is not None:
+        text += f" (max_concurrent_rollouts={limit})"
+    if not math.isnan(kv):
+        text += f", KV-cache usage {kv:.0%}"
+    return [text]
+
+
+# -- saturation, regression, collapse ---------------------------------------------------------------
+
+
+def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0.0, 1.0)) -> Finding:
+    low, high = reward_range
+    width = high - low
+    if not history.has("frac_zero_std_groups") or not history.has("reward"):
+        return Finding(
+            "saturation", "unknown", "frac_zero_std_groups or reward was not logged.", "Log every step."
+        )
+    frac_first, frac_last, first_span, last_span = _thirds(history, "frac_zero_std_groups")
+    reward_first, reward_last, _, _ = _thirds(history, "reward")
+    evidence = [
+        f"frac_zero_std_groups {frac_first:.2f} ({first_span}) -> {frac_last:.2f} ({last_span})",
+        f"reward {reward_first:.3g} -> {reward_last:.3g} (reward range assumed [{low:g}, {high:g}])",
+    ]
+    stuck = history.has("reward_zero_std_groups")
+    if stuck:
+        stuck_first, stuck_last, _, _ = _thirds(history, "reward_zero_std_groups")
+        position = (stuck_last - low) / width
+        stuck_change = (stuck_last - stuck_first) / width
+        evidence.append(
+            f"reward_zero_std_groups {stuck_first:.3g} -> {stuck_last:.3g}: the groups without signal sit "
+            f"{position:.0%} of the way up the reward range"
+        )
+    reward_change = (reward_last - reward_first) / width
+    reward_position = (reward_last - low) / width
+    climbing = frac_last - frac_first >= FRAC_CLIMB and frac_last >= FRAC_LOW
+    if frac_last < FRAC_LOW and not climbing:
+        return Finding(
+            "saturation",
+            "healthy",
+            "Most groups have different rewards, so most groups give a gradient.",
+            "Nothing to change.",
+            evidence,
+        )
+    if not stuck:
+        return Finding(
+            "saturation",
+            "unknown",
+            "Many groups carry no signal, but reward_zero_std_groups was not logged to say where they sit.",
+            "Read a few completions.",
+            evidence,
+        )
+    if climbing and stuck_change <= -REWARD_TREND and reward_change <= -REWARD_TREND:
+        return Finding(
+            "saturation",
+            "regression",
+            "Groups that used to pass now fail together: more groups without signal, at a lower reward.",
+            "Check completions/duplicate_frac and entropy for a collapse; consider an earlier checkpoint.",
+            evidence,
+        )
+    if (
+        (climbing or frac_last >= FRAC_HIGH)
+        and position >= TOP
+        and (reward_change >= REWARD_TREND or reward_position >= TOP)
+    ):
+        return Finding(
+            "saturation",
+            "saturated at the top",
+            "The prompts have become too easy for the policy: whole groups succeed. This is how a successful "
+            "run usually ends.",
+            "Stop the run, or move on to harder prompts.",
+            evidence,
+        )
+    if (
+        frac_last >= FRAC_HIGH
+        and position <= BOTTOM
+        and reward_position <= BOTTOM
+        and abs(reward_change) < REWARD_TREND
+    ):
+        return Finding(
+            "saturation",
+            "stuck at the bottom",
+            "The prompts are too hard, or the reward function never credits the completions: whole groups fail.",
+            "Check completions/clipped_ratio first (a completion cut before its answer scores 0), then read a "
+            "few completions to check that the reward function can parse them.",
+            evidence + _clipped_evidence(history),
+        )
+    if frac_last >= FRAC_HIGH and BOTTOM < position < TOP:
+        return Finding(
+            "saturation",
+            "mixture",
+            "Some prompts are too easy while others are too hard (with partial-credit rewards, groups can also "
+            "be stuck at one partial score).",
+            "Read the rollouts.",
+            evidence,
+        )
+    return Finding(
+        "saturation",
+        "unclear",
+        "Many groups carry no signal, but the trends match none of the readings.",
+        "Read the rollouts and the plots.",
+        evidence,
+    )
+
+
+def _clipped_evidence(history: History) -> list[str]:
+    steps, values = history.series("completions/clipped_ratio")
+    if not values:
+        return []
+    return [f"completions/clipped_ratio averages {_mean(values):.2f} over {_step_range(steps)}"]
+
+
+def diagnose_duplicates(history: History) -> Finding:
+    if not history.has("completions/duplicate_frac"):
+        return Finding(
+            "duplicates", "unknown", "completions/duplicate_frac was not logged.", "Log every step."
+        )
+    generations = history.config.get("num_generations", 8)
+    ceiling = (generations - 1) / generations
+    first, last, first_span, last_span = _thirds(history, "completions/duplicate_frac")
+    evidence = [
+        (
+            f"completions/duplicate_frac {first:.2f} ({first_span}) -> {last:.2f} ({last_span}); all copies "
+            f"of one rollout would be {ceiling:.2f} with num_generations={generations}"
+        )
+    ]
+    entropy_falling = False
+    if history.has("entropy"):
+        entropy_first, entropy_last, _, _ = _thirds(history, "entropy")
+        entropy_falling = entropy_last < (1 - ENTROPY_FALL) * entropy_first
+        evidence.append(f"entropy {entropy_first:.3g} -> {entropy_last:.3g}")
+    if last >= DUPLICATE_JUMP * ceiling and not (last - first >= DUPLICATE_RISE and entropy_falling):
+        return Finding(
+            "duplicates",
+            "sampling not random",
+            "Every group returns copies of one rollout: sampling is not random.",
+            "Check the temperature (it must be > 0) and that data-parallel vLLM engines do not share one "
+            "sampling seed.",
+            evidence,
+        )
+    if last - first >= DUPLICATE_RISE and entropy_falling:
+        return Finding(
+            "duplicates",
+            "collapse",
+            "The policy is converging to a single answer per prompt: duplicates rise while entropy falls.",
+            "Stop or go back to an earlier checkpoint; lower the learning rate or raise the temperature.",
+            evidence,
+        )
+    return Finding(
+        "duplicates",
+        "healthy",
+        "The rollouts of a group are sampled independently.",
+        "Nothing to change.",
+        evidence,
+    )
+
+
+def diagnose(history: History, reward_range: tuple[float, float] = (0.0, 1.0)) -> list[Finding]:
+    return [
+        diagnose_bottleneck(history),
+        diagnose_saturation(history, reward_range),
+        diagnose_duplicates(history),
+    ]

@@ -1,0 +1,91 @@
+"""`asyncgrpo report RUN_DIR`: PNG plots and a self-contained report.html (plots embedded, no scripts,
+no network) with the automatic diagnosis on top."""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+
+from asyncgrpo.report.diagnosis import Finding, diagnose
+from asyncgrpo.report.history import History, load_run
+from asyncgrpo.report.plots import PLOTS, render_plot
+
+REPORT_FILE = "report.html"
+PLOTS_DIR = "plots"
+QUESTIONS = {
+    "bottleneck": "Which side is the bottleneck?",
+    "saturation": "Do the groups still carry signal?",
+    "duplicates": "Are the rollouts of a group still different?",
+}
+_STYLE = """
+body { font-family: sans-serif; margin: 2em auto; max-width: 1500px; color: #222; }
+.finding { border-left: 6px solid #888; padding: 0.4em 1em; margin: 1em 0; background: #f7f7f7; }
+.finding.ok { border-color: #2a8; } .finding.warn { border-color: #d80; }
+.verdict { font-weight: bold; font-size: 1.1em; }
+.plots { display: flex; flex-wrap: wrap; gap: 8px; } .plots figure { margin: 0; }
+.plots img { width: 700px; } figcaption { font-size: 0.8em; color: #666; }
+"""
+_OK_VERDICTS = ("healthy", "balanced")
+
+
+def write_report(run_dir: str | Path, reward_range: tuple[float, float] = (0.0, 1.0)) -> Path:
+    """Render every plot under RUN_DIR/plots/ and RUN_DIR/report.html; returns the HTML's path."""
+    run_dir = Path(run_dir)
+    history = load_run(run_dir)
+    if not history.records:
+        raise ValueError(f"{run_dir} has no logged steps yet: nothing to report")
+    plot_dir = run_dir / PLOTS_DIR
+    plot_dir.mkdir(exist_ok=True)
+    figures = []
+    for spec in PLOTS:
+        path = plot_dir / f"{spec.name}.png"
+        drawn = render_plot(spec, history, path)
+        figures.append((spec, path, drawn))
+    findings = diagnose(history, reward_range)
+    report = run_dir / REPORT_FILE
+    report.write_text(_html(run_dir, history, findings, figures), encoding="utf-8")
+    return report
+
+
+def _html(run_dir: Path, history: History, findings: list[Finding], figures) -> str:
+    escape = html.escape
+    steps = history.steps
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>asyncgrpo report: {escape(run_dir.name)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>Run {escape(str(run_dir))}</h1>",
+        f"<p>{len(steps)} logging windows, steps {steps[0]} to {steps[-1]}. {_settings(history)}</p>",
+        "<h2>Diagnosis</h2>",
+    ]
+    for finding in findings:
+        kind = "ok" if finding.verdict in _OK_VERDICTS else "warn"
+        parts.append(
+            f"<div class='finding {kind}' id='{finding.question}'><div>{escape(QUESTIONS[finding.question])}</div>"
+            f"<div class='verdict'>{escape(finding.verdict)}</div><p>{escape(finding.explanation)}</p>"
+            f"<p><b>What to do:</b> {escape(finding.action)}</p><ul>"
+            + "".join(f"<li>{escape(line)}</li>" for line in finding.evidence)
+            + "</ul></div>"
+        )
+    parts.append("<h2>Plots</h2><div class='plots'>")
+    for spec, path, drawn in figures:
+        data = base64.b64encode(path.read_bytes()).decode("ascii")
+        caption = ", ".join(drawn) if drawn else "not logged in this run"
+        parts.append(
+            f"<figure><img alt='{escape(spec.title)}' src='data:image/png;base64,{data}'>"
+            f"<figcaption>{escape(caption)} ({escape(PLOTS_DIR)}/{escape(path.name)})</figcaption></figure>"
+        )
+    parts.append("</div></body></html>")
+    return "\n".join(parts)
+
+
+def _settings(history: History) -> str:
+    names = (
+        "num_generations",
+        "max_staleness",
+        "max_concurrent_rollouts",
+        "learning_rate",
+        "max_completion_length",
+    )
+    shown = [f"{name}={history.config[name]}" for name in names if name in history.config]
+    return html.escape("Settings: " + ", ".join(shown) + ".") if shown else ""

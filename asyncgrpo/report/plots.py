@@ -1,0 +1,162 @@
+"""The report's plots: one PNG per question a reader asks of a run, drawn with matplotlib.
+
+A metric a run did not log is left out of its plot; a plot with nothing to draw says so in the image,
+so the report always has the same set of plots in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncgrpo.report.history import History
+
+
+@dataclass(frozen=True)
+class Curve:
+    metric: str
+    right_axis: bool = False  # a second y-axis, for a metric of another unit
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    name: str  # the PNG's file name, without .png
+    title: str
+    curves: tuple[Curve, ...]
+    left_label: str = ""
+    right_label: str = ""
+    limit_of: str | None = None  # a config field drawn as a horizontal line (on the left axis)
+
+
+PLOTS = (
+    PlotSpec(
+        "reward",
+        "Reward: all scored groups vs. trained samples",
+        (Curve("reward"), Curve("reward_trained")),
+        "reward",
+    ),
+    PlotSpec(
+        "zero_std_groups",
+        "Groups without signal and where they are stuck",
+        (Curve("frac_zero_std_groups"), Curve("reward_zero_std_groups", True)),
+        "fraction of groups",
+        "reward of those groups",
+    ),
+    PlotSpec(
+        "duplicates_entropy",
+        "Duplicate rollouts and entropy",
+        (Curve("completions/duplicate_frac"), Curve("entropy", True)),
+        "duplicate fraction",
+        "entropy (nats)",
+    ),
+    PlotSpec(
+        "clipped_ratio",
+        "Completions cut at max_completion_length",
+        (Curve("completions/clipped_ratio"),),
+        "fraction",
+    ),
+    PlotSpec(
+        "staleness",
+        "Staleness and dropped samples",
+        (
+            Curve("sample/staleness_mean"),
+            Curve("sample/staleness_max"),
+            Curve("sample/dropped_stale_count", True),
+        ),
+        "steps behind",
+        "samples dropped per window",
+        limit_of="max_staleness",
+    ),
+    PlotSpec(
+        "queue",
+        "Queue size against waits on either side",
+        (
+            Curve("rollout/queue_size"),
+            Curve("perf/rollout_wait_s", True),
+            Curve("rollout/backpressure_s", True),
+        ),
+        "samples",
+        "seconds",
+    ),
+    PlotSpec(
+        "concurrency",
+        "Concurrent rollouts, their cap and vLLM's KV cache",
+        (
+            Curve("rollout/concurrency"),
+            Curve("rollout/concurrency_cap"),
+            Curve("rollout/vllm_kv_cache_usage_frac", True),
+        ),
+        "rollouts",
+        "KV-cache usage",
+        limit_of="max_concurrent_rollouts",
+    ),
+    PlotSpec(
+        "throughput",
+        "Throughput and model FLOPs utilization",
+        (
+            Curve("perf/wall_clock_trained_tokens_per_s"),
+            Curve("rollout/generated_tokens_per_s"),
+            Curve("perf/wall_clock_mfu", True),
+        ),
+        "tokens/s",
+        "MFU",
+    ),
+    PlotSpec(
+        "weight_sync",
+        "Weight sync time",
+        (
+            Curve("perf/weight_sync_s"),
+            Curve("perf/weight_sync_pause_s"),
+            Curve("perf/weight_sync_transfer_s"),
+        ),
+        "seconds",
+    ),
+)
+
+
+def render_plot(spec: PlotSpec, history: History, path: Path) -> list[str]:
+    """Draw `spec` into `path`; returns the metrics it found."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "the report draws its plots with matplotlib: pip install 'asyncgrpo[report]'"
+        ) from error
+
+    matplotlib.use("Agg")  # files only: no display needed
+    from matplotlib import pyplot
+
+    figure, left = pyplot.subplots(figsize=(7, 3.6), dpi=100)
+    right = None
+    drawn, lines = [], []
+    colors = iter(pyplot.rcParams["axes.prop_cycle"].by_key()["color"])
+    for curve in spec.curves:
+        color = next(colors)
+        steps, values = history.series(curve.metric)
+        if not steps:
+            continue
+        if curve.right_axis and right is None:
+            right = left.twinx()
+        axis = right if curve.right_axis else left
+        style = "--" if curve.right_axis else "-"
+        lines += axis.plot(
+            steps, values, style, color=color, marker="." if len(steps) < 60 else None, label=curve.metric
+        )
+        drawn.append(curve.metric)
+    limit = history.config.get(spec.limit_of) if spec.limit_of else None
+    if drawn and isinstance(limit, (int, float)):
+        lines.append(left.axhline(limit, color="gray", linestyle=":", label=f"{spec.limit_of}={limit}"))
+    if not drawn:
+        left.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=left.transAxes)
+    left.set_title(spec.title, fontsize=10)
+    left.set_xlabel("step")
+    left.set_ylabel(spec.left_label)
+    if right is not None:
+        right.set_ylabel(spec.right_label)
+    if lines:
+        left.legend(lines, [line.get_label() for line in lines], fontsize=7, loc="best")
+    left.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    pyplot.close(figure)
+    return drawn

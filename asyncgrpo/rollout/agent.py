@@ -1,0 +1,99 @@
+"""The default `generate_one`: a multi-turn tool loop.
+
+Each turn renders the whole conversation with the chat template (tools' schemas included), samples
+one assistant turn, and runs the tool calls it contains; the results join the conversation as tool
+messages and the next turn starts, until a turn calls no tool or `max_tool_calling_iterations` tool
+turns have run. Every sampling request is one TurnRecord: the trainer builds its samples from them
+(rollout/sequences.py), so only sampled tokens are trained; tool results and template tokens are
+context.
+
+Two views of the conversation are kept. The one that is re-rendered holds each assistant turn's text
+verbatim, so a prefix-preserving template reproduces exactly the tokens that were sampled and the
+next turn extends the same sample. The one reward functions get (`completion`) is structured the way
+TRL's is: content without the tool-call blocks (and without `<think>` reasoning, which goes to
+`reasoning_content`), `tool_calls` as {"type": "function", "function": {"name", "arguments"}}, and
+one {"role": "tool", "name", "content"} message per call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable
+
+from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.rollout.chat import render_prompt_ids
+from asyncgrpo.rollout.tool_calls import parse_turn, tool_call_format
+from asyncgrpo.rollout.tools import run_tool_calls
+from asyncgrpo.rollout.types import Rollout
+
+if TYPE_CHECKING:
+    from asyncgrpo.rollout.loop import AsyncRolloutLoop
+
+
+@functools.lru_cache(maxsize=8)
+def _format_of(template: str) -> str:
+    return tool_call_format(template)
+
+
+def assistant_message(text: str, parsed) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.calls:
+        message["tool_calls"] = [call.as_message_entry() for call in parsed.calls if call.error is None]
+    return message
+
+
+async def run_tool_loop(
+    loop: AsyncRolloutLoop, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int
+) -> Rollout:
+    config = loop.config
+    template = loop.tokenizer.chat_template if isinstance(loop.tokenizer.chat_template, str) else ""
+    fmt = _format_of(template)
+    limit = config.max_tool_calling_iterations
+    conversation = [dict(message) for message in prompt]
+    completion: list[dict[str, Any]] = []
+    turns = []
+    calls = failures = tool_turns = 0
+    exhausted = False
+    prompt_ids = loop.render_prompt(prompt, tools, group_id)
+    while True:
+        turn = await loop.generate_one_turn(prompt_ids)
+        turns.append(turn)
+        text = loop.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+        parsed = parse_turn(text, fmt, with_tools=bool(tools), reasoning=config.parse_reasoning)
+        completion.append(assistant_message(text, parsed))
+        conversation.append({"role": "assistant", "content": text})
+        if not parsed.calls:
+            break
+        if limit is not None and tool_turns >= limit:
+            exhausted = True
+            break
+        results, failed = await run_tool_calls(parsed.calls, tools, loop.tool_executor, lambda: loop.metrics)
+        tool_turns += 1
+        calls += len(parsed.calls)
+        failures += failed
+        completion.extend(results)
+        conversation.extend(results)
+        prompt_ids = render_prompt_ids(loop.tokenizer, conversation, tools, config.chat_template_kwargs)
+        if len(prompt_ids) >= loop.max_model_len:
+            break  # no room left to answer the tool results: the rollout ends here, clipped
+    if tools:
+        loop.metrics.record("tools/loop_exhausted_frac", float(exhausted))
+    return Rollout(
+        completion=completion,
+        completion_ids=[token for turn in turns for token in turn.output_ids],
+        turns=turns,
+        tool_call_count=calls,
+        tool_failure_count=failures,
+    )
+
+
+def record_tool_rollout_metrics(metrics: MetricsWindow, rollout: Rollout) -> None:
+    """Per-rollout tool metrics, from the Rollout's counts (so an overridden generate_one gets them)."""
+    metrics.record("tools/call_frequency", rollout.tool_call_count)
+    # failures over calls, as a weighted mean: NaN in a window without any call (not 0.0).
+    calls = rollout.tool_call_count
+    metrics.record(
+        "tools/failure_frequency", rollout.tool_failure_count / calls if calls else 0.0, weight=calls
+    )

@@ -1,0 +1,183 @@
+"""Rendering conversations to token ids with the chat template, tools included.
+
+One helper (`render_prompt_ids`) is used everywhere a prompt becomes tokens (the rollout loop, the
+trainer's prompt-length check, the demo's warm start), so the trainer measures exactly what the
+worker sends. Tools are offered to the template as JSON schemas built from type hints and
+Google-style docstrings (transformers' `get_json_schema`), with a plainer schema when a tool has no
+usable docstring: the model still sees its name and typed parameters.
+
+A tool loop re-renders the whole conversation every turn. A template that rewrites earlier turns
+(Qwen3 drops the reasoning of assistant turns before the last user query) makes a turn's prompt
+differ from the tokens kept so far, which forks the training sample (rollout/sequences.py). For
+known families a prefix-preserving training template replaces the model's when tools are on.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import typing
+from typing import Any, Callable
+
+from transformers.utils import get_json_schema
+from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+
+logger = logging.getLogger(__name__)
+
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+
+
+def _plain_schema(tool: Callable) -> dict[str, Any]:
+    """Name, first docstring line and typed parameters, for a tool whose docstring does not parse."""
+    signature = inspect.signature(tool)
+    hints = typing.get_type_hints(tool) if not isinstance(tool, functools.partial) else {}
+    properties, required = {}, []
+    for name, parameter in signature.parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        hint = typing.get_origin(hints.get(name)) or hints.get(name)
+        properties[name] = {"type": _JSON_TYPES[hint]} if hint in _JSON_TYPES else {}
+        if parameter.default is parameter.empty:
+            required.append(name)
+    doc = inspect.getdoc(tool) or ""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool_name(tool),
+            "description": doc.strip().splitlines()[0] if doc.strip() else "",
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
+
+
+def tool_name(tool: Callable) -> str:
+    """The name the model calls a tool by: its `__name__` (a partial's target's)."""
+    while isinstance(tool, functools.partial):
+        tool = tool.func
+    return tool.__name__
+
+
+@functools.lru_cache(maxsize=4096)
+def _schema_of(function: Callable) -> dict[str, Any]:
+    try:
+        return get_json_schema(function)
+    except (DocstringParsingException, TypeHintParsingException) as error:
+        logger.warning(
+            "tool %r: %s; it is offered with its name and typed parameters only. Give it a Google-style "
+            "docstring (a description and an Args: section) so the model knows what it does.",
+            tool_name(function),
+            error,
+        )
+        return _plain_schema(function)
+
+
+def tool_schema(tool: Callable) -> dict[str, Any]:
+    """The JSON schema of one tool. Bound methods (environment tools) are cached by their function
+    (whose schema leaves `self` out): every instance of an environment class offers the same one."""
+    return _schema_of(getattr(tool, "__func__", tool))
+
+
+def render_prompt_ids(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[Callable] | None = None,
+    chat_template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The conversation's token ids through the chat template, with the tools' schemas."""
+    rendered = tokenizer.apply_chat_template(
+        messages,
+        tools=[tool_schema(tool) for tool in tools] if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        **(chat_template_kwargs or {}),
+    )
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+# -- training templates for known families -----------------------------------------------------------------
+
+# Qwen3's chat template without its rewriting of earlier assistant turns: every message renders the
+# same whatever follows it. Assistant content is rendered verbatim (reasoning included), structured
+# tool calls in Qwen3's `<tool_call>` form, tool results as `<tool_response>` blocks of a user turn.
+# With enable_thinking=False the generation prompt holds an empty think block; past assistant turns
+# render it too, so the history reproduces what the model was prompted with.
+QWEN3_TRAINING_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
+{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{%- set content = message.content if message.content is string else '' %}
+{%- if message.reasoning_content is string and message.reasoning_content %}
+{%- set content = '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') %}
+{%- endif %}
+{%- if enable_thinking is defined and enable_thinking is false and not content.startswith('<think>') %}
+{%- set content = '<think>\\n\\n</think>\\n\\n' + content %}
+{%- endif %}
+{{- '<|im_start|>assistant\\n' + content }}
+{%- for tool_call in message.tool_calls or [] %}
+{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+{%- if loop.first and content or not loop.first %}{{- '\\n' }}{%- endif %}
+{{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
+{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}"""
+
+
+def _is_qwen3_template(template: str) -> bool:
+    # Qwen3 (and Qwen3-style fine-tunes) find the last real user query to decide whose reasoning to drop.
+    return "<tool_call>" in template and "last_query_index" in template and "reasoning_content" in template
+
+
+def use_training_template(tokenizer) -> bool:
+    """Replace a known family's history-rewriting template by its prefix-preserving training
+    template (called when tools are on). Returns whether it did."""
+    template = tokenizer.chat_template
+    if isinstance(template, str) and _is_qwen3_template(template):
+        tokenizer.chat_template = QWEN3_TRAINING_TEMPLATE
+        logger.info(
+            "tools are on: the Qwen3 chat template is replaced by its prefix-preserving training template"
+        )
+        return True
+    return False
+
+
+class RewriteDetector:
+    """Warns once when an unknown template re-renders earlier turns differently (a fork between
+    turns), which costs forwarded tokens on every multi-turn rollout."""
+
+    def __init__(self) -> None:
+        self.warned = False
+
+    def observe(self, transitions: int, forks: int) -> None:
+        if forks and not self.warned:
+            self.warned = True
+            logger.warning(
+                "the chat template re-rendered earlier turns differently in %d of %d turn transitions of a "
+                "rollout: each such turn starts a new training sample (a fork). Watch rollout/fork_frac and "
+                "rollout/drift_tokens_mean; a prefix-preserving template (appending a message never changes "
+                "how earlier ones render) avoids the extra forward cost.",
+                forks,
+                transitions,
+            )

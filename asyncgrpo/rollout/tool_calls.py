@@ -1,0 +1,103 @@
+"""Reading an assistant turn: its tool calls and its reasoning.
+
+Formats, picked from what the chat template declares:
+  - "hermes" (Qwen2.5/Qwen3, Hermes and most ChatML tool models): one
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block per call;
+  - "mistral": `[TOOL_CALLS]` followed by a JSON list of {"name", "arguments"} objects.
+A block that is not valid JSON, lacks a name, or has non-object arguments is kept as a malformed
+call: the loop answers it with an error message the model sees and counts it as a failure, it never
+stops the run.
+
+Reasoning: like TRL's `parse_response`, a Qwen3-style `<think>...</think>` (the opening tag may sit
+in the generation prompt) is split off into `reasoning_content`, so reward functions read the answer
+alone in `content`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_MISTRAL_MARK = "[TOOL_CALLS]"
+
+
+@dataclass
+class ToolCall:
+    name: str | None  # None when the call could not be read
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # why the call is malformed, if it is
+
+    def as_message_entry(self) -> dict[str, Any]:
+        """The call in the chat-message form templates and reward functions expect."""
+        return {"type": "function", "function": {"name": self.name or "", "arguments": self.arguments}}
+
+
+@dataclass
+class ParsedTurn:
+    content: str  # the text without tool-call blocks (and without reasoning when split)
+    calls: list[ToolCall]
+    reasoning: str | None = None
+
+
+def tool_call_format(chat_template: Any) -> str:
+    template = chat_template if isinstance(chat_template, str) else ""
+    if _MISTRAL_MARK in template and "<tool_call>" not in template:
+        return "mistral"
+    return "hermes"
+
+
+def _read_call(payload: Any) -> ToolCall:
+    if isinstance(payload, str):
+        try:
+            payload = json.loads(payload)
+        except json.JSONDecodeError as error:
+            return ToolCall(None, error=f"the tool call is not valid JSON ({error.msg} at char {error.pos})")
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return ToolCall(None, error='a tool call must be a JSON object with a "name" string')
+    arguments = payload.get("arguments", payload.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as error:
+            return ToolCall(payload["name"], error=f"the arguments are not valid JSON ({error.msg})")
+    if not isinstance(arguments, dict):
+        return ToolCall(payload["name"], error='"arguments" must be a JSON object')
+    return ToolCall(payload["name"], arguments)
+
+
+def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str, list[ToolCall]]:
+    """(the text without the calls, the calls in the order emitted)."""
+    if fmt == "mistral":
+        head, mark, tail = text.partition(_MISTRAL_MARK)
+        if not mark:
+            return text, []
+        try:
+            payload = json.loads(tail.strip())
+        except json.JSONDecodeError as error:
+            return head, [ToolCall(None, error=f"the tool calls are not valid JSON ({error.msg})")]
+        payload = payload if isinstance(payload, list) else [payload]
+        return head, [_read_call(entry) for entry in payload]
+    calls = [_read_call(block.strip()) for block in _HERMES_BLOCK.findall(text)]
+    if not calls:
+        return text, []
+    return _HERMES_BLOCK.sub("", text).strip(), calls
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning or None, the rest). Only a reasoning block that closes counts: a turn cut off
+    inside its reasoning keeps everything in content."""
+    before, mark, after = text.partition("</think>")
+    if not mark:
+        return None, text
+    reasoning = before.split("<think>", 1)[-1].strip("\n")
+    return reasoning, after.lstrip("\n")
+
+
+def parse_turn(text: str, fmt: str, with_tools: bool, reasoning: bool) -> ParsedTurn:
+    """An assistant turn's content, calls (only looked for when tools are offered) and reasoning."""
+    thought, rest = split_reasoning(text) if reasoning else (None, text)
+    content, calls = parse_tool_calls(rest, fmt) if with_tools else (rest, [])
+    return ParsedTurn(content=content, calls=calls, reasoning=thought)

@@ -1,0 +1,340 @@
+"""Config-file runs (`asyncgrpo train CONFIG.yaml [--key value ...]`): read, check, build.
+
+A config is one flat YAML mapping. Its keys are either the run's own keys (below) or any
+AsyncGRPOConfig field (`max_steps`, `learning_rate`, `vllm_server_base_url`, ...). Code is named by
+import path, `module:attribute` (`asyncgrpo.rewards:accuracy_reward`); the current directory is
+importable, as with `python -m`. Everything is checked before anything slow (model, dataset, server):
+an unknown key names the closest valid ones, a wrong type names the expected one, an import path
+that does not resolve says which part failed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+RUN_KEYS = {
+    "model": "a Hub id or a local model directory",
+    "dataset": "the training prompts: a mapping (see DATASET_KEYS)",
+    "reward_funcs": "one import path or a list of them",
+    "tools": "a list of import paths of tool functions",
+    "environment_factory": "an import path, or a mapping name -> import path",
+    "loop_class": "import path of an AsyncRolloutLoop subclass that replaces the default loop",
+    "peft_config": "LoraConfig keyword arguments (r, lora_alpha, target_modules, ...)",
+    "warm_start": "a step run on the loaded model before GRPO: {function: import path, kwargs: {...}}",
+}
+DATASET_KEYS = {
+    "name": "a Hub dataset id (load_dataset(name))",
+    "subset": "the Hub dataset's configuration name",
+    "data_files": "local files (a path, a list, or split -> paths); the format comes from the extension",
+    "format": "the `datasets` builder for data_files: json, csv, parquet, text (default: from the extension)",
+    "split": "the split to train on (default: train)",
+    "columns": "renames, source column -> name the trainer expects (e.g. {question: prompt})",
+}
+WARM_START_KEYS = {
+    "function": "import path of f(model, tokenizer, **kwargs)",
+    "kwargs": "its keyword arguments",
+}
+_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot describe a run; the message says what to change."""
+
+
+@dataclass
+class RunConfig:
+    model: str
+    args: Any  # AsyncGRPOConfig
+    reward_funcs: list[Callable] = field(default_factory=list)
+    dataset: dict | None = None
+    tools: list[Callable] = field(default_factory=list)
+    environment_factory: Any = None
+    loop_class: type | None = None
+    peft_config: dict | None = None
+    warm_start: dict | None = None
+    raw: dict = field(default_factory=dict)  # the merged mapping, as written to the run directory
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+
+def read_config(path: str | Path, overrides: list[str] | None = None) -> dict:
+    """The YAML mapping at `path` with the command-line overrides applied."""
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from error
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of keys to values, not a {type(raw).__name__}")
+    for key, value in parse_overrides(overrides or []).items():
+        _set_dotted(raw, key, value)
+    return raw
+
+
+def parse_overrides(tokens: list[str]) -> dict[str, Any]:
+    """`--key value` or `--key=value` pairs; dashes in keys become underscores, `a.b` reaches into a
+    section, and values are read as YAML (`3` is an int, `true` a bool, `[a, b]` a list)."""
+    import yaml
+
+    overrides, index = {}, 0
+    while index < len(tokens):
+        token = tokens[index]
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(f"expected --key value after the config file, got {token!r}")
+        key, has_value, value = token[2:].partition("=")
+        if not has_value:
+            if index + 1 >= len(tokens) or tokens[index + 1].startswith("--"):
+                raise ConfigError(f"--{key} needs a value (--{key} VALUE or --{key}=VALUE)")
+            value = tokens[index + 1]
+            index += 1
+        overrides[key.replace("-", "_")] = yaml.safe_load(value) if value != "" else ""
+        index += 1
+    return overrides
+
+
+def _set_dotted(mapping: dict, key: str, value: Any) -> None:
+    *sections, last = key.split(".")
+    for section in sections:
+        mapping = mapping.setdefault(section, {})
+        if not isinstance(mapping, dict):
+            raise ConfigError(f"--{key}: {section} is not a section")
+    mapping[last] = value
+
+
+# -- checking ---------------------------------------------------------------------------------------
+
+
+def build_run_config(raw: dict) -> RunConfig:
+    """Check every key, type and import path of `raw`; build the AsyncGRPOConfig."""
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    arg_types = typing.get_type_hints(AsyncGRPOConfig)
+    arg_names = {f.name for f in fields(AsyncGRPOConfig) if f.init}
+    _reject_unknown(raw, set(RUN_KEYS) | arg_names, "")
+    if "model" not in raw:
+        raise ConfigError("the config has no `model`: give a Hub id or a local model directory")
+    model = _expect(raw["model"], str, "model")
+    arg_values = {}
+    for name in arg_names & set(raw):
+        value = raw[name]
+        if isinstance(value, str) and _accepts(arg_types[name], float) and not _accepts(arg_types[name], str):
+            value = _float_from_text(value, name)  # YAML reads 1e-6 (no dot) as a string
+        if not _matches(value, arg_types[name]):
+            raise ConfigError(
+                f"{name}: expected {_type_name(arg_types[name])}, got {type(value).__name__} {value!r}"
+            )
+        arg_values[name] = value
+    arg_values.setdefault("output_dir", f"{Path(model).name or 'model'}-AsyncGRPO")
+    try:
+        args = AsyncGRPOConfig(**arg_values)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from error
+
+    dataset = raw.get("dataset")
+    if dataset is not None:
+        _expect(dataset, dict, "dataset")
+        _reject_unknown(dataset, set(DATASET_KEYS), "dataset.")
+        if ("name" in dataset) == ("data_files" in dataset):
+            raise ConfigError("dataset: give exactly one of `name` (a Hub id) or `data_files` (local files)")
+        if "columns" in dataset:
+            _expect(dataset["columns"], dict, "dataset.columns")
+    environment = raw.get("environment_factory")
+    if isinstance(environment, dict):
+        environment = {
+            name: resolve(path, f"environment_factory.{name}") for name, path in environment.items()
+        }
+    elif environment is not None:
+        environment = resolve(environment, "environment_factory")
+    if dataset is None and environment is None:
+        raise ConfigError(
+            "the config has no `dataset`: give one (or an environment_factory that makes prompts)"
+        )
+    loop_class = resolve(raw["loop_class"], "loop_class") if "loop_class" in raw else None
+    if loop_class is not None:
+        from asyncgrpo.rollout.loop import AsyncRolloutLoop
+
+        if not (isinstance(loop_class, type) and issubclass(loop_class, AsyncRolloutLoop)):
+            raise ConfigError(f"loop_class {raw['loop_class']!r} is not a subclass of AsyncRolloutLoop")
+    warm_start = raw.get("warm_start")
+    if warm_start is not None:
+        _expect(warm_start, dict, "warm_start")
+        _reject_unknown(warm_start, set(WARM_START_KEYS), "warm_start.")
+        warm_start = {
+            "function": resolve(warm_start.get("function"), "warm_start.function"),
+            "kwargs": _expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs"),
+        }
+    peft_config = _expect(raw["peft_config"], dict, "peft_config") if "peft_config" in raw else None
+    return RunConfig(
+        model=model,
+        args=args,
+        reward_funcs=[
+            resolve(path, f"reward_funcs[{i}]") for i, path in enumerate(_as_list(raw.get("reward_funcs")))
+        ],
+        dataset=dataset,
+        tools=[resolve(path, f"tools[{i}]") for i, path in enumerate(_as_list(raw.get("tools")))],
+        environment_factory=environment,
+        loop_class=loop_class,
+        peft_config=peft_config,
+        warm_start=warm_start,
+        raw=raw,
+    )
+
+
+def resolve(path: Any, where: str) -> Any:
+    """The object named by `module:attribute` (the attribute may be dotted)."""
+    if not isinstance(path, str) or path.count(":") != 1:
+        raise ConfigError(f"{where}: {path!r} is not an import path of the form module:attribute")
+    module_name, attribute = path.split(":")
+    if str(Path.cwd()) not in sys.path and "" not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # like `python -m`: the project's own modules import
+    try:
+        value = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ConfigError(f"{where}: cannot import module {module_name!r} of {path!r} ({error})") from error
+    for part in attribute.split("."):
+        if not hasattr(value, part):
+            raise ConfigError(f"{where}: {module_name!r} has no attribute {attribute!r} (from {path!r})")
+        value = getattr(value, part)
+    return value
+
+
+def _reject_unknown(mapping: dict, valid: set[str], prefix: str) -> None:
+    for key in mapping:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), sorted(valid), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(prefix + name for name in close)}?" if close else ""
+            raise ConfigError(f"unknown key {prefix}{key}{hint}")
+
+
+def _expect(value: Any, kind: type, where: str) -> Any:
+    if not isinstance(value, kind):
+        raise ConfigError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _as_list(value: Any) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _float_from_text(value: str, name: str) -> Any:
+    try:
+        return float(value)
+    except ValueError:
+        return value  # reported as a type error by the caller
+
+
+def _accepts(hint: Any, kind: type) -> bool:
+    return any(option is kind for option in _options(hint))
+
+
+def _options(hint: Any) -> tuple:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    for option in _options(hint):
+        origin = typing.get_origin(option) or option
+        if option is type(None) and value is None:
+            return True
+        if option is Any:
+            return True
+        if option is bool:
+            if isinstance(value, bool):
+                return True
+        elif option is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return True
+        elif option is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return True
+        elif origin is typing.Literal:
+            if value in typing.get_args(option):
+                return True
+        elif isinstance(origin, type):
+            if issubclass(origin, str) and isinstance(value, str):  # str-valued enums accept their names
+                return True
+            if isinstance(value, origin):
+                return True
+        else:
+            return True  # a hint this check cannot read: AsyncGRPOConfig's own checks decide
+    return False
+
+
+def _type_name(hint: Any) -> str:
+    return " or ".join(getattr(option, "__name__", str(option)) for option in _options(hint))
+
+
+# -- building ---------------------------------------------------------------------------------------
+
+
+def load_training_dataset(spec: dict):
+    from datasets import load_dataset
+
+    split = spec.get("split", "train")
+    if "name" in spec:
+        dataset = load_dataset(spec["name"], spec.get("subset"), split=split)
+    else:
+        files = spec["data_files"]
+        first = (
+            files
+            if isinstance(files, str)
+            else next(iter(files.values() if isinstance(files, dict) else files))
+        )
+        first = first[0] if isinstance(first, list) else first
+        builder = spec.get("format") or _FORMATS.get(Path(first).suffix)
+        if builder is None:
+            raise ConfigError(f"dataset.data_files: cannot tell the format of {first!r}; set dataset.format")
+        dataset = load_dataset(builder, data_files=files, split=split)
+    columns = spec.get("columns") or {}
+    missing = [name for name in columns if name not in dataset.column_names]
+    if missing:
+        raise ConfigError(
+            f"dataset.columns: {missing} not among the dataset's columns {dataset.column_names}"
+        )
+    return dataset.rename_columns(columns) if columns else dataset
+
+
+def build_trainer(run: RunConfig):
+    """The AsyncGRPOTrainer the config describes (loads the model and the dataset, runs the warm start)."""
+    from asyncgrpo import AsyncGRPOTrainer
+
+    trainer_class = AsyncGRPOTrainer
+    if run.loop_class is not None:
+        trainer_class = type("ConfiguredAsyncGRPOTrainer", (AsyncGRPOTrainer,), {"loop_cls": run.loop_class})
+    model = run.model
+    if run.warm_start is not None:
+        from transformers import AutoTokenizer
+
+        model = AsyncGRPOTrainer._load_model(run.model, run.args)
+        tokenizer = AutoTokenizer.from_pretrained(run.model)
+        result = run.warm_start["function"](model, tokenizer, **run.warm_start["kwargs"])
+        print(f"warm start {run.raw['warm_start']['function']} done (it returned {result!r})", flush=True)
+    peft_config = None
+    if run.peft_config is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**run.peft_config)
+    return trainer_class(
+        model=model,
+        reward_funcs=run.reward_funcs or None,
+        args=run.args,
+        train_dataset=load_training_dataset(run.dataset) if run.dataset is not None else None,
+        peft_config=peft_config,
+        tools=run.tools or None,
+        environment_factory=run.environment_factory,
+    )

@@ -1,0 +1,144 @@
+"""PEFT adapters on the trained model: wrapping, what is refused, and what vLLM can serve as an adapter.
+
+The model is wrapped with `peft.get_peft_model`, so only adapter parameters require gradients (the
+optimizer holds state for those alone) and checkpoints hold the adapter. Weight sync then has two
+modes (docs/peft.md): the merged weights through the ordinary backend, or the adapter alone when
+the servers run with `--enable-lora`. Adapters vLLM cannot load fall back to the merged mode;
+`adapter_unservable_reason` says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+
+import torch
+
+from asyncgrpo.models import NOT_SERVED_ATTR
+
+logger = logging.getLogger(__name__)
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def wrap_with_peft(model: torch.nn.Module, peft_config, gradient_checkpointing: bool) -> torch.nn.Module:
+    """`model` with a fresh trainable adapter of `peft_config`; the base weights are frozen."""
+    try:
+        from peft import get_peft_model
+    except ImportError as error:
+        raise ImportError("peft_config needs the peft library: pip install 'asyncgrpo[peft]'") from error
+    if getattr(peft_config, "is_prompt_learning", False):
+        raise ValueError(
+            f"{type(peft_config).__name__} is a prompt-learning method: its virtual tokens cannot be merged into "
+            "the weights vLLM serves. Use a LoraConfig (or another adapter that merges into the linear layers)."
+        )
+    if getattr(peft_config, "target_parameters", None):
+        raise ValueError(
+            "peft_config.target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported: target "
+            "modules instead"
+        )
+    peft_config = _outside_language_model_excluded(model, peft_config)
+    head = model.get_output_embeddings()
+    if gradient_checkpointing:
+        # The frozen embedding's output needs grad, or checkpointed layers pass none to the adapters.
+        model.enable_input_require_grads()
+    wrapped = get_peft_model(model, peft_config)
+    _refuse_output_head(wrapped, head)
+    _refuse_frozen_modules(wrapped, model)
+    return wrapped
+
+
+def _frozen_roots(model: torch.nn.Module) -> list[str]:
+    """The outermost modules holding what `freeze_outside_language_model` froze (e.g. `model.visual`)."""
+    prefixes = sorted({name.rsplit(".", 1)[0] for name in getattr(model, NOT_SERVED_ATTR, ())})
+    return [p for p in prefixes if not any(p.startswith(q + ".") for q in prefixes)]
+
+
+def _outside_language_model_excluded(model: torch.nn.Module, peft_config):
+    """A copy of `peft_config` that keeps adapters off the frozen vision tower, which
+    `target_modules="all-linear"` would otherwise reach. A config that sets `exclude_modules`
+    itself is kept as is (and checked after wrapping)."""
+    roots = _frozen_roots(model)
+    if not roots or getattr(peft_config, "exclude_modules", None) is not None:
+        return peft_config
+    peft_config = copy.copy(peft_config)
+    peft_config.exclude_modules = "|".join(rf"{re.escape(root)}(\..*)?" for root in roots)
+    return peft_config
+
+
+def _refuse_frozen_modules(peft_model, model: torch.nn.Module) -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    roots = _frozen_roots(model)
+    for name, module in peft_model.get_base_model().named_modules():
+        if isinstance(module, BaseTunerLayer) and any(name == r or name.startswith(r + ".") for r in roots):
+            raise ValueError(
+                f"the adapter wraps {name}, outside the language model (a vision tower, frozen for text-only "
+                "training and not served from the trainer): keep target_modules / exclude_modules to the "
+                "language model"
+            )
+
+
+def _refuse_output_head(peft_model, head: torch.nn.Module | None) -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    for name, module in peft_model.named_modules():
+        wrapped_head = (isinstance(module, BaseTunerLayer) and module.get_base_layer() is head) or (
+            isinstance(module, ModulesToSaveWrapper) and module.original_module is head
+        )
+        if head is not None and wrapped_head:
+            raise ValueError(
+                f"the adapter wraps the output head ({name}): PEFT on lm_head is not supported (the loss reads the "
+                "head's weight directly, and vLLM cannot serve it as an adapter). Remove lm_head from "
+                "target_modules / modules_to_save."
+            )
+
+
+def active_config(peft_model):
+    return peft_model.peft_config[peft_model.active_adapter]
+
+
+def adapter_rank(peft_model) -> int:
+    """The largest LoRA rank of the active adapter (rank_pattern included): what the servers'
+    `--max-lora-rank` must cover."""
+    config = active_config(peft_model)
+    return max([int(config.r), *(int(rank) for rank in (config.rank_pattern or {}).values())])
+
+
+def adapter_unservable_reason(peft_model) -> str | None:
+    """Why vLLM cannot load the active adapter as a runtime LoRA adapter; None when it can."""
+    from peft import LoraConfig
+    from peft.tuners.lora import Embedding as LoraEmbedding
+
+    config = active_config(peft_model)
+    if not isinstance(config, LoraConfig):
+        return f"it is a {type(config).__name__}, and vLLM serves LoRA adapters only"
+    if config.use_dora:
+        return "it uses DoRA (use_dora=True), which vLLM does not serve"
+    if config.modules_to_save:
+        return f"it trains whole modules (modules_to_save={list(config.modules_to_save)}), which vLLM does not serve"
+    if config.bias != "none" or getattr(config, "lora_bias", False):
+        return "it trains biases (bias / lora_bias), which vLLM does not serve"
+    embedded = [name for name, module in peft_model.named_modules() if isinstance(module, LoraEmbedding)]
+    if embedded:
+        return f"it targets embeddings ({embedded[0]}), which vLLM does not serve as LoRA"
+    if len(peft_model.peft_config) > 1:
+        return "the model holds several adapters"
+    return None
+
+
+def adapter_tensors(peft_model) -> list[tuple[str, torch.Tensor]]:
+    """The adapter's weights (names as in the PEFT model's state dict, adapter name included), in a
+    fixed order. Under FSDP2 they are sharded: gather each with `full_tensor`, every process in this
+    order."""
+    return [
+        (name, parameter.detach()) for name, parameter in peft_model.named_parameters() if "lora_" in name
+    ]

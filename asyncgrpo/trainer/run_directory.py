@@ -1,0 +1,103 @@
+"""The run directory: everything needed to read a run afterwards, under `output_dir`.
+
+  config.json      the resolved AsyncGRPOConfig (every field, after defaults)
+  metrics.jsonl    one JSON object per logging window: `step`, `time` and every metric logged
+  warnings.log     warnings of the trainer and of the rollout worker process
+  checkpoint-N/    written by the base Trainer as usual
+
+`asyncgrpo report RUN_DIR` reads this layout. It is written by a callback, beside `report_to`
+(tensorboard, trackio, wandb keep receiving the same logs), so the training loop is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+WARNINGS_FILE = "warnings.log"
+# The rollout worker is a spawned process: it learns where to write its warnings from this variable,
+# which it inherits at spawn.
+WARNINGS_FILE_ENV = "ASYNCGRPO_WARNINGS_FILE"
+
+_FORMAT = "%(asctime)s %(processName)s %(name)s %(levelname)s: %(message)s"
+_active_handler: logging.Handler | None = None  # one run directory at a time per process
+
+
+def attach_warnings_file(path: str | os.PathLike | None = None) -> logging.Handler | None:
+    """Send the package's warnings to `path` (default: the file named by ASYNCGRPO_WARNINGS_FILE),
+    instead of the file of an earlier run in this process. Returns the handler, or None when no file
+    is named."""
+    global _active_handler
+    path = path or os.environ.get(WARNINGS_FILE_ENV)
+    if not path:
+        return None
+    package_logger = logging.getLogger("asyncgrpo")
+    detach_warnings_file()
+    if not package_logger.hasHandlers():
+        # Without any handler Python prints warnings to stderr (its last resort); adding the file
+        # would silence that, so stderr gets an explicit handler first.
+        console = logging.StreamHandler()
+        console.setLevel(logging.WARNING)
+        package_logger.addHandler(console)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    package_logger.addHandler(handler)
+    _active_handler = handler
+    return handler
+
+
+def detach_warnings_file() -> None:
+    global _active_handler
+    if _active_handler is not None:
+        logging.getLogger("asyncgrpo").removeHandler(_active_handler)
+        _active_handler.close()
+        _active_handler = None
+
+
+def _json_value(value):
+    # NaN/inf are not JSON; null keeps the line readable by any JSON parser.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunDirectoryCallback(TrainerCallback):
+    """Writes the run directory on the main process. Appends to metrics.jsonl, so a resumed run
+    continues the same file (readers keep the last line of a step)."""
+
+    def __init__(self):
+        self._directory: Path | None = None
+
+    def on_init_end(self, args, state, control, **kwargs):
+        # Before train(): the rollout worker is spawned at the start of train() and must inherit the
+        # warnings file.
+        if not state.is_world_process_zero:
+            return
+        self._directory = Path(args.output_dir)
+        self._directory.mkdir(parents=True, exist_ok=True)
+        (self._directory / CONFIG_FILE).write_text(args.to_json_string())
+        warnings_path = self._directory / WARNINGS_FILE
+        os.environ[WARNINGS_FILE_ENV] = str(warnings_path.resolve())
+        attach_warnings_file(warnings_path)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._directory is None or not logs:
+            return
+        record = {"step": state.global_step, "time": time.time()}
+        record.update({name: _json_value(value) for name, value in logs.items()})
+        with open(self._directory / METRICS_FILE, "a", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._directory is not None:
+            detach_warnings_file()
+            os.environ.pop(WARNINGS_FILE_ENV, None)

@@ -1,0 +1,396 @@
+"""The whole optimizer step at the trainer's default settings on one GPU: MFU, profile, memory.
+
+The step is built by `AsyncGRPOTrainer` itself (its defaults, its model preparation, its
+`_forward_backward` with `row_loss` and its `_optimizer_step`: clipping + AdamW), on random weights
+of the Qwen3-1.7B shape held in fp32 (the trainer's `dtype` default) with no vLLM server: only the
+samples are synthetic. Phases (one call, device time is scarce; a short table is printed last):
+  1. the card's bf16 matmul peak (8192^3), the ceiling MFU is measured against;
+  2. MFU of the full step (2 micro-batches = 2 rows of `--budget` tokens) on DeepMath-like rows
+     (200-token prompt, 8 completions of 300-1,500 tokens), for the defaults and the variants;
+  3. a torch.profiler breakdown of one default step by kernel family;
+  4. tree vs plain padding-free packing of shared-prefix groups (packing ratio ~3.4) in the same
+     full step: speedup against the FLOP ratio;
+  5. peak memory of the default step vs token_budget, up to the first OOM.
+Model FLOPs: 6 x decoder params x forwarded tokens + 6 x head params x trained tokens + attention
+(asyncgrpo.perf); recomputation by checkpointing is not counted.
+
+Run (GPU machine): `python bench/gpu_step.py --out $OUT`; `--smoke` runs tiny shapes on CPU.
+Prints `gpu_step mfu=X target=0.45` last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_training import QWEN3, QWEN3_COMMON, matmul_peak  # noqa: E402
+from workloads import plain_row  # noqa: E402
+
+import asyncgrpo.logprobs as logprobs_module  # noqa: E402
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.packing.planner import MicroBatchPlan, TokenBudgetBatcher  # noqa: E402
+from asyncgrpo.packing.tree_attention import BLOCK_SIZE  # noqa: E402
+from asyncgrpo.perf import flop_model  # noqa: E402
+from asyncgrpo.sample import Sample  # noqa: E402
+from asyncgrpo.tiny_model import build_tokenizer  # noqa: E402
+from asyncgrpo.trainer.distributed import Processes  # noqa: E402
+from asyncgrpo.trainer.intake import StepBatch  # noqa: E402
+
+TARGET = 0.45
+TOP_N = 8
+# name -> (AsyncGRPOConfig overrides, fused head); the first is what the trainer does by default.
+VARIANTS = {
+    "defaults": ({}, True),
+    "full-ckpt": ({"gradient_checkpointing_to_fit": False}, True),
+    "unfused-head": ({}, False),
+    "previous-defaults": (  # eager layers, every layer checkpointed, unfused head
+        {"torch_compile": False, "gradient_checkpointing_to_fit": False},
+        False,
+    ),
+}
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+class _Prompts:
+    """A one-row conversational dataset: the trainer checks its format; no rollout reads it here."""
+
+    column_names = ["prompt"]
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index):
+        return {"prompt": [{"role": "user", "content": "2+2?"}]}
+
+    def __iter__(self):
+        return iter([self[0]])
+
+
+def build_model(smoke: bool) -> Qwen3ForCausalLM:
+    values = dict(QWEN3_COMMON, **QWEN3["1.7B"])
+    if smoke:
+        values.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=1024)  # fmt: skip
+    config = Qwen3Config(**values, dtype="float32")
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu"):
+        return Qwen3ForCausalLM(config)  # fp32: AsyncGRPOConfig.dtype's default
+
+
+def make_trainer(overrides: dict, smoke: bool, output_dir: str) -> AsyncGRPOTrainer:
+    args = AsyncGRPOConfig(output_dir=output_dir, gradient_accumulation_steps=2, report_to="none",
+                           use_cpu=smoke, **overrides)  # fmt: skip
+    trainer = AsyncGRPOTrainer(build_model(smoke), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                               args=args, train_dataset=_Prompts(), processing_class=build_tokenizer())  # fmt: skip
+    if args.gradient_checkpointing:  # what Trainer.train does before the training loop
+        trainer.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+        )
+    trainer._processes = Processes(1, 0)
+    trainer._sharded = False  # one process, as _inner_training_loop decides for a single-GPU run
+    trainer._restore_state(args, None)
+    trainer._model = trainer._prepare_model(args, None)
+    return trainer
+
+
+def sample(rng, prompt: np.ndarray, completion_len: int, vocab: int, group: int) -> Sample:
+    tokens = np.concatenate([prompt, rng.integers(0, vocab, completion_len)])
+    trained = np.arange(len(tokens)) >= len(prompt)
+    top_ids = rng.integers(0, vocab, (completion_len, TOP_N))
+    top_logprobs = np.sort(np.log(rng.dirichlet(np.ones(TOP_N * 4), completion_len)[:, :TOP_N]), -1)[:, ::-1]
+    return Sample(tokens, trained, rng.normal(-2.0, 0.5, completion_len).astype(np.float32),
+                  float(rng.normal()), group, top_ids=top_ids,
+                  top_logprobs=np.ascontiguousarray(top_logprobs, dtype=np.float32))  # fmt: skip
+
+
+def deepmath_plans(rng, budget: int, rows: int, vocab: int, smoke: bool) -> list[MicroBatchPlan]:
+    """Rows the trainer's planner fills to `budget` with groups of a 200-token prompt and 8
+    completions of 300-1,500 tokens (packing ratio ~1.2)."""
+    batcher = TokenBudgetBatcher(budget, 1, min_shared_tokens=BLOCK_SIZE)
+    plans, group = [], 0
+    scale = 16 if smoke else 1
+    while len(plans) < rows:
+        prompt = rng.integers(0, vocab, 200 // scale)
+        for _ in range(8):
+            candidate = sample(rng, prompt, int(rng.integers(300, 1500)) // scale, vocab, group)
+            if batcher.offer(candidate).name != "PLACED":
+                plans.append(batcher.close())
+                batcher.offer(candidate)
+        group += 1
+    return plans[:rows]
+
+
+def shared_prefix_samples(rng, groups: int, vocab: int, smoke: bool) -> list[Sample]:
+    """Groups of a 1,068-token prompt + 8 x 256-token completions: packing ratio ~3.4."""
+    scale = 16 if smoke else 1
+    out = []
+    for group in range(groups):
+        prompt = rng.integers(0, vocab, 1068 // scale)
+        out += [sample(rng, prompt, 256 // scale, vocab, group) for _ in range(8)]
+    return out
+
+
+class FixedPlan:
+    """A micro-batch plan whose rows are given (plain padding-free packing for the comparison)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def pack(self):
+        return self.rows
+
+
+def with_top(row, tree):
+    """plain_row's layout with the sampler's top-N of the same entries (same entry order)."""
+    row.top_ids, row.top_logprobs = tree.top_ids, tree.top_logprobs
+    return row
+
+
+def step(trainer: AsyncGRPOTrainer, plans) -> None:
+    """What `AsyncGRPOTrainer._train_step` runs on the GPU: forward/backward of every micro-batch,
+    then clipping + AdamW."""
+    trainer._forward_backward(trainer._model, StepBatch(plans=list(plans)))
+    trainer._optimizer_step(trainer._model)
+
+
+def timed_steps(trainer, plans, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step(trainer, plans)
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        step(trainer, plans)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def plan_flops(flops, rows) -> float:
+    return sum(flops.step_flops(r.num_tokens, r.num_entries, r.attention_cost) for r in rows)
+
+
+@functools.cache
+def _unfused_token_logprobs():
+    return functools.partial(logprobs_module.token_logprobs, fused=False)
+
+
+def set_fused(fused: bool, original=logprobs_module.token_logprobs) -> None:
+    logprobs_module.token_logprobs = original if fused else _unfused_token_logprobs()
+
+
+def measure_variant(name, overrides, fused, args, peak, out_dir) -> dict:
+    set_fused(fused)
+    trainer = make_trainer(overrides, args.smoke, out_dir)
+    vocab = trainer._model.config.vocab_size
+    plans = deepmath_plans(np.random.default_rng(7), args.budget, 2, vocab, args.smoke)
+    rows = [row for plan in plans for row in plan.pack()]
+    flops = flop_model(trainer._model)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    seconds = timed_steps(trainer, plans, args.repeats, args.warmup)
+    model_flops = plan_flops(flops, rows)
+    unpacked = sum(r.num_unpacked_tokens for r in rows)
+    result = {
+        "variant": name, "seconds": seconds, "mfu": model_flops / seconds / peak,
+        "tflops": model_flops / seconds / 1e12,
+        "row_tokens": [r.num_tokens for r in rows], "unpacked_tok_s": unpacked / seconds,
+        "packing_ratio": unpacked / sum(r.num_tokens for r in rows),
+        "checkpointed_layers": trainer._window.summarize().get("perf/checkpointed_layers"),
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
+    }  # fmt: skip
+    log(f"variant {result}")
+    if name == "defaults":
+        result["profile"] = profile(trainer, plans, out_dir)
+        result["tree_vs_plain"] = tree_vs_plain(trainer, flops, args)
+    set_fused(True)
+    return result
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    if "flex" in lowered or "triton_tem" in lowered:
+        return "flex attention"
+    if any(k in lowered for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul")):
+        return "matmuls (cuBLAS)"
+    if "adam" in lowered or "multi_tensor" in lowered or "foreach" in lowered:
+        return "optimizer + clipping"
+    if lowered.startswith("triton_"):
+        return "compiled fused kernels (norms, rotary, SiLU, head passes)"
+    if "softmax" in lowered:
+        return "softmax"
+    if "copy" in lowered or "cast" in lowered:
+        return "copies / casts"
+    if "elementwise" in lowered or "vectorized" in lowered or "reduce" in lowered:
+        return "eager elementwise / reductions"
+    return "other"
+
+
+def profile(trainer, plans, out_dir) -> dict:
+    """One default step under torch.profiler: CUDA time by kernel family, and the top kernels."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(trainer, plans)
+        torch.cuda.synchronize()
+    families: dict[str, float] = {}
+    kernels = []
+    for event in prof.key_averages():
+        cuda_us = getattr(event, "self_device_time_total", 0.0) or 0.0
+        if cuda_us <= 0:
+            continue
+        families[kernel_family(event.key)] = families.get(kernel_family(event.key), 0.0) + cuda_us / 1e3
+        kernels.append((cuda_us / 1e3, event.count, event.key[:90]))
+    kernels.sort(reverse=True)
+    total = sum(families.values())
+    log(f"profile: {total:.0f} ms of CUDA time in one step")
+    for family, ms in sorted(families.items(), key=lambda kv: -kv[1]):
+        log(f"  {family}: {ms:.0f} ms ({ms / total:.0%})")
+    for ms, count, key in kernels[:25]:
+        log(f"  {ms:8.1f} ms x{count:5d} {key}")
+    return {"total_ms": total, "families_ms": families, "top_kernels": kernels[:40]}
+
+
+def tree_vs_plain(trainer, flops, args) -> dict:
+    """The same shared-prefix groups, tree-packed and plain padding-free, two rows a step."""
+    rng = np.random.default_rng(9)
+    vocab = trainer._model.config.vocab_size
+    per_row = max(1, args.budget // (1068 + 8 * 256) // 1) if not args.smoke else 1
+    tree_plans, plain_plans = [], []
+    for _ in range(2):
+        samples = shared_prefix_samples(rng, per_row, vocab, args.smoke)
+        batcher = TokenBudgetBatcher(10**9, 1, min_shared_tokens=BLOCK_SIZE)
+        for s in samples:
+            batcher.offer(s)
+        plan = batcher.close()
+        tree_row = plan.pack()[0]
+        tree_plans.append(FixedPlan([tree_row]))
+        plain_plans.append(FixedPlan([with_top(plain_row(samples), tree_row)]))
+    tree_rows = [p.rows[0] for p in tree_plans]
+    plain_rows = [p.rows[0] for p in plain_plans]
+    tree_s = timed_steps(trainer, tree_plans, args.repeats, args.warmup)
+    plain_s = timed_steps(trainer, plain_plans, args.repeats, 1)
+    flop_ratio = plan_flops(flops, plain_rows) / plan_flops(flops, tree_rows)
+    result = {
+        "packing_ratio": sum(r.num_unpacked_tokens for r in tree_rows) / sum(r.num_tokens for r in tree_rows),
+        "tree_tokens": [r.num_tokens for r in tree_rows], "plain_tokens": [r.num_tokens for r in plain_rows],
+        "tree_s": tree_s, "plain_s": plain_s, "speedup": plain_s / tree_s, "flop_ratio": flop_ratio,
+        "speedup_over_flop_ratio": plain_s / tree_s / flop_ratio,
+    }  # fmt: skip
+    log(f"tree vs plain {result}")
+    return result
+
+
+def memory_sweep(args, out_dir, deadline: float) -> list[dict]:
+    """Peak memory of the default step (fp32 weights, grads and AdamW states) vs token_budget."""
+    trainer = make_trainer({}, args.smoke, out_dir)
+    vocab = trainer._model.config.vocab_size
+    results = []
+    budget = args.budget
+    while time.perf_counter() < deadline:
+        plans = deepmath_plans(np.random.default_rng(budget), budget, 1, vocab, args.smoke)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        trainer._window = type(trainer._window)()
+        try:
+            started = time.perf_counter()
+            step(trainer, plans)
+            entry = {
+                "token_budget": budget,
+                "row_tokens": plans[0].pack()[0].num_tokens,
+                "fits": True,
+                "seconds": time.perf_counter() - started,
+                "checkpointed_layers": trainer._window.summarize().get("perf/checkpointed_layers"),
+                "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9
+                if torch.cuda.is_available()
+                else 0.0,
+            }
+        except torch.OutOfMemoryError:
+            entry = {"token_budget": budget, "fits": False}
+            trainer._model.zero_grad(set_to_none=True)
+        results.append(entry)
+        log(f"memory {entry}")
+        if not entry["fits"] or args.smoke and budget >= 4 * args.budget:
+            break
+        budget *= 2
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, on CPU: checks the script runs")
+    parser.add_argument("--budget", type=int, default=16384, help="token_budget of each of the 2 rows")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names, or 'defaults'")
+    parser.add_argument("--memory-seconds", type=float, default=120.0)
+    args = parser.parse_args()
+    if args.smoke:
+        args.budget = min(args.budget, 2048)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    report: dict = {"torch": torch.__version__, "device": device_name, "budget": args.budget}
+    log(f"{report}")
+    report["matmul_peak_tflops"] = matmul_peak(device) / 1e12
+    peak = report["matmul_peak_tflops"] * 1e12
+    log(f"bf16 matmul peak {report['matmul_peak_tflops']:.1f} TFLOP/s")
+    out_dir = tempfile.mkdtemp(prefix="gpu_step-")
+    report["variants"] = []
+    for name in [n.strip() for n in args.variants.split(",") if n.strip()]:
+        overrides, fused = VARIANTS[name]
+        report["variants"].append(measure_variant(name, overrides, fused, args, peak, out_dir))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if args.memory_seconds > 0:
+        report["memory"] = memory_sweep(args, out_dir, time.perf_counter() + args.memory_seconds)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_step.json").write_text(json.dumps(report, indent=1, default=str))
+    print_table(report)
+
+
+def print_table(report: dict) -> None:
+    log(
+        f"\n{report['device']} torch {report['torch']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s"
+    )
+    log("| variant | step s | MFU | unpacked tok/s | ckpt layers | peak GB |")
+    log("|---|---|---|---|---|---|")
+    for v in report["variants"]:
+        log(f"| {v['variant']} | {v['seconds']:.3f} | {v['mfu']:.1%} | {v['unpacked_tok_s']:,.0f} "
+            f"| {v['checkpointed_layers']} | {v['peak_memory_gb']:.1f} |")  # fmt: skip
+    default = report["variants"][0]
+    if "tree_vs_plain" in default:
+        t = default["tree_vs_plain"]
+        log(
+            f"tree vs plain at ratio {t['packing_ratio']:.2f}: speedup {t['speedup']:.2f}, FLOP ratio "
+            f"{t['flop_ratio']:.2f}, speedup / FLOP ratio {t['speedup_over_flop_ratio']:.3f} (target 0.97)"
+        )
+    for m in report.get("memory", []):
+        log(f"memory budget {m['token_budget']}: fits={m['fits']} peak {m.get('peak_memory_gb', float('nan')):.1f} GB "
+            f"ckpt layers {m.get('checkpointed_layers')}")  # fmt: skip
+    log(f"gpu_step mfu={default['mfu']:.3f} target={TARGET}")
+
+
+if __name__ == "__main__":
+    main()

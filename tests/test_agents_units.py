@@ -1,0 +1,417 @@
+"""Agents without a server: tool-call parsing, schemas, running calls, environments, the tool loop on
+scripted turns, and multi-turn reconciliation with the real tiny tokenizer and templates."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from asyncgrpo import AsyncGRPOConfig
+from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.rollout.agent import run_tool_loop
+from asyncgrpo.rollout.chat import (
+    QWEN3_TRAINING_TEMPLATE,
+    render_prompt_ids,
+    tool_schema,
+    use_training_template,
+)
+from asyncgrpo.rollout.environments import (
+    EnvironmentPool,
+    environment_reward_sources,
+    environment_tools,
+    prompt_with_observation,
+)
+from asyncgrpo.rollout.sequences import build_training_sequences
+from asyncgrpo.rollout.tool_calls import parse_tool_calls, parse_turn, split_reasoning
+from asyncgrpo.rollout.tools import run_tool_calls
+from asyncgrpo.rollout.types import TurnRecord
+from asyncgrpo.tiny_model import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+# -- parsing -----------------------------------------------------------------------------------------------
+
+
+def test_hermes_calls_are_read_in_order_and_removed_from_content():
+    text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>{"name": "neg", "arguments": "{\\"x\\": 3}"}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me add."
+    assert [(c.name, c.arguments, c.error) for c in calls] == [
+        ("add", {"a": 1, "b": 2}, None),
+        ("neg", {"x": 3}, None),
+    ]
+
+
+def test_malformed_calls_are_kept_with_a_reason():
+    _, calls = parse_tool_calls(
+        '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call><tool_call>{"arguments": {}}</tool_call>'
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call><tool_call>{"name": "cut"'
+    )
+    assert [c.name for c in calls] == [None, None, "f", None]
+    assert all(c.error for c in calls)
+    assert "not valid JSON" in calls[0].error and '"name"' in calls[1].error and "object" in calls[2].error
+
+
+def test_mistral_format():
+    content, calls = parse_tool_calls('ok[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]', "mistral")
+    assert content == "ok" and calls[0].name == "add" and calls[0].arguments == {"a": 1}
+
+
+def test_reasoning_is_split_like_parse_response():
+    assert split_reasoning("<think>\nhmm\n</think>\n\n42") == ("hmm", "42")
+    assert split_reasoning("hmm</think>42") == ("hmm", "42")  # opening tag in the generation prompt
+    assert split_reasoning("<think>cut off") == (None, "<think>cut off")
+    parsed = parse_turn(
+        '<think>a</think><tool_call>{"name": "f", "arguments": {}}</tool_call>', "hermes", True, True
+    )
+    assert parsed.reasoning == "a" and parsed.content == "" and parsed.calls[0].name == "f"
+    kept = parse_turn("<think>a</think>b", "hermes", False, reasoning=False)
+    assert kept.reasoning is None and kept.content == "<think>a</think>b"
+
+
+# -- schemas and rendering ---------------------------------------------------------------------------------
+
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+def undocumented(step: int, label: str = "x") -> str:
+    return label * step
+
+
+class Counter:
+    def reset(self, **kwargs):
+        self.value = 0
+
+    def get_reward(self) -> float:
+        return float(self.value)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the counter.
+
+        Args:
+            step: Value to add.
+        """
+        self.value += step
+        return self.value
+
+    def _private(self):
+        return None
+
+
+def test_schemas_from_docstrings_with_a_plain_fallback():
+    schema = tool_schema(multiply)["function"]
+    assert schema["name"] == "multiply" and schema["description"] == "Multiplies two integers."
+    assert schema["parameters"]["properties"]["a"] == {"type": "integer", "description": "The first integer."}
+    plain = tool_schema(undocumented)["function"]
+    assert plain["parameters"] == {
+        "type": "object",
+        "properties": {"step": {"type": "integer"}, "label": {"type": "string"}},
+        "required": ["step"],
+    }
+    bound = tool_schema(Counter().increment)["function"]
+    assert bound["name"] == "increment" and list(bound["parameters"]["properties"]) == ["step"]
+
+
+def test_environment_tools_are_public_methods_only():
+    assert [tool.__name__ for tool in environment_tools(Counter())] == ["increment"]
+
+
+def test_render_prompt_ids_offers_the_tools(tokenizer):
+    ids = render_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}], [multiply])
+    text = tokenizer.decode(ids)
+    assert '"name": "multiply"' in text and text.endswith("<|im_start|>assistant\n")
+    assert render_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}]) == list(
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)[
+            "input_ids"
+        ]
+    )
+
+
+# -- running calls -----------------------------------------------------------------------------------------
+
+
+def explode(x: int) -> int:
+    """
+    Always fails.
+
+    Args:
+        x: Ignored.
+    """
+    raise RuntimeError("boom")
+
+
+async def async_add(a: int, b: int) -> int:
+    """
+    Adds.
+
+    Args:
+        a: First.
+        b: Second.
+    """
+    await asyncio.sleep(0)
+    return a + b
+
+
+def test_failures_become_messages_and_counts():
+    window = MetricsWindow()
+    _, calls = parse_tool_calls(
+        '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
+        '<tool_call>{"name": "explode", "arguments": {"x": 1}}</tool_call>'
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "multiply", "arguments": {"a": </tool_call>'
+        '<tool_call>{"name": "async_add", "arguments": {"a": 2, "b": 5}}</tool_call>'
+    )
+    with ThreadPoolExecutor(2) as executor:
+        messages, failures = asyncio.run(
+            run_tool_calls(calls, [multiply, explode, async_add], executor, lambda: window)
+        )
+    assert [m["content"] for m in messages][0] == "6" and messages[-1]["content"] == "7"
+    assert messages[1]["content"] == "Error: RuntimeError: boom"
+    assert "no tool named 'nope'" in messages[2]["content"] and "not valid JSON" in messages[3]["content"]
+    assert failures == 3
+    stats = window.summarize()
+    assert stats["tools/unknown_name_count"] == 1 and stats["tools/parallel_calls_mean"] == 5
+    assert stats["tools/multiply/call_count"] == 1 and stats["tools/explode/failure_count"] == 1
+    assert stats["tools/async_add/call_count"] == 1 and "tools/nope/call_count" not in stats
+
+
+# -- the tool loop on scripted turns -------------------------------------------------------------------------
+
+
+def slow_lookup(key: str) -> str:
+    """
+    A slow lookup.
+
+    Args:
+        key: What to look up.
+    """
+    time.sleep(2.0)
+    return key.upper()
+
+
+class ScriptedLoop:
+    """Just what run_tool_loop uses of AsyncRolloutLoop, with turns read from a script: the model's
+    replies are the input under test here, not the server."""
+
+    def __init__(self, tokenizer, replies: dict[str, list[str]], **config):
+        self.config = AsyncGRPOConfig(output_dir="unused", report_to="none", **config)
+        self.tokenizer = tokenizer
+        self.replies = replies
+        self.metrics = MetricsWindow()
+        self.max_model_len = 4096
+        self.tool_executor = ThreadPoolExecutor(4)
+        self.finished: dict[str, float] = {}
+
+    def render_prompt(self, prompt, tools, group_id):
+        return render_prompt_ids(self.tokenizer, prompt, tools)
+
+    async def generate_one_turn(self, prompt_ids):
+        await asyncio.sleep(0.01)
+        key = self.tokenizer.decode(prompt_ids).split("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]
+        reply = self.replies[key].pop(0)
+        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=ids, output_log_probs=[-1.0] * len(ids))
+
+
+def call(name: str, **arguments) -> str:
+    import json
+
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def test_a_slow_tool_does_not_hold_back_other_rollouts(tokenizer):
+    replies = {
+        "slow": [call("slow_lookup", key="a"), "done"],
+        "fast": [call("multiply", a=1, b=2)] * 5 + ["done"],
+    }
+    loop = ScriptedLoop(tokenizer, replies)
+    tools = [slow_lookup, multiply]
+
+    async def timed(key):
+        rollout = await run_tool_loop(loop, [{"role": "user", "content": key}], tools, 0)
+        loop.finished[key] = time.monotonic()
+        return rollout
+
+    async def both():
+        started = time.monotonic()
+        slow, fast = await asyncio.gather(timed("slow"), timed("fast"))
+        return started, slow, fast
+
+    started, slow, fast = asyncio.run(both())
+    assert fast.tool_call_count == 5 and len(fast.turns) == 6 and slow.tool_call_count == 1
+    # The fast rollout's six turns all ran while the slow tool slept (in sequence it would end after it).
+    assert loop.finished["fast"] - started < 2.0 <= loop.finished["slow"] - started
+
+
+def test_loop_stops_at_max_tool_calling_iterations_and_builds_trl_style_completions(tokenizer):
+    replies = {
+        "go": ["<think>plan</think>" + call("multiply", a=2, b=3), call("multiply", a=1, b=1), "never"]
+    }
+    loop = ScriptedLoop(tokenizer, replies, max_tool_calling_iterations=1)
+    rollout = asyncio.run(run_tool_loop(loop, [{"role": "user", "content": "go"}], [multiply], 0))
+    assert len(rollout.turns) == 2 and rollout.tool_call_count == 1
+    first, tool_message, last = rollout.completion
+    assert first["reasoning_content"] == "plan" and first["content"] == ""
+    assert first["tool_calls"] == [
+        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 2, "b": 3}}}
+    ]
+    assert tool_message == {"role": "tool", "name": "multiply", "content": "6"}
+    assert last["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 1}
+    assert loop.metrics.summarize()["tools/loop_exhausted_frac"] == 1.0
+    # The template re-renders the sampled turn verbatim: turn 2 extends the same sample.
+    sequences, stats = build_training_sequences(rollout.turns)
+    assert len(sequences) == 1 and stats.forks == 0
+    assert_each_generated_token_trained_once(rollout.turns, sequences)
+
+
+# -- reconciliation with real templates ---------------------------------------------------------------------------
+
+# A Qwen3-style template: earlier assistant turns lose their <think> block once a later user turn exists.
+REWRITING_TEMPLATE = QWEN3_TRAINING_TEMPLATE.replace(
+    "{%- set content = message.content if message.content is string else '' %}",
+    "{%- set content = message.content if message.content is string else '' %}"
+    "{%- if not loop.last and '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}",
+).replace("last_query_index", "")
+
+
+def assert_each_generated_token_trained_once(turns, sequences):
+    trained = [int(s.trained.sum()) for s in sequences]
+    assert sum(trained) == sum(len(turn.output_ids) for turn in turns)
+    # And the trained tokens are exactly the turns' outputs, in order.
+    trained_ids = np.concatenate([s.token_ids[s.trained] for s in sequences]).tolist()
+    assert trained_ids == [token for turn in turns for token in turn.output_ids]
+
+
+def conversation_turns(tokenizer, replies: list[str], tools=(multiply,)):
+    """Turns as the tool loop builds them: render, sample (the scripted reply), append, run tools."""
+    conversation = [{"role": "user", "content": "start"}]
+    turns = []
+    for reply in replies:
+        prompt_ids = render_prompt_ids(tokenizer, conversation, list(tools))
+        output = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        turns.append(
+            TurnRecord(prompt_ids=prompt_ids, output_ids=output, output_log_probs=[-1.0] * len(output))
+        )
+        conversation += [
+            {"role": "assistant", "content": reply},
+            {"role": "tool", "name": "multiply", "content": "6"},
+        ]
+    return turns
+
+
+def test_prefix_preserving_template_extends_one_sample(tokenizer):
+    turns = conversation_turns(tokenizer, ["<think>a</think>" + call("multiply", a=2, b=3)] * 2 + ["six"])
+    sequences, stats = build_training_sequences(turns)
+    assert len(sequences) == 1 and stats.transitions == 2 and stats.forks == 0
+    assert_each_generated_token_trained_once(turns, sequences)
+
+
+def test_a_history_rewriting_template_forks_and_still_trains_each_token_once(tokenizer):
+    rewriting = build_tokenizer()
+    rewriting.chat_template = REWRITING_TEMPLATE
+    turns = conversation_turns(rewriting, ["<think>a</think>" + call("multiply", a=2, b=3)] * 2 + ["six"])
+    sequences, stats = build_training_sequences(turns)
+    assert stats.transitions == 2 and stats.forks == 2 and len(sequences) == 3
+    assert all(drift > 0 for drift in stats.drift_tokens)
+    assert_each_generated_token_trained_once(turns, sequences)
+
+
+def test_known_qwen3_template_is_replaced_by_the_training_template():
+    qwen3 = build_tokenizer()
+    qwen3.chat_template = "{%- set last_query_index = 0 %}<tool_call>{{ reasoning_content }}"
+    assert use_training_template(qwen3) and qwen3.chat_template == QWEN3_TRAINING_TEMPLATE
+    other = build_tokenizer()
+    assert not use_training_template(other)
+
+
+# -- environments --------------------------------------------------------------------------------------------------
+
+
+class Slot:
+    created = 0
+
+    def __init__(self):
+        Slot.created += 1
+
+    def reset(self, task: str, **kwargs) -> str:
+        self.task = task
+        self.columns = kwargs
+        return f"Do {task}."
+
+    async def get_reward(self) -> float:
+        return 1.0
+
+
+def test_environment_pool_reuses_instances_and_drops_the_routing_column():
+    window = MetricsWindow()
+    Slot.created = 0
+
+    async def episodes():
+        pool = EnvironmentPool({"slot": Slot}, ThreadPoolExecutor(2), lambda: window)
+        row = {"environment": "slot", "task": "x", "extra": 1}
+        rewards = []
+        for _ in range(3):
+            async with pool.episode(row) as episode:
+                assert episode.prompt == [{"role": "user", "content": "Do x."}]
+                assert episode.instance.columns == {"extra": 1}
+                rewards.append(await pool.reward(episode.instance))
+        with pytest.raises(ValueError, match="routes to environment 'game'"):
+            async with pool.episode({"environment": "game"}):
+                pass
+        return rewards
+
+    rewards = asyncio.run(episodes())
+    assert Slot.created == 1 and rewards == [(Slot, 1.0)] * 3
+    stats = window.summarize()
+    assert stats["env/reset_s"] >= 0 and stats["env/reward_s"] >= 0
+
+
+def test_reset_string_with_and_without_a_dataset_prompt():
+    assert prompt_with_observation(None, "hi") == [{"role": "user", "content": "hi"}]
+    assert prompt_with_observation([{"role": "user", "content": "a"}], "b") == [
+        {"role": "user", "content": "a\n\nb"}
+    ]
+    with pytest.raises(ValueError, match="reset\\(\\) must return"):
+        prompt_with_observation(None, None)
+
+
+def test_environment_rewards_are_one_source_per_class():
+    names, sources = environment_reward_sources([(Slot, 1.0), None, (Counter, 2.0)])
+    assert names == ["Slot", "Counter"] and sources == [[1.0, None, None], [None, None, 2.0]]
+
+
+def test_agent_inputs_are_checked_at_construction():
+    from asyncgrpo.trainer.checks import check_agent_inputs
+
+    args = SimpleNamespace(max_steps=-1)
+    with pytest.raises(ValueError, match="set max_steps"):
+        check_agent_inputs([], None, [], Counter, args)
+    with pytest.raises(ValueError, match="reward_funcs is empty"):
+        check_agent_inputs([], None, [multiply], None, args)
+    with pytest.raises(ValueError, match="'environment' column"):
+        check_agent_inputs([], None, [], {"a": Counter}, SimpleNamespace(max_steps=5))
+    with pytest.raises(ValueError, match="share the name"):
+        check_agent_inputs([multiply], None, [multiply, multiply], Counter, SimpleNamespace(max_steps=5))
+    check_agent_inputs([], None, [], Counter, SimpleNamespace(max_steps=5))

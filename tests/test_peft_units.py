@@ -1,0 +1,178 @@
+"""PEFT without a server: wrapping, what is refused or served merged, the merged view, adapter files."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig, PeftModel, PromptTuningConfig, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.generation.server import serving_lora_rank
+from asyncgrpo.logprobs import row_logprobs
+from asyncgrpo.packing.trie import pack_row
+from asyncgrpo.sample import Sample
+from asyncgrpo.trainer.adapters import adapter_rank, adapter_unservable_reason, wrap_with_peft
+from asyncgrpo.weight_sync.base import serving_tensors
+from asyncgrpo.weight_sync.lora import LoraAdapterSync, check_lora_server
+from asyncgrpo.weight_sync.merged import merged_for_serving
+
+TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
+
+
+def load(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def trained_like(peft_model, seed: int = 0):
+    """Non-zero adapter weights (B starts at zero, which would make every check trivial)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return peft_model
+
+
+def reward(completion_ids, **kwargs):
+    return [0.0 for _ in completion_ids]
+
+
+def test_trainer_wraps_the_model_and_only_adapter_parameters_get_optimizer_state(tiny_model_dir, tmp_path):
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", max_steps=1)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]]})
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir),
+        reward,
+        args,
+        train_dataset=dataset,
+        peft_config=LoraConfig(r=4, target_modules=TARGETS),
+    )
+    assert isinstance(trainer.model, PeftModel)
+    optimizer = trainer.create_optimizer()
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = {name for name, p in trainer.model.named_parameters() if id(p) in optimized}
+    assert names and all("lora_" in name for name in names)
+    assert (
+        len(names) == 2 * 4 * trainer.model.config.num_hidden_layers
+    )  # A and B of each target in each layer
+
+
+def test_gradient_checkpointing_and_tree_packing_reach_the_adapter(tiny_model_dir):
+    from asyncgrpo.packing.tree_attention import enable_tree_attention
+
+    model = wrap_with_peft(load(tiny_model_dir), LoraConfig(r=4, target_modules=TARGETS), True)
+    model = enable_tree_attention(trained_like(model))
+    model.gradient_checkpointing_enable()
+    model.train()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 900, 10)
+    samples = [
+        Sample(
+            np.concatenate([prompt, rng.integers(0, 900, 6)]),
+            np.arange(16) >= 10,
+            np.zeros(6, np.float32),
+            1.0,
+            0,
+        )
+        for _ in range(2)
+    ]
+    row = pack_row(samples)
+    assert row.num_tokens < 32  # the prompt is shared: packed as a tree
+    row_logprobs(model, row).logprobs.sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(grad is not None and float(grad.abs().sum()) > 0 for grad in grads.values())
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+def test_adapters_on_the_output_head_and_prompt_learning_are_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="lm_head is not supported"):
+        wrap_with_peft(load(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), False)
+    with pytest.raises(ValueError, match="lm_head is not supported"):
+        wrap_with_peft(
+            load(tiny_model_dir),
+            LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+            False,
+        )
+    with pytest.raises(ValueError, match="prompt-learning"):
+        wrap_with_peft(
+            load(tiny_model_dir), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), False
+        )
+
+
+@pytest.mark.parametrize(
+    "config, reason",
+    [
+        (LoraConfig(r=4, target_modules=TARGETS), None),
+        (LoraConfig(r=4, target_modules=TARGETS, use_dora=True), "DoRA"),
+        (LoraConfig(r=4, target_modules=TARGETS, modules_to_save=["norm"]), "modules_to_save"),
+        (LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]), "embeddings"),
+        (LoraConfig(r=4, target_modules=TARGETS, bias="lora_only"), "biases"),
+    ],
+)
+def test_what_vllm_cannot_serve_as_an_adapter(tiny_model_dir, config, reason):
+    found = adapter_unservable_reason(get_peft_model(load(tiny_model_dir), config))
+    assert found is None if reason is None else reason in found
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS),
+        LoraConfig(r=4, target_modules=TARGETS, use_dora=True),
+        LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], modules_to_save=["norm"]),
+    ],
+)
+def test_merged_view_serves_the_merged_model_under_base_names_and_restores_the_model_bit_for_bit(
+    tiny_model_dir, config
+):
+    peft_model = trained_like(get_peft_model(load(tiny_model_dir), config))
+    before = {name: t.detach().clone() for name, t in peft_model.state_dict().items()}
+    reference = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    with merged_for_serving(peft_model) as merged:
+        served = dict(serving_tensors(merged))
+        assert served.keys() == dict(serving_tensors(load(tiny_model_dir))).keys()
+        for name, tensor in served.items():
+            torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6)
+    after = peft_model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    assert not any(getattr(module, "merged_adapters", []) for module in peft_model.modules())
+
+
+def test_server_flag_checks_name_the_flags_to_restart_with():
+    assert [serving_lora_rank(r) for r in (1, 4, 8, 12, 300, 512, 513)] == [1, 8, 8, 16, 320, 512, None]
+    check_lora_server(8, 3, "http://s", rank=4, max_staleness=1)
+    with pytest.raises(ValueError) as raised:
+        check_lora_server(8, 2, "http://s", rank=12, max_staleness=4)
+    message = str(raised.value)
+    assert "below the adapter's rank r=12" in message and "below max_staleness + 2 = 6" in message
+    assert "--enable-lora --max-lora-rank 16 --max-loras 6" in message
+    with pytest.raises(ValueError, match="not one of vLLM's values"):
+        check_lora_server(4, 6, "http://s", rank=4, max_staleness=4)
+
+
+def test_adapter_versions_are_written_as_loadable_adapters(tiny_model_dir, tmp_path):
+    peft_model = trained_like(
+        get_peft_model(load(tiny_model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    )
+    assert adapter_rank(peft_model) == 4
+    backend = LoraAdapterSync(None, None, None, keep=2, is_sender=False)
+    backend.is_sender, backend.directory = True, tmp_path / ".vllm_lora"  # prepare() only: no server
+    folder = backend.prepare(peft_model, 3)
+    assert folder == tmp_path / ".vllm_lora" / "v3" and sorted(p.name for p in folder.parent.iterdir()) == [
+        "v3"
+    ]
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 4
+    saved = load_file(folder / "adapter_model.safetensors")
+    assert all(name.startswith("base_model.model.") and ".default." not in name for name in saved)
+    reloaded = PeftModel.from_pretrained(load(tiny_model_dir), folder)
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, peft_model(input_ids=ids).logits)

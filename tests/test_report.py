@@ -1,0 +1,123 @@
+"""`asyncgrpo report` on runs recorded with the tiny model and one deliberately bad setting each
+(tests/data/report_runs/record.py says how): every plot renders, the diagnosis names the planted
+case, and the HTML opens in headless Chromium without console errors, with the plots on screen."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncgrpo.cli import main
+from asyncgrpo.report.diagnosis import diagnose
+from asyncgrpo.report.history import load_run
+from asyncgrpo.report.plots import PLOTS
+
+RUNS = Path(__file__).parent / "data" / "report_runs"
+# case -> (bottleneck, saturation) the report must name. The tiny model on CPU trains slower than
+# vLLM generates 8 tokens, so a run with nothing slowed down is trainer-bound.
+EXPECTED = {
+    "healthy": ("trainer-bound", "healthy"),
+    "tight_staleness": ("max_staleness too tight", "healthy"),
+    "slow_trainer": ("trainer-bound", "healthy"),
+    "low_concurrency": ("generation-bound", "healthy"),
+    "saturating": (None, "saturated at the top"),
+    "never_varies": (None, "stuck at the bottom"),
+}
+
+
+@pytest.fixture
+def run_copy(tmp_path):
+    def copy(case: str) -> Path:
+        return Path(shutil.copytree(RUNS / case, tmp_path / case))
+
+    return copy
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_report_renders_every_plot_and_names_the_planted_case(case, run_copy, capsys):
+    run_dir = run_copy(case)
+    assert main(["report", str(run_dir)]) == 0
+    assert "report.html" in capsys.readouterr().out
+    for spec in PLOTS:
+        png = run_dir / "plots" / f"{spec.name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", spec.name
+    html = (run_dir / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == len(PLOTS)
+    assert "not logged in this run" not in html, "a recorded run logs every plotted question"
+    findings = {finding.question: finding for finding in diagnose(load_run(run_dir))}
+    bottleneck, saturation = EXPECTED[case]
+    if bottleneck is not None:
+        assert findings["bottleneck"].verdict == bottleneck, findings["bottleneck"].evidence
+    assert findings["saturation"].verdict == saturation, findings["saturation"].evidence
+    assert findings["duplicates"].verdict == "healthy"
+    if case == "low_concurrency":
+        assert findings["bottleneck"].action.startswith("Raise max_concurrent_rollouts")
+    for finding in findings.values():
+        assert f"<div class='verdict'>{finding.verdict}</div>" in html
+        assert finding.evidence and all(line.split()[0] in html for line in finding.evidence)
+
+
+def test_report_names_a_missing_run(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        main(["report", str(tmp_path)])
+
+
+# -- the HTML in a real browser ---------------------------------------------------------------------
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail(
+        "headless Chromium is needed to check report.html: apt-get install -y chromium (make test does)"
+    )
+
+
+def open_in_chromium(page: Path, screenshot: Path) -> list[str]:
+    """Load `page` headless, save a screenshot; returns the console messages Chromium logged."""
+    result = subprocess.run(
+        [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--screenshot={screenshot}",
+            "--window-size=1500,2400",
+            page.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert screenshot.exists(), result.stderr[-2000:]
+    return [line for line in result.stderr.splitlines() if ":CONSOLE" in line]
+
+
+def test_the_console_check_sees_a_script_error(tmp_path):
+    page = tmp_path / "broken.html"
+    page.write_text("<html><body><script>not_defined();</script></body></html>")
+    messages = open_in_chromium(page, tmp_path / "broken.png")
+    assert any("not_defined" in message for message in messages)
+
+
+def test_report_opens_in_chromium_without_console_errors_and_shows_the_plots(run_copy, tmp_path):
+    run_dir = run_copy("healthy")
+    assert main(["report", str(run_dir)]) == 0
+    screenshot = tmp_path / "report.png"
+    assert open_in_chromium(run_dir / "report.html", screenshot) == []
+    from matplotlib import image
+
+    pixels = (image.imread(screenshot)[..., :3] * 255).astype(int)
+    # matplotlib's first two line colors (#1f77b4 blue, #ff7f0e orange) only come from the plots.
+    for color in ((31, 119, 180), (255, 127, 14)):
+        matching = np.all(np.abs(pixels - np.array(color)) <= 8, axis=-1).sum()
+        assert matching > 2000, f"plot color {color} covers only {matching} pixels of the screenshot"

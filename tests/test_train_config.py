@@ -1,0 +1,195 @@
+"""Config-file runs: reading, overrides, validation errors, the server flags a config needs, and the
+demo config trained through `asyncgrpo train` against a real vLLM server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncgrpo.cli import main
+from asyncgrpo.run_config import ConfigError, build_run_config, parse_overrides, read_config
+from asyncgrpo.train_command import server_options_for
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+BASE = {
+    "model": "m",
+    "dataset": {"data_files": "x.jsonl"},
+    "reward_funcs": "asyncgrpo.rewards:accuracy_reward",
+}
+
+
+def build(**changes):
+    return build_run_config({**BASE, **changes})
+
+
+@pytest.fixture(autouse=True)
+def at_repo_root(monkeypatch):
+    monkeypatch.chdir(REPO)  # configs name examples/... paths and modules relative to the repository
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[path.stem for path in EXAMPLES])
+def test_every_example_config_validates(path, capsys):
+    assert main(["train", str(path.relative_to(REPO)), "--check"]) == 0
+    assert "valid" in capsys.readouterr().out
+
+
+def test_quickstart_config_is_the_deepmath_run():
+    run = build_run_config(read_config(REPO / "examples" / "quickstart.yaml"))
+    assert run.model == "Qwen/Qwen3-1.7B" and run.dataset == {
+        "name": "trl-lib/DeepMath-103K",
+        "split": "train",
+    }
+    assert [function.__name__ for function in run.reward_funcs] == ["accuracy_reward"]
+
+
+def test_overrides_are_yaml_values_and_reach_into_sections(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(BASE))
+    raw = read_config(
+        config, ["--max-steps", "3", "--learning_rate=2e-5", "--dataset.split", "test", "--bf16", "false"]
+    )
+    assert (
+        raw["max_steps"] == 3
+        and raw["dataset"] == {"data_files": "x.jsonl", "split": "test"}
+        and raw["bf16"] is False
+    )
+    run = build_run_config(raw)
+    assert run.args.learning_rate == 2e-5 and run.args.max_steps == 3  # "2e-5" is a string to YAML
+    with pytest.raises(ConfigError, match="--max_steps needs a value"):
+        parse_overrides(["--max_steps"])
+    with pytest.raises(ConfigError, match="expected --key value"):
+        parse_overrides(["max_steps", "3"])
+
+
+def test_unknown_keys_name_the_closest_valid_ones():
+    with pytest.raises(ConfigError, match="unknown key max_stalenes; did you mean max_staleness"):
+        build(max_stalenes=2)
+    with pytest.raises(ConfigError, match="unknown key reward_func; did you mean reward_funcs"):
+        build(reward_func="asyncgrpo.rewards:accuracy_reward")
+    with pytest.raises(ConfigError, match="unknown key dataset.spilt; did you mean dataset.split"):
+        build(dataset={"name": "d", "spilt": "train"})
+    with pytest.raises(ConfigError, match="unknown key qwertyuiop$"):
+        build(qwertyuiop=1)
+
+
+def test_wrong_types_name_the_expected_type():
+    with pytest.raises(ConfigError, match="max_steps: expected int, got str 'many'"):
+        build(max_steps="many")
+    with pytest.raises(ConfigError, match="learning_rate: expected float, got str 'fast'"):
+        build(learning_rate="fast")
+    with pytest.raises(ConfigError, match="gradient_checkpointing: expected bool, got int 1"):
+        build(gradient_checkpointing=1)
+    with pytest.raises(ConfigError, match="dataset: expected dict"):
+        build(dataset="trl-lib/DeepMath-103K")
+    # AsyncGRPOConfig's own checks run too, with their message.
+    with pytest.raises(ConfigError, match="num_generations=1"):
+        build(num_generations=1)
+
+
+def test_import_paths_that_do_not_resolve_say_which_part_failed():
+    with pytest.raises(ConfigError, match=r"reward_funcs\[0\]: cannot import module 'no_such_module'"):
+        build(reward_funcs="no_such_module:reward")
+    with pytest.raises(ConfigError, match=r"reward_funcs\[1\]: 'asyncgrpo.rewards' has no attribute 'nope'"):
+        build(reward_funcs=["asyncgrpo.rewards:accuracy_reward", "asyncgrpo.rewards:nope"])
+    with pytest.raises(
+        ConfigError, match="tools\\[0\\]: 'asyncgrpo.rewards.accuracy_reward' is not an import path"
+    ):
+        build(tools=["asyncgrpo.rewards.accuracy_reward"])
+    with pytest.raises(ConfigError, match="loop_class .* is not a subclass of AsyncRolloutLoop"):
+        build(loop_class="asyncgrpo.rewards:accuracy_reward")
+
+
+def test_missing_model_or_data_and_ambiguous_dataset():
+    with pytest.raises(ConfigError, match="no `model`"):
+        build_run_config({"dataset": {"name": "d"}})
+    with pytest.raises(ConfigError, match="no `dataset`"):
+        build_run_config({"model": "m"})
+    with pytest.raises(ConfigError, match="exactly one of `name`"):
+        build(dataset={"name": "d", "data_files": "x.jsonl"})
+
+
+def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump({**BASE, "learning_rat": 1e-6}))
+    assert main(["train", str(config)]) == 2
+    assert "unknown key learning_rat; did you mean learning_rate" in capsys.readouterr().out
+
+
+def test_server_flags_for_a_config():
+    demo = server_options_for(build_run_config(read_config(REPO / "examples" / "demo.yaml")), cpu=True)
+    assert (demo.model, demo.port, demo.max_model_len, demo.dtype) == (
+        ".demo/tiny-model",
+        8000,
+        256,
+        "float32",
+    )
+    assert not demo.enable_lora and demo.extra_args == []
+    lora = server_options_for(
+        build(peft_config={"r": 24}, max_staleness=3, vllm_server_base_url="http://h:9000")
+    )
+    assert (lora.enable_lora, lora.max_lora_rank, lora.max_loras, lora.host, lora.port) == (
+        True,
+        32,
+        5,
+        "h",
+        9000,
+    )
+    sampled = server_options_for(build(top_p=0.9, top_k=64))
+    assert "--return-sampling-mask" in sampled.extra_args
+
+
+def test_serve_for_prints_the_command_it_would_run(capsys):
+    assert (
+        main(["serve", "--for", "examples/peft_lora.yaml", "--port", "8123", "--dry-run", "--seed", "1"]) == 0
+    )
+    command = capsys.readouterr().out
+    assert "serve Qwen/Qwen3-1.7B" in command and "--port 8123" in command
+    assert "--enable-lora --max-lora-rank 32 --max-loras 6" in command and command.strip().endswith(
+        "--seed 1"
+    )
+
+
+@pytest.mark.vllm
+def test_demo_config_trains_through_the_cli_and_fills_the_run_directory(
+    vllm_server, tiny_model_dir, tmp_path, capsys
+):
+    from test_trainer_e2e import restore_server
+
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "examples/demo.yaml",
+        "--model",
+        str(tiny_model_dir),
+        "--output_dir",
+        str(out),
+        "--vllm_server_base_url",
+        vllm_server.url,
+        "--max_steps",
+        "3",
+        "--warm_start.kwargs.steps",
+        "5",
+        "--num_generations",
+        "4",
+        "--vllm_server_timeout",
+        "60",
+    ]
+    try:
+        assert main(argv) == 0
+    finally:
+        restore_server(vllm_server.url, tiny_model_dir)
+    printed = capsys.readouterr().out
+    assert "step 3" in printed and "waiting:" in printed  # progress lines (pytest's stdout is not a TTY)
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["max_steps"] == 3 and resolved["warm_start"]["kwargs"] == {"steps": 5}
+    assert json.loads((out / "config.json").read_text())["num_generations"] == 4
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    windows = [record for record in records if "train_runtime" not in record]
+    assert [record["step"] for record in windows] == [1, 2, 3]
+    assert all("reward" in record and "perf/step_s" in record for record in windows)
+    assert (out / "warnings.log").exists()
+    assert main(["report", str(out)]) == 0 and (out / "report.html").exists()
