@@ -3,17 +3,20 @@ exactly what forwarding it alone gives, log-probs and gradients, and the layout'
 convolution, segment parents, levels) are what a hand-drawn trie says."""
 
 import copy
+import functools
+import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_logprobs import check_gradients, check_packed_equals_unpacked, completion_sample, random_trie_samples
+from test_logprobs import TEMPERATURE, check_packed_equals_unpacked, completion_sample, random_trie_samples
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-from asyncgrpo.packing.gated_deltanet import recurrent_layout, tree_causal_conv1d, tree_gdn_forward
+from asyncgrpo.logprobs import row_logprobs
+from asyncgrpo.packing.gated_deltanet import recurrent_layout, tree_causal_conv1d
 from asyncgrpo.packing.tree_attention import enable_tree_attention
-from asyncgrpo.packing.trie import PrefixTrie, pack_row
+from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.tiny_model import build_model, build_tokenizer
 
 VOCAB = 900
@@ -32,14 +35,10 @@ def _qwen3_next():
     return Qwen3NextForCausalLM(config)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_vl", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def models(request):
     """(plain model, tree-packed copy with the same weights) of each GDN family."""
-    if request.param == "qwen3_next":
-        plain = _qwen3_next()
-    else:
-        vision = request.param == "qwen3_5_vl"
-        plain = build_model(build_tokenizer(vision=vision), arch=request.param)
+    plain = _qwen3_next() if request.param == "qwen3_next" else build_model(build_tokenizer(), arch="qwen3_5")
     return plain, enable_tree_attention(copy.deepcopy(plain))
 
 
@@ -79,7 +78,7 @@ def test_group_sharing(models):
     assert row.packing_ratio > 3
 
 
-@pytest.mark.parametrize("seed", [3, 4])
+@pytest.mark.parametrize("seed", [3])
 def test_random_tries(models, seed):
     """Multi-level tries: several groups, forks, multi-turn continuations, a sample that is a
     prefix of another."""
@@ -88,58 +87,70 @@ def test_random_tries(models, seed):
     assert len(set(row.segment_ids.tolist())) > 8
 
 
-def test_packed_gradient_equals_unpacked(models):
-    """fp32 through the whole model; the recurrence's chunks start at other positions than in the
-    per-sample forward, so the round-off differs: measured <= 7e-5 of a gradient's norm (A_log)."""
+def test_vision_checkpoint_packs():
+    """The language model inside the image-text-to-text checkpoint packs like the text-only one."""
+    plain = build_model(build_tokenizer(vision=True), arch="qwen3_5_vl")
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, VOCAB, 70)
+    samples = [completion_sample(rng, prompt, rng.integers(0, VOCAB, int(rng.integers(3, 20)))) for _ in range(4)]
+    row = check_packed_equals_unpacked(plain, enable_tree_attention(copy.deepcopy(plain)), samples)
+    assert row.packing_ratio > 2.5
+
+
+def _unpacked_gradients(model, samples, weights) -> dict[str, torch.Tensor]:
+    """Parameter gradients of sum(weights * log p(entry)) over the samples forwarded one by one."""
+    model.zero_grad()
+    offset = 0
+    for s in samples:
+        logits = model(input_ids=torch.from_numpy(s.token_ids)[None]).logits[0] / TEMPERATURE
+        positions = np.flatnonzero(s.trained)
+        allowed = torch.ones(len(positions), logits.shape[-1], dtype=torch.bool)
+        for j, candidates in enumerate(s.candidate_sets or []):
+            if len(candidates):
+                allowed[j] = False
+                allowed[j, torch.from_numpy(candidates)] = True
+        logp = torch.log_softmax(logits[positions - 1].masked_fill(~allowed, float("-inf")), -1)
+        target = logp.gather(1, torch.from_numpy(s.token_ids[positions])[:, None])[:, 0]
+        (target.double() * weights[offset : offset + len(positions)]).sum().backward()
+        offset += len(positions)
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _relative_errors(got: dict, want: dict) -> dict[str, float]:
+    return {name: ((got[name] - w).norm() / w.norm().clamp(min=1e-30)).item() for name, w in want.items()}
+
+
+def test_packed_gradient_equals_unpacked(models, monkeypatch):
+    """fp32, every parameter (A_log, dt_bias and the convolution weights included): the packed row's
+    gradient is within 1e-5 of the per-sample forwards' (norm of the difference over the norm),
+    except where the model's own fp32 arithmetic is less precise than that.
+
+    That is the decay path (A_log, dt_bias, in_proj_a): its gradients sum terms of both signs over
+    each chunk of the recurrence, and a packed row's chunks start at segment starts instead of sample
+    starts, so their round-off differs. The same model forwarding the same samples alone with its
+    recurrence chunked by 32 or 16 instead of 64 moves them as much (measured: qwen3_5 A_log 1.0e-4
+    by packing, 1.1e-4 by re-chunking; Qwen3-Next 2.3e-4 and 2.2e-4 on another trie), so the bound
+    there is twice the larger re-chunking difference, the size of the model's own fp32 round-off.
+    transformers' torch chunked rule runs in fp32 whatever the model's dtype, so there is no fp64
+    reference to compare with instead."""
+    plain, tree = models
     rng = np.random.default_rng(6)
-    check_gradients(*models, random_trie_samples(rng), rng, rtol=3e-4)
-
-
-def _sample_paths(samples, row):
-    """Each sample's packed indices, rebuilt from the row: token i of a sample is the packed token
-    that predicts its entry i + 1, or (last token) follows its previous token in the row."""
-    trie = PrefixTrie()
-    for sample in samples:
-        trie.add(sample)
-    order = trie._layout()
-    lengths = np.array([len(segment.tokens) for segment in order])
-    starts = np.cumsum(lengths) - lengths
-    terminal = {index: segment for segment in order for index, _ in segment.terminals}
-    paths = []
-    for index, sample in enumerate(samples):
-        segment, path = terminal[index], []
-        while segment is not trie._root:
-            path.append(segment)
-            segment = segment.parent
-        indices = np.concatenate([starts[s.index] + np.arange(len(s.tokens)) for s in reversed(path)])
-        paths.append(indices[: sample.num_tokens])
-    return paths
-
-
-def test_layer_is_exact_in_fp64():
-    """One GDN layer in float64, outputs and parameter gradients: packed == each sample alone up to
-    fp64 round-off, which shows the tree path computes the same function, not an approximation."""
-    model = build_model(build_tokenizer(), arch="qwen3_5").double()
-    gdn, embed = model.model.layers[0].linear_attn, model.model.embed_tokens
-    rng = np.random.default_rng(7)
     samples = random_trie_samples(rng)
     row = pack_row(samples)
-    paths = _sample_paths(samples, row)
-    layout = recurrent_layout(row.segment_ids, row.subtree_end, model.config.linear_conv_kernel_dim)
-    packed = tree_gdn_forward(gdn, embed(torch.from_numpy(row.input_ids))[None], layout)[0]
-    weights = torch.randn(packed.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    (packed * weights).sum().backward()
-    packed_grads = {name: p.grad.clone() for name, p in gdn.named_parameters()}
-    gdn.zero_grad()
-    # The same loss from the samples alone: a packed token shared by m samples gives each 1/m of its weight.
-    multiplicity = np.bincount(np.concatenate(paths), minlength=row.num_tokens)
-    for sample, path in zip(samples, paths):
-        alone = gdn(embed(torch.from_numpy(sample.token_ids))[None])[0]
-        torch.testing.assert_close(packed[path].detach(), alone.detach(), rtol=0, atol=1e-10)
-        share = torch.from_numpy(1.0 / multiplicity[path])[:, None]
-        (alone * weights[path] * share).sum().backward()
-    for name, p in gdn.named_parameters():
-        # The models compute the decay g in fp32 (`A_log.float()`), so A_log's and dt_bias's
-        # gradients are fp32 sums whose order differs between the packed and unpacked forwards.
-        rtol = 1e-5 if name in ("A_log", "dt_bias") else 1e-9
-        torch.testing.assert_close(packed_grads[name], p.grad, rtol=rtol, atol=1e-10, msg=name)
+    weights = torch.from_numpy(rng.normal(size=row.num_entries))
+    tree.zero_grad()
+    (row_logprobs(tree, row, TEMPERATURE).logprobs.double() * weights).sum().backward()
+    packed = {name: p.grad for name, p in tree.named_parameters() if p.grad is not None}
+    alone = _unpacked_gradients(plain, samples, weights)
+    modeling = sys.modules[type(plain).__module__]
+    rule = modeling.torch_chunk_gated_delta_rule
+    own_round_off = dict.fromkeys(alone, 0.0)
+    for chunk_size in (32, 16):
+        monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", functools.partial(rule, chunk_size=chunk_size))
+        rechunked = _relative_errors(_unpacked_gradients(plain, samples, weights), alone)
+        own_round_off = {name: max(own_round_off[name], rechunked[name]) for name in alone}
+    assert packed.keys() == alone.keys()
+    errors = _relative_errors(packed, alone)
+    for name, error in errors.items():
+        assert error <= max(1e-5, 2 * own_round_off[name]), (name, error, own_round_off[name])
+    assert max(e for n, e in errors.items() if not n.endswith(("A_log", "dt_bias", "in_proj_a.weight", "in_proj_ba.weight"))) <= 1e-5
