@@ -8,8 +8,9 @@ is frozen: no gradients, no optimizer state (the optimizer only takes parameters
 grad), and weight sync skips it (the server already holds those weights and never changes them).
 
 MoE: the router load-balancing loss of Switch Transformer as transformers computes it (so a model
-config's `router_aux_loss_coef` means the same here), E * sum_e f_e * P_e over all MoE layers, where
-f_e is the number of top-k assignments to expert e per token and P_e the mean router probability of e. In a tree-packed row a shared prefix is forwarded once but belongs to several
+config's `router_aux_loss_coef` means the same here), E * sum_e f_e * P_e over all MoE layers,
+where f_e is the number of top-k assignments to expert e per token and P_e the mean router
+probability of e. In a tree-packed row a shared prefix is forwarded once but belongs to several
 samples; each packed token is weighted by how many samples contain it, so the loss is the one the
 same samples give unpacked, and padding weighs zero.
 """

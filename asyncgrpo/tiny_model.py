@@ -84,7 +84,9 @@ def _tokenizer_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = TinyModelSpec.vocab_size, vision: bool = False) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    vocab_size: int = TinyModelSpec.vocab_size, vision: bool = False
+) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (every string encodes; no unknown token) with ChatML specials;
     `vision` adds the image/video placeholders an image-text-to-text config points to."""
     tokenizer = Tokenizer(models.BPE())

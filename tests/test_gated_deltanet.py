@@ -73,7 +73,9 @@ def test_group_sharing(models):
     """A GRPO group with a long prompt: the prompt's state is computed once for 6 completions."""
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, VOCAB, 70)  # longer than one 64-token chunk of the recurrence
-    samples = [completion_sample(rng, prompt, rng.integers(0, VOCAB, int(rng.integers(3, 20)))) for _ in range(6)]
+    samples = [
+        completion_sample(rng, prompt, rng.integers(0, VOCAB, int(rng.integers(3, 20)))) for _ in range(6)
+    ]
     row = check_packed_equals_unpacked(*models, samples)
     assert row.packing_ratio > 3
 
@@ -92,7 +94,9 @@ def test_vision_checkpoint_packs():
     plain = build_model(build_tokenizer(vision=True), arch="qwen3_5_vl")
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, VOCAB, 70)
-    samples = [completion_sample(rng, prompt, rng.integers(0, VOCAB, int(rng.integers(3, 20)))) for _ in range(4)]
+    samples = [
+        completion_sample(rng, prompt, rng.integers(0, VOCAB, int(rng.integers(3, 20)))) for _ in range(4)
+    ]
     row = check_packed_equals_unpacked(plain, enable_tree_attention(copy.deepcopy(plain)), samples)
     assert row.packing_ratio > 2.5
 
@@ -146,11 +150,14 @@ def test_packed_gradient_equals_unpacked(models, monkeypatch):
     rule = modeling.torch_chunk_gated_delta_rule
     own_round_off = dict.fromkeys(alone, 0.0)
     for chunk_size in (32, 16):
-        monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", functools.partial(rule, chunk_size=chunk_size))
+        monkeypatch.setattr(
+            modeling, "torch_chunk_gated_delta_rule", functools.partial(rule, chunk_size=chunk_size)
+        )
         rechunked = _relative_errors(_unpacked_gradients(plain, samples, weights), alone)
         own_round_off = {name: max(own_round_off[name], rechunked[name]) for name in alone}
     assert packed.keys() == alone.keys()
     errors = _relative_errors(packed, alone)
     for name, error in errors.items():
         assert error <= max(1e-5, 2 * own_round_off[name]), (name, error, own_round_off[name])
-    assert max(e for n, e in errors.items() if not n.endswith(("A_log", "dt_bias", "in_proj_a.weight", "in_proj_ba.weight"))) <= 1e-5
+    decay_path = ("A_log", "dt_bias", "in_proj_a.weight", "in_proj_ba.weight")
+    assert max(error for name, error in errors.items() if not name.endswith(decay_path)) <= 1e-5

@@ -77,7 +77,9 @@ def test_packed_aux_loss_counts_each_sample(model_dirs):
             model(input_ids=torch.from_numpy(s.token_ids)[None], output_router_logits=True).router_logits
             for s in samples
         ]
-    per_layer = tuple(torch.cat([sample_logits[i] for sample_logits in logits]) for i in range(len(logits[0])))
+    per_layer = tuple(
+        torch.cat([sample_logits[i] for sample_logits in logits]) for i in range(len(logits[0]))
+    )
     want = load_balancing_loss_func(per_layer, model.config.num_experts, model.config.num_experts_per_tok)
     assert out.aux_loss.item() == pytest.approx(float(want), rel=1e-5)
     out.aux_loss.backward()
@@ -110,7 +112,9 @@ def test_serve_flags(model_dirs, tmp_path):
     flags, reasons = model_flags(str(model_dirs["qwen3_5_vl"]), on_cpu=True, dtype=None)
     assert flags == ["--language-model-only", "--dtype", "bfloat16", "--no-enable-prefix-caching"]
     assert len(reasons) == 3
-    assert model_flags(str(model_dirs["qwen3_5_vl"]), on_cpu=False, dtype=None)[0] == ["--language-model-only"]
+    assert model_flags(str(model_dirs["qwen3_5_vl"]), on_cpu=False, dtype=None)[0] == [
+        "--language-model-only"
+    ]
     with pytest.raises(ValueError, match="bfloat16 only"):
         model_flags(str(model_dirs["qwen3_5_vl"]), on_cpu=True, dtype="float32")
     qwen3_5 = save_tiny_model(tmp_path / "q35", arch="qwen3_5")

@@ -13,21 +13,29 @@ On GPU only the last one applies.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
 def _config(model: str) -> dict:
-    """The model's config.json as a dict; {} when it cannot be read offline (flags then stay as given)."""
+    """The model's config.json as a dict: from a local directory, the Hugging Face cache, or (online)
+    the Hub; {} when it cannot be read (the flags then stay as given)."""
     path = Path(model) / "config.json"
     if path.is_file():
         return json.loads(path.read_text())
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    try:
-        return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError):
-        return {}
+    # Cache first; offline (HF_HUB_OFFLINE=1) stop there instead of retrying an unreachable Hub.
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    for local_only in (True, False) if not offline else (True,):
+        try:
+            return json.loads(
+                Path(hf_hub_download(model, "config.json", local_files_only=local_only)).read_text()
+            )
+        except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError):
+            continue
+    return {}
 
 
 def model_flags(model: str, on_cpu: bool, dtype: str | None) -> tuple[list[str], list[str]]:
@@ -37,7 +45,9 @@ def model_flags(model: str, on_cpu: bool, dtype: str | None) -> tuple[list[str],
     flags, reasons = [], []
     if config.get("vision_config") is not None:
         flags.append("--language-model-only")
-        reasons.append("the checkpoint declares a vision tower; training is text only: serving its language model")
+        reasons.append(
+            "the checkpoint declares a vision tower; training is text only: serving its language model"
+        )
     if on_cpu and "linear_attention" in (text.get("layer_types") or []):
         if dtype not in (None, "bfloat16"):
             raise ValueError(

@@ -18,7 +18,7 @@ passes a `RecurrentLayout` as the mask of the "linear_attention" layer type (see
 `tree_attention.tree_attention_masks`); the wrapper then runs the tree path. Any other call
 (generation, a plain forward) goes to the model's own forward unchanged.
 
-Kernels: on CUDA with `fla-core` installed (extra `gdn`), the recurrence of a level runs as one
+Kernels: on CUDA with `fla-core` installed (extra `gpu`), the recurrence of a level runs as one
 varlen `chunk_gated_delta_rule` call (`cu_seqlens`, per-sequence `initial_state`) with no padding;
 otherwise the model module's own chunked rule (transformers' torch reference, or fla when
 transformers found it) runs on the level's segments padded to the longest. Right padding with
@@ -179,11 +179,21 @@ def tree_gated_delta_rule(
             has_parent = (level.parent_rows >= 0)[:, None, None, None]
             initial = torch.where(has_parent, parent_states[level.parent_rows.clamp(min=0)], 0.0)
         if fla_rule is not None:
-            index = torch.cat([torch.arange(s, s + n, device=query.device) for s, n in
-                               zip(level.starts.tolist(), level.lengths.tolist())])
+            index = torch.cat(
+                [
+                    torch.arange(s, s + n, device=query.device)
+                    for s, n in zip(level.starts.tolist(), level.lengths.tolist())
+                ]
+            )
             level_out, parent_states = fla_rule(
-                query[index][None], key[index][None], value[index][None], g[index][None], beta[index][None],
-                initial_state=initial, output_final_state=True, cu_seqlens=level.cu_seqlens,
+                query[index][None],
+                key[index][None],
+                value[index][None],
+                g[index][None],
+                beta[index][None],
+                initial_state=initial,
+                output_final_state=True,
+                cu_seqlens=level.cu_seqlens,
                 use_qk_l2norm_in_kernel=True,
             )
             out = out.index_copy(0, index, level_out[0].to(out.dtype))
@@ -193,7 +203,13 @@ def tree_gated_delta_rule(
             torch.cat([t, t.new_zeros(1, *t.shape[1:])])[gather] for t in (query, key, value, g, beta)
         )
         level_out, parent_states = chunk_rule(
-            q, k, v, g=gg, beta=bb, initial_state=initial, output_final_state=True,
+            q,
+            k,
+            v,
+            g=gg,
+            beta=bb,
+            initial_state=initial,
+            output_final_state=True,
             use_qk_l2norm_in_kernel=True,
         )
         out = out.index_put((gather,), level_out.to(out.dtype), accumulate=True)

@@ -41,9 +41,9 @@ from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, policy_label
 from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
 from asyncgrpo.logprobs import row_logprobs
-from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
 from asyncgrpo.loss import LossInputs, clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
 from asyncgrpo.packing.tree_attention import enable_tree_attention, padded_length
 from asyncgrpo.perf import device_peak_flops, flop_model
 from asyncgrpo.rollout.chat import render_prompt_ids, use_training_template
@@ -856,7 +856,9 @@ def row_loss(
     if out.aux_loss is not None:  # MoE: the row's share of the step's load-balancing loss
         share = row.num_entries / max(num_trained_tokens_global, 1.0) / args.gradient_accumulation_steps
         loss = loss + aux_coef * out.aux_loss * share
-        metrics["aux_loss"] = Stat(Reduce.MEAN, out.aux_loss.detach() * row.num_entries, float(row.num_entries))
+        metrics["aux_loss"] = Stat(
+            Reduce.MEAN, out.aux_loss.detach() * row.num_entries, float(row.num_entries)
+        )
     return loss, metrics
 
 
