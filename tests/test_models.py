@@ -119,3 +119,39 @@ def test_serve_flags(model_dirs, tmp_path):
         model_flags(str(model_dirs["qwen3_5_vl"]), on_cpu=True, dtype="float32")
     qwen3_5 = save_tiny_model(tmp_path / "q35", arch="qwen3_5")
     assert model_flags(str(qwen3_5), on_cpu=True, dtype="bfloat16")[0] == ["--no-enable-prefix-caching"]
+
+
+def test_row_loss_adds_the_weighted_aux_loss(model_dirs, tmp_path):
+    """The trainer's row loss: + coef x aux_loss x the row's share of the step's trained tokens, and
+    `aux_loss` logged before the coefficient; coefficient 0 adds and logs nothing."""
+    from asyncgrpo import AsyncGRPOConfig
+    from asyncgrpo.loss import clipped_surrogate_loss
+    from asyncgrpo.trainer.async_grpo_trainer import row_loss
+
+    model = enable_tree_attention(load_model(str(model_dirs["qwen3_moe"])))
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 900, 20)
+    samples = [
+        Sample(
+            np.concatenate([prompt, rng.integers(0, 900, 6)]),
+            np.arange(26) >= 20,
+            np.full(6, -3.0, np.float32),
+            a,
+            0,
+        )
+        for a in (1.0, -1.0)
+    ]
+    row = pack_row(samples)
+    total = 2.0 * row.num_entries  # the step's trained tokens: this row is half of them
+
+    def loss_of(coef):
+        args = AsyncGRPOConfig(output_dir=str(tmp_path), router_aux_loss_coef=coef, report_to="none")
+        with torch.no_grad():
+            return row_loss(model, row, total, args, clipped_surrogate_loss)
+
+    plain, plain_metrics = loss_of(0.0)
+    with_aux, metrics = loss_of(0.5)
+    assert "aux_loss" not in plain_metrics
+    aux = metrics["aux_loss"].value / metrics["aux_loss"].weight
+    assert float(aux) > 0
+    assert float(with_aux - plain) == pytest.approx(0.5 * float(aux) * 0.5, rel=1e-5)
