@@ -268,8 +268,9 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     token_budget: int | None = field(
         default=None,
         metadata={
-            "help": "Tokens one process forwards per micro-batch (a row), shared prefixes counted once; bounds "
-            "peak memory. None: the server's max_model_len, so every sample fits. Longer samples are dropped."
+            "help": "Tokens one process forwards per micro-batch (a row), shared prefixes counted once, and the "
+            "row's loss entries (trained tokens, counted per sample); bounds peak memory. None: the server's "
+            "max_model_len, so every sample fits. Longer samples are dropped."
         },
     )
 

@@ -190,3 +190,13 @@ def test_rows_balanced_by_attention_cost(num_rows):
     for plan in plans:
         costs = plan.row_attention_costs
         assert plan.row_imbalance == pytest.approx(max(costs) / np.mean(costs))
+
+
+def test_identical_samples_fill_a_row_by_their_loss_entries():
+    # 20 copies of one 10-token sample (a 4-token prompt, 6 trained tokens): the trie forwards 10 tokens
+    # whatever the count, so only the loss-entry cap closes the row: 30 // 6 = 5 copies a row.
+    copies = [make_sample(list(range(10)), group_id=0, prompt_len=4) for _ in range(20)]
+    plans = plan_all(TokenBudgetBatcher(30, 1), copies)
+    assert [plan.num_samples for plan in plans] == [5, 5, 5, 5]
+    assert all(plan.row_tokens == [10] for plan in plans)
+    assert all(trie.num_entries <= 30 for plan in plans for trie in plan.tries)

@@ -4,8 +4,15 @@ trainer attributes and the Trainer callbacks its loop calls."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import random
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +20,7 @@ pytest.importorskip(
     "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
 )
 
+import torch  # noqa: E402
 from aiohttp import web  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -20,6 +28,8 @@ from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMUnavailableError  # noqa: E402
 from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks  # noqa: E402
 from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch  # noqa: E402
+
+HERE = Path(__file__).parent
 
 # Every field TRL 1.16's AsyncGRPOConfig declares itself, at TRL's defaults.
 TRL_116_FIELDS = dict(  # noqa: C408 (keyword form: the fields read as a config call)
@@ -168,6 +178,78 @@ def test_epoch_callbacks_bracket_passes_over_the_prompts():
 
 
 # -- against a real vLLM server ---------------------------------------------------------------------------
+
+
+def boxed_answer_model(out_dir: Path) -> Path:
+    """The tiny model after a few supervised steps that make it answer `\\boxed{1}` or `\\boxed{2}`,
+    about half of the time each, then stop: rewards differ within a group, so GRPO has a signal."""
+    from asyncgrpo.tiny_model import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = build_model(tokenizer)
+    rng = random.Random(0)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 1 + 0?"}], add_generation_prompt=True, tokenize=True
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    answers = [tokenizer.encode(f"\\boxed{{{n}}}") + [tokenizer.eos_token_id] for n in (1, 2)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(40):
+        batch = [prompt + rng.choice(answers) for _ in range(16)]
+        length = max(map(len, batch))
+        ids = torch.full((len(batch), length), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), length), -100)
+        for row, sequence in enumerate(batch):
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            labels[row, len(prompt) : len(sequence)] = torch.tensor(sequence[len(prompt) :])
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def gsm8k_shaped(path: Path, n: int = 16) -> Path:
+    rows = [{"question": "What is 1 + 0?", "answer": "One plus zero is one.\n#### 1"} for _ in range(n)]
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    return path
+
+
+@pytest.mark.vllm
+def test_trl_example_script_runs_with_only_the_import_changed(vllm_server, tiny_model_dir, tmp_path):
+    """TRL 1.16's async GRPO example (tests/trl_example/async_grpo.py says what differs), launched the
+    way TRL documents it: `accelerate launch --config_file fsdp2.yaml` with TRL's own config."""
+    from test_trainer_e2e import restore_server
+
+    model_dir = boxed_answer_model(tmp_path / "model")
+    data = gsm8k_shaped(tmp_path / "gsm8k.jsonl")
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(HERE / "trl_example" / "fsdp2.yaml"),
+        "--num_processes", "1", str(HERE / "trl_example" / "async_grpo.py"), str(model_dir), str(data), vllm_server.url,
+    ]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    launch = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a timeout stops the launcher and the training process it started
+    )
+    try:
+        stdout, stderr = launch.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        stdout, stderr = launch.communicate()
+    finally:
+        restore_server(vllm_server.url, tiny_model_dir)
+    result = subprocess.CompletedProcess(command, launch.returncode, stdout, stderr)
+    assert result.returncode == 0, result.stderr[-5000:]
+    output = result.stdout + result.stderr
+    assert "step 3  reward=" in output, output[-3000:]  # the progress line of the last of its 3 steps
 
 
 @pytest.mark.vllm

@@ -1,8 +1,11 @@
 """The row planner: which samples of the queue go into which process's row of a micro-batch.
 
 A micro-batch holds one row per training process; each row is packed as a prefix trie and may
-forward at most `token_budget` tokens, shared tokens counted once. Samples are offered one at a
-time, in queue order:
+forward at most `token_budget` tokens, shared tokens counted once, and hold at most `token_budget`
+loss entries (trained tokens, counted per sample: identical completions share every forwarded token
+but each keeps its own loss terms, so without this cap a row of duplicates would never fill, and the
+head's per-entry work and memory would be unbounded). Samples are offered one at a time, in queue
+order:
   1. a sample longer than the budget on its own can never be trained: it is dropped and counted;
   2. it goes to the row already holding its group, where its prompt is already forwarded;
   3. when that row is full, it spills to another row if some row is still empty, or if adding it
@@ -133,15 +136,19 @@ class TokenBudgetBatcher:
         self._reset()
         return plan
 
-    def _fits(self, row: int, added_tokens: int) -> bool:
-        return self._tries[row].num_tokens + added_tokens <= self.token_budget
+    def _fits(self, row: int, added_tokens: int, sample: Sample) -> bool:
+        trie = self._tries[row]
+        return (
+            trie.num_tokens + added_tokens <= self.token_budget
+            and trie.num_entries + sample.num_trained <= self.token_budget
+        )
 
     def _group_row(self, sample: Sample, targets: np.ndarray) -> int | None:
         """The row holding the sample's group where it adds the fewest tokens, if one fits."""
         best, best_added = None, None
         for row in self._group_rows.get(sample.group_id, ()):
             added, _ = self._tries[row].growth(sample, targets)
-            if self._fits(row, added) and (best_added is None or added < best_added):
+            if self._fits(row, added, sample) and (best_added is None or added < best_added):
                 best, best_added = row, added
         return best
 
@@ -164,6 +171,6 @@ class TokenBudgetBatcher:
         for row, trie in enumerate(self._tries):
             added, added_cost = trie.growth(sample, targets)
             cost = trie.attention_cost + added_cost
-            if self._fits(row, added) and (best_cost is None or cost < best_cost):
+            if self._fits(row, added, sample) and (best_cost is None or cost < best_cost):
                 best, best_cost = row, cost
         return best, best_cost
