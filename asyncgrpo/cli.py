@@ -9,8 +9,8 @@ import sys
 def _tiny_model(args: argparse.Namespace) -> int:
     from asyncgrpo.tiny_model import save_tiny_model
 
-    out = save_tiny_model(args.out_dir)
-    print(f"tiny Qwen3 model and tokenizer written to {out}")
+    out = save_tiny_model(args.out_dir, arch=args.arch)
+    print(f"tiny {args.arch} model and tokenizer written to {out}")
     return 0
 
 
@@ -114,10 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncgrpo", description="Asynchronous GRPO against a vLLM server.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    tiny = commands.add_parser(
-        "tiny-model", help="build the tiny offline Qwen3 model used by tests and the demo"
-    )
+    tiny = commands.add_parser("tiny-model", help="build a tiny offline model (tests, benchmarks, the demo)")
     tiny.add_argument("out_dir")
+    tiny.add_argument(
+        "--arch",
+        default="qwen3",
+        choices=["qwen3", "qwen3_5", "qwen3_5_vl", "qwen3_moe"],
+        help="family: dense Qwen3, Qwen3.5 (Gated DeltaNet hybrid), its image-text-to-text checkpoint "
+        "form, or Qwen3-MoE",
+    )
     tiny.set_defaults(run=_tiny_model)
 
     serve = commands.add_parser(

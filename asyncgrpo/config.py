@@ -118,8 +118,9 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     router_aux_loss_coef: float | None = field(
         default=None,
         metadata={
-            "help": "MoE load-balancing loss coefficient; None: the model config's. Not used yet: MoE auxiliary "
-            "losses are not added in this version."
+            "help": "MoE router load-balancing loss coefficient (metric aux_loss); None: the model config's "
+            "router_aux_loss_coef, what the checkpoint was trained with. Setting it on a model without routed "
+            "experts is an error."
         },
     )
 

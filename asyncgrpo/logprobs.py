@@ -24,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from asyncgrpo.fused_head import FusedHeadLogprobs, candidate_mask
+from asyncgrpo.models import load_balancing_loss
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.packing.tree_attention import TREE_ATTENTION, padded_length, tree_attention_masks
 
@@ -36,6 +37,7 @@ class TokenLogprobs:
     logprobs: torch.Tensor  # (E,) log p(target)
     entropy: torch.Tensor  # (E,) entropy of the (renormalized) distribution
     top_logprobs: torch.Tensor | None  # (E, N) log p_v at the sampler's top-N ids; -inf where id is -1
+    aux_loss: torch.Tensor | None = None  # 0-d MoE load-balancing loss of the row, when asked for
 
 
 @dataclass(frozen=True)
@@ -187,10 +189,15 @@ PACKED_FORWARD_METHOD = "asyncgrpo_packed_forward"
 
 
 def row_logprobs(
-    model, row: PackedRow, temperature: float = 1.0, chunk_size: int | None = None
+    model,
+    row: PackedRow,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    router_aux_loss: bool = False,
 ) -> TokenLogprobs:
     """Forward one packed row through `model` (switched with `enable_tree_attention`) and return the
-    log-probs of its E loss entries, in entry order."""
+    log-probs of its E loss entries, in entry order; with `router_aux_loss`, also the MoE
+    load-balancing loss over the row's tokens, each counted once per sample that contains it."""
     config = model.config.get_text_config()
     if config._attn_implementation != TREE_ATTENTION:
         raise ValueError(
@@ -206,9 +213,15 @@ def row_logprobs(
     position_ids = torch.zeros(length, dtype=torch.int64, device=device)
     input_ids[:num_tokens] = _tensor(row.input_ids, device)
     position_ids[:num_tokens] = _tensor(row.position_ids, device)
-    masks = tree_attention_masks(config, _tensor(row.subtree_end, device), position_ids[:num_tokens])
+    masks = tree_attention_masks(
+        config, _tensor(row.subtree_end, device), position_ids[:num_tokens], _tensor(row.segment_ids, device)
+    )
+    token_weights = None
+    if router_aux_loss:
+        token_weights = torch.zeros(length, dtype=torch.float32, device=device)  # padding weighs 0
+        token_weights[:num_tokens] = _tensor(row.token_multiplicity, device).float()
     forward = getattr(model, PACKED_FORWARD_METHOD, None) or (lambda *args: packed_forward(model, *args))
-    logprobs, entropy, top_logprobs = forward(
+    logprobs, entropy, top_logprobs, aux_loss = forward(
         input_ids,
         position_ids,
         masks,
@@ -219,8 +232,9 @@ def row_logprobs(
         _tensor(row.candidate_offsets, head_device),
         _tensor(row.candidate_ids, head_device),
         chunk_size,
+        token_weights,
     )
-    return TokenLogprobs(logprobs, entropy, top_logprobs)
+    return TokenLogprobs(logprobs, entropy, top_logprobs, aux_loss)
 
 
 def packed_forward(
@@ -235,12 +249,23 @@ def packed_forward(
     candidate_offsets: torch.Tensor | None,
     candidate_ids: torch.Tensor | None,
     chunk_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    router_token_weights: torch.Tensor | None = None,  # (L,): ask for the MoE load-balancing loss
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The decoder on the packed row, then the head on the E predicting positions only. Returns a
-    tuple of tensors (what FSDP2's forward hooks can track): logprobs, entropy, top_logprobs."""
+    tuple of tensors (what FSDP2's forward hooks can track): logprobs, entropy, top_logprobs and
+    the load-balancing loss (None unless `router_token_weights` is given)."""
+    router = {} if router_token_weights is None else {"output_router_logits": True}
     out = model.get_decoder()(
-        input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=masks, use_cache=False
+        input_ids=input_ids[None],
+        position_ids=position_ids[None],
+        attention_mask=masks,
+        use_cache=False,
+        **router,
     )
+    aux_loss = None
+    if router_token_weights is not None:
+        config = model.config.get_text_config()
+        aux_loss = load_balancing_loss(out.router_logits, config.num_experts_per_tok, router_token_weights)
     hidden = out.last_hidden_state[0]  # (L, H)
     head = output_head(model)
     result = token_logprobs(
@@ -253,4 +278,4 @@ def packed_forward(
         candidate_ids=candidate_ids,
         chunk_size=chunk_size,
     )
-    return result.logprobs, result.entropy, result.top_logprobs
+    return result.logprobs, result.entropy, result.top_logprobs, aux_loss

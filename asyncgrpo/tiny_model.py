@@ -1,10 +1,14 @@
-"""A tiny Qwen3-architecture causal LM and a byte-level BPE tokenizer, built offline.
+"""Tiny causal LMs of the Qwen3 families and a byte-level BPE tokenizer, built offline.
 
 Nothing can be downloaded on the machines this project is tested on, so tests, the demo and the
 benchmarks build their own model: deterministic (same bytes for the same arguments), in seconds,
 with the same chat conventions as Qwen3 (ChatML, `<tool_call>{json}</tool_call>`,
 `<tool_response>`, `<|im_end|>` as EOS) so that the tool loop and the chat-template code paths
 run exactly as they would on a real Qwen3 checkpoint.
+
+Architectures (`ARCHES`): `qwen3` (dense attention), `qwen3_5` (Gated DeltaNet hybrid, text only),
+`qwen3_5_vl` (the same language model inside Qwen3.5's image-text-to-text checkpoint, with a tiny
+vision tower: the form Qwen3.5 checkpoints are published in) and `qwen3_moe` (routed experts).
 """
 
 from __future__ import annotations
@@ -15,13 +19,28 @@ from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from asyncgrpo.rollout.chat import QWEN3_TRAINING_TEMPLATE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen3 registers these as added (not special) tokens: they survive skip_special_tokens=True.
 MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# The placeholders of Qwen3.5's image-text-to-text config; text-only training never emits them.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+ARCHES = ("qwen3", "qwen3_5", "qwen3_5_vl", "qwen3_moe")
 
 # Qwen3's chat conventions without its rewriting of earlier assistant turns' reasoning: the template
 # is prefix-preserving (appending a message never changes how earlier ones render), which is what a
@@ -65,8 +84,11 @@ def _tokenizer_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = TinyModelSpec.vocab_size) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (every string encodes; no unknown token) with ChatML specials."""
+def build_tokenizer(
+    vocab_size: int = TinyModelSpec.vocab_size, vision: bool = False
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (every string encodes; no unknown token) with ChatML specials;
+    `vision` adds the image/video placeholders an image-text-to-text config points to."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -86,17 +108,15 @@ def build_tokenizer(vocab_size: int = TinyModelSpec.vocab_size) -> PreTrainedTok
         model_max_length=TinyModelSpec.max_position_embeddings,
     )
     fast.add_tokens(MARKUP_TOKENS)
+    if vision:
+        fast.add_tokens(VISION_TOKENS, special_tokens=True)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build_model(
-    tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec = TinyModelSpec()
-) -> Qwen3ForCausalLM:
-    """Random Qwen3 weights from a fixed seed. `tie_word_embeddings=False`: vLLM's CPU reload
-    leaves a tied `lm_head` stale."""
+def _common_text_config(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec) -> dict:
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen3Config(
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -111,22 +131,90 @@ def build_model(
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
+
+
+def _qwen3_5_text_config(common: dict, spec: TinyModelSpec) -> dict:
+    """Gated DeltaNet layers then full attention (Qwen3.5's 3:1 pattern, shortened). vLLM-CPU's GDN
+    kernel takes equal key/value head dims of 64 or 128 only; the rotary part of a head (a quarter,
+    as in Qwen3.5) is split over Qwen3.5's three M-RoPE sections."""
+    layers = max(spec.num_hidden_layers, 3)
+    rotary_half = int(spec.head_dim * 0.25) // 2
+    return dict(
+        common,
+        num_hidden_layers=layers,
+        layer_types=["linear_attention"] * (layers - 1) + ["full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3],
+            "mrope_interleaved": True,
+        },
+    )
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec = TinyModelSpec(), arch: str = "qwen3"
+) -> PreTrainedModel:
+    """Random weights of architecture `arch` (one of ARCHES) from a fixed seed.
+    `tie_word_embeddings=False`: vLLM's CPU reload leaves a tied `lm_head` stale."""
+    common = _common_text_config(tokenizer, spec)
+    if arch == "qwen3":
+        model_class, config = Qwen3ForCausalLM, Qwen3Config(**common)
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=spec.intermediate_size // 2
+        )
+        model_class = Qwen3MoeForCausalLM
+    elif arch == "qwen3_5":
+        model_class, config = Qwen3_5ForCausalLM, Qwen3_5TextConfig(**_qwen3_5_text_config(common, spec))
+    elif arch == "qwen3_5_vl":
+        vision_ids = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+        config = Qwen3_5Config(
+            text_config=_qwen3_5_text_config(common, spec),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=spec.hidden_size,
+                num_position_embeddings=64,
+            ),
+            vision_start_token_id=vision_ids[0],
+            vision_end_token_id=vision_ids[1],
+            image_token_id=vision_ids[2],
+            video_token_id=vision_ids[3],
+            tie_word_embeddings=False,
+            dtype="float32",
+        )
+        model_class = Qwen3_5ForConditionalGeneration
+    else:
+        raise ValueError(f"unknown tiny-model arch {arch!r}: pick one of {', '.join(ARCHES)}")
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config)
+    model = model_class(config)
     # The default init (std 0.02) makes every next-token distribution nearly uniform; a larger
     # output scale gives the sampler a peaked, position-dependent distribution, like a real LM.
     with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.5 / spec.hidden_size**0.5 * 4)
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id)
+        model.get_output_embeddings().weight.normal_(0.0, 0.5 / spec.hidden_size**0.5 * 4)
+    model.generation_config = GenerationConfig(
+        eos_token_id=common["eos_token_id"], pad_token_id=tokenizer.pad_token_id
+    )
     return model
 
 
-def save_tiny_model(out_dir: str | pathlib.Path, spec: TinyModelSpec = TinyModelSpec()) -> pathlib.Path:
+def save_tiny_model(
+    out_dir: str | pathlib.Path, spec: TinyModelSpec = TinyModelSpec(), arch: str = "qwen3"
+) -> pathlib.Path:
     """Build and save the tokenizer and model to `out_dir` (a directory `vllm serve` can load)."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(spec.vocab_size)
-    model = build_model(tokenizer, spec)
+    tokenizer = build_tokenizer(spec.vocab_size, vision=arch == "qwen3_5_vl")
+    model = build_model(tokenizer, spec, arch)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out, safe_serialization=True)
     return out

@@ -57,17 +57,24 @@ class ServerPool:
         self._servers: dict[tuple, VLLMServer] = {}
 
     def get(
-        self, *extra_args: str, enable_lora: bool = False, max_lora_rank=None, max_loras=None
+        self,
+        *extra_args: str,
+        enable_lora: bool = False,
+        max_lora_rank=None,
+        max_loras=None,
+        model_dir: Path | None = None,
+        dtype: str | None = "float32",
     ) -> VLLMServer:
-        key = (extra_args, enable_lora, max_lora_rank, max_loras)
+        """`model_dir`: another model than the tiny Qwen3; `dtype=None` lets `asyncgrpo serve` pick."""
+        key = (extra_args, enable_lora, max_lora_rank, max_loras, model_dir, dtype)
         if key not in self._servers:
             from asyncgrpo.generation.server import ServerOptions, VLLMServer
 
             options = ServerOptions(
-                model=str(self.model_dir),
+                model=str(model_dir or self.model_dir),
                 port=free_port(),
                 max_model_len=MAX_MODEL_LEN,
-                dtype="float32",
+                dtype=dtype,
                 cpu=True,
                 enable_lora=enable_lora,
                 max_lora_rank=max_lora_rank,
@@ -86,6 +93,8 @@ class ServerPool:
             kwargs.get("enable_lora", False),
             kwargs.get("max_lora_rank"),
             kwargs.get("max_loras"),
+            kwargs.get("model_dir"),
+            kwargs.get("dtype", "float32"),
         )
         server = self._servers.pop(key, None)
         if server is not None:

@@ -39,7 +39,7 @@ def test_every_example_config_validates(path, capsys):
 
 def test_quickstart_config_is_the_deepmath_run():
     run = build_run_config(read_config(REPO / "examples" / "quickstart.yaml"))
-    assert run.model == "Qwen/Qwen3-1.7B" and run.dataset == {
+    assert run.model == "Qwen/Qwen3.5-2B" and run.dataset == {
         "name": "trl-lib/DeepMath-103K",
         "split": "train",
     }
@@ -142,12 +142,13 @@ def test_server_flags_for_a_config():
     assert "--return-sampling-mask" in sampled.extra_args
 
 
-def test_serve_for_prints_the_command_it_would_run(capsys):
+def test_serve_for_prints_the_command_it_would_run(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the model's config is looked up: no Hub here
     assert (
         main(["serve", "--for", "examples/peft_lora.yaml", "--port", "8123", "--dry-run", "--seed", "1"]) == 0
     )
     command = capsys.readouterr().out
-    assert "serve Qwen/Qwen3-1.7B" in command and "--port 8123" in command
+    assert "serve Qwen/Qwen3.5-2B" in command and "--port 8123" in command
     assert "--enable-lora --max-lora-rank 32 --max-loras 6" in command and command.strip().endswith(
         "--seed 1"
     )

@@ -229,21 +229,18 @@ def test_torch_compile_leaves_the_callers_args_as_given(tiny_model_dir, tmp_path
     )
 
 
-def test_vision_language_checkpoints_are_refused(tiny_model_dir, tmp_path):
-    import json
-    import shutil
+def test_vision_language_checkpoint_trains_on_text(tmp_path):
+    """A checkpoint with a vision tower loads with the image-text-to-text class; only its language
+    model trains; prompts with images fail at construction."""
+    from asyncgrpo.tiny_model import save_tiny_model
 
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    model.config.vision_config = {"model_type": "siglip_vision_model"}
-    with pytest.raises(NotImplementedError, match="vision-language checkpoint"):
-        AsyncGRPOTrainer(model, some_reward, config(tmp_path), train_dataset=conversational())
-    by_name = tmp_path / "vlm"
-    shutil.copytree(tiny_model_dir, by_name)
-    settings = json.loads((by_name / "config.json").read_text())
-    (by_name / "config.json").write_text(
-        json.dumps(dict(settings, vision_config={"model_type": "siglip_vision_model"}))
+    model_dir = save_tiny_model(tmp_path / "vl", arch="qwen3_5_vl")
+    trainer = AsyncGRPOTrainer(str(model_dir), some_reward, config(tmp_path), train_dataset=conversational())
+    assert type(trainer.model).__name__ == "Qwen3_5ForConditionalGeneration"
+    trained = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and not any(".visual." in f".{name}" for name in trained)
+    with_image = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text"}]}]]}
     )
-    with pytest.raises(NotImplementedError, match="vision-language checkpoint"):
-        AsyncGRPOTrainer(str(by_name), some_reward, config(tmp_path), train_dataset=conversational())
+    with pytest.raises(ValueError, match="prompts with images are not supported"):
+        AsyncGRPOTrainer(str(model_dir), some_reward, config(tmp_path), train_dataset=with_image)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import GptOssConfig, GptOssForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import GptOssConfig, GptOssForCausalLM
 
 from asyncgrpo.packing.tree_attention import (
     TREE_ATTENTION,
@@ -198,15 +198,13 @@ def test_attention_sink_model_refused():
         enable_tree_attention(GptOssForCausalLM(config))
 
 
-def test_linear_attention_model_refused():
-    config = Qwen3NextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"], num_experts=2,
-        num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="'linear_attention' layers.*not supported yet"):
-        enable_tree_attention(Qwen3NextForCausalLM(config))
+def test_recurrent_model_other_than_gated_deltanet_refused():
+    """Gated DeltaNet layers pack (tests/test_gated_deltanet.py); other recurrent mixers do not."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    model = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4))
+    with pytest.raises(ValueError, match="not supported yet"):
+        enable_tree_attention(model)
 
 
 def test_attention_dropout_refused():

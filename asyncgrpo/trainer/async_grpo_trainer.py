@@ -25,8 +25,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
     Trainer,
@@ -45,6 +43,7 @@ from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.loss import LossInputs, clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
 from asyncgrpo.packing.tree_attention import enable_tree_attention, padded_length
 from asyncgrpo.perf import device_peak_flops, flop_model
 from asyncgrpo.rollout.chat import render_prompt_ids, use_training_template
@@ -61,7 +60,6 @@ from asyncgrpo.trainer.checks import (
     check_multi_process,
     check_prompt_lengths,
     check_reward_funcs,
-    check_text_only_model,
     check_transformers_version,
 )
 from asyncgrpo.trainer.compile import compile_decoder_layers
@@ -163,12 +161,12 @@ class AsyncGRPOTrainer(Trainer):
         check_conversational(train_dataset, environment_factory)
         revision = (args.model_init_kwargs or {}).get("revision")  # the tokenizer's too, as in TRL
         if isinstance(model, str):
-            check_text_only_model(
-                AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=args.trust_remote_code)
-            )
             model = self._load_model(model, args)
-        else:
-            check_text_only_model(model.config)
+        # Before PEFT wraps it: the frozen vision tower's names are the checkpoint's, and the adapter skips it.
+        frozen = freeze_outside_language_model(model)  # a vision tower: text-only training never uses it
+        if frozen:
+            logger.info("froze %d parameters outside the language model (vision tower)", len(frozen))
+        args.router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
         if peft_config is not None:
             model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
         enable_tree_attention(model)  # refuses attention sinks and layers it cannot pack
@@ -247,7 +245,7 @@ class AsyncGRPOTrainer(Trainer):
         kwargs = dict(args.model_init_kwargs or {})
         kwargs.setdefault("dtype", _DTYPES[args.dtype])
         kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-        return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+        return load_model(model_id, **kwargs)
 
     # -- the training loop ----------------------------------------------------------------------------
 
@@ -834,7 +832,8 @@ def row_loss(
 ) -> tuple[torch.Tensor, dict]:
     """The loss of one packed row (this process's share of a micro-batch), normalized by the trained
     tokens of the whole micro-batch over all processes, and its metrics."""
-    out = row_logprobs(model, row, temperature=args.temperature)
+    aux_coef = args.router_aux_loss_coef or 0.0
+    out = row_logprobs(model, row, temperature=args.temperature, router_aux_loss=aux_coef > 0)
     device = out.logprobs.device
     inputs = LossInputs(
         logprobs=out.logprobs,
@@ -845,7 +844,7 @@ def row_loss(
         top_logprobs=out.top_logprobs,
         sampler_top_logprobs=_tensor(row.top_logprobs, device),
     )
-    return loss_fn(
+    loss, metrics = loss_fn(
         inputs,
         clip_min=args.vllm_importance_sampling_clip_min,
         clip_max=args.vllm_importance_sampling_clip_max,
@@ -854,6 +853,13 @@ def row_loss(
         num_trained_tokens_global=num_trained_tokens_global,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
     )
+    if out.aux_loss is not None:  # MoE: the row's share of the step's load-balancing loss
+        share = row.num_entries / max(num_trained_tokens_global, 1.0) / args.gradient_accumulation_steps
+        loss = loss + aux_coef * out.aux_loss * share
+        metrics["aux_loss"] = Stat(
+            Reduce.MEAN, out.aux_loss.detach() * row.num_entries, float(row.num_entries)
+        )
+    return loss, metrics
 
 
 def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | None:

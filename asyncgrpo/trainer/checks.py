@@ -34,16 +34,6 @@ def check_reward_funcs(reward_funcs: list[Any]) -> None:
             raise ValueError(f"reward_funcs[{index}] ({function!r}) is not callable")
 
 
-def check_text_only_model(config) -> None:
-    """Vision-language checkpoints are refused until they are supported (their vision tower would
-    have to be frozen and left out of weight sync)."""
-    if getattr(config, "vision_config", None) is not None:
-        raise NotImplementedError(
-            f"{type(config).__name__} ({getattr(config, 'model_type', '?')}) is a vision-language checkpoint: "
-            "vision-language models are not available in this version yet; train a text-only checkpoint"
-        )
-
-
 def check_conversational(dataset, environment_factory: Callable | None) -> None:
     """Prompts must be lists of {role, content} messages; images are not supported."""
     if dataset is None:
@@ -59,8 +49,8 @@ def check_conversational(dataset, environment_factory: Callable | None) -> None:
     for image_column in ("image", "images"):
         if image_column in column_names:
             raise ValueError(
-                f"train_dataset has an {image_column!r} column: prompts with images are not supported yet "
-                "(vision-language models train on text-only data)"
+                f"train_dataset has an {image_column!r} column: prompts with images are not supported "
+                "(vision-language checkpoints train on text-only data, docs/models.md)"
             )
     row = next(iter(dataset))
     prompt = row["prompt"]
@@ -75,7 +65,10 @@ def check_conversational(dataset, environment_factory: Callable | None) -> None:
         if isinstance(content, list) and any(
             isinstance(part, dict) and part.get("type") in ("image", "image_url") for part in content
         ):
-            raise ValueError("prompts with images are not supported yet; use text-only prompts")
+            raise ValueError(
+                "prompts with images are not supported (vision-language checkpoints train on text-only data, "
+                "docs/models.md): use text-only prompts"
+            )
 
 
 def check_prompt_lengths(

