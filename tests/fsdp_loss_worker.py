@@ -28,7 +28,7 @@ from asyncgrpo.trainer.distributed import shard_model  # noqa: E402
 TOP_N = 4
 ARGS = SimpleNamespace(
     temperature=0.9, vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0,
-    epsilon=0.2, epsilon_high=0.28, gradient_accumulation_steps=1,
+    epsilon=0.2, epsilon_high=0.28, gradient_accumulation_steps=1, router_aux_loss_coef=None,
 )  # fmt: skip
 
 

@@ -164,6 +164,7 @@ def test_cuda_defaults_loss_gradient_matches_reference():
         epsilon=0.2,
         epsilon_high=0.28,
         gradient_accumulation_steps=1,
+        router_aux_loss_coef=None,
     )
     model, reference = default_cuda_model()
     row = pack_row(grpo_samples(np.random.default_rng(22), model.config.vocab_size))

