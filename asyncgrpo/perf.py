@@ -3,7 +3,10 @@
 Model FLOPs (no recomputation counted) of one forward+backward:
   6 x (decoder matmul parameters) per forwarded token
   + 6 x V x H per loss entry (the output head runs only where a token is trained)
-  + 12 x layers x heads x head_dim per attended query-key pair (QK^T and AV, forward and backward).
+  + 12 x layers x heads x head_dim per attended query-key pair (QK^T and AV, forward and backward)
+  + for Gated DeltaNet hybrids (Qwen3.5): 18 x value heads x key dim x value dim per token and
+    linear-attention layer, the recurrence's three state products (read k^T S, write k delta^T,
+    read q^T S, 2 FLOPs each, x3 for backward); only the full-attention layers attend pairs.
 Only architectures whose parameter layout this formula matches are supported; for the others, and
 when the device's peak is unknown, MFU is not logged: a guessed figure would mislead more than none.
 """
@@ -15,7 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_text", "mistral")
+GATED_DELTANET_HYBRIDS = ("qwen3_5_text",)
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_vl",
+    "qwen3_vl_text",
+    "mistral",
+) + GATED_DELTANET_HYBRIDS
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name().
 _PEAK_BF16 = (
@@ -36,11 +48,12 @@ _PEAK_BF16 = (
 class FlopModel:
     decoder_params: int  # matmul parameters active per token (attention + MLP projections)
     head_params: int  # V x H
-    attention_flops_per_pair: int  # 12 x layers x heads x head_dim
+    attention_flops_per_pair: int  # 12 x attention layers x heads x head_dim
+    recurrent_flops_per_token: int = 0  # Gated DeltaNet state products, forward + backward
 
     def step_flops(self, forwarded_tokens: int, loss_entries: int, attention_pairs: int) -> float:
         return (
-            6.0 * self.decoder_params * forwarded_tokens
+            (6.0 * self.decoder_params + self.recurrent_flops_per_token) * forwarded_tokens
             + 6.0 * self.head_params * loss_entries
             + float(self.attention_flops_per_pair) * attention_pairs
         )
@@ -55,6 +68,8 @@ def flop_model(model: torch.nn.Module) -> FlopModel | None:
     kv_heads = getattr(config, "num_key_value_heads", heads) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     layers = config.num_hidden_layers
+    if config.model_type in GATED_DELTANET_HYBRIDS:
+        return _hybrid_flop_model(config, hidden, heads, kv_heads, head_dim)
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v projections
     experts = getattr(config, "num_experts", None)
     if experts:
@@ -66,6 +81,31 @@ def flop_model(model: torch.nn.Module) -> FlopModel | None:
         decoder_params=layers * (attention + mlp),
         head_params=config.vocab_size * hidden,
         attention_flops_per_pair=12 * layers * heads * head_dim,
+    )
+
+
+def _hybrid_flop_model(config, hidden: int, heads: int, kv_heads: int, head_dim: int) -> FlopModel:
+    """Qwen3.5: 3 of 4 layers Gated DeltaNet, every layer a dense MLP."""
+    full = config.layer_types.count("full_attention")
+    linear = config.layer_types.count("linear_attention")
+    attention = hidden * head_dim * (3 * heads + 2 * kv_heads)  # q + its output gate, o, k, v
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_heads = config.linear_num_value_heads
+    value_dim = value_heads * config.linear_value_head_dim
+    # in_proj_qkv, in_proj_z, in_proj_b + in_proj_a, out_proj
+    mixer = (
+        hidden * (2 * key_dim + value_dim)
+        + hidden * value_dim
+        + 2 * hidden * value_heads
+        + value_dim * hidden
+    )
+    mlp = 3 * hidden * config.intermediate_size
+    state = value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    return FlopModel(
+        decoder_params=full * attention + linear * mixer + (full + linear) * mlp,
+        head_params=config.vocab_size * hidden,
+        attention_flops_per_pair=12 * full * heads * head_dim,
+        recurrent_flops_per_token=18 * linear * state,
     )
 
 

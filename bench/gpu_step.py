@@ -50,6 +50,8 @@ from asyncgrpo.trainer.distributed import Processes  # noqa: E402
 from asyncgrpo.trainer.intake import StepBatch  # noqa: E402
 
 TARGET = 0.45
+# Name fragments of fla-core's gated delta rule kernels (Gated DeltaNet hybrids, gpu_step_qwen3_5.py).
+FLA_KERNELS = ("delta_rule", "chunk_", "l2norm", "solve_tril", "recompute_w_u", "wy_", "16x16")
 TOP_N = 8
 # name -> (AsyncGRPOConfig overrides, fused head); the first is what the trainer does by default.
 VARIANTS = {
@@ -93,10 +95,12 @@ def build_model(smoke: bool) -> Qwen3ForCausalLM:
         return Qwen3ForCausalLM(config)  # fp32: AsyncGRPOConfig.dtype's default
 
 
-def make_trainer(overrides: dict, smoke: bool, output_dir: str) -> AsyncGRPOTrainer:
+def make_trainer(overrides: dict, smoke: bool, output_dir: str, model=None) -> AsyncGRPOTrainer:
+    """The trainer around `model` (default: the Qwen3-1.7B shape), prepared as `train()` would."""
     args = AsyncGRPOConfig(output_dir=output_dir, gradient_accumulation_steps=2, report_to="none",
                            use_cpu=smoke, **overrides)  # fmt: skip
-    trainer = AsyncGRPOTrainer(build_model(smoke), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+    model = build_model(smoke) if model is None else model
+    trainer = AsyncGRPOTrainer(model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                args=args, train_dataset=_Prompts(), processing_class=build_tokenizer())  # fmt: skip
     if args.gradient_checkpointing:  # what Trainer.train does before the training loop
         trainer.model.gradient_checkpointing_enable(
@@ -231,6 +235,8 @@ def kernel_family(name: str) -> str:
         return "flex attention"
     if any(k in lowered for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul")):
         return "matmuls (cuBLAS)"
+    if any(k in lowered for k in FLA_KERNELS):
+        return "fla gated delta rule"
     if "adam" in lowered or "multi_tensor" in lowered or "foreach" in lowered:
         return "optimizer + clipping"
     if lowered.startswith("triton_"):

@@ -52,6 +52,16 @@ QWEN3_COMMON = dict(
     num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1_000_000,
     rms_norm_eps=1e-6, max_position_embeddings=262_144, tie_word_embeddings=True,
 )  # fmt: skip
+# Qwen/Qwen3.5-2B's text_config (its config.json): 24 layers, 3 Gated DeltaNet to 1 gated full attention.
+QWEN3_5_2B = dict(
+    vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+    max_position_embeddings=262_144, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+)  # fmt: skip
 # (prompt, completion, groups per row) -> packing ratio 8 (P + C) / (P + 8 C) roughly 1, 2, 3.4, 6
 SPEED_WORKLOADS = [(16, 1024, 2), (683, 512, 3), (1068, 256, 4), (2560, 128, 3)]
 

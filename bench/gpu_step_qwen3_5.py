@@ -1,0 +1,187 @@
+"""The whole optimizer step for the Qwen3.5-2B shape (Gated DeltaNet hybrid) on one GPU (issue 15).
+
+The same step as bench/gpu_step.py: `AsyncGRPOTrainer` built with its defaults around random fp32
+weights of Qwen/Qwen3.5-2B's text shape (bench/gpu_training.QWEN3_5_2B), prepared as `train()` does
+(compiled layers, checkpoint only to fit, fused head, bf16 autocast), then `_forward_backward` +
+`_optimizer_step` on 2 micro-batches of one row each; no vLLM server, only the samples are synthetic.
+The Gated DeltaNet layers run tree-packed through fla-core's varlen kernel (extra `gpu`).
+Phases (one device call; a short table is printed last):
+  1. the card's bf16 matmul peak (8192^3), the ceiling MFU is measured against;
+  2. the default step on DeepMath-like rows (200-token prompt, 8 completions of 300-1,500 tokens,
+     packing ratio ~1.2): MFU, tokens/s, peak memory and a profile by kernel family;
+  3. tree vs plain padding-free packing of the same samples in the same step, at one token_budget,
+     for groups of 8 completions whose packing ratio is ~1, ~2 and ~3.4 (gpu_training's
+     SPEED_WORKLOADS): tree rows as the trainer's planner fills them (2 rows), plain rows as a plain
+     packer would (a new row when the next sample would pass the budget).
+Model FLOPs: asyncgrpo.perf (matmul weights of every layer, the full-attention layers' pairs, the
+recurrence's state products); recomputation by checkpointing is not counted.
+
+Run (GPU machine): `python bench/gpu_step_qwen3_5.py --out $OUT`; `--smoke` runs tiny shapes on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_step import (  # noqa: E402
+    FixedPlan,
+    deepmath_plans,
+    log,
+    make_trainer,
+    plain_rows_within_budget,
+    plan_flops,
+    profile,
+    sample,
+    timed_steps,
+)
+from gpu_training import QWEN3_5_2B, SPEED_WORKLOADS, matmul_peak  # noqa: E402
+
+from asyncgrpo.packing.planner import TokenBudgetBatcher  # noqa: E402
+from asyncgrpo.packing.tree_attention import BLOCK_SIZE  # noqa: E402
+from asyncgrpo.perf import flop_model  # noqa: E402
+
+SMOKE_SHAPE = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+    linear_value_head_dim=32, vocab_size=1024, layer_types=["linear_attention"] * 3 + ["full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+)  # fmt: skip
+
+
+def build_model(smoke: bool) -> Qwen3_5ForCausalLM:
+    config = Qwen3_5TextConfig(**dict(QWEN3_5_2B, **(SMOKE_SHAPE if smoke else {})), dtype="float32")
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu"):
+        return Qwen3_5ForCausalLM(config)  # fp32: AsyncGRPOConfig.dtype's default
+
+
+def peak_memory_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
+
+
+def measure(trainer, plans, flops, peak: float, args, warmup: int) -> dict:
+    """Median step time of `plans` (one optimizer step), its MFU and tokens/s."""
+    rows = [row for plan in plans for row in plan.pack()]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    seconds = timed_steps(trainer, plans, args.repeats, warmup)
+    unpacked = sum(r.num_unpacked_tokens for r in rows)
+    forwarded = sum(r.num_tokens for r in rows)
+    return {
+        "rows": len(rows), "row_tokens": [r.num_tokens for r in rows], "seconds": seconds,
+        "mfu": plan_flops(flops, rows) / seconds / peak, "model_flops": plan_flops(flops, rows),
+        "unpacked_tok_s": unpacked / seconds, "forwarded_tok_s": forwarded / seconds,
+        "packing_ratio": unpacked / forwarded, "peak_memory_gb": peak_memory_gb(),
+        "checkpointed_layers": trainer._window.summarize().get("perf/checkpointed_layers"),
+    }  # fmt: skip
+
+
+def workload_plans(rng, prompt_len: int, completion_len: int, budget: int, vocab: int, smoke: bool):
+    """(tree plans, plain plans) of the same samples: 2 rows the trainer's planner fills to `budget`
+    with groups of a prompt and 8 completions, and the same samples packed plainly at `budget`."""
+    scale = 16 if smoke else 1
+    batcher = TokenBudgetBatcher(budget, 1, min_shared_tokens=BLOCK_SIZE)
+    plans, group = [], 0
+    while len(plans) < 2:
+        prompt = rng.integers(0, vocab, max(2, prompt_len // scale))
+        for _ in range(8):
+            candidate = sample(rng, prompt, max(2, completion_len // scale), vocab, group)
+            if batcher.offer(candidate).name != "PLACED":
+                plans.append(batcher.close())
+                batcher.offer(candidate)
+        group += 1
+    plans = plans[:2]
+    samples = [s for plan in plans for row in plan.rows for s in row]
+    return plans, [FixedPlan([row]) for row in plain_rows_within_budget(samples, budget)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, on CPU: checks the script runs")
+    parser.add_argument("--budget", type=int, default=16384, help="token_budget of each row")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=480.0, help="skip phases that start after this")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    if args.smoke:
+        args.budget = min(args.budget, 2048)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    report: dict = {
+        "torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "budget": args.budget, "shape": "Qwen3.5-2B" if not args.smoke else "smoke",
+    }  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every phase: a call cut short still returns what it measured
+        (out / "gpu_step_qwen3_5.json").write_text(json.dumps(report, indent=1, default=str))
+
+    peak = matmul_peak(device)
+    report["matmul_peak_tflops"] = peak / 1e12
+    log(f"{report}")
+    trainer = make_trainer(
+        {}, args.smoke, tempfile.mkdtemp(prefix="gpu_step_qwen3_5-"), build_model(args.smoke)
+    )
+    flops = flop_model(trainer._model)
+    vocab = trainer._model.config.vocab_size
+    plans = deepmath_plans(np.random.default_rng(7), args.budget, 2, vocab, args.smoke)
+    report["defaults"] = measure(trainer, plans, flops, peak, args, args.warmup)
+    log(f"defaults {report['defaults']}")
+    report["defaults"]["profile"] = profile(trainer, plans, "default step")
+    save()
+    report["tree_vs_plain"] = []
+    for prompt_len, completion_len, _ in SPEED_WORKLOADS[:3]:
+        if time.perf_counter() - started > args.seconds:
+            log(f"skipping workload ({prompt_len}, {completion_len}): out of time")
+            continue
+        rng = np.random.default_rng(prompt_len)
+        tree_plans, plain_plans = workload_plans(
+            rng, prompt_len, completion_len, args.budget, vocab, args.smoke
+        )
+        tree = measure(trainer, tree_plans, flops, peak, args, args.warmup)
+        plain = measure(trainer, plain_plans, flops, peak, args, 1)
+        entry = {
+            "prompt": prompt_len, "completion": completion_len, "packing_ratio": tree["packing_ratio"],
+            "tree": tree, "plain": plain, "speedup": plain["seconds"] / tree["seconds"],
+            "flop_ratio": plain["model_flops"] / tree["model_flops"],
+        }  # fmt: skip
+        report["tree_vs_plain"].append(entry)
+        log(f"tree vs plain {json.dumps(entry)}")
+        save()
+    print_table(report)
+
+
+def print_table(report: dict) -> None:
+    log(f"\n{report['device']} torch {report['torch']}, {report['shape']}, token_budget {report['budget']}: "
+        f"bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s")  # fmt: skip
+    d = report["defaults"]
+    log(f"default step (DeepMath-like, ratio {d['packing_ratio']:.2f}): {d['seconds']:.3f} s, "
+        f"MFU {d['mfu']:.1%}, {d['unpacked_tok_s']:,.0f} tok/s, peak {d['peak_memory_gb']:.1f} GB, "
+        f"ckpt layers {d['checkpointed_layers']}")  # fmt: skip
+    log("| workload (prompt + 8 x completion) | ratio | tree rows | tree s | tree MFU | tree tok/s "
+        "| plain rows | plain s | plain MFU | plain tok/s | speedup | FLOP ratio |")  # fmt: skip
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for e in report["tree_vs_plain"]:
+        t, p = e["tree"], e["plain"]
+        log(f"| {e['prompt']} + 8 x {e['completion']} | {e['packing_ratio']:.2f} | {t['rows']} | {t['seconds']:.3f} "
+            f"| {t['mfu']:.1%} | {t['unpacked_tok_s']:,.0f} | {p['rows']} | {p['seconds']:.3f} | {p['mfu']:.1%} "
+            f"| {p['unpacked_tok_s']:,.0f} | {e['speedup']:.2f} | {e['flop_ratio']:.2f} |")  # fmt: skip
+    log(f"gpu_step_qwen3_5 mfu={d['mfu']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""Tree packing of Gated DeltaNet layers against each sample alone, at the precision it trains in.
+
+1. The rule alone (`tree_gated_delta_rule`): on CUDA fla's varlen kernel level by level (fp32 and
+   bf16 inputs), on CPU the padded torch rule (fp32), both against the recurrence run token by token
+   in fp64 along every root-to-leaf path (each sample alone). The tolerance is the kernel's own
+   round-off: the same kernel, same dtype, on the samples laid out one after another with nothing
+   shared (plain packing). A deliberately broken layout (parents dropped) must miss it by far.
+2. The Qwen3.5-2B shape (public config, random weights) on the H200 as the trainer runs it: fp32
+   weights under bf16 autocast. Log-probs and every parameter's gradient of a packed multi-level
+   trie, against the fp32 forward of each sample alone (transformers' torch rule, no autocast, no
+   TF32): packing must not be further from fp32 than the model's own unpacked bf16 forward is.
+"""
+
+import copy
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_logprobs import TEMPERATURE, completion_sample, random_trie_samples
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from asyncgrpo.logprobs import row_logprobs
+from asyncgrpo.packing import gated_deltanet, tree_attention
+from asyncgrpo.packing.gated_deltanet import recurrent_layout, tree_gated_delta_rule
+from asyncgrpo.packing.tree_attention import enable_tree_attention
+from asyncgrpo.packing.trie import pack_row
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from gpu_training import QWEN3_5_2B  # noqa: E402  (the shape the GPU benchmarks use)
+
+VOCAB = QWEN3_5_2B["vocab_size"]
+
+
+def random_tree(rng, num_segments: int, max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(parents, lengths) of a random trie of segments in depth-first order; parent -1 = a root."""
+    parents, path = [], []
+    for segment in range(num_segments):
+        path = path[: int(rng.integers(0, len(path) + 1))]
+        parents.append(path[-1] if path else -1)
+        path.append(segment)
+    return np.array(parents), rng.integers(1, max_length + 1, num_segments)
+
+
+def row_arrays(parents: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """segment_ids and subtree_end per token of the depth-first layout, as a PackedRow has them."""
+    starts = np.cumsum(lengths) - lengths
+    ends = starts + lengths
+    for segment in range(len(parents) - 1, -1, -1):  # children come after their parent
+        if parents[segment] >= 0:
+            ends[parents[segment]] = max(ends[parents[segment]], ends[segment])
+    return np.repeat(np.arange(len(parents)), lengths), np.repeat(ends, lengths)
+
+
+def sample_paths(parents: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """Packed token indices of each root-to-leaf path: the samples of the trie."""
+    starts = np.cumsum(lengths) - lengths
+    paths = []
+    for leaf in sorted(set(range(len(parents))) - set(parents.tolist())):
+        chain, segment = [], leaf
+        while segment >= 0:
+            chain.append(segment)
+            segment = parents[segment]
+        paths.append(np.concatenate([np.arange(starts[s], starts[s] + lengths[s]) for s in chain[::-1]]))
+    return paths
+
+
+def recurrence_fp64(q, k, v, g, beta) -> torch.Tensor:
+    """The gated delta rule of one sequence, token by token in fp64: (T, H, Dk/Dv) -> (T, H, Dv)."""
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    state = q.new_zeros(q.shape[1], q.shape[2], v.shape[2])
+    out = []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        delta = (v[t] - (state * k[t][:, :, None]).sum(1)) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out.append((state * q[t][:, :, None]).sum(1))
+    return torch.stack(out)
+
+
+def own_segment_end(segment_ids: np.ndarray) -> np.ndarray:
+    """subtree_end as if every segment were a root: its own end, per token."""
+    starts = np.flatnonzero(np.diff(segment_ids, prepend=-1))
+    ends = np.append(starts[1:], len(segment_ids))
+    return np.repeat(ends, ends - starts)
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def rule_errors(inputs, cotangent, layout, truth, chunk_rule) -> list[float]:
+    """Relative errors of the output and of the 5 input gradients of one `tree_gated_delta_rule`."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = tree_gated_delta_rule(*leaves, layout, chunk_rule)
+    grads = torch.autograd.grad((out.float() * cotangent).sum(), leaves)
+    return [relative(out, truth[0])] + [relative(g, w) for g, w in zip(grads, truth[1:])]
+
+
+RULE_CASES = [
+    pytest.param("cpu", torch.float32, id="cpu-fp32-padded"),
+    pytest.param("cuda", torch.float32, id="cuda-fp32-fla", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.bfloat16, id="cuda-bf16-fla", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize(("device", "dtype"), RULE_CASES)
+def test_tree_rule_equals_each_sample_alone(device, dtype):
+    """A random trie of 24 segments (up to 150 tokens: across the 64-token chunks), several roots."""
+    if device == "cuda":
+        assert gated_deltanet._fla_chunk_rule() is not None, (
+            "fla-core is missing: pip install 'asyncgrpo[gpu]'"
+        )
+    rng = np.random.default_rng(11)
+    heads, dim = (4, 128) if device == "cuda" else (2, 32)
+    parents, lengths = random_tree(rng, 24 if device == "cuda" else 12, 150 if device == "cuda" else 80)
+    segment_ids, subtree_end = row_arrays(parents, lengths)
+    num_tokens = len(segment_ids)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(num_tokens, heads, dim, device=device) for _ in range(3))
+    g = F.logsigmoid(2 * torch.randn(num_tokens, heads, device=device) + 3)  # decays near 1: state carries
+    beta = torch.rand(num_tokens, heads, device=device)
+    cotangent = torch.randn(num_tokens, heads, dim, device=device)
+    inputs = [t.to(dtype) for t in (q, k, v)] + [g, beta.to(dtype)]
+
+    # Truth: each sample alone in fp64; a token in several samples has one output, counted once in
+    # the loss, so each sample's share of a token's cotangent is 1 / (samples containing it).
+    paths = sample_paths(parents, lengths)
+    multiplicity = np.bincount(np.concatenate(paths), minlength=num_tokens)
+    leaves = [t.double().requires_grad_() for t in inputs]
+    truth_out = torch.zeros(num_tokens, heads, dim, dtype=torch.float64, device=device)
+    loss = 0.0
+    for path in paths:
+        index = torch.from_numpy(path).to(device)
+        out = recurrence_fp64(*(t[index] for t in leaves))
+        truth_out[index] = out.detach()
+        share = cotangent[index].double() / torch.from_numpy(multiplicity[path]).to(device)[:, None, None]
+        loss = loss + (out * share).sum()
+    truth = [truth_out, *torch.autograd.grad(loss, leaves)]
+
+    chunk_rule = modeling_qwen3_5.torch_chunk_gated_delta_rule  # the padded path's rule (CPU)
+    tree = rule_errors(
+        inputs, cotangent, recurrent_layout(segment_ids, subtree_end, 4, device), truth, chunk_rule
+    )
+
+    # The kernel's own round-off: the samples one after another, nothing shared (one level of roots).
+    unrolled = np.concatenate(paths)
+    flat_ids = np.repeat(np.arange(len(paths)), [len(p) for p in paths])
+    flat_end = np.repeat(np.cumsum([len(p) for p in paths]), [len(p) for p in paths])
+    index = torch.from_numpy(unrolled).to(device)
+    alone_leaves = [t.detach().requires_grad_() for t in inputs]
+    out = tree_gated_delta_rule(*(t[index] for t in alone_leaves), recurrent_layout(flat_ids, flat_end, 4, device),
+                                chunk_rule)  # fmt: skip
+    share = cotangent[index] / torch.from_numpy(multiplicity[unrolled]).to(device)[:, None, None]
+    grads = torch.autograd.grad((out.float() * share).sum(), alone_leaves)
+    alone = [relative(out, truth_out[index])] + [relative(gr, w) for gr, w in zip(grads, truth[1:])]
+
+    # A broken layout (every segment a root: parents' states and convolution inputs dropped).
+    broken_layout = recurrent_layout(segment_ids, own_segment_end(segment_ids), 4, device)
+    broken = rule_errors(inputs, cotangent, broken_layout, truth, chunk_rule)
+
+    names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
+    print("GDN_RULE", json.dumps({"case": f"{device}-{dtype}", "tokens": num_tokens, "paths": len(paths),
+          "tree": dict(zip(names, tree)), "alone": dict(zip(names, alone)),
+          "broken": dict(zip(names, broken))}))  # fmt: skip
+    for name, got, own in zip(names, tree, alone):
+        assert got <= max(2 * own, 1e-5), (name, got, own)
+    assert broken[0] > 20 * max(2 * alone[0], 1e-5)  # the check can fail
+
+
+def qwen3_5_2b_samples(rng) -> list:
+    """A GRPO group with a 300-token prompt (6 completions, 2 with a later turn) and a short-prompt
+    multi-level trie: ~1.5k packed tokens, segments across the 64-token chunks."""
+    prompt = rng.integers(0, VOCAB, 300)
+    samples = []
+    for i in range(6):
+        completion = rng.integers(0, VOCAB, int(rng.integers(20, 150)))
+        samples.append(completion_sample(rng, prompt, completion))
+        if i < 2:
+            context = np.concatenate([prompt, completion, rng.integers(0, VOCAB, 7)])
+            samples.append(completion_sample(rng, context, rng.integers(0, VOCAB, int(rng.integers(20, 90)))))
+    return samples + random_trie_samples(rng, vocab=VOCAB)
+
+
+def alone_logprobs_and_grads(model, samples, weights) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each sample forwarded alone: log p of its trained tokens (sampler distribution) and the
+    parameter gradients of sum(weights * log p)."""
+    model.zero_grad()
+    device = model.device
+    logps, offset = [], 0
+    for s in samples:
+        logits = (
+            model(input_ids=torch.from_numpy(s.token_ids)[None].to(device)).logits[0].float() / TEMPERATURE
+        )
+        positions = np.flatnonzero(s.trained)
+        allowed = torch.ones(len(positions), logits.shape[-1], dtype=torch.bool, device=device)
+        for j, candidates in enumerate(s.candidate_sets or []):
+            if len(candidates):
+                allowed[j] = False
+                allowed[j, torch.from_numpy(candidates).to(device)] = True
+        logp = torch.log_softmax(logits[positions - 1].masked_fill(~allowed, float("-inf")), -1)
+        target = logp.gather(1, torch.from_numpy(s.token_ids[positions]).to(device)[:, None])[:, 0]
+        (target.double() * weights[offset : offset + len(positions)]).sum().backward()
+        logps.append(target.detach())
+        offset += len(positions)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return torch.cat(logps), grads
+
+
+def rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).pow(2).mean().sqrt().item()
+
+
+@pytest.mark.gpu
+def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
+    rule = gated_deltanet._fla_chunk_rule()
+    assert rule is not None, "fla-core is missing: pip install 'asyncgrpo[gpu]'"
+    calls = []
+    monkeypatch.setattr(
+        gated_deltanet, "_fla_chunk_rule", lambda: lambda *a, **kw: calls.append(1) or rule(*a, **kw)
+    )
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        plain = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN3_5_2B, dtype="float32"))
+    tree = enable_tree_attention(copy.deepcopy(plain))
+    rng = np.random.default_rng(5)
+    samples = qwen3_5_2b_samples(rng)
+    row = pack_row(samples)
+    weights = torch.from_numpy(rng.normal(size=row.num_entries)).cuda()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+
+    tree.zero_grad()
+    with autocast:
+        packed = row_logprobs(tree, row, TEMPERATURE).logprobs
+        (packed.double() * weights).sum().backward()
+    packed_grads = {name: p.grad for name, p in tree.named_parameters() if p.grad is not None}
+    assert calls, "the packed forward did not reach fla's varlen kernel"
+    with autocast:
+        alone, alone_grads = alone_logprobs_and_grads(plain, samples, weights)
+    # fp32 reference: transformers' own torch rule (fla's kernels use TF32 dots in fp32).
+    monkeypatch.setattr(
+        modeling_qwen3_5,
+        "torch_chunk_gated_delta_rule",
+        inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule),
+    )
+    reference, reference_grads = alone_logprobs_and_grads(plain, samples, weights)
+    # Negative control: the GDN layers see every segment as a root (attention layers unchanged).
+    monkeypatch.setattr(
+        tree_attention,
+        "recurrent_layout",
+        lambda ids, _end, k, device: recurrent_layout(ids, own_segment_end(ids), k, device),
+    )
+    with torch.no_grad(), autocast:
+        broken = row_logprobs(tree, row, TEMPERATURE).logprobs
+
+    packed_err, alone_err, broken_err = (rms(x, reference) for x in (packed, alone, broken))
+    grad_err = {
+        n: (relative(packed_grads[n], w), relative(alone_grads[n], w)) for n, w in reference_grads.items()
+    }
+    norm = sum(w.double().norm() ** 2 for w in reference_grads.values()).sqrt()
+    total = tuple(
+        (
+            sum((g[n].double() - w.double()).norm() ** 2 for n, w in reference_grads.items()).sqrt() / norm
+        ).item()
+        for g in (packed_grads, alone_grads)
+    )  # relative error of all gradients as one vector
+    worst = sorted(grad_err.items(), key=lambda kv: -kv[1][0] / kv[1][1])[:8]
+    print("GDN_MODEL", json.dumps({
+        "tokens": row.num_tokens, "unpacked_tokens": row.num_unpacked_tokens, "entries": row.num_entries,
+        "logprob_rms_vs_fp32": {"packed_bf16": packed_err, "alone_bf16": alone_err, "broken_bf16": broken_err},
+        "logprob_max_abs_packed_vs_alone_bf16": (packed - alone).abs().max().item(),
+        "grad_rel_vs_fp32_total": {"packed_bf16": total[0], "alone_bf16": total[1]},
+        "grad_rel_vs_fp32_worst_ratio": worst,
+    }))  # fmt: skip
+    assert row.packing_ratio > 2
+    assert packed_err <= 1.5 * alone_err, (packed_err, alone_err)
+    assert broken_err > 10 * alone_err  # the check can fail
+    assert total[0] <= 1.5 * total[1], total
+    for name, (got, own) in grad_err.items():
+        assert got <= 3 * own, (name, got, own)
