@@ -4,7 +4,9 @@ convolution, segment parents, levels) are what a hand-drawn trie says."""
 
 import copy
 import functools
+import importlib.util
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from test_logprobs import TEMPERATURE, check_packed_equals_unpacked, completion_
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from asyncgrpo.logprobs import row_logprobs
-from asyncgrpo.packing.gated_deltanet import recurrent_layout, tree_causal_conv1d
+from asyncgrpo.packing.gated_deltanet import fla_refusal, recurrent_layout, tree_causal_conv1d
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.tiny_model import build_model, build_tokenizer
@@ -161,3 +163,31 @@ def test_packed_gradient_equals_unpacked(models, monkeypatch):
         assert error <= max(1e-5, 2 * own_round_off[name]), (name, error, own_round_off[name])
     decay_path = ("A_log", "dt_bias", "in_proj_a.weight", "in_proj_ba.weight")
     assert max(error for name, error in errors.items() if not name.endswith(decay_path)) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("capability", "triton_version", "tilelang", "refused"),
+    [
+        ((9, 0), "3.6.0", False, True),  # the H200 image of bench/RESULTS.md
+        ((9, 0), "3.4.0", False, True),
+        ((9, 0), "3.7.1", False, False),
+        ((9, 0), "3.3.1", False, False),
+        ((9, 0), "3.6.0", True, False),  # fla runs the kernel through tilelang
+        ((8, 0), "3.6.0", False, False),  # not Hopper
+    ],
+)
+def test_fla_refusal(monkeypatch, capability, triton_version, tilelang, refused):
+    """fla-core 0.6 raises in the gated delta rule's backward on Hopper with Triton in [3.4, 3.7.1)
+    unless tilelang is installed: the tree path must know beforehand and run the torch rule."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=triton_version))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "tilelang" and tilelang else find_spec(name, *a),
+    )
+    reason = fla_refusal(torch.device("cuda"))
+    assert (reason is not None) == refused
+    if refused:
+        assert triton_version in reason and "tilelang" in reason

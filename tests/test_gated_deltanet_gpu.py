@@ -1,14 +1,17 @@
 """Tree packing of Gated DeltaNet layers against each sample alone, at the precision it trains in.
 
-1. The rule alone (`tree_gated_delta_rule`): on CUDA fla's varlen kernel level by level (fp32 and
-   bf16 inputs), on CPU the padded torch rule (fp32), both against the recurrence run token by token
-   in fp64 along every root-to-leaf path (each sample alone). The tolerance is the kernel's own
-   round-off: the same kernel, same dtype, on the samples laid out one after another with nothing
-   shared (plain packing). A deliberately broken layout (parents dropped) must miss it by far.
-2. The Qwen3.5-2B shape (public config, random weights) on the H200 as the trainer runs it: fp32
-   weights under bf16 autocast. Log-probs and every parameter's gradient of a packed multi-level
-   trie, against the fp32 forward of each sample alone (transformers' torch rule, no autocast, no
-   TF32): packing must not be further from fp32 than the model's own unpacked bf16 forward is.
+1. The rule alone (`tree_gated_delta_rule`): on CUDA the path the library picks (fla's varlen kernel
+   level by level; transformers' torch rule, padded, where fla is missing or refuses to train, see
+   `fla_refusal`), fp32 and bf16 inputs; on CPU the padded torch rule (fp32). Against the recurrence
+   run token by token in fp64 along every root-to-leaf path (each sample alone). The tolerance is
+   the kernel's own round-off: the same kernel, same dtype, on the samples laid out one after
+   another with nothing shared (plain packing). A deliberately broken layout (parents dropped) must
+   miss it by far.
+2. The Qwen3.5-2B shape (public config, random weights) on CUDA as the trainer runs it: fp32 weights
+   under bf16 autocast. Log-probs and every parameter's gradient of a packed multi-level trie,
+   against the fp32 forward of each sample alone (transformers' torch rule, no autocast, no TF32):
+   packing must not be further from fp32 than the model's own unpacked bf16 forward is.
+3. Whether fla's varlen kernel trains on this GPU at all (skipped, with the reason, where it cannot).
 """
 
 import copy
@@ -85,6 +88,13 @@ def recurrence_fp64(q, k, v, g, beta) -> torch.Tensor:
     return torch.stack(out)
 
 
+def gdn_path(device) -> str:
+    """Which rule `tree_gated_delta_rule` runs on `device`."""
+    if device == "cpu":
+        return "torch-padded"
+    return "fla-varlen" if gated_deltanet._fla_chunk_rule(torch.device(device)) else "torch-padded"
+
+
 def own_segment_end(segment_ids: np.ndarray) -> np.ndarray:
     """subtree_end as if every segment were a root: its own end, per token."""
     starts = np.flatnonzero(np.diff(segment_ids, prepend=-1))
@@ -105,19 +115,15 @@ def rule_errors(inputs, cotangent, layout, truth, chunk_rule) -> list[float]:
 
 
 RULE_CASES = [
-    pytest.param("cpu", torch.float32, id="cpu-fp32-padded"),
-    pytest.param("cuda", torch.float32, id="cuda-fp32-fla", marks=pytest.mark.gpu),
-    pytest.param("cuda", torch.bfloat16, id="cuda-bf16-fla", marks=pytest.mark.gpu),
+    pytest.param("cpu", torch.float32, id="cpu-fp32"),
+    pytest.param("cuda", torch.float32, id="cuda-fp32", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu),
 ]
 
 
 @pytest.mark.parametrize(("device", "dtype"), RULE_CASES)
 def test_tree_rule_equals_each_sample_alone(device, dtype):
     """A random trie of 24 segments (up to 150 tokens: across the 64-token chunks), several roots."""
-    if device == "cuda":
-        assert gated_deltanet._fla_chunk_rule() is not None, (
-            "fla-core is missing: pip install 'asyncgrpo[gpu]'"
-        )
     rng = np.random.default_rng(11)
     heads, dim = (4, 128) if device == "cuda" else (2, 32)
     parents, lengths = random_tree(rng, 24 if device == "cuda" else 12, 150 if device == "cuda" else 80)
@@ -125,7 +131,7 @@ def test_tree_rule_equals_each_sample_alone(device, dtype):
     num_tokens = len(segment_ids)
     torch.manual_seed(0)
     q, k, v = (torch.randn(num_tokens, heads, dim, device=device) for _ in range(3))
-    g = F.logsigmoid(2 * torch.randn(num_tokens, heads, device=device) + 3)  # decays near 1: state carries
+    g = F.logsigmoid(2 * torch.randn(num_tokens, heads, device=device) + 5)  # decays near 1: state carries
     beta = torch.rand(num_tokens, heads, device=device)
     cotangent = torch.randn(num_tokens, heads, dim, device=device)
     inputs = [t.to(dtype) for t in (q, k, v)] + [g, beta.to(dtype)]
@@ -145,7 +151,7 @@ def test_tree_rule_equals_each_sample_alone(device, dtype):
         loss = loss + (out * share).sum()
     truth = [truth_out, *torch.autograd.grad(loss, leaves)]
 
-    chunk_rule = modeling_qwen3_5.torch_chunk_gated_delta_rule  # the padded path's rule (CPU)
+    chunk_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)  # the padded path's rule
     tree = rule_errors(
         inputs, cotangent, recurrent_layout(segment_ids, subtree_end, 4, device), truth, chunk_rule
     )
@@ -167,12 +173,13 @@ def test_tree_rule_equals_each_sample_alone(device, dtype):
     broken = rule_errors(inputs, cotangent, broken_layout, truth, chunk_rule)
 
     names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
-    print("GDN_RULE", json.dumps({"case": f"{device}-{dtype}", "tokens": num_tokens, "paths": len(paths),
-          "tree": dict(zip(names, tree)), "alone": dict(zip(names, alone)),
+    print("GDN_RULE", json.dumps({"case": f"{device}-{dtype}-{gdn_path(device)}", "tokens": num_tokens,
+          "paths": len(paths), "tree": dict(zip(names, tree)), "alone": dict(zip(names, alone)),
           "broken": dict(zip(names, broken))}))  # fmt: skip
-    for name, got, own in zip(names, tree, alone):
-        assert got <= max(2 * own, 1e-5), (name, got, own)
-    assert broken[0] > 20 * max(2 * alone[0], 1e-5)  # the check can fail
+    tolerance = [max(2 * own, 1e-5) for own in alone]
+    for name, got, bound in zip(names, tree, tolerance):
+        assert got <= bound, (name, got, bound)
+    assert broken[0] > 5 * tolerance[0]  # the check can fail
 
 
 def qwen3_5_2b_samples(rng) -> list:
@@ -220,12 +227,12 @@ def rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.gpu
 def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
-    rule = gated_deltanet._fla_chunk_rule()
-    assert rule is not None, "fla-core is missing: pip install 'asyncgrpo[gpu]'"
+    device = torch.device("cuda")
+    rule = gated_deltanet._fla_chunk_rule(device)
     calls = []
-    monkeypatch.setattr(
-        gated_deltanet, "_fla_chunk_rule", lambda: lambda *a, **kw: calls.append(1) or rule(*a, **kw)
-    )
+    if rule is not None:  # count the varlen calls: the packed forward must reach them
+        counting = lambda *a, **kw: calls.append(1) or rule(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(gated_deltanet, "_fla_chunk_rule", lambda _device: counting)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.manual_seed(0)
@@ -243,15 +250,15 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
         packed = row_logprobs(tree, row, TEMPERATURE).logprobs
         (packed.double() * weights).sum().backward()
     packed_grads = {name: p.grad for name, p in tree.named_parameters() if p.grad is not None}
-    assert calls, "the packed forward did not reach fla's varlen kernel"
+    assert bool(calls) == (rule is not None), "the packed forward did not take the path it should"
+    # The model's own rule: fla's when it trains here (transformers dispatches to it), else torch's.
+    torch_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    if rule is None:
+        monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", torch_rule)
     with autocast:
         alone, alone_grads = alone_logprobs_and_grads(plain, samples, weights)
     # fp32 reference: transformers' own torch rule (fla's kernels use TF32 dots in fp32).
-    monkeypatch.setattr(
-        modeling_qwen3_5,
-        "torch_chunk_gated_delta_rule",
-        inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule),
-    )
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", torch_rule)
     reference, reference_grads = alone_logprobs_and_grads(plain, samples, weights)
     # Negative control: the GDN layers see every segment as a root (attention layers unchanged).
     monkeypatch.setattr(
@@ -273,8 +280,9 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
         ).item()
         for g in (packed_grads, alone_grads)
     )  # relative error of all gradients as one vector
-    worst = sorted(grad_err.items(), key=lambda kv: -kv[1][0] / kv[1][1])[:8]
+    worst = sorted(grad_err.items(), key=lambda kv: -kv[1][0] / max(kv[1][1], 1e-30))[:8]
     print("GDN_MODEL", json.dumps({
+        "path": gdn_path("cuda"),
         "tokens": row.num_tokens, "unpacked_tokens": row.num_unpacked_tokens, "entries": row.num_entries,
         "logprob_rms_vs_fp32": {"packed_bf16": packed_err, "alone_bf16": alone_err, "broken_bf16": broken_err},
         "logprob_max_abs_packed_vs_alone_bf16": (packed - alone).abs().max().item(),
@@ -283,7 +291,17 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
     }))  # fmt: skip
     assert row.packing_ratio > 2
     assert packed_err <= 1.5 * alone_err, (packed_err, alone_err)
-    assert broken_err > 10 * alone_err  # the check can fail
+    assert broken_err > 5 * alone_err  # the check can fail
     assert total[0] <= 1.5 * total[1], total
     for name, (got, own) in grad_err.items():
         assert got <= 3 * own, (name, got, own)
+
+
+@pytest.mark.gpu
+def test_fla_varlen_trains_on_this_gpu():
+    """The fast path: fla-core installed (extra `gpu`) and able to train here."""
+    pytest.importorskip("fla", reason="fla-core is not installed: pip install 'asyncgrpo[gpu]'")
+    reason = gated_deltanet.fla_refusal(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    assert gdn_path("cuda") == "fla-varlen"

@@ -36,6 +36,9 @@ MLP) stays compiled.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import inspect
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
+logger = logging.getLogger(__name__)
 LINEAR_ATTENTION = "linear_attention"  # the layer type of Gated DeltaNet layers in the configs
 _WRAPPED = "_asyncgrpo_tree_recurrence"  # set on each wrapped module: wrap once
 
@@ -168,11 +172,41 @@ def _convolve_and_activate(mixed, weight, bias, conv_index, activation: str) -> 
     return ACT2FN[activation](tree_causal_conv1d(mixed, weight, bias, conv_index)).to(mixed.dtype)
 
 
-def _fla_chunk_rule():
-    """fla's varlen chunked gated delta rule, or None when fla-core is not installed."""
+def fla_refusal(device: torch.device) -> str | None:
+    """Why fla-core cannot train the gated delta rule on `device`, or None when it can.
+
+    fla-core 0.6 raises in the rule's backward on Hopper (H100, H200) with Triton >= 3.4, < 3.7.1,
+    whose code for that kernel gives wrong results (fla issue #640), unless tilelang is installed
+    (fla then runs that kernel through tilelang). Seen on an H200 with Triton 3.6.0 (bench/RESULTS.md).
+    """
+    import triton  # fla-core's own dependency
+    from packaging.version import Version
+
+    version = Version(triton.__version__)
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    if not hopper or not Version("3.4.0") <= version < Version("3.7.1"):
+        return None
+    if importlib.util.find_spec("tilelang") is not None:
+        return None
+    return (
+        f"fla-core refuses the gated delta rule's backward on Hopper GPUs with Triton {version} (it computes "
+        "wrong gradients there, fla issue #640): upgrade Triton to >= 3.7.1 or `pip install tilelang`"
+    )
+
+
+@functools.cache
+def _fla_chunk_rule(device: torch.device):
+    """fla's varlen chunked gated delta rule for `device`, or None when fla-core is not installed or
+    cannot train there (then the torch rule runs, exact but several times slower, and we say why once)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
+        return None
+    reason = fla_refusal(device)
+    if reason is not None:
+        logger.warning(
+            "Gated DeltaNet tree packing runs transformers' torch rule instead of fla-core: %s", reason
+        )
         return None
     return chunk_gated_delta_rule
 
@@ -187,9 +221,9 @@ def tree_gated_delta_rule(
     chunk_rule,
 ) -> torch.Tensor:
     """The gated delta rule over a trie: query/key (P, H, Dk), value (P, H, Dv), g/beta (P, H) ->
-    (P, H, Dv). q/k are l2-normalized inside the rule, as the models ask. `chunk_rule` is the
-    model module's batched rule (padded path); on CUDA fla's varlen kernel is used when present."""
-    fla_rule = _fla_chunk_rule() if query.is_cuda else None
+    (P, H, Dv). q/k are l2-normalized inside the rule, as the models ask. `chunk_rule` is a batched
+    rule with transformers' signature (padded path); on CUDA fla's varlen kernel is used when it can."""
+    fla_rule = _fla_chunk_rule(query.device) if query.is_cuda else None
     out = value.new_zeros(layout.num_tokens + 1, *value.shape[1:])  # row P: padding slots land here
     parent_states = None
     for level in layout.levels:
@@ -268,7 +302,9 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, layout: RecurrentLayou
     if groups > 1:
         query = query.repeat_interleave(groups, dim=1)
         key = key.repeat_interleave(groups, dim=1)
-    chunk_rule = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
+    # transformers' own torch rule: its module-level name may be wrapped to dispatch to fla, which is
+    # exactly what the padded path runs for when fla is missing or refuses (see `fla_refusal`).
+    chunk_rule = inspect.unwrap(sys.modules[type(module).__module__].torch_chunk_gated_delta_rule)
     core = tree_gated_delta_rule(query, key, value, g, beta, layout, chunk_rule)  # (P, Hv, Dv)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     out = module.out_proj(core.reshape(num_tokens, -1))
