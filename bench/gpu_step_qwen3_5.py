@@ -7,12 +7,14 @@ weights of Qwen/Qwen3.5-2B's text shape (bench/gpu_training.QWEN3_5_2B), prepare
 The Gated DeltaNet layers run tree-packed through fla-core's varlen kernel (extra `gpu`).
 Phases (one device call; a short table is printed last):
   1. the card's bf16 matmul peak (8192^3), the ceiling MFU is measured against;
-  2. the default step on DeepMath-like rows (200-token prompt, 8 completions of 300-1,500 tokens,
-     packing ratio ~1.2): MFU, tokens/s, peak memory and a profile by kernel family;
-  3. tree vs plain padding-free packing of the same samples in the same step, at one token_budget,
-     for groups of 8 completions whose packing ratio is ~1, ~2 and ~3.4 (gpu_training's
+  2. tree vs plain padding-free packing of the same samples in the same step, at one token_budget,
+     for groups of 8 completions whose packing ratio is ~3.4, ~1 and ~2 (gpu_training's
      SPEED_WORKLOADS): tree rows as the trainer's planner fills them (2 rows), plain rows as a plain
-     packer would (a new row when the next sample would pass the budget).
+     packer would (a new row when the next sample would pass the budget);
+  3. the default step on DeepMath-like rows (200-token prompt, 8 completions of 300-1,500 tokens,
+     packing ratio ~1.2): MFU, tokens/s, peak memory and a profile by kernel family.
+The report names the Gated DeltaNet path that ran (`gdn_path`): fla's varlen kernel, or transformers'
+torch rule where fla-core is missing or refuses to train (asyncgrpo.packing.gated_deltanet.fla_refusal).
 Model FLOPs: asyncgrpo.perf (matmul weights of every layer, the full-attention layers' pairs, the
 recurrence's state products); recomputation by checkpointing is not counted.
 
@@ -47,6 +49,7 @@ from gpu_step import (  # noqa: E402
 )
 from gpu_training import QWEN3_5_2B, SPEED_WORKLOADS, matmul_peak  # noqa: E402
 
+from asyncgrpo.packing import gated_deltanet  # noqa: E402
 from asyncgrpo.packing.planner import TokenBudgetBatcher  # noqa: E402
 from asyncgrpo.packing.tree_attention import BLOCK_SIZE  # noqa: E402
 from asyncgrpo.perf import flop_model  # noqa: E402
@@ -65,6 +68,15 @@ def build_model(smoke: bool) -> Qwen3_5ForCausalLM:
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu"):
         return Qwen3_5ForCausalLM(config)  # fp32: AsyncGRPOConfig.dtype's default
+
+
+def gdn_path(device: torch.device) -> str:
+    """The Gated DeltaNet rule tree packing runs on `device`."""
+    if device.type != "cuda":
+        return "torch rule"
+    if gated_deltanet._fla_chunk_rule(device):
+        return "fla varlen"
+    return f"torch rule ({gated_deltanet.fla_refusal(device) or 'fla-core is not installed'})"
 
 
 def peak_memory_gb() -> float:
@@ -130,6 +142,7 @@ def main() -> None:
     def save() -> None:  # after every phase: a call cut short still returns what it measured
         (out / "gpu_step_qwen3_5.json").write_text(json.dumps(report, indent=1, default=str))
 
+    report["gdn_path"] = gdn_path(device)
     peak = matmul_peak(device)
     report["matmul_peak_tflops"] = peak / 1e12
     log(f"{report}")
@@ -169,7 +182,7 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     log(f"\n{report['device']} torch {report['torch']}, {report['shape']}, token_budget {report['budget']}: "
-        f"bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s")  # fmt: skip
+        f"bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s, GDN: {report['gdn_path']}")  # fmt: skip
     d = report.get("defaults")
     if d:
         log(f"default step (DeepMath-like, ratio {d['packing_ratio']:.2f}): {d['seconds']:.3f} s, "

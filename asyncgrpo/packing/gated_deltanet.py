@@ -197,7 +197,7 @@ def fla_refusal(device: torch.device) -> str | None:
 @functools.cache
 def _fla_chunk_rule(device: torch.device):
     """fla's varlen chunked gated delta rule for `device`, or None when fla-core is not installed or
-    cannot train there (then the torch rule runs, exact but several times slower, and we say why once)."""
+    cannot train there (then transformers' torch rule runs: exact, much slower; we say why once)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
