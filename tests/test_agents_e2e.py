@@ -248,8 +248,12 @@ def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
     assert not [name for name in TOOL_METRICS if name not in logged], sorted(logged)
     turns = [entry["rollout/turns_mean"] for entry in history if "rollout/turns_mean" in entry]
     assert turns[0] > 1.5, "the warm-started model must call the tool"
-    # Re-rendered turns extend the sample: the tiny template is prefix-preserving.
-    assert max(entry.get("rollout/fork_frac", 0.0) for entry in history) < 0.1
+    # Re-rendered turns extend the sample: the tiny template is prefix-preserving, so a template that
+    # rewrote history would fork every transition (fork_frac 1). A few forks still come from sampled
+    # tokens whose text encodes back differently (CI saw one window at 1 of 6 transitions), so the
+    # bound is on the run's mean, not on any one window.
+    fork_fracs = [entry["rollout/fork_frac"] for entry in history if "rollout/fork_frac" in entry]
+    assert fork_fracs and sum(fork_fracs) / len(fork_fracs) < 0.1, fork_fracs
     k = LEARNING_WINDOW
     first = sum(entry["reward"] for entry in history[:k]) / k
     last = sum(entry["reward"] for entry in history[-k:]) / k
