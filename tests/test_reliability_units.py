@@ -184,6 +184,69 @@ def test_restored_held_samples_are_pending_in_the_ledger():
     assert ledger.watermark == 5 and ledger.epoch_prompts == 2
 
 
+class ScriptedWorker:
+    """Hands the intake a fixed list of group results, as the rollout worker's queue would."""
+
+    def __init__(self, results):
+        self.results = list(results)
+
+    def publish_allowance(self, value):
+        pass
+
+    def next_result(self, timeout):
+        return self.results.pop(0) if self.results else None
+
+
+def drain_a_pass(tops_and_samples, prompts=4):
+    """Feed the intake one group per (top reward, samples) and check progress as it does while
+    waiting: what it raises, or None."""
+    from asyncgrpo.rollout.messages import GroupResult
+    from asyncgrpo.trainer.intake import SampleIntake
+
+    results = [
+        GroupResult(index, 0, index, index, [sample(index, False, False)] * count, top)
+        for index, (top, count) in enumerate(tops_and_samples)
+    ]
+    intake = SampleIntake(
+        ScriptedWorker(results), PromptLedger(), 2, 64, num_rows=1, rows_per_step=1, prompts_per_epoch=prompts
+    )
+    intake._drain(0.0)
+    try:
+        intake._check_progress_possible()
+    except Exception as error:  # the verdict under test
+        return error
+    return None
+
+
+def test_a_pass_at_the_best_reward_after_training_ends_the_run(caplog):
+    from asyncgrpo.trainer.intake import TrainingComplete
+
+    # One group trained (rewards differed, best 1.0), then a whole pass where every rollout scored 1.0.
+    verdict = drain_a_pass([(1.0, 2)] + [(1.0, 0)] * 4)
+    assert isinstance(verdict, TrainingComplete)
+    assert "solves the training set" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "tops_and_samples, lowest",
+    [
+        ([(0.0, 0)] * 4, "0"),  # a constant reward from the start: nothing was ever trained
+        ([(1.0, 2)] + [(1.0, 0)] * 3 + [(0.0, 0)], "0"),  # trained, then one group all wrong in the pass
+        ([(1.0, 2)] + [(1.0, 0)] * 3 + [(None, 0)], "nothing scored"),  # a filtered prompt in the pass
+    ],
+)
+def test_a_pass_without_signal_that_is_not_solved_is_an_error(tops_and_samples, lowest):
+    from asyncgrpo.trainer.intake import NoTrainingSignalError
+
+    verdict = drain_a_pass(tops_and_samples)
+    assert isinstance(verdict, NoTrainingSignalError), verdict
+    assert f"Lowest group reward in that pass: {lowest};" in str(verdict)
+
+
+def test_a_group_with_samples_restarts_the_streak():
+    assert drain_a_pass([(1.0, 0)] * 3 + [(1.0, 2)] + [(1.0, 0)] * 3) is None  # 3 < a pass of 4
+
+
 def test_waiting_for_a_rollout_place_is_bounded():
     async def scenario():
         slots = RolloutSlots(1, stall_timeout_s=0.2)

@@ -579,8 +579,12 @@ class AsyncRolloutLoop:
             )
             # The group's metrics leave before its samples, so the step that trains them logs them.
             self._flush_metrics()
+            scored = group.rewards[~np.isnan(group.rewards)]
+            top_reward = float(scored.max()) if len(scored) else None
             self._put_result(
-                GroupResult(group.stream_index, group.epoch, group.row_index, group.group_id, samples)
+                GroupResult(
+                    group.stream_index, group.epoch, group.row_index, group.group_id, samples, top_reward
+                )
             )
 
     def _samples(self, group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:

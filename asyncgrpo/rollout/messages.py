@@ -18,6 +18,9 @@ class GroupResult:
     row_index: int
     group_id: int  # -1 for a prompt filter_prompt rejected
     samples: list[Sample]
+    # The highest reward a rollout of the group scored; None when nothing was scored (filtered).
+    # Lets the trainer tell a solved training set from one it cannot learn (trainer/intake.py).
+    top_reward: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ that closes a micro-batch is the first of the next one (it waits at the head of 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,6 +42,34 @@ class ServersLostWeights(Exception):
     def __init__(self, urls: list[str]):
         super().__init__(f"vLLM server(s) {', '.join(urls)} restarted and lost the trainer's weights")
         self.urls = urls
+
+
+@dataclass
+class RewardStreak:
+    """What the groups since the last one with samples scored. When a whole pass over the prompts
+    brings nothing to train, it tells a solved training set (the run has trained, and every group of
+    the pass got, on every rollout, the best reward the run has seen: training ends as at max_steps)
+    from a run that cannot learn (a constant or broken reward, filtered prompts, or a policy that
+    collapsed below its best: an error)."""
+
+    best: float = -math.inf  # the highest reward any rollout of the run scored
+    lowest_top: float = math.inf  # the lowest group top reward of the streak (-inf: nothing scored)
+    # Some group of this run brought samples. Not carried over a resume: a resumed run must train once
+    # before a pass of equal rewards counts as solved (its best reward so far is not in the checkpoint).
+    trained: bool = False
+
+    def add(self, top_reward: float | None, num_samples: int) -> None:
+        if top_reward is not None:
+            self.best = max(self.best, top_reward)
+        if num_samples:
+            self.trained = True
+            self.lowest_top = math.inf
+        else:
+            self.lowest_top = min(self.lowest_top, -math.inf if top_reward is None else top_reward)
+
+    @property
+    def solved(self) -> bool:
+        return self.trained and self.lowest_top >= self.best
 
 
 @dataclass
@@ -86,6 +115,7 @@ class SampleIntake:
         # Before the first step, assume every row of a step is full.
         self.last_step_tokens = token_budget * rows_per_step
         self._warned_oversize = False
+        self.rewards = RewardStreak()
         self._publish_allowance(held_tokens=0)
 
     def restore(self, samples: list[Sample]) -> None:
@@ -114,6 +144,7 @@ class SampleIntake:
             for sample in result.samples:
                 sample.validate()  # a malformed sample fails here, naming the broken invariant
             self.ledger.add_group(result.stream_index, len(result.samples))
+            self.rewards.add(result.top_reward, len(result.samples))
             self.buffer.extend(result.samples)
             result = self.worker.next_result(timeout=0.0)
 
@@ -147,12 +178,32 @@ class SampleIntake:
             raise TrainingComplete
         streak = self.ledger.prompts_without_samples_streak
         if self.prompts_per_epoch and streak >= self.prompts_per_epoch:
+            if self.rewards.solved:
+                logger.warning(
+                    "every group of the last %d prompts (a whole pass over the dataset) got reward %.4g on "
+                    "all its rollouts, the best this run has seen: the policy solves the training set, and "
+                    "groups with equal rewards carry no signal. Training ends here, as at max_steps.",
+                    streak,
+                    self.rewards.best,
+                )
+                raise TrainingComplete
             raise NoTrainingSignalError(
                 f"the last {streak} prompts (a whole pass over the dataset) produced nothing to train on: every "
                 "group's rollouts got equal rewards (or every prompt was filtered out), so no advantage is "
                 "non-zero. Check the reward functions (logged as rewards/<name>/mean) against a few "
-                "completions, or make the task easier for the model."
+                "completions, or make the task easier for the model." + self._reward_note()
             )
+
+    def _reward_note(self) -> str:
+        if self.rewards.best == -math.inf:
+            return ""
+        lowest = (
+            "nothing scored" if self.rewards.lowest_top == -math.inf else f"{self.rewards.lowest_top:.4g}"
+        )
+        return (
+            f" Lowest group reward in that pass: {lowest}; the best any rollout of this run scored: "
+            f"{self.rewards.best:.4g}."
+        )
 
     def _next_sample(self, batch: StepBatch, metrics: MetricsWindow, model_version: int) -> Sample:
         """The next sample that is fresh enough, waiting for the worker when the buffer is empty."""
