@@ -187,13 +187,13 @@ def warm_started_model(work: Path) -> tuple[Path, float]:
     accuracy when sampling at temperature 1."""
     import torch
 
-    from asyncgrpo.demo import WARM_START_STEPS, warm_start
+    from asyncgrpo.demo import warm_start
     from asyncgrpo.tiny_model import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     model = build_model(tokenizer)
-    accuracy = warm_start(model, tokenizer, WARM_START_STEPS)
+    accuracy = warm_start(model, tokenizer)
     model.save_pretrained(work / "warm-start")
     tokenizer.save_pretrained(work / "warm-start")
     return work / "warm-start", accuracy

@@ -172,8 +172,8 @@ def test_demo_config_trains_through_the_cli_and_fills_the_run_directory(
         vllm_server.url,
         "--max_steps",
         "3",
-        "--warm_start.kwargs.steps",
-        "5",
+        "--warm_start.kwargs.known_max_steps",
+        "50",
         "--num_generations",
         "4",
         "--vllm_server_timeout",
@@ -186,7 +186,7 @@ def test_demo_config_trains_through_the_cli_and_fills_the_run_directory(
     printed = capsys.readouterr().out
     assert "step 3" in printed and "waiting:" in printed  # progress lines (pytest's stdout is not a TTY)
     resolved = yaml.safe_load((out / "config.yaml").read_text())
-    assert resolved["max_steps"] == 3 and resolved["warm_start"]["kwargs"] == {"steps": 5}
+    assert resolved["max_steps"] == 3 and resolved["warm_start"]["kwargs"] == {"known_max_steps": 50}
     assert json.loads((out / "config.json").read_text())["num_generations"] == 4
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     windows = [record for record in records if "train_runtime" not in record]
