@@ -14,7 +14,7 @@ import pytest
 
 from asyncgrpo import AsyncGRPOConfig
 from asyncgrpo.metrics import MetricsWindow
-from asyncgrpo.rollout.agent import record_tool_rollout_metrics, run_tool_loop
+from asyncgrpo.rollout.agent import record_tool_rollout_metrics, run_tool_loop, turn_text
 from asyncgrpo.rollout.chat import (
     QWEN3_TRAINING_TEMPLATE,
     RewriteDetector,
@@ -28,8 +28,9 @@ from asyncgrpo.rollout.environments import (
     environment_tools,
     prompt_with_observation,
 )
+from asyncgrpo.rollout.rollout_metrics import record_rollout_metrics
 from asyncgrpo.rollout.sequences import build_training_sequences
-from asyncgrpo.rollout.tool_calls import parse_tool_calls, parse_turn, split_reasoning
+from asyncgrpo.rollout.tool_calls import parse_tool_calls, parse_turn, split_reasoning, tool_call_format
 from asyncgrpo.rollout.tools import run_tool_calls
 from asyncgrpo.rollout.types import Rollout, TurnRecord
 from asyncgrpo.tiny_model import build_tokenizer
@@ -66,6 +67,37 @@ def test_malformed_calls_are_kept_with_a_reason():
 def test_mistral_format():
     content, calls = parse_tool_calls('ok[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]', "mistral")
     assert content == "ok" and calls[0].name == "add" and calls[0].arguments == {"a": 1}
+
+
+def test_xml_format_of_qwen3_5_is_read_in_order():
+    text = (
+        "I will call.\n\n<tool_call>\n<function=multiply>\n<parameter=a>\n2\n</parameter>\n"
+        "<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=greet>\n"
+        "<parameter=name>\nAda\nLovelace\n</parameter>\n</function>\n</tool_call>"
+        "<tool_call>\n<parameter=x>\n1\n</parameter>\n</tool_call>"
+    )
+    content, calls = parse_tool_calls(text, "xml")
+    assert content == "I will call."
+    assert [(c.name, c.arguments, c.text_arguments) for c in calls[:2]] == [
+        ("multiply", {"a": "2", "b": "3"}, True),
+        ("greet", {"name": "Ada\nLovelace"}, True),
+    ]
+    assert calls[2].name is None and "<function=NAME>" in calls[2].error
+
+
+# Excerpts of what each family's template declares (the parts the format and family are read by).
+QWEN3_5_LIKE = (
+    "{%- set ns = namespace(last_query_index=0) %}{{ reasoning_content }}"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>"
+)
+MISTRAL_LIKE = "{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}"
+
+
+def test_call_format_is_the_one_the_template_declares():
+    assert tool_call_format(QWEN3_TRAINING_TEMPLATE) == "hermes"
+    assert tool_call_format(QWEN3_5_LIKE) == "xml"
+    assert tool_call_format(MISTRAL_LIKE) == "mistral"
+    assert tool_call_format(None) == "hermes"
 
 
 def test_reasoning_is_split_like_parse_response():
@@ -221,9 +253,52 @@ def test_rollout_tool_frequencies_hand_values():
     stats = window.summarize()
     assert stats["tools/call_frequency"] == pytest.approx(5 / 3)
     assert stats["tools/failure_frequency"] == pytest.approx(1 / 5)
+    assert stats["tools/unknown_name_count"] == 0, "logged as 0 in a window without unknown names"
     empty = MetricsWindow()
     record_tool_rollout_metrics(empty, Rollout(completion=[], completion_ids=[], turns=[]))
     assert np.isnan(empty.summarize()["tools/failure_frequency"]), "no call: no failure rate"
+
+
+CALL_LOG: list[str] = []
+
+
+def first_slow(x: int) -> int:
+    """
+    Slow, sync.
+
+    Args:
+        x: Logged.
+    """
+    time.sleep(0.3)
+    CALL_LOG.append(f"first_slow({x})")
+    return x
+
+
+async def second_fast(x: int) -> int:
+    """
+    Fast, async.
+
+    Args:
+        x: Logged.
+    """
+    CALL_LOG.append(f"second_fast({x})")
+    return x
+
+
+def test_calls_of_one_turn_run_one_after_another_in_emitted_order():
+    # Run at once, the async call would finish while the sync one sleeps: the log says which.
+    CALL_LOG.clear()
+    _, calls = parse_tool_calls(
+        '<tool_call>{"name": "first_slow", "arguments": {"x": 1}}</tool_call>'
+        '<tool_call>{"name": "second_fast", "arguments": {"x": 2}}</tool_call>'
+        '<tool_call>{"name": "first_slow", "arguments": {"x": 3}}</tool_call>'
+    )
+    with ThreadPoolExecutor(4) as executor:
+        messages, failures = asyncio.run(
+            run_tool_calls(calls, [first_slow, second_fast], executor, lambda: MetricsWindow())
+        )
+    assert CALL_LOG == ["first_slow(1)", "second_fast(2)", "first_slow(3)"]
+    assert [m["content"] for m in messages] == ["1", "2", "3"] and failures == 0
 
 
 def nap(seconds: float) -> str:
@@ -326,6 +401,52 @@ def test_loop_stops_at_max_tool_calling_iterations_and_builds_trl_style_completi
     assert_each_generated_token_trained_once(rollout.turns, sequences)
 
 
+def greet(name: str, times: int, loud: bool) -> str:
+    """
+    Greets.
+
+    Args:
+        name: Who.
+        times: How often.
+        loud: Shout.
+    """
+    return ("HI " if loud else "hi ") * times + name
+
+
+def test_xml_calls_get_their_schema_types_in_the_loop(tokenizer):
+    xml = build_tokenizer()
+    xml.chat_template = QWEN3_TRAINING_TEMPLATE + "{#- calls are <function=NAME> blocks #}"
+    block = (
+        "<tool_call>\n<function=greet>\n<parameter=name>\n007\n</parameter>\n<parameter=times>\n2\n"
+        "</parameter>\n<parameter=loud>\nTrue\n</parameter>\n</function>\n</tool_call>"
+    )
+    loop = ScriptedLoop(xml, {"go": [block, "done"]})
+    rollout = asyncio.run(run_tool_loop(loop, [{"role": "user", "content": "go"}], [greet], 0))
+    assert rollout.tool_call_count == 1 and rollout.tool_failure_count == 0
+    arguments = rollout.completion[0]["tool_calls"][0]["function"]["arguments"]
+    assert arguments == {"name": "007", "times": 2, "loud": True}  # "007" stays text: name is a string
+    assert rollout.completion[1]["content"] == "HI HI 007"
+
+
+def test_a_call_marker_that_is_a_special_token_survives_decoding(tokenizer):
+    # Mistral's [TOOL_CALLS] is a special token: decoding with skip_special_tokens alone drops it.
+    mistral = build_tokenizer()
+    mistral.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    mistral.chat_template = QWEN3_TRAINING_TEMPLATE.replace("<tool_call>", "[TOOL_CALLS]")
+    reply = 'ok[TOOL_CALLS][{"name": "multiply", "arguments": {"a": 2, "b": 3}}]'
+    ids = mistral.encode(reply, add_special_tokens=False) + [mistral.eos_token_id]
+    assert (
+        mistral.decode(ids, skip_special_tokens=True)
+        == 'ok[{"name": "multiply", "arguments": {"a": 2, "b": 3}}]'
+    )
+    assert turn_text(mistral, ids, "mistral") == reply
+    assert turn_text(mistral, ids, "hermes") == mistral.decode(ids, skip_special_tokens=True)
+    loop = ScriptedLoop(mistral, {"go": [reply, "done"]})
+    rollout = asyncio.run(run_tool_loop(loop, [{"role": "user", "content": "go"}], [multiply], 0))
+    assert rollout.tool_call_count == 1 and rollout.completion[1]["content"] == "6"
+    assert rollout.completion[0]["content"] == "ok"
+
+
 # -- reconciliation with real templates ---------------------------------------------------------------------------
 
 # A Qwen3-style template: earlier assistant turns lose their <think> block once a later user turn exists.
@@ -378,6 +499,36 @@ def test_a_history_rewriting_template_forks_and_still_trains_each_token_once(tok
     assert_each_generated_token_trained_once(turns, sequences)
 
 
+def test_a_fork_then_an_extension_trains_each_token_once():
+    # Turn 2 re-renders turn 1's output differently (a fork); turn 3 extends turn 2's sample.
+    turns = [
+        TurnRecord(prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.1, -0.2]),
+        TurnRecord(prompt_ids=[1, 2, 30, 4, 9], output_ids=[5], output_log_probs=[-0.3]),
+        TurnRecord(prompt_ids=[1, 2, 30, 4, 9, 5, 8], output_ids=[6, 7], output_log_probs=[-0.4, -0.5]),
+    ]
+    sequences, stats = build_training_sequences(turns)
+    assert [s.token_ids.tolist() for s in sequences] == [[1, 2, 3, 4], [1, 2, 30, 4, 9, 5, 8, 6, 7]]
+    assert [s.trained.astype(int).tolist() for s in sequences] == [
+        [0, 0, 1, 1],
+        [0, 0, 0, 0, 0, 1, 0, 1, 1],
+    ]
+    assert [s.sampler_logprobs.tolist() for s in sequences] == [
+        pytest.approx([-0.1, -0.2]),
+        pytest.approx([-0.3, -0.4, -0.5]),
+    ]
+    assert stats.transitions == 2 and stats.forks == 1 and stats.drift_tokens == [2, 0]
+    assert_each_generated_token_trained_once(turns, sequences)
+    # The rollout's reconciliation metrics, by hand: 1 fork in 2 transitions, drifts 2 and 0,
+    # 2 samples, 3 turns.
+    window = MetricsWindow()
+    rollout = Rollout(completion=[], completion_ids=[], turns=turns)
+    record_rollout_metrics(window, rollout, 1.0, len(sequences), stats, eos_token_ids=[7])
+    summary = window.summarize()
+    assert summary["rollout/fork_frac"] == 0.5 and summary["rollout/samples_per_rollout"] == 2
+    assert summary["rollout/drift_tokens_mean"] == 1.0 and summary["rollout/drift_tokens_max"] == 2
+    assert summary["rollout/turns_mean"] == 3 and summary["rollout/turns_max"] == 3
+
+
 def test_an_unknown_template_that_rewrites_history_is_reported_once(caplog):
     detector = RewriteDetector()
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.rollout.chat"):
@@ -394,6 +545,11 @@ def test_known_qwen3_template_is_replaced_by_the_training_template():
     assert use_training_template(qwen3) and qwen3.chat_template == QWEN3_TRAINING_TEMPLATE
     other = build_tokenizer()
     assert not use_training_template(other)
+    # Qwen3.5 also drops earlier reasoning, but its calls are <function=...> blocks: the Qwen3
+    # training template would teach it another format, so its own template stays.
+    qwen3_5 = build_tokenizer()
+    qwen3_5.chat_template = QWEN3_5_LIKE
+    assert not use_training_template(qwen3_5) and qwen3_5.chat_template == QWEN3_5_LIKE
 
 
 # -- environments --------------------------------------------------------------------------------------------------
@@ -436,6 +592,29 @@ def test_environment_pool_reuses_instances_and_drops_the_routing_column():
     assert Slot.created == 1 and rewards == [(Slot, 1.0)] * 3
     stats = window.summarize()
     assert stats["env/reset_s"] >= 0 and stats["env/reward_s"] >= 0
+
+
+def test_concurrent_episodes_each_hold_their_own_instance():
+    Slot.created = 0
+
+    async def episodes():
+        pool = EnvironmentPool(Slot, ThreadPoolExecutor(2), lambda: MetricsWindow())
+        held = []
+
+        async def one(task):
+            async with pool.episode({"task": task}) as episode:
+                held.append(episode.instance)
+                await asyncio.sleep(0.05)  # both episodes run at once
+                return episode.instance.task
+
+        tasks = await asyncio.gather(one("a"), one("b"))
+        async with pool.episode({"task": "c"}) as episode:  # later: a reused instance
+            reused = episode.instance
+        return tasks, held, reused
+
+    tasks, held, reused = asyncio.run(episodes())
+    assert tasks == ["a", "b"], "an instance is never shared by two running rollouts"
+    assert held[0] is not held[1] and Slot.created == 2 and any(reused is h for h in held)
 
 
 def test_reset_string_with_and_without_a_dataset_prompt():

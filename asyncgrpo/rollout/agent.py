@@ -20,9 +20,16 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Callable
 
-from asyncgrpo.metrics import MetricsWindow
-from asyncgrpo.rollout.chat import render_prompt_ids
-from asyncgrpo.rollout.tool_calls import parse_turn, tool_call_format
+from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.rollout.chat import render_prompt_ids, tool_name, tool_schema
+from asyncgrpo.rollout.tool_calls import (
+    FORMAT_MARKERS,
+    REASONING_MARKERS,
+    ToolCall,
+    parse_turn,
+    tool_call_format,
+    typed_arguments,
+)
 from asyncgrpo.rollout.tools import run_tool_calls
 from asyncgrpo.rollout.types import Rollout
 
@@ -33,6 +40,41 @@ if TYPE_CHECKING:
 @functools.lru_cache(maxsize=8)
 def _format_of(template: str) -> str:
     return tool_call_format(template)
+
+
+def turn_text(tokenizer, output_ids: list[int], fmt: str) -> str:
+    """The sampled turn's text without special tokens (the end-of-turn token among them), except
+    the markers the call format is read by: Mistral's `[TOOL_CALLS]` is a special token, so plain
+    `skip_special_tokens` decoding would hide every call."""
+    special = set()
+    for marker in (*FORMAT_MARKERS.get(fmt, ()), *REASONING_MARKERS):
+        ids = tokenizer.convert_tokens_to_ids([marker])
+        if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id:
+            if tokenizer.decode(ids, skip_special_tokens=True) == "":
+                special.add(ids[0])
+    if not special.intersection(output_ids):
+        return tokenizer.decode(output_ids, skip_special_tokens=True)
+    pieces, segment = [], []
+    for token in output_ids:
+        if token in special:
+            pieces += [
+                tokenizer.decode(segment, skip_special_tokens=True),
+                tokenizer.convert_ids_to_tokens(token),
+            ]
+            segment = []
+        else:
+            segment.append(token)
+    return "".join([*pieces, tokenizer.decode(segment, skip_special_tokens=True)])
+
+
+def type_text_arguments(calls: list[ToolCall], tools: list[Callable]) -> None:
+    """Convert the text arguments of "xml"-format calls to their tools' schema types, in place."""
+    by_name = {tool_name(tool): tool for tool in tools}
+    for call in calls:
+        if call.text_arguments and call.name in by_name:
+            parameters = tool_schema(by_name[call.name])["function"].get("parameters", {})
+            call.arguments = typed_arguments(call.arguments, parameters.get("properties", {}))
+            call.text_arguments = False
 
 
 def assistant_message(text: str, parsed) -> dict[str, Any]:
@@ -60,8 +102,9 @@ async def run_tool_loop(
     while True:
         turn = await loop.generate_one_turn(prompt_ids)
         turns.append(turn)
-        text = loop.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+        text = turn_text(loop.tokenizer, turn.output_ids, fmt)
         parsed = parse_turn(text, fmt, with_tools=bool(tools), reasoning=config.parse_reasoning)
+        type_text_arguments(parsed.calls, tools)
         completion.append(assistant_message(text, parsed))
         conversation.append({"role": "assistant", "content": text})
         if not parsed.calls:
@@ -92,6 +135,9 @@ async def run_tool_loop(
 def record_tool_rollout_metrics(metrics: MetricsWindow, rollout: Rollout) -> None:
     """Per-rollout tool metrics, from the Rollout's counts (so an overridden generate_one gets them)."""
     metrics.record("tools/call_frequency", rollout.tool_call_count)
+    # Unknown names are counted as they happen (rollout/tools.py); a 0 here keeps the count logged
+    # (as 0) in windows without any, like the other tools/* metrics.
+    metrics.record("tools/unknown_name_count", 0, Reduce.SUM)
     # failures over calls, as a weighted mean: NaN in a window without any call (not 0.0).
     calls = rollout.tool_call_count
     metrics.record(

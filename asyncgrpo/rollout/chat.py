@@ -147,7 +147,14 @@ QWEN3_TRAINING_TEMPLATE = """\
 
 def _is_qwen3_template(template: str) -> bool:
     # Qwen3 (and Qwen3-style fine-tunes) find the last real user query to decide whose reasoning to drop.
-    return "<tool_call>" in template and "last_query_index" in template and "reasoning_content" in template
+    # Qwen3.5 and later do too, but call tools in another format (`<function=NAME>` blocks) and render
+    # images: the Qwen3 training template would teach them a format they do not know.
+    return (
+        "<tool_call>" in template
+        and "last_query_index" in template
+        and "reasoning_content" in template
+        and "<function=" not in template
+    )
 
 
 def use_training_template(tokenizer) -> bool:

@@ -3,6 +3,9 @@
 Formats, picked from what the chat template declares:
   - "hermes" (Qwen2.5/Qwen3, Hermes and most ChatML tool models): one
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block per call;
+  - "xml" (Qwen3.5 and later, Qwen3-Coder): `<tool_call><function=NAME><parameter=P>value</parameter>
+    ...</function></tool_call>`; each value is text, converted to the type the tool's schema gives
+    it when the call runs (rollout/tools.py);
   - "mistral": `[TOOL_CALLS]` followed by a JSON list of {"name", "arguments"} objects.
 A block that is not valid JSON, lacks a name, or has non-object arguments is kept as a malformed
 call: the loop answers it with an error message the model sees and counts it as a failure, it never
@@ -21,7 +24,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_XML_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_XML_MARK = "<function="
 _MISTRAL_MARK = "[TOOL_CALLS]"
+# The markers each format is read by (reasoning's included). A tokenizer may make one a special
+# token, which decoding with skip_special_tokens drops: the loop keeps these (turn_text).
+FORMAT_MARKERS = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "xml": ("<tool_call>", "</tool_call>"),
+    "mistral": (_MISTRAL_MARK,),
+}
+REASONING_MARKERS = ("<think>", "</think>")
 
 
 @dataclass
@@ -29,6 +43,8 @@ class ToolCall:
     name: str | None  # None when the call could not be read
     arguments: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # why the call is malformed, if it is
+    # The arguments are text to convert by the tool's schema (the "xml" format writes no JSON types).
+    text_arguments: bool = False
 
     def as_message_entry(self) -> dict[str, Any]:
         """The call in the chat-message form templates and reward functions expect."""
@@ -43,7 +59,10 @@ class ParsedTurn:
 
 
 def tool_call_format(chat_template: Any) -> str:
+    """The call format the template teaches: "hermes" unless it declares another."""
     template = chat_template if isinstance(chat_template, str) else ""
+    if "<tool_call>" in template and _XML_MARK in template:
+        return "xml"
     if _MISTRAL_MARK in template and "<tool_call>" not in template:
         return "mistral"
     return "hermes"
@@ -68,6 +87,31 @@ def _read_call(payload: Any) -> ToolCall:
     return ToolCall(payload["name"], arguments)
 
 
+def typed_arguments(arguments: dict[str, str], properties: dict[str, Any]) -> dict[str, Any]:
+    """Text arguments ("xml" format) converted by the tool's JSON schema: a string parameter keeps
+    its text, any other is read as JSON (`3`, `true`, `[1, 2]`); a value that does not read keeps
+    its text, and the tool's own failure on it becomes the model's observation."""
+    typed: dict[str, Any] = {}
+    for name, value in arguments.items():
+        kind = properties.get(name, {}).get("type")
+        if kind == "string" or (isinstance(kind, list) and "string" in kind):
+            typed[name] = value
+            continue
+        try:
+            typed[name] = json.loads(value.strip().lower() if kind == "boolean" else value)
+        except json.JSONDecodeError:
+            typed[name] = value
+    return typed
+
+
+def _read_xml_call(block: str) -> ToolCall:
+    function = _XML_FUNCTION.search(block)
+    if function is None or not function.group(1).strip():
+        return ToolCall(None, error="a tool call must hold a <function=NAME> block")
+    arguments = {name.strip(): value for name, value in _XML_PARAMETER.findall(function.group(2))}
+    return ToolCall(function.group(1).strip(), arguments, text_arguments=True)
+
+
 def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str, list[ToolCall]]:
     """(the text without the calls, the calls in the order emitted)."""
     if fmt == "mistral":
@@ -80,7 +124,8 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str, list[ToolCall
             return head, [ToolCall(None, error=f"the tool calls are not valid JSON ({error.msg})")]
         payload = payload if isinstance(payload, list) else [payload]
         return head, [_read_call(entry) for entry in payload]
-    calls = [_read_call(block.strip()) for block in _HERMES_BLOCK.findall(text)]
+    read = _read_xml_call if fmt == "xml" else _read_call
+    calls = [read(block.strip()) for block in _HERMES_BLOCK.findall(text)]
     if not calls:
         return text, []
     return _HERMES_BLOCK.sub("", text).strip(), calls
