@@ -380,6 +380,38 @@ def test_a_slow_tool_does_not_hold_back_other_rollouts(tokenizer):
     assert loop.finished["fast"] - started < 2.0 <= loop.finished["slow"] - started
 
 
+def slow_judge(completions, **kwargs) -> list[float]:
+    time.sleep(1.0)
+    return [0.0] * len(completions)
+
+
+def test_slow_sync_reward_functions_do_not_take_the_tools_threads(tokenizer):
+    # Two threads per pool; four groups scored at once by a 1 s sync judge hold the reward threads for
+    # 2 s. A tool call made meanwhile must not queue behind them (it did when they shared one pool).
+    from asyncgrpo import AsyncRolloutLoop
+    from asyncgrpo.rollout.scoring import call_reward_functions
+
+    config = AsyncGRPOConfig(output_dir="unused", report_to="none", max_concurrent_rollouts=2)
+    loop = AsyncRolloutLoop(config, "m", [], [slow_judge], tokenizer, [0], channels=None)
+    loop._make_thread_pools()
+    _, calls = parse_tool_calls('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>')
+
+    async def scoring_and_a_tool_call():
+        scoring = [
+            call_reward_functions([slow_judge], loop._reward_executor, [[]], [[]], [[]], {}) for _ in range(4)
+        ]
+        judged = asyncio.gather(*scoring)
+        await asyncio.sleep(0.1)  # the judges hold the reward threads now
+        started = time.monotonic()
+        messages, _ = await run_tool_calls(calls, [multiply], loop.tool_executor, lambda: MetricsWindow())
+        waited = time.monotonic() - started
+        await judged
+        return messages, waited
+
+    messages, waited = asyncio.run(scoring_and_a_tool_call())
+    assert messages[0]["content"] == "6" and waited < 0.5, f"the tool call waited {waited:.2f} s"
+
+
 def test_loop_stops_at_max_tool_calling_iterations_and_builds_trl_style_completions(tokenizer):
     replies = {
         "go": ["<think>plan</think>" + call("multiply", a=2, b=3), call("multiply", a=1, b=1), "never"]
@@ -615,6 +647,49 @@ def test_concurrent_episodes_each_hold_their_own_instance():
     tasks, held, reused = asyncio.run(episodes())
     assert tasks == ["a", "b"], "an instance is never shared by two running rollouts"
     assert held[0] is not held[1] and Slot.created == 2 and any(reused is h for h in held)
+
+
+class RowTargetEnv:
+    """The documentation's dataset-backed IncrementEnv: reset reads its task from the row's columns."""
+
+    def reset(self, target, **kwargs) -> None:  # the row's `target` column arrives as a keyword argument
+        self.counter = 0
+        self.target = target
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:  # no docstring: offered with its typed parameters
+        self.counter += step
+        return self.counter
+
+
+def test_dataset_backed_environment_reads_its_task_from_the_row():
+    from datasets import Dataset
+
+    from asyncgrpo.trainer.checks import check_agent_inputs, check_conversational
+
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"Increment the counter to {i}."}] for i in range(1, 7)],
+            "target": list(range(1, 7)),
+        }
+    )
+    args = SimpleNamespace(max_steps=-1)  # epochs end training: the dataset owns the data
+    check_agent_inputs([], dataset, [], RowTargetEnv, args)  # get_reward is the only reward source
+    check_conversational(dataset, RowTargetEnv)
+    row = dataset[2]
+
+    async def episode():
+        pool = EnvironmentPool(RowTargetEnv, ThreadPoolExecutor(1), lambda: MetricsWindow())
+        async with pool.episode(row) as episode:
+            episode.tools[0](step=3)
+            return episode, await pool.reward(episode.instance)
+
+    episode, reward = asyncio.run(episode())
+    assert episode.prompt == row["prompt"], "reset() returned None: the row's prompt is the prompt"
+    assert episode.instance.target == 3 and [tool.__name__ for tool in episode.tools] == ["increment"]
+    assert reward == (RowTargetEnv, 1.0)
 
 
 def test_reset_string_with_and_without_a_dataset_prompt():

@@ -221,8 +221,16 @@ class AsyncRolloutLoop:
 
     @property
     def tool_executor(self) -> ThreadPoolExecutor:
-        """The thread pool sync tools, environments and reward functions run on."""
+        """The thread pool sync tools and environments run on."""
         return self._tool_executor
+
+    def _make_thread_pools(self) -> None:
+        """Sync tools and environments get max_concurrent_rollouts threads, one per running rollout,
+        so a tool call never waits for a thread. Sync reward functions get their own pool: groups
+        scored at once (up to SCORE_CONCURRENCY) with a slow judge must not take the tools' threads."""
+        size = self.config.max_concurrent_rollouts
+        self._tool_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="tool")
+        self._reward_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="reward")
 
     # -- the process's main -------------------------------------------------------------------------------
 
@@ -234,7 +242,7 @@ class AsyncRolloutLoop:
         config = self.config
         # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-        self._tool_executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts)
+        self._make_thread_pools()
         if self.environment_factory is not None:
             self.environments = EnvironmentPool(
                 self.environment_factory, self._tool_executor, lambda: self.metrics
@@ -281,6 +289,7 @@ class AsyncRolloutLoop:
             finally:
                 await self.client.close()
                 self._tool_executor.shutdown(wait=False, cancel_futures=True)
+                self._reward_executor.shutdown(wait=False, cancel_futures=True)
 
     async def _wants_candidate_sets(self) -> bool:
         if self.config.top_p >= 1.0 and self.config.top_k == 0 and not (self.config.min_p or 0) > 0:
@@ -532,7 +541,7 @@ class AsyncRolloutLoop:
             started = time.monotonic()
             per_function = await call_reward_functions(
                 self.reward_funcs,
-                self._tool_executor,
+                self._reward_executor,
                 group.prompts,
                 group.completions,
                 group.completions_ids,
