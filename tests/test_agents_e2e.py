@@ -140,6 +140,7 @@ TOOL_METRICS = [
     "tools/call_frequency",
     "tools/failure_frequency",
     "tools/parallel_calls_mean",
+    "tools/unknown_name_count",
     "tools/loop_exhausted_frac",
     "tools/latency_s",
     "tools/increment/latency_s",

@@ -380,6 +380,29 @@ def test_a_slow_tool_does_not_hold_back_other_rollouts(tokenizer):
     assert loop.finished["fast"] - started < 2.0 <= loop.finished["slow"] - started
 
 
+def test_failed_calls_are_answered_and_the_rollout_goes_on(tokenizer):
+    failing = (
+        call("explode", x=1)
+        + call("nope")
+        + '<tool_call>{"name": "multiply", "arguments": {"a": </tool_call>'
+        + call("multiply", a=2, b=3)
+    )
+    loop = ScriptedLoop(tokenizer, {"go": [failing, call("multiply", a=1, b=4), "done"]})
+    rollout = asyncio.run(run_tool_loop(loop, [{"role": "user", "content": "go"}], [multiply, explode], 0))
+    assert len(rollout.turns) == 3 and rollout.completion[-1]["content"] == "done"
+    assert rollout.tool_call_count == 5 and rollout.tool_failure_count == 3
+    answers = [m["content"] for m in rollout.completion if m["role"] == "tool"]
+    assert answers[0] == "Error: RuntimeError: boom" and "no tool named 'nope'" in answers[1]
+    assert "not valid JSON" in answers[2] and answers[3:] == ["6", "4"]
+    # What the model read next: the errors are in the second turn's prompt.
+    assert "no tool named 'nope'" in tokenizer.decode(rollout.turns[1].prompt_ids)
+    record_tool_rollout_metrics(loop.metrics, rollout)
+    stats = loop.metrics.summarize()
+    assert stats["tools/failure_frequency"] == pytest.approx(3 / 5) and stats["tools/unknown_name_count"] == 1
+    assert stats["tools/explode/failure_count"] == 1 and stats["tools/multiply/call_count"] == 2
+    assert stats["tools/parallel_calls_mean"] == pytest.approx((4 + 1) / 2)
+
+
 def slow_judge(completions, **kwargs) -> list[float]:
     time.sleep(1.0)
     return [0.0] * len(completions)
