@@ -85,18 +85,31 @@ def test_xml_format_of_qwen3_5_is_read_in_order():
     assert calls[2].name is None and "<function=NAME>" in calls[2].error
 
 
+def test_llama3_json_format_is_one_bare_object():
+    content, calls = parse_tool_calls(' {"name": "add", "parameters": {"a": 1}}', "llama3_json")
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("add", {"a": 1})]
+    assert parse_tool_calls("The answer is {a}.", "llama3_json") == ("The answer is {a}.", [])
+    _, (broken,) = parse_tool_calls('{"name": "add", "parameters": {"a": ', "llama3_json")
+    assert broken.name is None and "not valid JSON" in broken.error
+
+
 # Excerpts of what each family's template declares (the parts the format and family are read by).
 QWEN3_5_LIKE = (
     "{%- set ns = namespace(last_query_index=0) %}{{ reasoning_content }}"
     "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>"
 )
 MISTRAL_LIKE = "{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}"
+LLAMA3_LIKE = (
+    '{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and '
+    "its value}.' }}"
+)
 
 
 def test_call_format_is_the_one_the_template_declares():
     assert tool_call_format(QWEN3_TRAINING_TEMPLATE) == "hermes"
     assert tool_call_format(QWEN3_5_LIKE) == "xml"
     assert tool_call_format(MISTRAL_LIKE) == "mistral"
+    assert tool_call_format(LLAMA3_LIKE) == "llama3_json"
     assert tool_call_format(None) == "hermes"
 
 

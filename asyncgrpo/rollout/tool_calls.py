@@ -6,7 +6,9 @@ Formats, picked from what the chat template declares:
   - "xml" (Qwen3.5 and later, Qwen3-Coder): `<tool_call><function=NAME><parameter=P>value</parameter>
     ...</function></tool_call>`; each value is text, converted to the type the tool's schema gives
     it when the call runs (rollout/tools.py);
-  - "mistral": `[TOOL_CALLS]` followed by a JSON list of {"name", "arguments"} objects.
+  - "mistral": `[TOOL_CALLS]` followed by a JSON list of {"name", "arguments"} objects;
+  - "llama3_json" (Llama 3.1 to 3.3): the whole turn is one `{"name": ..., "parameters": {...}}`
+    object, with no marker: a turn that starts with `{` is a call.
 A block that is not valid JSON, lacks a name, or has non-object arguments is kept as a malformed
 call: the loop answers it with an error message the model sees and counts it as a failure, it never
 stops the run.
@@ -28,6 +30,7 @@ _XML_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.DOT
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.DOTALL)
 _XML_MARK = "<function="
 _MISTRAL_MARK = "[TOOL_CALLS]"
+_LLAMA3_MARK = "dictionary of argument name and its value"  # the call format Llama 3.1+ templates state
 # The markers each format is read by (reasoning's included). A tokenizer may make one a special
 # token, which decoding with skip_special_tokens drops: the loop keeps these (turn_text).
 FORMAT_MARKERS = {
@@ -65,6 +68,8 @@ def tool_call_format(chat_template: Any) -> str:
         return "xml"
     if _MISTRAL_MARK in template and "<tool_call>" not in template:
         return "mistral"
+    if _LLAMA3_MARK in template and "<tool_call>" not in template:
+        return "llama3_json"
     return "hermes"
 
 
@@ -124,6 +129,11 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str, list[ToolCall
             return head, [ToolCall(None, error=f"the tool calls are not valid JSON ({error.msg})")]
         payload = payload if isinstance(payload, list) else [payload]
         return head, [_read_call(entry) for entry in payload]
+    if fmt == "llama3_json":
+        body = text.strip()
+        if not body.startswith("{"):
+            return text, []
+        return "", [_read_call(body)]
     read = _read_xml_call if fmt == "xml" else _read_call
     calls = [read(block.strip()) for block in _HERMES_BLOCK.findall(text)]
     if not calls:
