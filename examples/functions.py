@@ -211,4 +211,6 @@ class GameEnv:
             return f"unknown action {action!r}: use up, down, left or right"
         dx, dy = self.MOVES[action]
         self.position = (min(3, max(0, self.position[0] + dx)), min(3, max(0, self.position[1] + dy)))
-        return "goal reached" if self.position == (3, 3) else f"you are at {self.position}, the goal at (3, 3)"
+        return (
+            "goal reached" if self.position == (3, 3) else f"you are at {self.position}, the goal at (3, 3)"
+        )

@@ -166,7 +166,9 @@ def test_local_files_load_through_datasets_with_a_split_and_column_renames(tmp_p
         {"data_files": str(train), "columns": {"question": "prompt", "solution": "answer"}}
     )
     assert dataset.column_names == ["prompt", "answer"] and dataset["prompt"] == ["q0", "q1", "q2"]
-    held_out = load_training_dataset({"data_files": {"train": str(train), "test": str(test)}, "split": "test"})
+    held_out = load_training_dataset(
+        {"data_files": {"train": str(train), "test": str(test)}, "split": "test"}
+    )
     assert held_out.num_rows == 1
     # The format comes from `format` when the extension does not tell it.
     (tmp_path / "rows.data").write_text(train.read_text())
