@@ -230,6 +230,24 @@ def test_serve_for_prints_the_command_it_would_run(capsys, monkeypatch):
     )
 
 
+def test_serve_for_runs_the_command_it_prints(capsys, monkeypatch):
+    from asyncgrpo.generation.server import build_command, format_command
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["serve", "--for", "examples/top_k_top_p.yaml", "--dtype", "bfloat16", "--max-num-seqs", "64"]
+    assert main([*argv, "--dry-run"]) == 0
+    printed = capsys.readouterr().out.strip()
+    served = []
+    monkeypatch.setattr(
+        "asyncgrpo.generation.server.serve_foreground", lambda options: served.append(options)
+    )
+    main(argv)
+    assert "serving for examples/top_k_top_p.yaml" in capsys.readouterr().out
+    assert format_command(*build_command(served[0])) == printed
+    for flag in ("--max-model-len 4096", "--dtype bfloat16", "--return-sampling-mask", "--max-num-seqs 64"):
+        assert flag in printed
+
+
 @pytest.mark.vllm
 def test_demo_config_trains_through_the_cli_and_fills_the_run_directory(
     vllm_server, tiny_model_dir, tmp_path, capsys
