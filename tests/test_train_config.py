@@ -193,6 +193,9 @@ def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
     config.write_text(yaml.safe_dump({**BASE, "learning_rat": 1e-6}))
     assert main(["train", str(config)]) == 2
     assert "unknown key learning_rat; did you mean learning_rate" in capsys.readouterr().out
+    config.write_text(yaml.safe_dump(BASE))
+    assert main(["train", str(config), "--check", "--max-stalenes", "2"]) == 2  # overrides are checked too
+    assert "unknown key max_stalenes; did you mean max_staleness" in capsys.readouterr().out
 
 
 def test_server_flags_for_a_config():
@@ -228,6 +231,31 @@ def test_serve_for_prints_the_command_it_would_run(capsys, monkeypatch):
     assert "--enable-lora --max-lora-rank 32 --max-loras 6" in command and command.strip().endswith(
         "--seed 1"
     )
+
+
+def test_build_trainer_wires_what_the_config_names(tiny_model_dir, tmp_path):
+    from asyncgrpo.demo import correct_sum
+    from asyncgrpo.rollout.worker import check_worker_payload
+    from asyncgrpo.run_config import build_trainer
+    from examples.functions import CurriculumRolloutLoop, multiply
+
+    raw = read_config(
+        REPO / "examples" / "demo.yaml",
+        ["--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"), "--max_steps", "1"],
+    )
+    del raw["warm_start"]  # its supervised steps are the demo's, not what this test checks
+    raw |= {
+        "loop_class": "examples.functions:CurriculumRolloutLoop",
+        "tools": ["examples.functions:multiply"],
+        "dataset": {"data_files": "examples/data/addition.jsonl", "columns": {"answer": "solution"}},
+    }
+    trainer = build_trainer(build_run_config(raw))
+    assert trainer.loop_cls is CurriculumRolloutLoop
+    assert trainer.reward_funcs == [correct_sum] and trainer.tools == [multiply]
+    assert trainer.train_dataset.num_rows == 100 and "solution" in trainer.train_dataset.column_names
+    assert trainer.args.num_generations == 16 and trainer.args.max_steps == 1
+    # What the rollout worker receives by pickling: everything named by import path must survive it.
+    check_worker_payload(trainer.reward_funcs, trainer.loop_cls, trainer.tools, trainer.environment_factory)
 
 
 def test_serve_for_runs_the_command_it_prints(capsys, monkeypatch):
