@@ -114,6 +114,11 @@ def test_unknown_keys_name_the_closest_valid_ones():
         build(dataset={"name": "d", "spilt": "train"})
     with pytest.raises(ConfigError, match="unknown key qwertyuiop$"):
         build(qwertyuiop=1)
+    # LoraConfig's keywords are checked with the rest, not when the model is already loaded.
+    with pytest.raises(
+        ConfigError, match="unknown key peft_config.lora_alpah; did you mean peft_config.lora_alpha"
+    ):
+        build(peft_config={"r": 8, "lora_alpah": 16})
 
 
 def test_wrong_types_name_the_expected_type():
