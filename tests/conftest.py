@@ -6,7 +6,13 @@ the whole session (`vllm_servers.get(...)`); tests that change a server's weight
 
 from __future__ import annotations
 
-import signal
+import os
+
+# Nothing here downloads (tests build their models offline): a Hub lookup would only wait for a
+# network timeout (~24 s each). Set before transformers and huggingface_hub read it at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import signal  # noqa: E402
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
