@@ -127,6 +127,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=480.0, help="skip phases that start after this")
+    parser.add_argument(
+        "--phases", default="3.4,1,2,defaults",
+        help="comma-separated: packing ratios of the tree-vs-plain workloads (3.4, 1, 2) and/or 'defaults'; "
+        "lets a short device call run part of the measurement",
+    )  # fmt: skip
     args = parser.parse_args()
     started = time.perf_counter()
     if args.smoke:
@@ -152,8 +157,12 @@ def main() -> None:
     flops = flop_model(trainer._model)
     vocab = trainer._model.config.vocab_size
     # The comparison first (ratio 3.4, 1, 2): a call cut short by the device's time keeps the most.
+    phases = args.phases.split(",")
+    workloads = {"3.4": SPEED_WORKLOADS[2], "1": SPEED_WORKLOADS[0], "2": SPEED_WORKLOADS[1]}
+    if set(phases) - set(workloads) - {"defaults"}:
+        parser.error(f"--phases: unknown {sorted(set(phases) - set(workloads) - {'defaults'})}")
     report["tree_vs_plain"] = []
-    for prompt_len, completion_len, _ in (SPEED_WORKLOADS[2], SPEED_WORKLOADS[0], SPEED_WORKLOADS[1]):
+    for prompt_len, completion_len, _ in (workloads[p] for p in phases if p in workloads):
         if time.perf_counter() - started > args.seconds:
             log(f"skipping workload ({prompt_len}, {completion_len}): out of time")
             continue
@@ -171,7 +180,7 @@ def main() -> None:
         report["tree_vs_plain"].append(entry)
         log(f"tree vs plain {json.dumps(entry)}")
         save()
-    if time.perf_counter() - started < args.seconds:
+    if "defaults" in phases and time.perf_counter() - started < args.seconds:
         plans = deepmath_plans(np.random.default_rng(7), args.budget, 2, vocab, args.smoke)
         report["defaults"] = measure(trainer, plans, flops, peak, args, 1)
         log(f"defaults {report['defaults']}")
