@@ -409,6 +409,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
             fail(
                 "score_centering=True needs num_sampler_logprobs > 0 (the sampler's top tokens to center on)"
             )
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            fail(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (None: the model config's)")
         if self.token_budget is not None and self.token_budget < 16:
             fail(f"token_budget={self.token_budget} is too small to hold a sample")
         if self.max_concurrent_rollouts < 1:

@@ -80,9 +80,7 @@ def router_aux_loss_coef(config, requested: float | None) -> float:
                 "experts (no num_experts in its config): leave router_aux_loss_coef unset for dense models"
             )
         return 0.0
-    if requested is not None:
-        if requested < 0:
-            raise ValueError(f"router_aux_loss_coef must be >= 0, got {requested}")
+    if requested is not None:  # >= 0: AsyncGRPOConfig checks it
         return float(requested)
     return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
 

@@ -106,6 +106,25 @@ def test_adapters_on_the_output_head_and_prompt_learning_are_refused(tiny_model_
         )
 
 
+def test_a_bad_peft_config_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    import asyncgrpo.trainer.async_grpo_trainer as trainer_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the peft_config was checked")
+
+    monkeypatch.setattr(trainer_module.AsyncGRPOTrainer, "_load_model", staticmethod(no_loading))
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", max_steps=1)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]]})
+    with pytest.raises(ValueError, match="prompt-learning"):
+        AsyncGRPOTrainer(
+            str(tiny_model_dir),
+            reward,
+            args,
+            train_dataset=dataset,
+            peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        )
+
+
 @pytest.mark.parametrize(
     "config, reason",
     [

@@ -53,6 +53,7 @@ def test_unknown_config_value_is_rejected():
         ({"score_centering": True, "num_sampler_logprobs": 0}, "num_sampler_logprobs > 0"),
         ({"lr_scheduler_type": "linear"}, "set max_steps, or use a constant schedule"),
         ({"logging_steps": 0.1}, "fraction of training need max_steps > 0"),
+        ({"router_aux_loss_coef": -0.1}, "router_aux_loss_coef=-0.1 must be >= 0"),
     ],
 )
 def test_bad_config_values_fail_at_construction(overrides, message):
@@ -218,15 +219,18 @@ def test_the_tokenizer_loads_the_revision_of_model_init_kwargs(tiny_model_dir, t
     assert seen == ["main"]
 
 
-def test_torch_compile_leaves_the_callers_args_as_given(tiny_model_dir, tmp_path):
+def test_the_trainer_leaves_the_callers_args_as_given(tiny_model_dir, tmp_path):
+    """The trainer resolves torch_compile and router_aux_loss_coef on its own copy of the config."""
     args = config(tmp_path, torch_compile=True)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), some_reward, args, train_dataset=conversational())
     assert args.torch_compile and args.torch_compile_backend == "inductor"
+    assert args.router_aux_loss_coef is None, "None means the model config's: the caller's args keep it"
     assert (
         trainer._compile_layers
         and not trainer.args.torch_compile
         and trainer.args.torch_compile_backend is None
     )
+    assert trainer.args.router_aux_loss_coef == 0.0  # a dense model: no load-balancing loss
 
 
 def test_vision_language_checkpoint_trains_on_text(tmp_path):

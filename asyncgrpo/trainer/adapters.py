@@ -28,10 +28,10 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def wrap_with_peft(model: torch.nn.Module, peft_config, gradient_checkpointing: bool) -> torch.nn.Module:
-    """`model` with a fresh trainable adapter of `peft_config`; the base weights are frozen."""
+def check_peft_config(peft_config) -> None:
+    """What is refused from the config alone: the trainer calls it before loading the model."""
     try:
-        from peft import get_peft_model
+        import peft  # noqa: F401
     except ImportError as error:
         raise ImportError("peft_config needs the peft library: pip install 'asyncgrpo[peft]'") from error
     if getattr(peft_config, "is_prompt_learning", False):
@@ -44,6 +44,13 @@ def wrap_with_peft(model: torch.nn.Module, peft_config, gradient_checkpointing: 
             "peft_config.target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported: target "
             "modules instead"
         )
+
+
+def wrap_with_peft(model: torch.nn.Module, peft_config, gradient_checkpointing: bool) -> torch.nn.Module:
+    """`model` with a fresh trainable adapter of `peft_config`; the base weights are frozen."""
+    check_peft_config(peft_config)
+    from peft import get_peft_model
+
     peft_config = _outside_language_model_excluded(model, peft_config)
     head = model.get_output_embeddings()
     if gradient_checkpointing:

@@ -52,7 +52,7 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
-from asyncgrpo.trainer.adapters import is_peft_model, wrap_with_peft
+from asyncgrpo.trainer.adapters import check_peft_config, is_peft_model, wrap_with_peft
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,
@@ -139,6 +139,9 @@ class AsyncGRPOTrainer(Trainer):
         model_id = model if isinstance(model, str) else model.config._name_or_path
         if args is None:
             args = AsyncGRPOConfig(output_dir=f"{Path(model_id).name or 'model'}-AsyncGRPO")
+        # The trainer resolves settings against the model (router_aux_loss_coef, torch_compile) on its
+        # own copy: the caller's `args` stay as given, and can build a second trainer.
+        args = copy.copy(args)
         if reward_funcs is None:
             reward_funcs = []
         elif not isinstance(reward_funcs, (list, tuple)):
@@ -159,6 +162,8 @@ class AsyncGRPOTrainer(Trainer):
                 "an IterableDataset has no length, so epochs cannot end training: set max_steps > 0"
             )
         check_conversational(train_dataset, environment_factory)
+        if peft_config is not None:
+            check_peft_config(peft_config)  # before the model loads: a refused config costs no download
         revision = (args.model_init_kwargs or {}).get("revision")  # the tokenizer's too, as in TRL
         if isinstance(model, str):
             model = self._load_model(model, args)
@@ -180,11 +185,9 @@ class AsyncGRPOTrainer(Trainer):
             use_training_template(processing_class)  # known families only; unknown ones are watched for forks
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
-        # base Trainer would compile the whole model, whose forward this trainer does not call. It gets
-        # a copy with compilation off: the caller's `args` stay as given.
+        # base Trainer would compile the whole model, whose forward this trainer does not call.
         self._compile_layers = args.torch_compile
         if args.torch_compile:
-            args = copy.copy(args)
             args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
         self.reward_funcs = list(reward_funcs)
         self.tools = tools
