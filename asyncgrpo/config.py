@@ -35,7 +35,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     gradient_checkpointing: bool = field(
         default=True,
         metadata={
-            "help": "Recompute activations in backward: rows of token_budget tokens need it to fit in memory."
+            "help": "Recompute activations in backward. True: rows of token_budget tokens need it to fit in "
+            "memory."
         },
     )
     gradient_checkpointing_to_fit: bool | None = field(
@@ -62,7 +63,10 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     )
     learning_rate: float = field(
         default=1e-6,
-        metadata={"help": "Peak learning rate. 1e-6: RL fine-tuning moves a pretrained policy gently."},
+        metadata={
+            "help": "Peak learning rate (scales each optimizer step). 1e-6: RL fine-tuning moves a pretrained "
+            "policy gently."
+        },
     )
     lr_scheduler_type: str = field(
         default="constant",
@@ -85,13 +89,13 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     activation_checkpointing: bool | None = field(
         default=None,
         metadata={
-            "help": "Accepted for TRL compatibility, not used: this trainer shards with FSDP2 itself and "
-            "recomputes activations through gradient_checkpointing."
+            "help": "Accepted for TRL compatibility, not used (default None): this trainer shards with FSDP2 "
+            "itself and recomputes activations through gradient_checkpointing."
         },
     )
     activation_checkpointing_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "Accepted for TRL compatibility, not used (see activation_checkpointing)."},
+        metadata={"help": "Accepted for TRL compatibility, not used (see activation_checkpointing); None."},
     )
 
     # -- model ------------------------------------------------------------------------------------
@@ -99,7 +103,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         default=None,
         metadata={
             "help": "Keyword arguments of from_pretrained when the model is given by name (a dict or a JSON "
-            "string); its `revision` also selects the tokenizer's revision, and its `dtype` wins over `dtype`."
+            "string); its `revision` also selects the tokenizer's revision, and its `dtype` wins over `dtype`. "
+            "None: from_pretrained's defaults, with dtype and trust_remote_code from this config."
         },
     )
     dtype: str = field(
@@ -128,13 +133,15 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     num_generations: int = field(
         default=8,
         metadata={
-            "help": "Rollouts per prompt (the GRPO group); >= 2, since advantages compare a group's rollouts."
+            "help": "Rollouts per prompt (the GRPO group); >= 2, since advantages compare a group's rollouts. "
+            "8 (TRL's): enough for a group to differ in reward on most prompts, at 8x generation per prompt."
         },
     )
     max_completion_length: int = field(
         default=2048,
         metadata={
-            "help": "Max generated tokens per vLLM request, i.e. per turn (the server's max_model_len also caps it)."
+            "help": "Max generated tokens per vLLM request, i.e. per turn (the server's max_model_len also caps "
+            "it). 2048 (TRL's): room for a short reasoning chain; watch completions/clipped_ratio."
         },
     )
     temperature: float = field(
@@ -154,8 +161,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     top_k: int = field(
         default=0,
         metadata={
-            "help": "Top-k sampling; 0 disables it. Required with top_p < 1 or min_p > 0 (it bounds the set "
-            "vLLM returns)."
+            "help": "Top-k sampling: the k most likely tokens; 0 disables it (the policy's own distribution). "
+            "Required with top_p < 1 or min_p > 0 (it bounds the set vLLM returns)."
         },
     )
     min_p: float | None = field(
@@ -176,7 +183,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     chat_template_kwargs: dict | str | None = field(
         default=None,
         metadata={
-            "help": "Extra keyword arguments of apply_chat_template (e.g. {'enable_thinking': False})."
+            "help": "Extra keyword arguments of apply_chat_template (e.g. {'enable_thinking': False}). None: the "
+            "template's own defaults."
         },
     )
     max_tool_calling_iterations: int | None = field(
@@ -189,14 +197,18 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         default=True,
         metadata={
             "help": "Split a <think>...</think> block off each assistant message into reasoning_content, so "
-            "reward functions see the answer alone in content (TRL's parse_response). False: content keeps it."
+            "reward functions see the answer alone in content (TRL's parse_response). True: rewards usually judge "
+            "the answer, not the reasoning; False: content keeps it."
         },
     )
 
     # -- vLLM server --------------------------------------------------------------------------------
     vllm_server_base_url: str | list[str] = field(
         default="http://localhost:8000",
-        metadata={"help": "One URL, several separated by commas, or a list: requests go to the least busy."},
+        metadata={
+            "help": "One URL, several separated by commas, or a list: requests go to the least busy. "
+            "http://localhost:8000: where `vllm serve` listens by default."
+        },
     )
     vllm_server_timeout: float = field(
         default=1800.0,
@@ -279,7 +291,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         default=512,
         metadata={
             "help": "Upper bound on rollouts running at once (each holds a server connection and, with tools, a "
-            "thread). Set it to what environments and tools can take; the server's load may cap it lower."
+            "thread). Set it to what environments and tools can take; the server's load may cap it lower. 512: "
+            "high enough that the server's load, not this bound, usually sets the concurrency."
         },
     )
     max_staleness: int = field(
@@ -310,7 +323,7 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         metadata={
             "help": "Seconds one reward-function call (one group) may take. A call past it stops the run with "
             "an error naming the function and the dataset row, instead of hanging it: a judge that never "
-            "answers must not stall training silently. Generous by default for remote judges."
+            "answers must not stall training silently. 600: generous, for remote judges."
         },
     )
     weight_sync_backend: str = field(
@@ -326,7 +339,10 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     # -- logging --------------------------------------------------------------------------------------
     log_completions: bool = field(
         default=False,
-        metadata={"help": "Print a table of recent completions (prompt, completion, reward) at each log."},
+        metadata={
+            "help": "Print a table of recent completions (prompt, completion, reward) at each log. False: the "
+            "log holds metrics only; turn it on to read what the policy writes."
+        },
     )
     num_completions_to_print: int | None = field(
         default=None,

@@ -36,13 +36,15 @@ class TrlCompatFields:
         default=TRL_QUEUE_MAXSIZE,
         metadata={
             "help": "Accepted for TRL scripts; no effect here (warns when changed): the queue of generated "
-            "samples is bounded by max_staleness, in tokens, not by a count of samples."
+            "samples is bounded by max_staleness, in tokens, not by a count of samples. 1024 (samples): TRL's "
+            "default, i.e. unset."
         },
     )
     heartbeat_stale_after_s: float = field(
         default=TRL_HEARTBEAT_STALE_AFTER_S,
         metadata={
-            "help": "TRL's name for rollout_worker_timeout (seconds without a heartbeat before aborting)."
+            "help": "TRL's name for rollout_worker_timeout (seconds without a heartbeat before aborting). 300 "
+            "(TRL's default) leaves rollout_worker_timeout in charge."
         },
     )
     fork_threshold_tokens: int = field(
@@ -50,7 +52,7 @@ class TrlCompatFields:
         metadata={
             "help": "Accepted for TRL scripts; no effect here (warns when changed): a multi-turn turn whose "
             "prompt re-renders kept tokens always starts a new training sequence, so no drift is realigned and "
-            "no threshold applies."
+            "no threshold applies. 1024 (tokens): TRL's default, i.e. unset."
         },
     )
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.trl_compat import TrlCompatFields
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -30,6 +31,36 @@ def test_every_config_field_has_help_text_and_a_documented_entry():
     undocumented = [field.name for field in fields if f"`{field.name}`" not in configuration]
     assert not missing_help, f"fields without help text: {missing_help}"
     assert not undocumented, f"fields missing from docs/configuration.md: {undocumented}"
+
+
+# A unit for every numeric field: what its number counts.
+_UNIT = re.compile(
+    r"\b(tokens?|seconds?|rollouts?|steps?|versions?|ratio|fraction|factor|mass|probability|turns?|samples?"
+    r"|half-width|coefficient|log-probs)\b",
+    flags=re.IGNORECASE,
+)
+
+
+def _names_its_default(help_text: str, default) -> bool:
+    if isinstance(default, bool) or default is None:
+        return str(default) in help_text
+    if isinstance(default, (int, float)):
+        numbers = re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?", help_text)
+        return any(float(number) == float(default) for number in numbers)
+    return str(default) in help_text
+
+
+def test_every_config_field_says_its_default_and_its_unit():
+    """Help text says what, unit and why the default: the default is named (and, by the convention
+    `8: why` or `None: what it means`, followed by its reason), and a number says what it counts."""
+    own = set(AsyncGRPOConfig.__annotations__) | set(TrlCompatFields.__annotations__)
+    fields = [field for field in dataclasses.fields(AsyncGRPOConfig) if field.name in own]
+    silent = [f.name for f in fields if not _names_its_default(f.metadata["help"], f.default)]
+    assert not silent, f"help text that does not name its default: {silent}"
+    numeric = [f for f in fields if re.search(r"\b(int|float)\b", str(f.type))]
+    assert len(numeric) > 20
+    unitless = [f.name for f in numeric if not _UNIT.search(f.metadata["help"])]
+    assert not unitless, f"numeric fields whose help text names no unit: {unitless}"
 
 
 def _text(node: ast.AST) -> str | None:
