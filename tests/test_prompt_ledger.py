@@ -104,5 +104,29 @@ def test_a_malformed_sample_is_refused_where_it_enters_the_trainer():
     broken = sample(0)
     broken.sampler_logprobs = broken.sampler_logprobs[:-1]  # one trained token without its log-prob
     intake, _ = make_intake([group(0, [broken])])
-    with pytest.raises(AssertionError, match="one sampler log-prob per trained token"):
+    with pytest.raises(ValueError, match="one sampler log-prob per trained token"):
         intake.next_step(gradient_accumulation_steps=1, metrics=MetricsWindow(), model_version=0)
+
+
+@pytest.mark.parametrize(
+    "break_it, invariant",
+    [
+        (lambda s: setattr(s, "trained", s.trained[:-1]), "trained mask must match token_ids"),
+        (lambda s: s.trained.__setitem__(0, True), "first token cannot be trained"),
+        (lambda s: setattr(s, "top_ids", np.zeros((5, 2), np.int64)), "same shape"),
+        (
+            lambda s: (
+                setattr(s, "top_ids", np.zeros((4, 2), np.int64)),
+                setattr(s, "top_logprobs", np.zeros((4, 2), np.float32)),
+            ),
+            "one top-N row per trained token",
+        ),
+        (lambda s: setattr(s, "candidate_sets", [np.arange(3)] * 4), "one candidate set per trained token"),
+    ],
+)
+def test_each_sample_invariant_is_a_value_error_naming_it(break_it, invariant):
+    good = sample(0)
+    good.validate()
+    break_it(good)
+    with pytest.raises(ValueError, match=invariant):
+        good.validate()
