@@ -52,7 +52,7 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
-from asyncgrpo.trainer.adapters import check_peft_config, is_peft_model, wrap_with_peft
+from asyncgrpo.trainer.adapters import check_peft_config, wrap_with_peft
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,
@@ -78,8 +78,7 @@ from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch
 from asyncgrpo.trainer.progress import AsyncProgressCallback
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 from asyncgrpo.trainer.run_directory import RunDirectoryCallback
-from asyncgrpo.weight_sync import choose_backend, make_weight_sync
-from asyncgrpo.weight_sync.lora import adapter_sync_for
+from asyncgrpo.weight_sync import LoraAdapterSync, make_sender, make_weight_sync
 from asyncgrpo.weight_sync.merged import sync_policy
 
 logger = logging.getLogger(__name__)
@@ -416,18 +415,18 @@ class AsyncGRPOTrainer(Trainer):
         self._warn_on_dtype_mismatch(server_info)
         self.token_budget = args.token_budget or max_model_len
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
-        adapter_sync = None
-        if is_peft_model(self.model):  # adapter-only sync when the servers run --enable-lora
-            adapter_sync = adapter_sync_for(
-                self.model, server_info, self._client, self._http, args.output_dir, args.max_staleness
-            )
-        if adapter_sync is not None:
-            self._weight_sync = adapter_sync
-        else:
-            backend = choose_backend(args.weight_sync_backend, server_info, self.args.device.type == "cuda")
-            self._weight_sync = make_weight_sync(
-                backend, self._client, self._http, args.output_dir, args.weight_sync_timeout
-            )
+        self._weight_sync = make_sender(
+            args.weight_sync_backend,
+            self.model,
+            server_info,
+            self._client,
+            self._http,
+            args.output_dir,
+            args.weight_sync_timeout,
+            args.max_staleness,
+            trainer_on_gpu=self.args.device.type == "cuda",
+        )
+        adapter_sync = self._weight_sync if isinstance(self._weight_sync, LoraAdapterSync) else None
         self._worker = RolloutWorker(
             self.loop_cls,
             dict(
