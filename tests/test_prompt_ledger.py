@@ -130,3 +130,15 @@ def test_each_sample_invariant_is_a_value_error_naming_it(break_it, invariant):
     break_it(good)
     with pytest.raises(ValueError, match=invariant):
         good.validate()
+
+
+@pytest.mark.parametrize("max_staleness, factor", [(0, 1), (1, 1), (3, 3)])
+def test_the_allowance_is_max_staleness_steps_of_tokens_beyond_what_was_consumed(max_staleness, factor):
+    """max_staleness counts steps of tokens here (docs/architecture.md#the-token-allowance): before
+    the first step a step is assumed full (token_budget x rows); after it, the last step's tokens."""
+    results = [group(1, [sample(1, model_version=0)] * 2), group(2, [sample(2, model_version=0, length=20)])]
+    intake, _ = make_intake(results, max_staleness=max_staleness)
+    assert intake.worker.allowance == factor * 25  # token_budget 25, one row per step
+    intake.next_step(gradient_accumulation_steps=1, metrics=MetricsWindow(), model_version=0)
+    consumed = 2 * 10  # group 1 trained; group 2 did not fit beside it and stays queued
+    assert intake.worker.allowance == consumed + factor * consumed
