@@ -76,8 +76,9 @@ def router_aux_loss_coef(config, requested: float | None) -> float:
     if not is_moe(config):
         if requested:
             raise ValueError(
-                f"router_aux_loss_coef={requested} but {getattr(text, 'model_type', 'the model')} has no routed "
-                "experts (no num_experts in its config): leave router_aux_loss_coef unset for dense models"
+                f"router_aux_loss_coef={requested} but {getattr(text, 'model_type', 'the model')} has no "
+                "routed experts (no num_experts in its config): leave router_aux_loss_coef unset for dense "
+                "models"
             )
         return 0.0
     if requested is not None:  # >= 0: AsyncGRPOConfig checks it

@@ -152,8 +152,9 @@ class AsyncGRPOTrainer(Trainer):
             train_dataset = EnvironmentOwnedData()
         if rollout_worker is not None or weight_transfer is not None:
             raise NotImplementedError(
-                "injecting a rollout_worker or weight_transfer object (TRL's protocols) is not supported: subclass "
-                "AsyncRolloutLoop (set loop_cls) to change generation, weight_sync_backend to choose the sync"
+                "injecting a rollout_worker or weight_transfer object (TRL's protocols) is not supported: "
+                "subclass AsyncRolloutLoop (set loop_cls) to change generation, weight_sync_backend to "
+                "choose the sync"
             )
         streaming = not hasattr(train_dataset, "__len__")
         if streaming and args.max_steps <= 0:
@@ -166,7 +167,8 @@ class AsyncGRPOTrainer(Trainer):
         revision = (args.model_init_kwargs or {}).get("revision")  # the tokenizer's too, as in TRL
         if isinstance(model, str):
             model = self._load_model(model, args)
-        # Before PEFT wraps it: the frozen vision tower's names are the checkpoint's, and the adapter skips it.
+        # Before PEFT wraps it: the frozen vision tower's names are the checkpoint's, and the adapter skips
+        # it.
         frozen = freeze_outside_language_model(model)  # a vision tower: text-only training never uses it
         if frozen:
             logger.info("froze %d parameters outside the language model (vision tower)", len(frozen))
@@ -376,8 +378,9 @@ class AsyncGRPOTrainer(Trainer):
                 rollout_state = restored
             if self.streaming and (rollout_state.first_untrained_index or rollout_state.consumed_after):
                 logger.warning(
-                    "resuming with an IterableDataset: it cannot be repositioned, so the rollout worker restarts "
-                    "from its first prompt (prompts trained before the checkpoint will be seen again)"
+                    "resuming with an IterableDataset: it cannot be repositioned, so the rollout worker "
+                    "restarts from its first prompt (prompts trained before the checkpoint will be seen "
+                    "again)"
                 )
                 rollout_state.first_untrained_index, rollout_state.consumed_after = 0, []
             elif not self.streaming:
@@ -603,8 +606,8 @@ class AsyncGRPOTrainer(Trainer):
         else:
             self._nonfinite_streak += 1
             logger.warning(
-                "step %d: non-finite loss (%s) or gradient norm (%s): the optimizer step and the weight sync are "
-                "skipped (%d in a row)",
+                "step %d: non-finite loss (%s) or gradient norm (%s): the optimizer step and the weight "
+                "sync are skipped (%d in a row)",
                 self.state.global_step + 1,
                 loss,
                 grad_norm,
@@ -612,9 +615,10 @@ class AsyncGRPOTrainer(Trainer):
             )
             if self._nonfinite_streak >= MAX_NONFINITE_STEPS:
                 raise NonFiniteTrainingError(
-                    f"{self._nonfinite_streak} steps in a row had a non-finite loss or gradient norm (last: loss "
-                    f"{loss}, gradient norm {grad_norm}); training stopped before the weights were touched. Lower "
-                    "learning_rate, set max_grad_norm, and look at the rewards and advantages of recent steps."
+                    f"{self._nonfinite_streak} steps in a row had a non-finite loss or gradient norm (last: "
+                    f"loss {loss}, gradient norm {grad_norm}); training stopped before the weights were "
+                    "touched. Lower learning_rate, set max_grad_norm, and look at the rewards and "
+                    "advantages of recent steps."
                 )
         model.zero_grad(set_to_none=True)
         return self._now() - started, finite
@@ -634,8 +638,8 @@ class AsyncGRPOTrainer(Trainer):
         barrier_s = time.perf_counter() - waiting
         if not all(finite):
             raise NonFiniteTrainingError(
-                f"the weights of policy version {self._model_version} hold inf or NaN: they were not sent to the "
-                "vLLM server. The optimizer produced them from finite gradients: lower learning_rate."
+                f"the weights of policy version {self._model_version} hold inf or NaN: they were not sent to "
+                "the vLLM server. The optimizer produced them from finite gradients: lower learning_rate."
             )
         timings, sent_bytes = sync_policy(self._weight_sync, unwrapped, self._model_version)
         self._window.record("perf/weight_sync_bytes", sent_bytes)
@@ -824,7 +828,8 @@ class AsyncGRPOTrainer(Trainer):
             text_config = self.model.config.get_text_config()
             hybrid = "linear_attention" in (getattr(text_config, "layer_types", None) or [])
             remedy = (
-                "vLLM-CPU serves Gated DeltaNet models in bfloat16 only; on a GPU serve them in the trainer's dtype."
+                "vLLM-CPU serves Gated DeltaNet models in bfloat16 only; on a GPU serve them in the "
+                "trainer's dtype."
                 if hybrid
                 else f"Serve with `--dtype {trained}`."
             )

@@ -26,9 +26,9 @@ def check_reward_funcs(reward_funcs: list[Any]) -> None:
         if isinstance(function, str) or isinstance(function, torch.nn.Module):
             raise ValueError(
                 f"reward_funcs[{index}] is {'a model id' if isinstance(function, str) else 'a model'} "
-                f"({function if isinstance(function, str) else type(function).__name__}): reward models are not "
-                "supported. Pass a Python callable; to score with a model, serve it (vLLM, TGI...) and call it "
-                "from an async reward function."
+                f"({function if isinstance(function, str) else type(function).__name__}): reward models are "
+                "not supported. Pass a Python callable; to score with a model, serve it (vLLM, TGI...) and "
+                "call it from an async reward function."
             )
         if not callable(function):
             raise ValueError(f"reward_funcs[{index}] ({function!r}) is not callable")
@@ -89,9 +89,9 @@ def check_prompt_lengths(
         length = render(prompt)
         if length >= max_model_len:
             raise ValueError(
-                f"train_dataset row {index}: its prompt is {length} tokens after the chat template, which leaves "
-                f"no room to generate under the vLLM server's max_model_len={max_model_len}. Shorten or filter "
-                "such prompts, or restart the server with a larger --max-model-len."
+                f"train_dataset row {index}: its prompt is {length} tokens after the chat template, which "
+                f"leaves no room to generate under the vLLM server's max_model_len={max_model_len}. Shorten "
+                "or filter such prompts, or restart the server with a larger --max-model-len."
             )
 
 
@@ -136,13 +136,13 @@ def check_agent_inputs(reward_funcs: list, train_dataset, tools: list, environme
             raise ValueError("train_dataset is required (it must have a conversational 'prompt' column)")
         if isinstance(environment_factory, dict):
             raise ValueError(
-                "environment_factory is a dict but there is no train_dataset: the dataset's 'environment' column "
-                "routes each rollout to its environment"
+                "environment_factory is a dict but there is no train_dataset: the dataset's 'environment' "
+                "column routes each rollout to its environment"
             )
         if args.max_steps <= 0:
             raise ValueError(
-                "environment_factory without train_dataset: the environment owns the data, so there are no epochs "
-                "to end training; set max_steps > 0 in AsyncGRPOConfig"
+                "environment_factory without train_dataset: the environment owns the data, so there are no "
+                "epochs to end training; set max_steps > 0 in AsyncGRPOConfig"
             )
     check_routing(environment_factory, train_dataset)
     factories = (
