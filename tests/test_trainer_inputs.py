@@ -297,3 +297,15 @@ def test_weight_sync_barrier_is_the_wait_for_the_other_processes(monkeypatch):
     assert 0.05 <= logged["perf/weight_sync_barrier_s"] < 1.0
     assert logged["perf/weight_sync_s"] == pytest.approx(0.75 + logged["perf/weight_sync_barrier_s"])
     assert (logged["perf/weight_sync_pause_s"], logged["perf/weight_sync_transfer_s"]) == (0.25, 0.5)
+
+
+@pytest.mark.parametrize("injected", ["rollout_worker", "weight_transfer"])
+def test_trl_protocol_objects_are_refused_naming_what_to_use_instead(tiny_model_dir, tmp_path, injected):
+    with pytest.raises(NotImplementedError, match="subclass AsyncRolloutLoop"):
+        AsyncGRPOTrainer(
+            str(tiny_model_dir),
+            some_reward,
+            config(tmp_path),
+            train_dataset=conversational(),
+            **{injected: object()},
+        )

@@ -56,8 +56,10 @@ from asyncgrpo.trainer.adapters import check_peft_config, wrap_with_peft
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,
+    check_epochs_can_end,
     check_launch,
     check_multi_process,
+    check_no_injected_protocols,
     check_prompt_lengths,
     check_reward_funcs,
     check_transformers_version,
@@ -150,17 +152,9 @@ class AsyncGRPOTrainer(Trainer):
         check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args)
         if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
             train_dataset = EnvironmentOwnedData()
-        if rollout_worker is not None or weight_transfer is not None:
-            raise NotImplementedError(
-                "injecting a rollout_worker or weight_transfer object (TRL's protocols) is not supported: "
-                "subclass AsyncRolloutLoop (set loop_cls) to change generation, weight_sync_backend to "
-                "choose the sync"
-            )
+        check_no_injected_protocols(rollout_worker, weight_transfer)
         streaming = not hasattr(train_dataset, "__len__")
-        if streaming and args.max_steps <= 0:
-            raise ValueError(
-                "an IterableDataset has no length, so epochs cannot end training: set max_steps > 0"
-            )
+        check_epochs_can_end(streaming, args.max_steps)
         check_conversational(train_dataset, environment_factory)
         if peft_config is not None:
             check_peft_config(peft_config)  # before the model loads: a refused config costs no download

@@ -34,6 +34,23 @@ def check_reward_funcs(reward_funcs: list[Any]) -> None:
             raise ValueError(f"reward_funcs[{index}] ({function!r}) is not callable")
 
 
+def check_no_injected_protocols(rollout_worker, weight_transfer) -> None:
+    """TRL's trainer accepts its own rollout-worker and weight-transfer objects; this one has other
+    customisation points."""
+    if rollout_worker is not None or weight_transfer is not None:
+        raise NotImplementedError(
+            "injecting a rollout_worker or weight_transfer object (TRL's protocols) is not supported: "
+            "subclass AsyncRolloutLoop (set loop_cls) to change generation, weight_sync_backend to "
+            "choose the sync"
+        )
+
+
+def check_epochs_can_end(streaming: bool, max_steps: int) -> None:
+    """Without max_steps, epochs counted in prompts end training: a dataset without a length has none."""
+    if streaming and max_steps <= 0:
+        raise ValueError("an IterableDataset has no length, so epochs cannot end training: set max_steps > 0")
+
+
 def check_conversational(dataset, environment_factory: Callable | None) -> None:
     """Prompts must be lists of {role, content} messages; images are not supported."""
     if dataset is None:
