@@ -143,6 +143,14 @@ def test_every_recorded_metric_is_in_the_metric_reference():
     assert not never_logged, f"docs/metrics.md describes metrics the code never logs: {never_logged}"
 
 
+def test_every_metric_row_says_what_it_means_and_what_is_healthy():
+    rows = [line for line in (DOCS / "metrics.md").read_text().splitlines() if line.startswith("| `")]
+    assert len(rows) > 80
+    cells = [[cell.strip() for cell in row.split("|")[1:-1]] for row in rows]
+    incomplete = [row[0] for row in cells if len(row) != 4 or not all(row)]
+    assert not incomplete, f"metric rows without a reduction, meaning or healthy value: {incomplete}"
+
+
 def _anchor(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation but - and _ dropped, spaces to -."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
