@@ -199,3 +199,21 @@ def test_code_points_to_docs_not_to_documents_outside_the_repository():
     ]
     assert len(shipped_text_files()) > 100
     assert not offenders, f"pointers to documents outside the repository: {offenders}"
+
+
+def test_pointers_into_docs_from_code_and_tests_resolve():
+    """Code, tests and benchmarks cite `docs/<page>.md` (and sometimes `#anchor`) for the rule they
+    follow: each page and heading must exist."""
+    broken = []
+    for path in shipped_text_files():
+        if path.is_relative_to(DOCS):
+            continue
+        for page, anchor in re.findall(r"docs/([\w-]+\.md)(?:#([\w-]+))?", path.read_text(errors="replace")):
+            target = DOCS / page
+            if not target.exists():
+                broken.append(f"{path.relative_to(ROOT)}: docs/{page}")
+            elif anchor:
+                headings = re.findall(r"^#+ (.+)$", target.read_text(), flags=re.MULTILINE)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{path.relative_to(ROOT)}: docs/{page}#{anchor}")
+    assert not broken, f"pointers into docs/ that lead nowhere: {broken}"
