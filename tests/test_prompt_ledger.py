@@ -142,3 +142,13 @@ def test_the_allowance_is_max_staleness_steps_of_tokens_beyond_what_was_consumed
     intake.next_step(gradient_accumulation_steps=1, metrics=MetricsWindow(), model_version=0)
     consumed = 2 * 10  # group 1 trained; group 2 did not fit beside it and stays queued
     assert intake.worker.allowance == consumed + factor * consumed
+
+
+def test_an_oversize_sample_is_dropped_and_its_prompt_not_counted_for_the_epoch():
+    results = [group(0, [sample(0, length=30)]), group(1, [sample(1)]), group(2, [sample(2, length=20)])]
+    intake, ledger = make_intake(results)  # token_budget 25: the 30-token sample cannot fit any row
+    window = MetricsWindow()
+    batch = intake.next_step(gradient_accumulation_steps=1, metrics=window, model_version=0)
+    assert [s.stream_index for s in batch.samples] == [1]
+    assert window.summarize()["batch/dropped_oversize_count"] == 1
+    assert ledger.epoch_prompts == 1, "prompt 0 was resolved without training: it does not count"
