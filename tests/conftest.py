@@ -149,3 +149,10 @@ def vllm_servers(tiny_model_dir, tmp_path_factory):
 def vllm_server(vllm_servers) -> VLLMServer:
     """The default server on the tiny model: what most integration tests share."""
     return vllm_servers.get()
+
+
+@pytest.fixture(scope="session")
+def lora_server(vllm_servers) -> VLLMServer:
+    """A server that loads LoRA adapters at run time (rank <= 8, two at once), shared by the LoRA tests
+    of several modules. Those tests change adapters, never the base weights."""
+    return vllm_servers.get(enable_lora=True, max_lora_rank=8, max_loras=2)

@@ -20,6 +20,13 @@ from conftest import free_port  # noqa: E402
 from asyncgrpo.generation.server import ServerOptions, build_command  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    # build_command reads the model's config to pick family flags; for a made-up model id ("m") an
+    # online lookup would only wait for the Hub's timeouts (about 24 s per test on this machine).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 def test_cpu_command_and_environment():
     argv, env = build_command(
         ServerOptions(model="m", port=8123, max_model_len=512, cpu=True, extra_args=["--seed", "3"])
