@@ -214,6 +214,12 @@ def _fla_chunk_rule(device: torch.device):
     return chunk_gated_delta_rule
 
 
+def uses_torch_rule(device: torch.device) -> bool:
+    """Whether Gated DeltaNet layers on `device` run transformers' torch rule (CPU, or fla-core missing
+    or refusing), which keeps far more activations than fla's kernels (trainer/activation_memory.py)."""
+    return device.type != "cuda" or _fla_chunk_rule(device) is None
+
+
 def tree_gated_delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
