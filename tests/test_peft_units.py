@@ -111,6 +111,24 @@ def test_adapters_on_the_output_head_and_prompt_learning_are_refused(tiny_model_
         )
 
 
+def test_an_adapter_on_an_embedding_tied_to_the_output_head_is_refused(tiny_model_dir):
+    """Merged for the servers, it would change the tied lm_head too: served and trained policies differ."""
+
+    def tied():
+        model = load(tiny_model_dir)
+        model.lm_head.weight = model.get_input_embeddings().weight
+        return model
+
+    for config in (
+        LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]),
+        LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens"]),
+    ):
+        with pytest.raises(ValueError, match="shares its weight"):
+            wrap_with_peft(tied(), config, False)
+        wrap_with_peft(load(tiny_model_dir), config, False)  # untied: the head is served as it is trained
+    wrap_with_peft(tied(), LoraConfig(r=4, target_modules=TARGETS), False)
+
+
 @pytest.mark.parametrize(
     "config, reason",
     [
