@@ -137,6 +137,9 @@ def test_an_adapter_on_an_embedding_tied_to_the_output_head_is_refused(tiny_mode
         (LoraConfig(r=4, target_modules=TARGETS, modules_to_save=["norm"]), "modules_to_save"),
         (LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]), "embeddings"),
         (LoraConfig(r=4, target_modules=TARGETS, bias="lora_only"), "biases"),
+        (LoraConfig(r=4, target_modules=TARGETS, init_lora_weights="pissa"), "changes the base weights"),
+        (LoraConfig(r=4, target_modules=TARGETS, init_lora_weights="gaussian"), None),
+        (LoraConfig(r=4, target_modules=TARGETS, alora_invocation_tokens=[5]), "alora_invocation_tokens"),
     ],
 )
 def test_what_vllm_cannot_serve_as_an_adapter(tiny_model_dir, config, reason):

@@ -138,6 +138,13 @@ def adapter_rank(peft_model) -> int:
     return max([int(config.r), *(int(rank) for rank in (config.rank_pattern or {}).values())])
 
 
+# init_lora_weights values that only set the adapter's first weights and leave the base model as
+# loaded (the others rewrite the base weights at wrapping time). True/False are LoRA's own inits.
+_INITS_LEAVING_THE_BASE = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+# LoraConfig options vLLM 0.32 refuses when it loads an adapter.
+_UNSERVED_LORA_OPTIONS = ("alora_invocation_tokens", "layer_replication", "use_bdlora", "use_qalora")
+
+
 def adapter_unservable_reason(peft_model) -> str | None:
     """Why vLLM cannot load the active adapter as a runtime LoRA adapter; None when it can."""
     from peft import LoraConfig
@@ -152,6 +159,13 @@ def adapter_unservable_reason(peft_model) -> str | None:
         return f"it trains whole modules (modules_to_save={list(config.modules_to_save)}), which vLLM does not serve"
     if config.bias != "none" or getattr(config, "lora_bias", False):
         return "it trains biases (bias / lora_bias), which vLLM does not serve"
+    init = config.init_lora_weights
+    if isinstance(init, str) and init.lower() not in _INITS_LEAVING_THE_BASE:
+        # PiSSA, OLoRA, CorDA, LoftQ: the trained base is not the one the servers hold.
+        return f"init_lora_weights={init!r} changes the base weights, which the servers do not have"
+    unserved = [name for name in _UNSERVED_LORA_OPTIONS if getattr(config, name, None)]
+    if unserved:
+        return f"it sets {unserved[0]}, which vLLM does not serve"
     embedded = [name for name, module in peft_model.named_modules() if isinstance(module, LoraEmbedding)]
     if embedded:
         return f"it targets embeddings ({embedded[0]}), which vLLM does not serve as LoRA"
