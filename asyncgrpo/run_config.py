@@ -177,6 +177,8 @@ def build_run_config(raw: dict) -> RunConfig:
             "kwargs": _expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs"),
         }
     peft_config = _expect(raw["peft_config"], dict, "peft_config") if "peft_config" in raw else None
+    if peft_config is not None:
+        _reject_unknown(peft_config, _lora_config_keys(), "peft_config.")
     return RunConfig(
         model=model,
         args=args,
@@ -217,6 +219,14 @@ def _reject_unknown(mapping: dict, valid: set[str], prefix: str) -> None:
             close = difflib.get_close_matches(str(key), sorted(valid), n=3, cutoff=0.6)
             hint = f"; did you mean {', '.join(prefix + name for name in close)}?" if close else ""
             raise ConfigError(f"unknown key {prefix}{key}{hint}")
+
+
+def _lora_config_keys() -> set[str]:
+    try:
+        from peft import LoraConfig
+    except ModuleNotFoundError as error:
+        raise ConfigError("peft_config needs peft: pip install 'asyncgrpo[peft]'") from error
+    return {f.name for f in fields(LoraConfig) if f.init}
 
 
 def _expect(value: Any, kind: type, where: str) -> Any:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import subprocess
+import sys
 
 import numpy as np
 
@@ -118,3 +120,97 @@ class CurriculumRolloutLoop(AsyncRolloutLoop):
         if len(scored):
             self.pass_rates[group.row_index] = float(np.mean(scored > 0))
         return super().compute_advantages(group)
+
+
+class TargetIncrementEnv:
+    """IncrementEnv with the task in the dataset: the row's `target` column reaches reset()."""
+
+    def reset(self, target, **kwargs) -> None:
+        self.counter = 0
+        self.target = target
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+def format_reward(completions, **kwargs):
+    """Trainer-owned reward beside an environment's own: 1 when the last turn is a short plain answer."""
+    return [1.0 if 0 < len(completion[-1]["content"]) <= 200 else 0.0 for completion in completions]
+
+
+class CodingEnv:
+    """Asks for a Fibonacci number; the model runs code with `run_code` and scores by its last output."""
+
+    def reset(self, **kwargs) -> str:
+        self.n = random.randint(1, 20)
+        self.last_output = ""
+        return f"Compute the {self.n}th Fibonacci number."
+
+    def get_reward(self) -> float:
+        a, b = 0, 1
+        for _ in range(self.n):
+            a, b = b, a + b
+        return float(self.last_output.strip().endswith(str(a)))
+
+    def run_code(self, code: str) -> str:
+        """Run the given Python code and return its stdout.
+
+        Args:
+            code: The Python source to execute.
+
+        Returns:
+            The captured standard output.
+        """
+        # An example only: run untrusted code in a sandbox. A separate interpreter with a time limit
+        # keeps a looping program from holding the rollout.
+        try:
+            result = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=5, check=False
+            )
+        except subprocess.TimeoutExpired:
+            return "timed out after 5 s"
+        self.last_output = result.stdout
+        return (result.stdout + result.stderr)[-2000:]
+
+
+class GameEnv:
+    """A 4x4 grid: the player starts at (0, 0) and must reach the goal tile at (3, 3)."""
+
+    MOVES = {"up": (0, -1), "down": (0, 1), "left": (-1, 0), "right": (1, 0)}
+
+    def reset(self, **kwargs) -> str:
+        self.position = (0, 0)
+        return "Reach the goal tile."
+
+    def get_reward(self) -> float:
+        return float(self.position == (3, 3))
+
+    def move(self, action: str) -> str:
+        """Apply an action to the game and return the new observation.
+
+        Args:
+            action: One of "up", "down", "left", "right".
+
+        Returns:
+            The observation after the move.
+        """
+        if action not in self.MOVES:
+            return f"unknown action {action!r}: use up, down, left or right"
+        dx, dy = self.MOVES[action]
+        self.position = (min(3, max(0, self.position[0] + dx)), min(3, max(0, self.position[1] + dy)))
+        return (
+            "goal reached" if self.position == (3, 3) else f"you are at {self.position}, the goal at (3, 3)"
+        )

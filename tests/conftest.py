@@ -6,7 +6,13 @@ the whole session (`vllm_servers.get(...)`); tests that change a server's weight
 
 from __future__ import annotations
 
-import signal
+import os
+
+# Nothing here downloads (tests build their models offline): a Hub lookup would only wait for a
+# network timeout (~24 s each). Set before transformers and huggingface_hub read it at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import signal  # noqa: E402
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,10 +72,28 @@ class ServerPool:
         dtype: str | None = "float32",
     ) -> VLLMServer:
         """`model_dir`: another model than the tiny Qwen3; `dtype=None` lets `asyncgrpo serve` pick."""
-        key = (extra_args, enable_lora, max_lora_rank, max_loras, model_dir, dtype)
-        if key not in self._servers:
-            from asyncgrpo.generation.server import ServerOptions, VLLMServer
+        return self.get_together(
+            dict(
+                extra_args=extra_args,
+                enable_lora=enable_lora,
+                max_lora_rank=max_lora_rank,
+                max_loras=max_loras,
+                model_dir=model_dir,
+                dtype=dtype,
+            )
+        )[0]
 
+    def get_together(self, *specs: dict) -> list[VLLMServer]:
+        """Several servers (each spec: `get`'s arguments, `extra_args` as a tuple), the missing ones
+        launched side by side: two starts on the two cores take about as long as one."""
+        from asyncgrpo.generation.server import ServerOptions, VLLMServer
+
+        keys = [self._key(**spec) for spec in specs]
+        launched = []
+        for key in keys:
+            if key in self._servers:
+                continue
+            extra_args, enable_lora, max_lora_rank, max_loras, model_dir, dtype = key
             options = ServerOptions(
                 model=str(model_dir or self.model_dir),
                 port=free_port(),
@@ -82,20 +106,34 @@ class ServerPool:
                 extra_args=list(extra_args),
             )
             server = VLLMServer(options, log_path=self.log_dir / f"server-{len(self._servers)}.log")
-            server.start()
+            server.launch()
             self._servers[key] = server
-        return self._servers[key]
+            launched.append(key)
+        try:
+            for key in launched:
+                self._servers[key].wait_ready()
+        except BaseException:
+            for key in launched:
+                self.release_key(key)
+            raise
+        return [self._servers[key] for key in keys]
+
+    @staticmethod
+    def _key(
+        extra_args: tuple = (),
+        enable_lora: bool = False,
+        max_lora_rank=None,
+        max_loras=None,
+        model_dir: Path | None = None,
+        dtype: str | None = "float32",
+    ) -> tuple:
+        return (tuple(extra_args), enable_lora, max_lora_rank, max_loras, model_dir, dtype)
 
     def release(self, *extra_args: str, **kwargs) -> None:
         """Stop a server with unusual flags once its tests are done, to free its ~3 GB."""
-        key = (
-            extra_args,
-            kwargs.get("enable_lora", False),
-            kwargs.get("max_lora_rank"),
-            kwargs.get("max_loras"),
-            kwargs.get("model_dir"),
-            kwargs.get("dtype", "float32"),
-        )
+        self.release_key(self._key(extra_args, **kwargs))
+
+    def release_key(self, key: tuple) -> None:
         server = self._servers.pop(key, None)
         if server is not None:
             server.stop()
@@ -117,3 +155,10 @@ def vllm_servers(tiny_model_dir, tmp_path_factory):
 def vllm_server(vllm_servers) -> VLLMServer:
     """The default server on the tiny model: what most integration tests share."""
     return vllm_servers.get()
+
+
+@pytest.fixture(scope="session")
+def lora_server(vllm_servers) -> VLLMServer:
+    """A server that loads LoRA adapters at run time (rank <= 8, two at once), shared by the LoRA tests
+    of several modules. Those tests change adapters, never the base weights."""
+    return vllm_servers.get(enable_lora=True, max_lora_rank=8, max_loras=2)

@@ -54,33 +54,43 @@ def trainer_logprobs(model, completion: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0].numpy()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_vl"])
-def test_gated_deltanet_family_trains_against_the_server(arch, vllm_servers, tmp_path):
-    model_dir = save_tiny_model(tmp_path / arch, arch=arch)
-    server = vllm_servers.get(model_dir=model_dir, dtype=None)  # serve picks bfloat16 and the rest
-    try:
-        args = AsyncGRPOConfig(
-            output_dir=str(tmp_path / "out"),
-            vllm_server_base_url=server.url,
-            num_generations=4,
-            max_completion_length=12,
-            token_budget=1024,
-            max_steps=2,
-            learning_rate=3e-2,
-            max_grad_norm=0.0,
-            gradient_checkpointing=False,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            vllm_server_timeout=120,
-            seed=0,
-        )
-        trainer = AsyncGRPOTrainer(str(model_dir), parity_reward, args, train_dataset=long_prompts())
-        output = trainer.train()
-        completion, served = served_probe(server.url)
-    finally:
-        vllm_servers.release(model_dir=model_dir, dtype=None)
+ARCHS = ["qwen3_5", "qwen3_5_vl"]
+
+
+@pytest.fixture(scope="module")
+def gated_deltanet_servers(vllm_servers, tmp_path_factory):
+    """Both families' servers, started side by side (`asyncgrpo serve` picks bfloat16 and the rest)."""
+    model_dirs = {arch: save_tiny_model(tmp_path_factory.mktemp(arch), arch=arch) for arch in ARCHS}
+    specs = [dict(model_dir=model_dirs[arch], dtype=None) for arch in ARCHS]
+    servers = vllm_servers.get_together(*specs)
+    yield {arch: (model_dirs[arch], server) for arch, server in zip(ARCHS, servers)}
+    for spec in specs:
+        vllm_servers.release(**spec)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gated_deltanet_family_trains_against_the_server(arch, gated_deltanet_servers, tmp_path):
+    model_dir, server = gated_deltanet_servers[arch]
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        vllm_server_base_url=server.url,
+        num_generations=4,
+        max_completion_length=12,
+        token_budget=1024,
+        max_steps=2,
+        learning_rate=3e-2,
+        max_grad_norm=0.0,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        vllm_server_timeout=120,
+        seed=0,
+    )
+    trainer = AsyncGRPOTrainer(str(model_dir), parity_reward, args, train_dataset=long_prompts())
+    output = trainer.train()
+    completion, served = served_probe(server.url)
     assert output.global_step == 2
     ratios = [
         entry["batch/packing_ratio"] for entry in trainer.state.log_history if "batch/packing_ratio" in entry

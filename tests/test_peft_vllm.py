@@ -26,14 +26,7 @@ from asyncgrpo.weight_sync.merged import sync_policy
 pytestmark = pytest.mark.vllm
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
-LORA_FLAGS = dict(enable_lora=True, max_lora_rank=8, max_loras=2)  # the flag set test_vllm_weights also uses
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def lora_server(vllm_servers):
-    yield vllm_servers.get(**LORA_FLAGS)
-    vllm_servers.release(**LORA_FLAGS)
 
 
 def served(url: str, model: str | None = None, sampling: SamplingParams = GREEDY):

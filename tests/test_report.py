@@ -61,6 +61,36 @@ def test_report_renders_every_plot_and_names_the_planted_case(case, run_copy, ca
         assert finding.evidence and all(line.split()[0] in html for line in finding.evidence)
 
 
+# The questions the report's plots answer, as the metrics each must show.
+PLOTTED = {
+    "reward": ["reward", "reward_trained"],
+    "zero_std_groups": ["frac_zero_std_groups", "reward_zero_std_groups"],
+    "duplicates_entropy": ["completions/duplicate_frac", "entropy"],
+    "clipped_ratio": ["completions/clipped_ratio"],
+    "staleness": ["sample/staleness_mean", "sample/dropped_stale_count"],
+    "queue": ["rollout/queue_size", "perf/rollout_wait_s", "rollout/backpressure_s"],
+    "concurrency": ["rollout/concurrency", "rollout/concurrency_cap", "rollout/vllm_kv_cache_usage_frac"],
+    "throughput": ["perf/wall_clock_trained_tokens_per_s", "perf/wall_clock_mfu"],
+    "weight_sync": ["perf/weight_sync_s"],
+}
+
+
+def test_each_plot_draws_every_metric_it_is_about(tmp_path):
+    # The recorded CPU runs cannot log MFU (no peak FLOPs on CPU): a history with every metric checks the rest.
+    from asyncgrpo.report.history import History
+    from asyncgrpo.report.plots import render_plot
+
+    metrics = {curve.metric for spec in PLOTS for curve in spec.curves}
+    history = History.from_records(
+        [{"step": step, **{name: 0.1 * step for name in metrics}} for step in range(1, 6)],
+        {"max_staleness": 2, "max_concurrent_rollouts": 8},
+    )
+    drawn = {spec.name: render_plot(spec, history, tmp_path / f"{spec.name}.png") for spec in PLOTS}
+    assert set(drawn) == set(PLOTTED)
+    for name, wanted in PLOTTED.items():
+        assert set(wanted) <= set(drawn[name]), name
+
+
 def test_report_names_a_missing_run(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         main(["report", str(tmp_path)])
@@ -75,7 +105,7 @@ def chromium() -> str:
         if path:
             return path
     pytest.fail(
-        "headless Chromium is needed to check report.html: apt-get install -y chromium (make test does)"
+        "headless Chromium is needed to check report.html: apt-get install -y chromium (.ci/run does)"
     )
 
 

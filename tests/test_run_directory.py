@@ -45,3 +45,58 @@ def test_run_directory_files(tmp_path):
     assert WARNINGS_FILE_ENV not in os.environ
     logging.getLogger("asyncgrpo.trainer.intake").warning("after the run")
     assert "after the run" not in (run / "warnings.log").read_text()
+
+
+def _tensorboard_scalars(log_dir) -> dict[str, float]:
+    """tag -> last value of the scalars in the event files under `log_dir` (TFRecord framing: length,
+    its CRC, the Event proto, its CRC)."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for path in Path(log_dir).rglob("events.out.tfevents.*"):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars[value.tag] = value.simple_value
+    return scalars
+
+
+def test_report_to_receives_the_logs_beside_the_run_directory(tiny_model_dir, tmp_path):
+    """The run directory is one more callback: an integration named in report_to (tensorboard here)
+    keeps its callback and gets the same window as metrics.jsonl."""
+    from datasets import Dataset
+    from transformers.integrations import TensorBoardCallback
+
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        report_to=["tensorboard"],
+        max_steps=1,
+    )
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]]})
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), _zero_reward, args, train_dataset=dataset)
+    try:
+        kinds = {type(callback) for callback in trainer.callback_handler.callbacks}
+        assert {TensorBoardCallback, RunDirectoryCallback} <= kinds
+        (tensorboard,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, TensorBoardCallback)]
+        tensorboard.on_train_begin(args, trainer.state, trainer.control)  # its writer, under output_dir
+        trainer.state.global_step = 1
+        trainer.log({"reward": 0.25, "rollout/queue_size": 3.0})
+        tensorboard.tb_writer.flush()
+    finally:
+        trainer.callback_handler.on_train_end(args, trainer.state, trainer.control)
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert (record["step"], record["reward"], record["rollout/queue_size"]) == (1, 0.25, 3.0)
+    scalars = _tensorboard_scalars(tmp_path / "run")
+    assert scalars.get("train/reward") == 0.25 and scalars.get("train/rollout/queue_size") == 3.0, scalars
+
+
+def _zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)

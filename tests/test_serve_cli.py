@@ -20,6 +20,13 @@ from conftest import free_port  # noqa: E402
 from asyncgrpo.generation.server import ServerOptions, build_command  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    # build_command reads the model's config to pick family flags; for a made-up model id ("m") an
+    # online lookup would only wait for the Hub's timeouts (about 24 s per test on this machine).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 def test_cpu_command_and_environment():
     argv, env = build_command(
         ServerOptions(model="m", port=8123, max_model_len=512, cpu=True, extra_args=["--seed", "3"])
@@ -67,42 +74,58 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.vllm
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_serve_prints_the_command_and_a_kill_leaves_no_process(tiny_model_dir, sig):
-    """SIGTERM stops the server with `asyncgrpo serve`; SIGKILL (which `asyncgrpo serve` cannot catch)
-    too: the guard it runs the server under notices its launcher is gone."""
+def _launch_serve(model_dir) -> tuple[subprocess.Popen, int]:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "asyncgrpo.cli", "serve", str(tiny_model_dir), "--port", str(port),
+        [sys.executable, "-m", "asyncgrpo.cli", "serve", str(model_dir), "--port", str(port),
          "--max-model-len", "256", "--cpu"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )  # fmt: skip
+    return process, port
+
+
+def _wait_until_serving(port: int, seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    pytest.fail("the server did not start")
+
+
+@pytest.mark.vllm
+def test_serve_prints_the_command_and_a_kill_leaves_no_process(tiny_model_dir):
+    """SIGTERM stops the server with `asyncgrpo serve`; SIGKILL (which `asyncgrpo serve` cannot catch)
+    too: the guard it runs the server under notices its launcher is gone. The two servers start side
+    by side, so the suite pays for one start."""
+    launched = {sig: _launch_serve(tiny_model_dir) for sig in (signal.SIGTERM, signal.SIGKILL)}
     try:
-        printed = process.stdout.readline()
-        assert "VLLM_SERVER_DEV_MODE=1" in printed and "--logprobs-mode processed_logprobs" in printed
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                    break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("the server did not start")
-        children = _children(process.pid)
-        assert children, "vllm serve runs as a child process"
-        process.send_signal(sig)
-        assert process.wait(timeout=30) is not None
+        for process, _ in launched.values():
+            printed = process.stdout.readline()
+            assert "VLLM_SERVER_DEV_MODE=1" in printed and "--logprobs-mode processed_logprobs" in printed
+        children = {}
+        for sig, (process, port) in launched.items():
+            _wait_until_serving(port)
+            children[sig] = _children(process.pid)
+            assert children[sig], "vllm serve runs as a child process"
+        for sig, (process, _) in launched.items():
+            process.send_signal(sig)
+            assert process.wait(timeout=30) is not None
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+        left = [pid for pids in children.values() for pid in pids]
+        while time.monotonic() < deadline and any(_alive(pid) for pid in left):
             time.sleep(0.2)
-        assert not [pid for pid in children if _alive(pid)], "processes outlived `asyncgrpo serve`"
+        for sig, pids in children.items():
+            survivors = [pid for pid in pids if _alive(pid)]
+            assert not survivors, f"processes outlived `asyncgrpo serve` after {signal.Signals(sig).name}"
     finally:
-        if process.poll() is None:
-            process.kill()
+        for process, _ in launched.values():
+            if process.poll() is None:
+                process.kill()
 
 
 def test_serve_enable_lora_picks_the_lora_flags_from_the_run_settings(monkeypatch):

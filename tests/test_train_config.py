@@ -10,7 +10,13 @@ import pytest
 import yaml
 
 from asyncgrpo.cli import main
-from asyncgrpo.run_config import ConfigError, build_run_config, parse_overrides, read_config
+from asyncgrpo.run_config import (
+    ConfigError,
+    build_run_config,
+    load_training_dataset,
+    parse_overrides,
+    read_config,
+)
 from asyncgrpo.train_command import server_options_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,6 +41,40 @@ def at_repo_root(monkeypatch):
 def test_every_example_config_validates(path, capsys):
     assert main(["train", str(path.relative_to(REPO)), "--check"]) == 0
     assert "valid" in capsys.readouterr().out
+
+
+# Tool calls that solve each example environment's task (what a trained policy would emit).
+SOLUTIONS = {
+    "TargetIncrementEnv": lambda env: [("increment", {"step": env.target})],
+    "CodingEnv": lambda env: [
+        ("run_code", {"code": f"a, b = 0, 1\nfor _ in range({env.n}):\n    a, b = b, a + b\nprint(a)"})
+    ],
+    "GameEnv": lambda env: [("move", {"action": "right"})] * 3 + [("move", {"action": "down"})] * 3,
+}
+
+
+@pytest.mark.parametrize("name", ["environment_dataset", "multiple_environments"])
+def test_environment_examples_route_their_rows_and_score_a_solved_episode(name):
+    from asyncgrpo.rollout.chat import tool_schema
+    from asyncgrpo.rollout.environments import ROUTING_COLUMN, check_routing, environment_tools
+
+    run = build_run_config(read_config(REPO / "examples" / f"{name}.yaml"))
+    dataset = load_training_dataset(run.dataset)
+    check_routing(run.environment_factory, dataset)
+    factories = run.environment_factory
+    for row in dataset:
+        factory = factories[row[ROUTING_COLUMN]] if isinstance(factories, dict) else factories
+        env = factory()
+        columns = {key: value for key, value in row.items() if key not in ("prompt", ROUTING_COLUMN)}
+        observation = env.reset(**columns)
+        assert row.get("prompt") is not None or isinstance(observation, str)
+        tools = {tool.__name__: tool for tool in environment_tools(env)}
+        for tool in tools.values():  # a Google-style docstring: the model is told what each tool does
+            assert tool_schema(tool)["function"]["description"]
+        assert env.get_reward() == 0.0
+        for tool_name, arguments in SOLUTIONS[type(env).__name__](env):
+            tools[tool_name](**arguments)
+        assert env.get_reward() == 1.0, (name, row)
 
 
 def test_quickstart_config_is_the_deepmath_run():
@@ -74,6 +114,11 @@ def test_unknown_keys_name_the_closest_valid_ones():
         build(dataset={"name": "d", "spilt": "train"})
     with pytest.raises(ConfigError, match="unknown key qwertyuiop$"):
         build(qwertyuiop=1)
+    # LoraConfig's keywords are checked with the rest, not when the model is already loaded.
+    with pytest.raises(
+        ConfigError, match="unknown key peft_config.lora_alpah; did you mean peft_config.lora_alpha"
+    ):
+        build(peft_config={"r": 8, "lora_alpah": 16})
 
 
 def test_wrong_types_name_the_expected_type():
@@ -112,11 +157,50 @@ def test_missing_model_or_data_and_ambiguous_dataset():
         build(dataset={"name": "d", "data_files": "x.jsonl"})
 
 
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_local_files_load_through_datasets_with_a_split_and_column_renames(tmp_path):
+    rows = [{"question": f"q{i}", "solution": str(i)} for i in range(3)]
+    train = write_rows(tmp_path / "train.jsonl", rows)
+    test = write_rows(tmp_path / "held_out.jsonl", rows[:1])
+    dataset = load_training_dataset(
+        {"data_files": str(train), "columns": {"question": "prompt", "solution": "answer"}}
+    )
+    assert dataset.column_names == ["prompt", "answer"] and dataset["prompt"] == ["q0", "q1", "q2"]
+    held_out = load_training_dataset(
+        {"data_files": {"train": str(train), "test": str(test)}, "split": "test"}
+    )
+    assert held_out.num_rows == 1
+    # The format comes from `format` when the extension does not tell it.
+    (tmp_path / "rows.data").write_text(train.read_text())
+    assert load_training_dataset({"data_files": str(tmp_path / "rows.data"), "format": "json"}).num_rows == 3
+    with pytest.raises(ConfigError, match="cannot tell the format of .*rows.data.*; set dataset.format"):
+        load_training_dataset({"data_files": str(tmp_path / "rows.data")})
+    with pytest.raises(ConfigError, match=r"dataset.columns: \['problem'\] not among the dataset's columns"):
+        load_training_dataset({"data_files": str(train), "columns": {"problem": "prompt"}})
+
+
+def test_a_dataset_name_goes_to_load_dataset_with_its_split(tmp_path):
+    # `name` is what load_dataset takes: a Hub id, or (offline here) a directory laid out like one.
+    rows = [{"prompt": f"p{i}"} for i in range(4)]
+    write_rows(tmp_path / "hub" / "train.jsonl", rows)
+    write_rows(tmp_path / "hub" / "test.jsonl", rows[:2])
+    assert load_training_dataset({"name": str(tmp_path / "hub")}).num_rows == 4
+    assert load_training_dataset({"name": str(tmp_path / "hub"), "split": "test"}).num_rows == 2
+
+
 def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump({**BASE, "learning_rat": 1e-6}))
     assert main(["train", str(config)]) == 2
     assert "unknown key learning_rat; did you mean learning_rate" in capsys.readouterr().out
+    config.write_text(yaml.safe_dump(BASE))
+    assert main(["train", str(config), "--check", "--max-stalenes", "2"]) == 2  # overrides are checked too
+    assert "unknown key max_stalenes; did you mean max_staleness" in capsys.readouterr().out
 
 
 def test_server_flags_for_a_config():
@@ -152,6 +236,49 @@ def test_serve_for_prints_the_command_it_would_run(capsys, monkeypatch):
     assert "--enable-lora --max-lora-rank 32 --max-loras 6" in command and command.strip().endswith(
         "--seed 1"
     )
+
+
+def test_build_trainer_wires_what_the_config_names(tiny_model_dir, tmp_path):
+    from asyncgrpo.demo import correct_sum
+    from asyncgrpo.rollout.worker import check_worker_payload
+    from asyncgrpo.run_config import build_trainer
+    from examples.functions import CurriculumRolloutLoop, multiply
+
+    raw = read_config(
+        REPO / "examples" / "demo.yaml",
+        ["--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"), "--max_steps", "1"],
+    )
+    del raw["warm_start"]  # its supervised steps are the demo's, not what this test checks
+    raw |= {
+        "loop_class": "examples.functions:CurriculumRolloutLoop",
+        "tools": ["examples.functions:multiply"],
+        "dataset": {"data_files": "examples/data/addition.jsonl", "columns": {"answer": "solution"}},
+    }
+    trainer = build_trainer(build_run_config(raw))
+    assert trainer.loop_cls is CurriculumRolloutLoop
+    assert trainer.reward_funcs == [correct_sum] and trainer.tools == [multiply]
+    assert trainer.train_dataset.num_rows == 100 and "solution" in trainer.train_dataset.column_names
+    assert trainer.args.num_generations == 16 and trainer.args.max_steps == 1
+    # What the rollout worker receives by pickling: everything named by import path must survive it.
+    check_worker_payload(trainer.reward_funcs, trainer.loop_cls, trainer.tools, trainer.environment_factory)
+
+
+def test_serve_for_runs_the_command_it_prints(capsys, monkeypatch):
+    from asyncgrpo.generation.server import build_command, format_command
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["serve", "--for", "examples/top_k_top_p.yaml", "--dtype", "bfloat16", "--max-num-seqs", "64"]
+    assert main([*argv, "--dry-run"]) == 0
+    printed = capsys.readouterr().out.strip()
+    served = []
+    monkeypatch.setattr(
+        "asyncgrpo.generation.server.serve_foreground", lambda options: served.append(options)
+    )
+    main(argv)
+    assert "serving for examples/top_k_top_p.yaml" in capsys.readouterr().out
+    assert format_command(*build_command(served[0])) == printed
+    for flag in ("--max-model-len 4096", "--dtype bfloat16", "--return-sampling-mask", "--max-num-seqs 64"):
+        assert flag in printed
 
 
 @pytest.mark.vllm

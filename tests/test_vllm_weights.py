@@ -107,13 +107,6 @@ def test_after_a_sync_without_a_cache_clear_the_new_version_never_reuses_old_pre
     assert np.abs(stale.logprobs - expected_logprobs).max() > 1e-3  # reused KV of the old weights
 
 
-@pytest.fixture(scope="module")
-def lora_server(vllm_servers):
-    server = vllm_servers.get(enable_lora=True, max_lora_rank=8, max_loras=2)
-    yield server
-    vllm_servers.release(enable_lora=True, max_lora_rank=8, max_loras=2)
-
-
 def test_runtime_lora_adapter_matches_merged_model(lora_server, tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
 

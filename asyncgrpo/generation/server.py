@@ -180,6 +180,13 @@ class VLLMServer:
         self.stop()
 
     def start(self) -> None:
+        """Launch the server and wait until it answers."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting: several servers launched first and then waited for start
+        side by side (each start is mostly one process's CPU work)."""
         argv, env_additions = build_command(self.options)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -191,13 +198,16 @@ class VLLMServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def wait_ready(self) -> None:
+        """Block until the launched server answers; on failure or timeout it is stopped."""
         try:
-            self._wait_ready()
+            self._poll_until_ready()
         except BaseException:
             self.stop()
             raise
 
-    def _wait_ready(self) -> None:
+    def _poll_until_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
