@@ -133,7 +133,8 @@ def main() -> None:
         args.budget = min(args.budget, 2048)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     report: dict = {
-        "torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "budget": args.budget, "shape": "Qwen3.5-2B" if not args.smoke else "smoke",
     }  # fmt: skip
     out = Path(args.out)
@@ -181,8 +182,9 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    log(f"\n{report['device']} torch {report['torch']}, {report['shape']}, token_budget {report['budget']}: "
-        f"bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s, GDN: {report['gdn_path']}")  # fmt: skip
+    log(f"\n{report['device']} torch {report['torch']}, {report['shape']}, token_budget "
+        f"{report['budget']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s, "
+        f"GDN: {report['gdn_path']}")  # fmt: skip
     d = report.get("defaults")
     if d:
         log(f"default step (DeepMath-like, ratio {d['packing_ratio']:.2f}): {d['seconds']:.3f} s, "
@@ -193,9 +195,10 @@ def print_table(report: dict) -> None:
     log("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in report["tree_vs_plain"]:
         t, p = e["tree"], e["plain"]
-        log(f"| {e['prompt']} + 8 x {e['completion']} | {e['packing_ratio']:.2f} | {t['rows']} | {t['seconds']:.3f} "
-            f"| {t['mfu']:.1%} | {t['unpacked_tok_s']:,.0f} | {p['rows']} | {p['seconds']:.3f} | {p['mfu']:.1%} "
-            f"| {p['unpacked_tok_s']:,.0f} | {e['speedup']:.2f} | {e['flop_ratio']:.2f} |")  # fmt: skip
+        log(f"| {e['prompt']} + 8 x {e['completion']} | {e['packing_ratio']:.2f} | {t['rows']} "
+            f"| {t['seconds']:.3f} | {t['mfu']:.1%} | {t['unpacked_tok_s']:,.0f} | {p['rows']} "
+            f"| {p['seconds']:.3f} | {p['mfu']:.1%} | {p['unpacked_tok_s']:,.0f} | "
+            f"{e['speedup']:.2f} | {e['flop_ratio']:.2f} |")  # fmt: skip
     if d:
         log(f"gpu_step_qwen3_5 mfu={d['mfu']:.3f}")
 

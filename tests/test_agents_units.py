@@ -326,7 +326,7 @@ def test_loop_stops_at_max_tool_calling_iterations_and_builds_trl_style_completi
     assert_each_generated_token_trained_once(rollout.turns, sequences)
 
 
-# -- reconciliation with real templates ---------------------------------------------------------------------------
+# -- reconciliation with real templates ----------------------------------------------------------------------
 
 # A Qwen3-style template: earlier assistant turns lose their <think> block once a later user turn exists.
 REWRITING_TEMPLATE = QWEN3_TRAINING_TEMPLATE.replace(
@@ -396,7 +396,7 @@ def test_known_qwen3_template_is_replaced_by_the_training_template():
     assert not use_training_template(other)
 
 
-# -- environments --------------------------------------------------------------------------------------------------
+# -- environments ------------------------------------------------------------------------------------------
 
 
 class Slot:

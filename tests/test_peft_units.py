@@ -129,6 +129,25 @@ def test_an_adapter_on_an_embedding_tied_to_the_output_head_is_refused(tiny_mode
     wrap_with_peft(tied(), LoraConfig(r=4, target_modules=TARGETS), False)
 
 
+def test_a_bad_peft_config_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    import asyncgrpo.trainer.async_grpo_trainer as trainer_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the peft_config was checked")
+
+    monkeypatch.setattr(trainer_module.AsyncGRPOTrainer, "_load_model", staticmethod(no_loading))
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", max_steps=1)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]]})
+    with pytest.raises(ValueError, match="prompt-learning"):
+        AsyncGRPOTrainer(
+            str(tiny_model_dir),
+            reward,
+            args,
+            train_dataset=dataset,
+            peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        )
+
+
 @pytest.mark.parametrize(
     "config, reason",
     [
@@ -298,3 +317,29 @@ def test_each_request_runs_under_the_adapter_of_the_version_current_when_it_star
     with pytest.raises(VLLMRequestError):
         asyncio.run(loop._sample([1, 2], SamplingParams(max_tokens=4), 0))
     assert loop.client.models == [None]
+
+
+def test_one_factory_chooses_the_senders_backend(tiny_model_dir, tmp_path):
+    """make_sender: the adapter alone when the servers run --enable-lora, else the requested backend
+    (auto: the filesystem without a GPU); an explicit nccl needs a server running the NCCL engine."""
+    from types import SimpleNamespace
+
+    from asyncgrpo.generation.server_info import ServerInfo
+    from asyncgrpo.weight_sync import FilesystemWeightSync, make_sender, make_weight_sync
+
+    client, loop = SimpleNamespace(base_urls=["http://server:8000"]), SimpleNamespace()
+    plain = load(tiny_model_dir)
+    adapted = get_peft_model(load(tiny_model_dir), LoraConfig(r=8, target_modules=TARGETS))
+    lora_server = ServerInfo(max_lora_rank=16, max_loras=4)
+
+    def sender(model, info, requested="auto"):
+        return make_sender(requested, model, info, client, loop, tmp_path, 5.0, 1, trainer_on_gpu=False)
+
+    assert isinstance(sender(adapted, lora_server), LoraAdapterSync)
+    assert isinstance(sender(adapted, ServerInfo()), FilesystemWeightSync)  # no --enable-lora: merged
+    chosen = sender(plain, lora_server)
+    assert isinstance(chosen, FilesystemWeightSync) and chosen.timeout_s == 5.0
+    assert chosen.directory == (tmp_path / ".vllm_weights").resolve()
+    with pytest.raises(ValueError, match="not started with the NCCL engine"):
+        sender(plain, ServerInfo(), requested="nccl")
+    assert make_weight_sync(chosen.name, is_sender=False).is_sender is False

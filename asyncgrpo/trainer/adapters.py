@@ -28,22 +28,30 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def wrap_with_peft(model: torch.nn.Module, peft_config, gradient_checkpointing: bool) -> torch.nn.Module:
-    """`model` with a fresh trainable adapter of `peft_config`; the base weights are frozen."""
+def check_peft_config(peft_config) -> None:
+    """What is refused from the config alone: the trainer calls it before loading the model."""
     try:
-        from peft import get_peft_model
+        import peft  # noqa: F401
     except ImportError as error:
         raise ImportError("peft_config needs the peft library: pip install 'asyncgrpo[peft]'") from error
     if getattr(peft_config, "is_prompt_learning", False):
         raise ValueError(
-            f"{type(peft_config).__name__} is a prompt-learning method: its virtual tokens cannot be merged into "
-            "the weights vLLM serves. Use a LoraConfig (or another adapter that merges into the linear layers)."
+            f"{type(peft_config).__name__} is a prompt-learning method: its virtual tokens cannot be merged "
+            "into the weights vLLM serves. Use a LoraConfig (or another adapter that merges into the linear "
+            "layers)."
         )
     if getattr(peft_config, "target_parameters", None):
         raise ValueError(
-            "peft_config.target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported: target "
-            "modules instead"
+            "peft_config.target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported: "
+            "target modules instead"
         )
+
+
+def wrap_with_peft(model: torch.nn.Module, peft_config, gradient_checkpointing: bool) -> torch.nn.Module:
+    """`model` with a fresh trainable adapter of `peft_config`; the base weights are frozen."""
+    check_peft_config(peft_config)
+    from peft import get_peft_model
+
     peft_config = _outside_language_model_excluded(model, peft_config)
     head = model.get_output_embeddings()
     embedding = model.get_input_embeddings()
@@ -94,9 +102,9 @@ def _refuse_output_head(peft_model, head: torch.nn.Module | None) -> None:
     name = _wrapping(peft_model, head) if head is not None else None
     if name is not None:
         raise ValueError(
-            f"the adapter wraps the output head ({name}): PEFT on lm_head is not supported (the loss reads the "
-            "head's weight directly, and vLLM cannot serve it as an adapter). Remove lm_head from "
-            "target_modules / modules_to_save."
+            f"the adapter wraps the output head ({name}): PEFT on lm_head is not supported (the loss "
+            "reads the head's weight directly, and vLLM cannot serve it as an adapter). Remove lm_head "
+            "from target_modules / modules_to_save."
         )
 
 
@@ -156,7 +164,8 @@ def adapter_unservable_reason(peft_model) -> str | None:
     if config.use_dora:
         return "it uses DoRA (use_dora=True), which vLLM does not serve"
     if config.modules_to_save:
-        return f"it trains whole modules (modules_to_save={list(config.modules_to_save)}), which vLLM does not serve"
+        modules = list(config.modules_to_save)
+        return f"it trains whole modules (modules_to_save={modules}), which vLLM does not serve"
     if config.bias != "none" or getattr(config, "lora_bias", False):
         return "it trains biases (bias / lora_bias), which vLLM does not serve"
     init = config.init_lora_weights
