@@ -77,8 +77,8 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         dest="for_config",
         default=None,
         metavar="CONFIG.yaml",
-        help="derive the flags from a training config (its model, dtype, URL, LoRA, top-k/top-p, token_budget); "
-        "flags given here win, unknown arguments go to vllm",
+        help="derive the flags from a training config (its model, dtype, URL, LoRA, top-k/top-p, "
+        "token_budget); flags given here win, unknown arguments go to vllm",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the command without running it")
     parser.add_argument("--port", type=int, default=None, help="default 8000, or the config's URL with --for")
@@ -92,13 +92,15 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--lora-rank",
         type=int,
         default=None,
-        help="with --enable-lora: the run's LoraConfig r; --max-lora-rank defaults to the smallest vLLM value >= it",
+        help="with --enable-lora: the run's LoraConfig r; --max-lora-rank defaults to the smallest vLLM "
+        "value >= it",
     )
     parser.add_argument(
         "--max-staleness",
         type=int,
         default=4,
-        help="with --enable-lora: the run's max_staleness (default 4, the trainer's); --max-loras defaults to it + 2",
+        help="with --enable-lora: the run's max_staleness (default 4, the trainer's); --max-loras defaults "
+        "to it + 2",
     )
     parser.add_argument("--cpu", action="store_true", help="CPU flags even when a GPU is visible")
     parser.add_argument("--cpu-kv-cache-gib", type=int, default=1)
@@ -135,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
-        help="train from a YAML config: asyncgrpo train CONFIG.yaml [--key value ...] (any AsyncGRPOConfig field)",
+        help="train from a YAML config: asyncgrpo train CONFIG.yaml [--key value ...] (any AsyncGRPOConfig "
+        "field)",
     )
     train.add_argument("config")
     train.add_argument("--check", action="store_true", help="validate the config and stop (loads nothing)")

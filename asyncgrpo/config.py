@@ -35,34 +35,38 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     gradient_checkpointing: bool = field(
         default=True,
         metadata={
-            "help": "Recompute activations in backward: rows of token_budget tokens need it to fit in memory."
+            "help": "Recompute activations in backward. True: rows of token_budget tokens need it to fit in "
+            "memory."
         },
     )
     gradient_checkpointing_to_fit: bool | None = field(
         default=None,
         metadata={
-            "help": "With gradient_checkpointing, checkpoint only as many decoder layers as each row needs to fit "
-            "the GPU's free memory (the recomputed forward costs about a third of a step). None: True on a CUDA "
-            "GPU with one process, else False (every layer checkpointed)."
+            "help": "With gradient_checkpointing, checkpoint only as many decoder layers as each row needs "
+            "to fit the GPU's free memory (the recomputed forward costs about a third of a step). None: "
+            "True on a CUDA GPU with one process, else False (every layer checkpointed)."
         },
     )
     torch_compile: bool | None = field(
         default=None,
         metadata={
-            "help": "Compile each decoder layer (fused norms, rotary and activations: ~1.4x faster fwd+bwd on an "
-            "H200). None: True when a CUDA GPU trains, else False (compiling on CPU is slow to start)."
+            "help": "Compile each decoder layer (fused norms, rotary and activations: ~1.4x faster fwd+bwd "
+            "on an H200). None: True when a CUDA GPU trains, else False (compiling on CPU is slow to start)."
         },
     )
     bf16: bool | None = field(
         default=None,
         metadata={
-            "help": "Mixed precision in bfloat16. None: True when fp16 is unset and the training device supports "
-            "bf16 (a CUDA GPU), else False, so the same script runs on a CPU-only machine."
+            "help": "Mixed precision in bfloat16. None: True when fp16 is unset and the training device "
+            "supports bf16 (a CUDA GPU), else False, so the same script runs on a CPU-only machine."
         },
     )
     learning_rate: float = field(
         default=1e-6,
-        metadata={"help": "Peak learning rate. 1e-6: RL fine-tuning moves a pretrained policy gently."},
+        metadata={
+            "help": "Peak learning rate (scales each optimizer step). 1e-6: RL fine-tuning moves a "
+            "pretrained policy gently."
+        },
     )
     lr_scheduler_type: str = field(
         default="constant",
@@ -85,13 +89,13 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     activation_checkpointing: bool | None = field(
         default=None,
         metadata={
-            "help": "Accepted for TRL compatibility, not used: this trainer shards with FSDP2 itself and "
-            "recomputes activations through gradient_checkpointing."
+            "help": "Accepted for TRL compatibility, not used (default None): this trainer shards with FSDP2 "
+            "itself and recomputes activations through gradient_checkpointing."
         },
     )
     activation_checkpointing_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "Accepted for TRL compatibility, not used (see activation_checkpointing)."},
+        metadata={"help": "Accepted for TRL compatibility, not used (see activation_checkpointing); None."},
     )
 
     # -- model ------------------------------------------------------------------------------------
@@ -99,14 +103,16 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         default=None,
         metadata={
             "help": "Keyword arguments of from_pretrained when the model is given by name (a dict or a JSON "
-            "string); its `revision` also selects the tokenizer's revision, and its `dtype` wins over `dtype`."
+            "string); its `revision` also selects the tokenizer's revision, and its `dtype` wins over "
+            "`dtype`. None: from_pretrained's defaults, with dtype and trust_remote_code from this config."
         },
     )
     dtype: str = field(
         default="float32",
         metadata={
-            "help": "dtype the weights load in: 'auto', 'bfloat16', 'float16' or 'float32'. float32 because the "
-            "train/inference mismatch is very sensitive to the trainer's precision; serve vLLM with the same dtype."
+            "help": "dtype the weights load in: 'auto', 'bfloat16', 'float16' or 'float32'. float32 because "
+            "the train/inference mismatch is very sensitive to the trainer's precision; serve vLLM with the "
+            "same dtype."
         },
     )
     trust_remote_code: bool = field(
@@ -119,8 +125,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         default=None,
         metadata={
             "help": "MoE router load-balancing loss coefficient (metric aux_loss); None: the model config's "
-            "router_aux_loss_coef, what the checkpoint was trained with. Setting it on a model without routed "
-            "experts is an error."
+            "router_aux_loss_coef, what the checkpoint was trained with. Setting it on a model without "
+            "routed experts is an error."
         },
     )
 
@@ -128,34 +134,38 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     num_generations: int = field(
         default=8,
         metadata={
-            "help": "Rollouts per prompt (the GRPO group); >= 2, since advantages compare a group's rollouts."
+            "help": "Rollouts per prompt (the GRPO group); >= 2, since advantages compare a group's "
+            "rollouts. 8 (TRL's): enough for a group to differ in reward on most prompts, at 8x generation "
+            "per prompt."
         },
     )
     max_completion_length: int = field(
         default=2048,
         metadata={
-            "help": "Max generated tokens per vLLM request, i.e. per turn (the server's max_model_len also caps it)."
+            "help": "Max generated tokens per vLLM request, i.e. per turn (the server's max_model_len also "
+            "caps it). 2048 (TRL's): room for a short reasoning chain; watch completions/clipped_ratio."
         },
     )
     temperature: float = field(
         default=1.0,
         metadata={
-            "help": "Sampling temperature (> 0). The trainer's log-probs use logits / temperature, as the sampler. "
-            "1.0: the policy's own distribution."
+            "help": "Sampling temperature (> 0). The trainer's log-probs use logits / temperature, as the "
+            "sampler. 1.0: the policy's own distribution."
         },
     )
     top_p: float = field(
         default=1.0,
         metadata={
-            "help": "Nucleus sampling mass in (0, 1]; 1.0 disables it. < 1 requires top_k and a server started "
-            "with --return-sampling-mask --enable-scale-out (the trainer renormalizes over each candidate set)."
+            "help": "Nucleus sampling mass in (0, 1]; 1.0 disables it. < 1 requires top_k and a server "
+            "started with --return-sampling-mask --enable-scale-out (the trainer renormalizes over each "
+            "candidate set)."
         },
     )
     top_k: int = field(
         default=0,
         metadata={
-            "help": "Top-k sampling; 0 disables it. Required with top_p < 1 or min_p > 0 (it bounds the set "
-            "vLLM returns)."
+            "help": "Top-k sampling: the k most likely tokens; 0 disables it (the policy's own "
+            "distribution). Required with top_p < 1 or min_p > 0 (it bounds the set vLLM returns)."
         },
     )
     min_p: float | None = field(
@@ -168,15 +178,17 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     repetition_penalty: float = field(
         default=1.0,
         metadata={
-            "help": "vLLM's repetition penalty (> 1 discourages repeating prompt or generated tokens); 1.0 disables "
-            "it. The trainer's log-probs do not apply it, so a value != 1 widens the train/inference mismatch that "
-            "masked importance sampling corrects (more masked tokens, sampling/masked_mean)."
+            "help": "vLLM's repetition penalty (> 1 discourages repeating prompt or generated tokens); 1.0 "
+            "disables it. The trainer's log-probs do not apply it, so a value != 1 widens the "
+            "train/inference mismatch that masked importance sampling corrects (more masked tokens, "
+            "sampling/masked_mean)."
         },
     )
     chat_template_kwargs: dict | str | None = field(
         default=None,
         metadata={
-            "help": "Extra keyword arguments of apply_chat_template (e.g. {'enable_thinking': False})."
+            "help": "Extra keyword arguments of apply_chat_template (e.g. {'enable_thinking': False}). "
+            "None: the template's own defaults."
         },
     )
     max_tool_calling_iterations: int | None = field(
@@ -189,21 +201,25 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         default=True,
         metadata={
             "help": "Split a <think>...</think> block off each assistant message into reasoning_content, so "
-            "reward functions see the answer alone in content (TRL's parse_response). False: content keeps it."
+            "reward functions see the answer alone in content (TRL's parse_response). True: rewards usually "
+            "judge the answer, not the reasoning; False: content keeps it."
         },
     )
 
     # -- vLLM server --------------------------------------------------------------------------------
     vllm_server_base_url: str | list[str] = field(
         default="http://localhost:8000",
-        metadata={"help": "One URL, several separated by commas, or a list: requests go to the least busy."},
+        metadata={
+            "help": "One URL, several separated by commas, or a list: requests go to the least busy. "
+            "http://localhost:8000: where `vllm serve` listens by default."
+        },
     )
     vllm_server_timeout: float = field(
         default=1800.0,
         metadata={
-            "help": "Seconds bounding every wait for the server: start-up (TRL's meaning), and each request and "
-            "each weight sync unless request_timeout / weight_sync_timeout say otherwise. 1800: a large model's "
-            "server can take many minutes to start; a timed-out generation request is retried."
+            "help": "Seconds bounding every wait for the server: start-up (TRL's meaning), and each request "
+            "and each weight sync unless request_timeout / weight_sync_timeout say otherwise. 1800: a large "
+            "model's server can take many minutes to start; a timed-out generation request is retried."
         },
     )
     request_timeout: float | None = field(
@@ -216,8 +232,9 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     weight_sync_timeout: float | None = field(
         default=None,
         metadata={
-            "help": "Seconds each server call of a weight sync may take (pause, reload or NCCL broadcast, resume) "
-            "before the sync raises instead of hanging. None: vllm_server_timeout (TRL's default is 1800)."
+            "help": "Seconds each server call of a weight sync may take (pause, reload or NCCL broadcast, "
+            "resume) before the sync raises instead of hanging. None: vllm_server_timeout (TRL's default is "
+            "1800)."
         },
     )
 
@@ -246,31 +263,33 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     vllm_importance_sampling_clip_min: float = field(
         default=0.5,
         metadata={
-            "help": "Lower bound of the trainer/sampler ratio exp(logp - sampler logp); a trained token below it "
-            "leaves the loss (masked, not reweighted). 0.5: tolerate a 2x drop, mask what is likely a mismatch."
+            "help": "Lower bound of the trainer/sampler ratio exp(logp - sampler logp); a trained token "
+            "below it leaves the loss (masked, not reweighted). 0.5: tolerate a 2x drop, mask what is "
+            "likely a mismatch."
         },
     )
     vllm_importance_sampling_clip_max: float = field(
         default=5.0,
         metadata={
-            "help": "Upper bound of that ratio; a trained token above it leaves the loss. 5.0: a ratio can fall only "
-            "to 0 but rise without bound; far above 1 it is more likely a mismatch than signal, and would dominate."
+            "help": "Upper bound of that ratio; a trained token above it leaves the loss. 5.0: a ratio can "
+            "fall only to 0 but rise without bound; far above 1 it is more likely a mismatch than signal, "
+            "and would dominate."
         },
     )
     num_sampler_logprobs: int = field(
         default=8,
         metadata={
             "help": "Top log-probs the server returns per generated token, for score centering (0 with "
-            "score_centering=False). More covers more of the sampler's mass (sampling/sampler_mass shows how much) "
-            "but costs the server serialization; its --max-logprobs caps it. 8: TRL's default."
+            "score_centering=False). More covers more of the sampler's mass (sampling/sampler_mass shows "
+            "how much) but costs the server serialization; its --max-logprobs caps it. 8: TRL's default."
         },
     )
     token_budget: int | None = field(
         default=None,
         metadata={
-            "help": "Tokens one process forwards per micro-batch (a row), shared prefixes counted once, and the "
-            "row's loss entries (trained tokens, counted per sample); bounds peak memory. None: the server's "
-            "max_model_len, so every sample fits. Longer samples are dropped."
+            "help": "Tokens one process forwards per micro-batch (a row), shared prefixes counted once, and "
+            "the row's loss entries (trained tokens, counted per sample); bounds peak memory. None: the "
+            "server's max_model_len, so every sample fits. Longer samples are dropped."
         },
     )
 
@@ -278,39 +297,41 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     max_concurrent_rollouts: int = field(
         default=512,
         metadata={
-            "help": "Upper bound on rollouts running at once (each holds a server connection and, with tools, a "
-            "thread). Set it to what environments and tools can take; the server's load may cap it lower."
+            "help": "Upper bound on rollouts running at once (each holds a server connection and, with "
+            "tools, a thread). Set it to what environments and tools can take; the server's load may cap it "
+            "lower. 512: high enough that the server's load, not this bound, usually sets the concurrency."
         },
     )
     max_staleness: int = field(
         default=4,
         metadata={
-            "help": "A sample more than this many policy versions (weight syncs) behind the trainer when taken is "
-            "dropped; generation may also hold max(max_staleness, 1) steps' worth of tokens queued or in flight. "
-            "Versions equal steps when weight_sync_steps=1. 4: enough run-ahead for generation and training to "
-            "overlap, while samples stay within a few updates of the policy."
+            "help": "A sample more than this many policy versions (weight syncs) behind the trainer when "
+            "taken is dropped; generation may also hold max(max_staleness, 1) steps' worth of tokens queued "
+            "or in flight. Versions equal steps when weight_sync_steps=1. 4: enough run-ahead for "
+            "generation and training to overlap, while samples stay within a few updates of the policy."
         },
     )
     weight_sync_steps: int = field(
         default=1,
         metadata={
-            "help": "Optimizer steps between weight syncs to the server; each sync is one policy version. 1: the "
-            "freshest samples; raise it when a sync costs much against a step."
+            "help": "Optimizer steps between weight syncs to the server; each sync is one policy version. "
+            "1: the freshest samples; raise it when a sync costs much against a step."
         },
     )
     rollout_worker_timeout: float = field(
         default=300.0,
         metadata={
-            "help": "Seconds without a heartbeat from the rollout worker before it is declared hung and training "
-            "stops with an error. The heartbeat beats every second, so 300 only fires on a real hang."
+            "help": "Seconds without a heartbeat from the rollout worker before it is declared hung and "
+            "training stops with an error. The heartbeat beats every second, so 300 only fires on a real "
+            "hang."
         },
     )
     reward_timeout: float = field(
         default=600.0,
         metadata={
-            "help": "Seconds one reward-function call (one group) may take. A call past it stops the run with "
-            "an error naming the function and the dataset row, instead of hanging it: a judge that never "
-            "answers must not stall training silently. Generous by default for remote judges."
+            "help": "Seconds one reward-function call (one group) may take. A call past it stops the run "
+            "with an error naming the function and the dataset row, instead of hanging it: a judge that "
+            "never answers must not stall training silently. 600: generous, for remote judges."
         },
     )
     weight_sync_backend: str = field(
@@ -326,7 +347,10 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     # -- logging --------------------------------------------------------------------------------------
     log_completions: bool = field(
         default=False,
-        metadata={"help": "Print a table of recent completions (prompt, completion, reward) at each log."},
+        metadata={
+            "help": "Print a table of recent completions (prompt, completion, reward) at each log. False: "
+            "the log holds metrics only; turn it on to read what the policy writes."
+        },
     )
     num_completions_to_print: int | None = field(
         default=None,
@@ -369,7 +393,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
 
         if self.num_generations < 2:
             fail(
-                f"num_generations={self.num_generations}: a group needs at least 2 rollouts to have an advantage"
+                f"num_generations={self.num_generations}: a group needs at least 2 rollouts to have an "
+                "advantage"
             )
         if self.max_completion_length < 1:
             fail(f"max_completion_length={self.max_completion_length} must be >= 1")
@@ -409,6 +434,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
             fail(
                 "score_centering=True needs num_sampler_logprobs > 0 (the sampler's top tokens to center on)"
             )
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            fail(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (None: the model config's)")
         if self.token_budget is not None and self.token_budget < 16:
             fail(f"token_budget={self.token_budget} is too small to hold a sample")
         if self.max_concurrent_rollouts < 1:
@@ -429,11 +456,13 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
             fail("max_tool_calling_iterations must be >= 0 or None (unlimited)")
         if not self.ignore_data_skip:
             fail(
-                "ignore_data_skip must stay True: resume fast-forwards the rollout worker (rollout_state.json)"
+                "ignore_data_skip must stay True: resume fast-forwards the rollout worker "
+                "(rollout_state.json)"
             )
         if self.remove_unused_columns:
             fail(
-                "remove_unused_columns must stay False: every dataset column is passed to the reward functions"
+                "remove_unused_columns must stay False: every dataset column is passed to the reward "
+                "functions"
             )
         if self.use_liger_kernel:
             fail("use_liger_kernel=True is not supported: the loss needs its own log-prob computation")
@@ -469,8 +498,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         for name in ("cp_size", "sp_size"):
             if (getattr(config, name, 1) or 1) > 1:
                 fail(
-                    f"parallelism_config.{name}={getattr(config, name)} is not supported: context and sequence "
-                    "parallelism do not apply to tree-packed rows; use FSDP2 (data parallel) only"
+                    f"parallelism_config.{name}={getattr(config, name)} is not supported: context and "
+                    "sequence parallelism do not apply to tree-packed rows; use FSDP2 (data parallel) only"
                 )
 
 

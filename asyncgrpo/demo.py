@@ -117,8 +117,9 @@ def warm_start(model, tokenizer, seed: int = 0, known_max_steps: int = KNOWN_MAX
        until it falls to UNSURE_ACCURACY. At a tenth of the rate: a fresh optimizer's first steps move
        every weight by about the rate, and at the full rate they wipe out what phase 1 taught.
     Both phases stop on the accuracy, not after a fixed number of steps: how fast the tiny model
-    learns varies from one seed to another (the same 250 steps left 0.47 to 0.71), and a fixed recipe left some
-    seeds with little to sharpen and others confidently wrong on prompts GRPO then cannot move."""
+    learns varies from one seed to another (the same 250 steps left 0.47 to 0.71), and a fixed recipe
+    left some seeds with little to sharpen and others confidently wrong on prompts GRPO then cannot
+    move."""
     from asyncgrpo.rollout.chat import render_prompt_ids
 
     rng = random.Random(seed)

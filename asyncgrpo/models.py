@@ -76,13 +76,12 @@ def router_aux_loss_coef(config, requested: float | None) -> float:
     if not is_moe(config):
         if requested:
             raise ValueError(
-                f"router_aux_loss_coef={requested} but {getattr(text, 'model_type', 'the model')} has no routed "
-                "experts (no num_experts in its config): leave router_aux_loss_coef unset for dense models"
+                f"router_aux_loss_coef={requested} but {getattr(text, 'model_type', 'the model')} has no "
+                "routed experts (no num_experts in its config): leave router_aux_loss_coef unset for dense "
+                "models"
             )
         return 0.0
-    if requested is not None:
-        if requested < 0:
-            raise ValueError(f"router_aux_loss_coef must be >= 0, got {requested}")
+    if requested is not None:  # >= 0: AsyncGRPOConfig checks it
         return float(requested)
     return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
 

@@ -44,14 +44,28 @@ class Sample:
         return len(self.sampler_logprobs)
 
     def validate(self) -> None:
-        """Internal invariants; a violation is a bug in whoever built the sample."""
+        """Raise ValueError naming the broken invariant: a bug in whoever built the sample (a custom
+        `generate_one`). Explicit checks, not asserts, so that `python -O` keeps them."""
+        problem = self._broken_invariant()
+        if problem:
+            raise ValueError(
+                f"malformed sample (rollout {self.rollout_id!r}, dataset row {self.row_index}): {problem}"
+            )
+
+    def _broken_invariant(self) -> str | None:
         length = len(self.token_ids)
-        assert self.trained.shape == (length,), "trained mask must match token_ids"
-        assert length == 0 or not self.trained[0], "the first token cannot be trained"
+        if self.trained.shape != (length,):
+            return "trained mask must match token_ids"
+        if length and self.trained[0]:
+            return "the first token cannot be trained"
         trained = int(self.trained.sum())
-        assert self.sampler_logprobs.shape == (trained,), "one sampler log-prob per trained token"
+        if self.sampler_logprobs.shape != (trained,):
+            return "one sampler log-prob per trained token"
         if self.top_ids is not None:
-            assert self.top_logprobs is not None and self.top_ids.shape == self.top_logprobs.shape
-            assert self.top_ids.shape[0] == trained
-        if self.candidate_sets is not None:
-            assert len(self.candidate_sets) == trained
+            if self.top_logprobs is None or self.top_ids.shape != self.top_logprobs.shape:
+                return "top_ids and top_logprobs must have the same shape"
+            if self.top_ids.shape[0] != trained:
+                return "one top-N row per trained token"
+        if self.candidate_sets is not None and len(self.candidate_sets) != trained:
+            return "one candidate set per trained token"
+        return None

@@ -28,29 +28,31 @@ class TrlCompatFields:
         default=-1,
         metadata={
             "help": "TRL's name for max_concurrent_rollouts: a value > 0 sets it. -1 (auto) leaves "
-            "max_concurrent_rollouts in charge, under which max_staleness (in tokens) and the server's KV-cache "
-            "usage already size generation automatically."
+            "max_concurrent_rollouts in charge, under which max_staleness (in tokens) and the server's "
+            "KV-cache usage already size generation automatically."
         },
     )
     queue_maxsize: int = field(
         default=TRL_QUEUE_MAXSIZE,
         metadata={
             "help": "Accepted for TRL scripts; no effect here (warns when changed): the queue of generated "
-            "samples is bounded by max_staleness, in tokens, not by a count of samples."
+            "samples is bounded by max_staleness, in tokens, not by a count of samples. 1024 (samples): "
+            "TRL's default, i.e. unset."
         },
     )
     heartbeat_stale_after_s: float = field(
         default=TRL_HEARTBEAT_STALE_AFTER_S,
         metadata={
-            "help": "TRL's name for rollout_worker_timeout (seconds without a heartbeat before aborting)."
+            "help": "TRL's name for rollout_worker_timeout (seconds without a heartbeat before aborting). "
+            "300 (TRL's default) leaves rollout_worker_timeout in charge."
         },
     )
     fork_threshold_tokens: int = field(
         default=TRL_FORK_THRESHOLD_TOKENS,
         metadata={
             "help": "Accepted for TRL scripts; no effect here (warns when changed): a multi-turn turn whose "
-            "prompt re-renders kept tokens always starts a new training sequence, so no drift is realigned and "
-            "no threshold applies."
+            "prompt re-renders kept tokens always starts a new training sequence, so no drift is realigned "
+            "and no threshold applies. 1024 (tokens): TRL's default, i.e. unset."
         },
     )
 
@@ -64,28 +66,32 @@ class TrlCompatFields:
         if self.max_inflight_tasks > 0:
             if self.max_concurrent_rollouts not in (default_concurrency, self.max_inflight_tasks):
                 raise ValueError(
-                    f"AsyncGRPOConfig: max_inflight_tasks={self.max_inflight_tasks} and max_concurrent_rollouts="
-                    f"{self.max_concurrent_rollouts} set the same limit: give only one of them"
+                    f"AsyncGRPOConfig: max_inflight_tasks={self.max_inflight_tasks} and "
+                    f"max_concurrent_rollouts={self.max_concurrent_rollouts} set the same limit: give only "
+                    "one of them"
                 )
             self.max_concurrent_rollouts = self.max_inflight_tasks
         if self.heartbeat_stale_after_s != TRL_HEARTBEAT_STALE_AFTER_S:
             if self.rollout_worker_timeout not in (default_worker_timeout, self.heartbeat_stale_after_s):
                 raise ValueError(
                     f"AsyncGRPOConfig: heartbeat_stale_after_s={self.heartbeat_stale_after_s} and "
-                    f"rollout_worker_timeout={self.rollout_worker_timeout} set the same limit: give only one of them"
+                    f"rollout_worker_timeout={self.rollout_worker_timeout} set the same limit: give only one "
+                    "of them"
                 )
             self.rollout_worker_timeout = self.heartbeat_stale_after_s
         if self.queue_maxsize != TRL_QUEUE_MAXSIZE:
             _warn_once(
                 "queue_maxsize",
-                f"queue_maxsize={self.queue_maxsize} has no effect in asyncgrpo: generated samples are bounded by "
-                "max_staleness (in tokens: at most max_staleness x a step's tokens queued or in flight)",
+                f"queue_maxsize={self.queue_maxsize} has no effect in asyncgrpo: generated samples are "
+                "bounded by max_staleness (in tokens: at most max_staleness x a step's tokens queued or in "
+                "flight)",
             )
         if self.fork_threshold_tokens != TRL_FORK_THRESHOLD_TOKENS:
             _warn_once(
                 "fork_threshold_tokens",
-                f"fork_threshold_tokens={self.fork_threshold_tokens} has no effect in asyncgrpo: a turn that "
-                "re-renders kept tokens always starts a new training sequence (nothing is realigned as context)",
+                f"fork_threshold_tokens={self.fork_threshold_tokens} has no effect in asyncgrpo: a turn "
+                "that re-renders kept tokens always starts a new training sequence (nothing is realigned "
+                "as context)",
             )
 
 

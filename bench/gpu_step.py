@@ -101,7 +101,8 @@ def make_trainer(overrides: dict, smoke: bool, output_dir: str, model=None) -> A
                            use_cpu=smoke, **overrides)  # fmt: skip
     model = build_model(smoke) if model is None else model
     trainer = AsyncGRPOTrainer(model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                               args=args, train_dataset=_Prompts(), processing_class=build_tokenizer())  # fmt: skip
+                               args=args, train_dataset=_Prompts(),
+                               processing_class=build_tokenizer())  # fmt: skip
     if args.gradient_checkpointing:  # what Trainer.train does before the training loop
         trainer.model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
@@ -407,7 +408,8 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     log(
-        f"\n{report['device']} torch {report['torch']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s"
+        f"\n{report['device']} torch {report['torch']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} "
+        "TFLOP/s"
     )
     log("| variant | step s | MFU | unpacked tok/s | ckpt layers | peak GB |")
     log("|---|---|---|---|---|---|")
@@ -425,8 +427,9 @@ def print_table(report: dict) -> None:
                 f"{c['speedup_over_flop_ratio']:.3f} (target 0.97)"
             )
     for m in report.get("memory", []):
-        log(f"memory budget {m['token_budget']}: fits={m['fits']} peak {m.get('peak_memory_gb', float('nan')):.1f} GB "
-            f"ckpt layers {m.get('checkpointed_layers')}")  # fmt: skip
+        log(f"memory budget {m['token_budget']}: fits={m['fits']} peak "
+            f"{m.get('peak_memory_gb', float('nan')):.1f} GB ckpt layers "
+            f"{m.get('checkpointed_layers')}")  # fmt: skip
     log(f"gpu_step mfu={default['mfu']:.3f} target={TARGET}")
 
 

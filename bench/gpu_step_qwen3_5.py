@@ -127,13 +127,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=480.0, help="skip phases that start after this")
+    parser.add_argument(
+        "--phases", default="3.4,1,2,defaults",
+        help="comma-separated: packing ratios of the tree-vs-plain workloads (3.4, 1, 2) and/or 'defaults'; "
+        "lets a short device call run part of the measurement",
+    )  # fmt: skip
     args = parser.parse_args()
     started = time.perf_counter()
     if args.smoke:
         args.budget = min(args.budget, 2048)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     report: dict = {
-        "torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "budget": args.budget, "shape": "Qwen3.5-2B" if not args.smoke else "smoke",
     }  # fmt: skip
     out = Path(args.out)
@@ -152,8 +158,12 @@ def main() -> None:
     flops = flop_model(trainer._model)
     vocab = trainer._model.config.vocab_size
     # The comparison first (ratio 3.4, 1, 2): a call cut short by the device's time keeps the most.
+    phases = args.phases.split(",")
+    workloads = {"3.4": SPEED_WORKLOADS[2], "1": SPEED_WORKLOADS[0], "2": SPEED_WORKLOADS[1]}
+    if set(phases) - set(workloads) - {"defaults"}:
+        parser.error(f"--phases: unknown {sorted(set(phases) - set(workloads) - {'defaults'})}")
     report["tree_vs_plain"] = []
-    for prompt_len, completion_len, _ in (SPEED_WORKLOADS[2], SPEED_WORKLOADS[0], SPEED_WORKLOADS[1]):
+    for prompt_len, completion_len, _ in (workloads[p] for p in phases if p in workloads):
         if time.perf_counter() - started > args.seconds:
             log(f"skipping workload ({prompt_len}, {completion_len}): out of time")
             continue
@@ -171,7 +181,7 @@ def main() -> None:
         report["tree_vs_plain"].append(entry)
         log(f"tree vs plain {json.dumps(entry)}")
         save()
-    if time.perf_counter() - started < args.seconds:
+    if "defaults" in phases and time.perf_counter() - started < args.seconds:
         plans = deepmath_plans(np.random.default_rng(7), args.budget, 2, vocab, args.smoke)
         report["defaults"] = measure(trainer, plans, flops, peak, args, 1)
         log(f"defaults {report['defaults']}")
@@ -181,8 +191,9 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    log(f"\n{report['device']} torch {report['torch']}, {report['shape']}, token_budget {report['budget']}: "
-        f"bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s, GDN: {report['gdn_path']}")  # fmt: skip
+    log(f"\n{report['device']} torch {report['torch']}, {report['shape']}, token_budget "
+        f"{report['budget']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s, "
+        f"GDN: {report['gdn_path']}")  # fmt: skip
     d = report.get("defaults")
     if d:
         log(f"default step (DeepMath-like, ratio {d['packing_ratio']:.2f}): {d['seconds']:.3f} s, "
@@ -193,9 +204,10 @@ def print_table(report: dict) -> None:
     log("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in report["tree_vs_plain"]:
         t, p = e["tree"], e["plain"]
-        log(f"| {e['prompt']} + 8 x {e['completion']} | {e['packing_ratio']:.2f} | {t['rows']} | {t['seconds']:.3f} "
-            f"| {t['mfu']:.1%} | {t['unpacked_tok_s']:,.0f} | {p['rows']} | {p['seconds']:.3f} | {p['mfu']:.1%} "
-            f"| {p['unpacked_tok_s']:,.0f} | {e['speedup']:.2f} | {e['flop_ratio']:.2f} |")  # fmt: skip
+        log(f"| {e['prompt']} + 8 x {e['completion']} | {e['packing_ratio']:.2f} | {t['rows']} "
+            f"| {t['seconds']:.3f} | {t['mfu']:.1%} | {t['unpacked_tok_s']:,.0f} | {p['rows']} "
+            f"| {p['seconds']:.3f} | {p['mfu']:.1%} | {p['unpacked_tok_s']:,.0f} | "
+            f"{e['speedup']:.2f} | {e['flop_ratio']:.2f} |")  # fmt: skip
     if d:
         log(f"gpu_step_qwen3_5 mfu={d['mfu']:.3f}")
 

@@ -361,7 +361,8 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     log(
-        f"\n{report['device']} torch {report['torch']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} TFLOP/s"
+        f"\n{report['device']} torch {report['torch']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} "
+        "TFLOP/s"
     )
     for row in report.get("correctness", []):
         log(
@@ -374,9 +375,9 @@ def print_table(report: dict) -> None:
     log("|---|---|---|---|---|---|---|---|")
     for row in report.get("speed", []):
         log(
-            f"| {row['shape']} | {row['ratio']:.2f} | {row['tree_tokens_per_s']:,.0f} "
-            f"| {row['plain_tokens_per_s']:,.0f} "
-            f"| {row['speedup']:.2f} | {row['ratio']:.2f} | {row['tree_mfu']:.1%} | {row['peak_memory_gb']:.1f} |"
+            f"| {row['shape']} | {row['ratio']:.2f} | {row['tree_tokens_per_s']:,.0f} | "
+            f"{row['plain_tokens_per_s']:,.0f} | {row['speedup']:.2f} | {row['ratio']:.2f} | "
+            f"{row['tree_mfu']:.1%} | {row['peak_memory_gb']:.1f} |"
         )
     for row in report.get("mfu", []):
         log(f"mfu 1.7B budget {row['token_budget']}: {row['tflops']:.0f} TFLOP/s = {row['mfu']:.1%} of peak")
@@ -387,7 +388,8 @@ def print_table(report: dict) -> None:
         )
     for row in report.get("compiled", {}).get("mfu", []):
         log(
-            f"compiled layers, mfu 1.7B budget {row['token_budget']}: {row['tflops']:.0f} TFLOP/s = {row['mfu']:.1%}"
+            f"compiled layers, mfu 1.7B budget {row['token_budget']}: {row['tflops']:.0f} TFLOP/s = "
+            f"{row['mfu']:.1%}"
         )
     for row in report.get("compiled", {}).get("speed", []):
         log(

@@ -422,7 +422,8 @@ def main() -> None:
                     samples_per_step = max(
                         GROUP_SIZE, round(statistics.mean(measured) / GROUP_SIZE) * GROUP_SIZE
                     )
-                    print(f"[learning] asyncgrpo trained {statistics.mean(measured):.1f} samples per step: TRL "
+                    print("[learning] asyncgrpo trained "
+                          f"{statistics.mean(measured):.1f} samples per step: TRL "
                           f"gets {samples_per_step}", flush=True)  # fmt: skip
     finally:
         if server is not None:

@@ -38,7 +38,8 @@ WARMUP_STEPS = 4  # compilation and the first fill of the queue
 TARGET = 1.10
 # What holds generation back, per logging step (see README "Three limits on generation").
 DIAGNOSTICS = (
-    "rollout/generated_tokens_per_s", "rollout/concurrency", "rollout/concurrency_cap", "rollout/backpressure_s",
+    "rollout/generated_tokens_per_s", "rollout/concurrency", "rollout/concurrency_cap",
+    "rollout/backpressure_s",
     "perf/weight_sync_s", "perf/weight_sync_pause_s", "sample/staleness_mean", "frac_zero_std_groups",
     "batch/samples_per_step",
 )  # fmt: skip

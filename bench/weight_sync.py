@@ -39,7 +39,8 @@ from asyncgrpo.weight_sync.nccl_library import NcclCommunicator, NcclLibrary  # 
 from asyncgrpo.weight_sync.transport import NcclTransport  # noqa: E402
 
 QWEN3_1_7B = dict(
-    hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+    hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8,
     head_dim=128, vocab_size=151936, tie_word_embeddings=True,
 )  # fmt: skip
 
@@ -90,8 +91,9 @@ def sender_alone(model, device: torch.device, bucket_bytes: int) -> None:
 
     seconds = min(timed(pack_all, device) for _ in range(3))
     log(
-        f"sender alone: {len(tensors)} tensors, {total / 1e9:.2f} GB, {len(plan_buckets(sizes, bucket_bytes))} "
-        f"buckets; gather+pack {seconds * 1e3:.0f} ms ({total / seconds / 1e9:.0f} GB/s)"
+        f"sender alone: {len(tensors)} tensors, {total / 1e9:.2f} GB, "
+        f"{len(plan_buckets(sizes, bucket_bytes))} buckets; gather+pack {seconds * 1e3:.0f} ms "
+        f"({total / seconds / 1e9:.0f} GB/s)"
     )
     library = NcclLibrary()
     log(f"NCCL {library.version()} from {library.path}")
@@ -129,7 +131,8 @@ def full_transfer(model, bucket_bytes: int, repeats: int) -> tuple[int, float]:
         answer = requests.get(url + "/received", timeout=600).json()
         exact = answer["checksums"] == expected
         log(
-            f"bit-exact at the receiver: {exact} ({len(answer['checksums'])} tensors, version {answer['version']})"
+            f"bit-exact at the receiver: {exact} ({len(answer['checksums'])} tensors, version "
+            f"{answer['version']})"
         )
         if not exact:
             raise SystemExit("weights arrived corrupted")
@@ -152,7 +155,8 @@ def main() -> None:
         device = torch.device("cuda", 0)
         sender_alone(build(device, args.layers), device, args.bucket_bytes)
         log(
-            "weight_sync transfer not measured: needs two GPUs (receiver on GPU 0, trainer on GPU 1) target=0.70"
+            "weight_sync transfer not measured: needs two GPUs (receiver on GPU 0, trainer on GPU 1) "
+            "target=0.70"
         )
         return
     p2p = copy_bandwidth(torch.device("cuda", 1), torch.device("cuda", 0))

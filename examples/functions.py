@@ -25,7 +25,8 @@ def math_reward_func(prompts, completions, task, solution, **kwargs):
 
 
 def coding_reward_func(prompts, completions, task, solution, **kwargs):
-    """1 when the code block defines what the row's assertion tests, -1 when it fails, None for other tasks."""
+    """1 when the code block defines what the row's assertion tests, -1 when it fails, None for other
+    tasks."""
     rewards = []
     for completion, kind, check in zip(completions, task, solution):
         if kind != "coding":

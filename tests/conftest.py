@@ -160,5 +160,6 @@ def vllm_server(vllm_servers) -> VLLMServer:
 @pytest.fixture(scope="session")
 def lora_server(vllm_servers) -> VLLMServer:
     """A server that loads LoRA adapters at run time (rank <= 8, two at once), shared by the LoRA tests
-    of several modules. Those tests change adapters, never the base weights."""
+    of several modules. Those tests change adapters; the one that syncs merged weights into it puts the
+    base weights back (restore_server)."""
     return vllm_servers.get(enable_lora=True, max_lora_rank=8, max_loras=2)

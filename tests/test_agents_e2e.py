@@ -264,9 +264,7 @@ def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
     first = sum(rewards[:BASELINE_STEPS]) / BASELINE_STEPS
     last = sum(rewards[-LEARNING_WINDOW:]) / LEARNING_WINDOW
     print(f"IncrementEnv reward by step: {rewards}")
-    print(
-        f"IncrementEnv reward: first {BASELINE_STEPS} steps {first:.3f}, last {LEARNING_WINDOW} steps {last:.3f}"
-    )
+    print(f"IncrementEnv reward: first {BASELINE_STEPS} steps {first:.3f}, last {LEARNING_WINDOW} {last:.3f}")
     assert last > first + LEARNING_MARGIN, rewards
 
 

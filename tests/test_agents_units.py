@@ -515,7 +515,7 @@ def test_a_call_marker_that_is_a_special_token_survives_decoding(tokenizer):
     assert rollout.completion[0]["content"] == "ok"
 
 
-# -- reconciliation with real templates ---------------------------------------------------------------------------
+# -- reconciliation with real templates ----------------------------------------------------------------------
 
 # A Qwen3-style template: earlier assistant turns lose their <think> block once a later user turn exists.
 REWRITING_TEMPLATE = QWEN3_TRAINING_TEMPLATE.replace(
@@ -620,7 +620,7 @@ def test_known_qwen3_template_is_replaced_by_the_training_template():
     assert not use_training_template(qwen3_5) and qwen3_5.chat_template == QWEN3_5_LIKE
 
 
-# -- environments --------------------------------------------------------------------------------------------------
+# -- environments ------------------------------------------------------------------------------------------
 
 
 class Slot:

@@ -4,6 +4,7 @@ in the repository."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.trl_compat import TrlCompatFields
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -31,27 +33,122 @@ def test_every_config_field_has_help_text_and_a_documented_entry():
     assert not undocumented, f"fields missing from docs/configuration.md: {undocumented}"
 
 
-# A metric name as the code records it: the first argument of record/record_rate/add, or a key of
-# the loss's metrics dicts. f-string placeholders ({name}) are kept as they are written in the docs.
-_RECORDED = re.compile(r"""(?:record|record_rate|add)\(\s*f?"([a-z_{}]+(?:/[a-z_{}]+)*)\"""")
-_LOSS_KEY = re.compile(r"""["']((?:sampling|clip_ratio)/[a-z_/]+)["']""")
+# A unit for every numeric field: what its number counts.
+_UNIT = re.compile(
+    r"\b(tokens?|seconds?|rollouts?|steps?|versions?|ratio|fraction|factor|mass|probability|turns?|samples?"
+    r"|half-width|coefficient|log-probs)\b",
+    flags=re.IGNORECASE,
+)
 
 
-def recorded_metric_names() -> set[str]:
-    names = set()
+def _names_its_default(help_text: str, default) -> bool:
+    if isinstance(default, bool) or default is None:
+        return str(default) in help_text
+    if isinstance(default, (int, float)):
+        numbers = re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?", help_text)
+        return any(float(number) == float(default) for number in numbers)
+    return str(default) in help_text
+
+
+def test_every_config_field_says_its_default_and_its_unit():
+    """Help text says what, unit and why the default: the default is named (and, by the convention
+    `8: why` or `None: what it means`, followed by its reason), and a number says what it counts."""
+    own = set(AsyncGRPOConfig.__annotations__) | set(TrlCompatFields.__annotations__)
+    fields = [field for field in dataclasses.fields(AsyncGRPOConfig) if field.name in own]
+    silent = [f.name for f in fields if not _names_its_default(f.metadata["help"], f.default)]
+    assert not silent, f"help text that does not name its default: {silent}"
+    numeric = [f for f in fields if re.search(r"\b(int|float)\b", str(f.type))]
+    assert len(numeric) > 20
+    unitless = [f.name for f in numeric if not _UNIT.search(f.metadata["help"])]
+    assert not unitless, f"numeric fields whose help text names no unit: {unitless}"
+
+
+def _text(node: ast.AST) -> str | None:
+    """A string literal's text; an f-string's with each placeholder written `{}`."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(part.value if isinstance(part, ast.Constant) else "{}" for part in node.values)
+    return None
+
+
+def _is_stat(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Stat"
+
+
+def recorded_metric_names() -> dict[str, str]:
+    """Every metric name the package logs, with where: the first argument of record/record_rate/add,
+    the keys of a dict of `Stat`s (the loss's metrics), `metrics["name"] = Stat(...)`, and the keys
+    of a dict handed to `self.log`. Placeholders are written `{}` (`rewards/{}/mean`)."""
+    names: dict[str, str] = {}
     for path in python_sources("asyncgrpo"):
-        text = path.read_text()
-        names.update(_RECORDED.findall(text))
-        names.update(_LOSS_KEY.findall(text))
-    return {name.replace("{name}", "{reward_func_name}") for name in names}
+        where = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            found: list[ast.AST] = []
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+                if node.func.attr in ("record", "record_rate", "add"):
+                    found.append(node.args[0])
+            if isinstance(node, ast.Dict) and node.values and all(_is_stat(v) for v in node.values):
+                found.extend(node.keys)
+            if isinstance(node, ast.Assign) and _is_stat(node.value):
+                found.extend(t.slice for t in node.targets if isinstance(t, ast.Subscript))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                dicts = {
+                    a.targets[0].id: a.value
+                    for a in ast.walk(node)
+                    if isinstance(a, ast.Assign)
+                    and isinstance(a.value, ast.Dict)
+                    and len(a.targets) == 1
+                    and isinstance(a.targets[0], ast.Name)
+                }
+                for call in ast.walk(node):
+                    if isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "log" and call.args:
+                        logged = call.args[0]
+                        logged = dicts.get(logged.id) if isinstance(logged, ast.Name) else logged
+                        if isinstance(logged, ast.Dict):
+                            found.extend(logged.keys)
+            for key in found:
+                name = _text(key) if key is not None else None
+                if name:
+                    names.setdefault(name, f"{where}:{key.lineno}")
+    return names
+
+
+def _placeholders_blank(name: str) -> str:
+    return re.sub(r"\{[^}]*\}", "{}", name)
+
+
+def documented_metric_names() -> tuple[set[str], set[str]]:
+    """(every backticked name in docs/metrics.md, the names its tables define in their first column)."""
+    reference = (DOCS / "metrics.md").read_text()
+    mentioned = {_placeholders_blank(n) for n in re.findall(r"`([^`\s]+)`", reference)}
+    defined = {
+        _placeholders_blank(name)
+        for line in reference.splitlines()
+        if line.startswith("| `")
+        for name in re.findall(r"`([^`]+)`", line.split("|")[1])
+    }
+    return mentioned, defined
 
 
 def test_every_recorded_metric_is_in_the_metric_reference():
-    reference = (DOCS / "metrics.md").read_text()
-    names = recorded_metric_names()
-    assert {"loss", "reward", "rollout/queue_size", "sampling/sampler_mass", "perf/fwd_bwd_mfu"} <= names
-    undocumented = sorted(name for name in names if f"`{name}`" not in reference)
+    recorded = {_placeholders_blank(name): where for name, where in recorded_metric_names().items()}
+    # The extraction reaches every way the code logs: record(), a dict of Stats, a subscript, self.log.
+    reached = {"loss", "entropy", "aux_loss", "train_runtime", "tools/{}/latency_s", "rewards/{}/mean"}
+    assert reached <= set(recorded), sorted(reached - set(recorded))
+    mentioned, defined = documented_metric_names()
+    undocumented = sorted(f"{name} ({where})" for name, where in recorded.items() if name not in mentioned)
     assert not undocumented, f"metrics missing from docs/metrics.md: {undocumented}"
+    never_logged = sorted(defined - set(recorded))
+    assert not never_logged, f"docs/metrics.md describes metrics the code never logs: {never_logged}"
+
+
+def test_every_metric_row_says_what_it_means_and_what_is_healthy():
+    rows = [line for line in (DOCS / "metrics.md").read_text().splitlines() if line.startswith("| `")]
+    assert len(rows) > 80
+    cells = [[cell.strip() for cell in row.split("|")[1:-1]] for row in rows]
+    incomplete = [row[0] for row in cells if len(row) != 4 or not all(row)]
+    assert not incomplete, f"metric rows without a reduction, meaning or healthy value: {incomplete}"
 
 
 def _anchor(heading: str) -> str:
@@ -74,16 +171,49 @@ def test_links_in_docs_resolve(page):
             assert anchor in {_anchor(h) for h in headings}, f"{page}: no heading for #{anchor}"
 
 
+# Everything shipped that a reader opens: code, tests, docs, benchmarks and their results, examples.
+_SHIPPED_FOLDERS = ("asyncgrpo", "tests", "docs", "bench", "examples", "scripts")
+_SHIPPED_FILES = ("README.md", "Makefile", "pyproject.toml")
+_TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".json", ".jsonl"}
+
+
+def shipped_text_files() -> list[Path]:
+    files = [ROOT / name for name in _SHIPPED_FILES]
+    for folder in _SHIPPED_FOLDERS:
+        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in _TEXT_SUFFIXES and p.is_file()]
+    return sorted(p for p in files if p.name != "test_docs.py" and "__pycache__" not in p.parts)
+
+
 def test_code_points_to_docs_not_to_documents_outside_the_repository():
-    """Comments once cited a requirement document and a specification that are not shipped."""
+    """Comments once cited a requirement document ("the seed", in Vietnamese) and a specification
+    ("SPEC section N") that are not shipped: the rule itself or a link into docs/ replaces them."""
     pointer = re.compile(
-        r"the seed|seed's|seed_metric|SPEC section|\(seed rule\)|[\u00c0-\u024f\u1e00-\u1eff]"
+        r"(?i:the seed\b|seed's|seed_metric|seed rule|SPEC(\.md| section)|DESIGN\.md|\bsection \d)"
+        r"|[\u00c0-\u024f\u1e00-\u1eff]"  # no IGNORECASE here: it would fold ASCII letters into the range
     )
     offenders = [
         f"{path.relative_to(ROOT)}:{number}"
-        for path in python_sources("asyncgrpo", "tests")
-        if path.name != "test_docs.py"
-        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for path in shipped_text_files()
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
         if pointer.search(line)
     ]
+    assert len(shipped_text_files()) > 100
     assert not offenders, f"pointers to documents outside the repository: {offenders}"
+
+
+def test_pointers_into_docs_from_code_and_tests_resolve():
+    """Code, tests and benchmarks cite `docs/<page>.md` (and sometimes `#anchor`) for the rule they
+    follow: each page and heading must exist."""
+    broken = []
+    for path in shipped_text_files():
+        if path.is_relative_to(DOCS):
+            continue
+        for page, anchor in re.findall(r"docs/([\w-]+\.md)(?:#([\w-]+))?", path.read_text(errors="replace")):
+            target = DOCS / page
+            if not target.exists():
+                broken.append(f"{path.relative_to(ROOT)}: docs/{page}")
+            elif anchor:
+                headings = re.findall(r"^#+ (.+)$", target.read_text(), flags=re.MULTILINE)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{path.relative_to(ROOT)}: docs/{page}#{anchor}")
+    assert not broken, f"pointers into docs/ that lead nowhere: {broken}"

@@ -104,7 +104,8 @@ def grpo_samples(rng, vocab: int, groups: int = 2) -> list:
             ]
             samples.append(Sample(tokens, trained, rng.normal(-5.0, 1.0, completion).astype(np.float32),
                                   float(rng.normal()), group, top_ids=top_ids,
-                                  top_logprobs=np.ascontiguousarray(top_logprobs, dtype=np.float32)))  # fmt: skip
+                                  top_logprobs=np.ascontiguousarray(top_logprobs,
+                                                                    dtype=np.float32)))  # fmt: skip
     return samples
 
 

@@ -166,21 +166,23 @@ def test_packed_gradient_equals_unpacked(models, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("capability", "triton_version", "tilelang", "refused"),
+    ("capability", "triton_version", "tilelang", "nvcc", "refused"),
     [
-        ((9, 0), "3.6.0", False, True),  # the H200 image of bench/RESULTS.md
-        ((9, 0), "3.4.0", False, True),
-        ((9, 0), "3.7.1", False, False),
-        ((9, 0), "3.3.1", False, False),
-        ((9, 0), "3.6.0", True, False),  # fla runs the kernel through tilelang
-        ((8, 0), "3.6.0", False, False),  # not Hopper
+        ((9, 0), "3.6.0", False, True, True),  # the H200 image of bench/RESULTS.md
+        ((9, 0), "3.4.0", False, True, True),
+        ((9, 0), "3.7.1", False, True, False),
+        ((9, 0), "3.3.1", False, True, False),
+        ((9, 0), "3.6.0", True, True, False),  # fla runs the kernel through tilelang
+        ((9, 0), "3.6.0", True, False, True),  # tilelang without an nvcc to compile with: fla skips it
+        ((8, 0), "3.6.0", False, True, False),  # not Hopper
     ],
 )
-def test_fla_refusal(monkeypatch, capability, triton_version, tilelang, refused):
+def test_fla_refusal(monkeypatch, capability, triton_version, tilelang, nvcc, refused):
     """fla-core 0.6 raises in the gated delta rule's backward on Hopper with Triton in [3.4, 3.7.1)
-    unless tilelang is installed: the tree path must know beforehand and run the torch rule."""
+    unless tilelang and an nvcc are found: the tree path must know beforehand and run the torch rule."""
     find_spec = importlib.util.find_spec
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=triton_version))
+    monkeypatch.setitem(sys.modules, "fla.utils", types.SimpleNamespace(has_usable_nvcc=lambda: nvcc))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(
         importlib.util,

@@ -162,8 +162,8 @@ def test_tree_rule_equals_each_sample_alone(device, dtype):
     flat_end = np.repeat(np.cumsum([len(p) for p in paths]), [len(p) for p in paths])
     index = torch.from_numpy(unrolled).to(device)
     alone_leaves = [t.detach().requires_grad_() for t in inputs]
-    out = tree_gated_delta_rule(*(t[index] for t in alone_leaves), recurrent_layout(flat_ids, flat_end, 4, device),
-                                chunk_rule)  # fmt: skip
+    out = tree_gated_delta_rule(*(t[index] for t in alone_leaves),
+                                recurrent_layout(flat_ids, flat_end, 4, device), chunk_rule)  # fmt: skip
     share = cotangent[index] / torch.from_numpy(multiplicity[unrolled]).to(device)[:, None, None]
     grads = torch.autograd.grad((out.float() * share).sum(), alone_leaves)
     alone = [relative(out, truth_out[index])] + [relative(gr, w) for gr, w in zip(grads, truth[1:])]
@@ -284,7 +284,9 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
     print("GDN_MODEL", json.dumps({
         "path": gdn_path("cuda"),
         "tokens": row.num_tokens, "unpacked_tokens": row.num_unpacked_tokens, "entries": row.num_entries,
-        "logprob_rms_vs_fp32": {"packed_bf16": packed_err, "alone_bf16": alone_err, "broken_bf16": broken_err},
+        "logprob_rms_vs_fp32": {
+            "packed_bf16": packed_err, "alone_bf16": alone_err, "broken_bf16": broken_err,
+        },
         "logprob_max_abs_packed_vs_alone_bf16": (packed - alone).abs().max().item(),
         "grad_rel_vs_fp32_total": {"packed_bf16": total[0], "alone_bf16": total[1]},
         "grad_rel_vs_fp32_worst_ratio": worst,

@@ -25,13 +25,13 @@ pytest.importorskip(
 import requests  # noqa: E402
 import torch  # noqa: E402
 from conftest import free_port  # noqa: E402
-from weight_transfer_double import GlooTransport, checksum, running_double  # noqa: E402
+from weight_transfer_double import GlooTransport, checksum, running_double, unpack  # noqa: E402
 
 from asyncgrpo.generation.background import BackgroundLoop  # noqa: E402
 from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.weight_sync.base import serving_tensors  # noqa: E402
-from asyncgrpo.weight_sync.buckets import pack, plan_buckets, unpack  # noqa: E402
+from asyncgrpo.weight_sync.buckets import pack, plan_buckets  # noqa: E402
 from asyncgrpo.weight_sync.nccl import NcclWeightSync, WeightTransferError  # noqa: E402
 from asyncgrpo.weight_sync.transport import pickled_vllm_unique_id  # noqa: E402
 
@@ -187,14 +187,15 @@ def test_a_server_that_stops_receiving_cannot_hang_the_trainer():
         assert received(url)["log"][-1] == "/resume"
 
 
-def test_fsdp2_sharded_weights_sync_from_two_processes():
-    """Two CPU processes shard the model with FSDP2; both gather, rank 0 sends."""
+def test_fsdp2_sharded_weights_sync_from_two_processes(tmp_path):
+    """Two CPU processes shard the model with FSDP2; both gather, rank 0 sends. Then the same with a
+    LoRA adapter for adapter-only sync: both gather the adapter, rank 0 writes it as vLLM loads it."""
     model = tiny_model()
     with running_double() as url:
         port = free_port()
         workers = [
             subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("fsdp_sync_worker.py")), url],
+                [sys.executable, str(Path(__file__).with_name("fsdp_sync_worker.py")), url, str(tmp_path)],
                 env={
                     **os.environ,
                     "RANK": str(rank),
@@ -206,10 +207,19 @@ def test_fsdp2_sharded_weights_sync_from_two_processes():
             )
             for rank in range(2)
         ]
-        assert [worker.wait(timeout=120) for worker in workers] == [0, 0]
+        # 300 s: a bound against a hang, not a speed target (on a loaded 2-core machine a run took 118 s)
+        assert [worker.wait(timeout=300) for worker in workers] == [0, 0]
         answer = received(url)
         assert answer["version"] == policy_label(1)
         assert answer["checksums"] == expected_checksums(model)
+    from fsdp_sync_worker import lora_model
+    from peft import PeftModel
+
+    reference = lora_model()
+    written = PeftModel.from_pretrained(tiny_model(), tmp_path / "v1")
+    adapter = {name: p for name, p in written.named_parameters() if "lora_" in name}
+    assert adapter.keys() == {name for name, _ in reference.named_parameters() if "lora_" in name}
+    assert all(torch.equal(p, adapter[name]) for name, p in reference.named_parameters() if "lora_" in name)
 
 
 # -- the NCCL data plane (GPU) -----------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,9 +16,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.generation.background import BackgroundLoop
+from asyncgrpo.generation.client import SamplingParams, VLLMRequestError, policy_label
 from asyncgrpo.generation.server import serving_lora_rank
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.packing.trie import pack_row
+from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.adapters import adapter_rank, adapter_unservable_reason, wrap_with_peft
 from asyncgrpo.weight_sync.base import serving_tensors
@@ -106,6 +111,43 @@ def test_adapters_on_the_output_head_and_prompt_learning_are_refused(tiny_model_
         )
 
 
+def test_an_adapter_on_an_embedding_tied_to_the_output_head_is_refused(tiny_model_dir):
+    """Merged for the servers, it would change the tied lm_head too: served and trained policies differ."""
+
+    def tied():
+        model = load(tiny_model_dir)
+        model.lm_head.weight = model.get_input_embeddings().weight
+        return model
+
+    for config in (
+        LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]),
+        LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens"]),
+    ):
+        with pytest.raises(ValueError, match="shares its weight"):
+            wrap_with_peft(tied(), config, False)
+        wrap_with_peft(load(tiny_model_dir), config, False)  # untied: the head is served as it is trained
+    wrap_with_peft(tied(), LoraConfig(r=4, target_modules=TARGETS), False)
+
+
+def test_a_bad_peft_config_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    import asyncgrpo.trainer.async_grpo_trainer as trainer_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the peft_config was checked")
+
+    monkeypatch.setattr(trainer_module.AsyncGRPOTrainer, "_load_model", staticmethod(no_loading))
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", max_steps=1)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]]})
+    with pytest.raises(ValueError, match="prompt-learning"):
+        AsyncGRPOTrainer(
+            str(tiny_model_dir),
+            reward,
+            args,
+            train_dataset=dataset,
+            peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        )
+
+
 @pytest.mark.parametrize(
     "config, reason",
     [
@@ -114,6 +156,9 @@ def test_adapters_on_the_output_head_and_prompt_learning_are_refused(tiny_model_
         (LoraConfig(r=4, target_modules=TARGETS, modules_to_save=["norm"]), "modules_to_save"),
         (LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]), "embeddings"),
         (LoraConfig(r=4, target_modules=TARGETS, bias="lora_only"), "biases"),
+        (LoraConfig(r=4, target_modules=TARGETS, init_lora_weights="pissa"), "changes the base weights"),
+        (LoraConfig(r=4, target_modules=TARGETS, init_lora_weights="gaussian"), None),
+        (LoraConfig(r=4, target_modules=TARGETS, alora_invocation_tokens=[5]), "alora_invocation_tokens"),
     ],
 )
 def test_what_vllm_cannot_serve_as_an_adapter(tiny_model_dir, config, reason):
@@ -176,3 +221,125 @@ def test_adapter_versions_are_written_as_loadable_adapters(tiny_model_dir, tmp_p
     ids = torch.tensor([[5, 17, 42, 99, 7]])
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+
+
+class RecordingServers:
+    """The adapter calls a sync makes, in order, and which adapter folders exist at each call; a
+    `missing` name answers 404, as from a server restarted since it loaded that version."""
+
+    def __init__(self, directory, missing=()):
+        self.directory, self.missing, self.calls = directory, set(missing), []
+
+    def _folders(self):
+        return sorted(path.name for path in self.directory.iterdir())
+
+    async def load_lora_adapter(self, name, path, load_inplace=False):
+        self.calls.append(("load", name, load_inplace, self._folders()))
+
+    async def unload_lora_adapter(self, name):
+        self.calls.append(("unload", name, self._folders()))
+        if name in self.missing:
+            raise VLLMRequestError("http://s/v1/unload_lora_adapter", 404, "not found")
+
+    async def set_weight_label(self, label):
+        self.calls.append(("label", label))
+
+
+def test_each_sync_loads_the_next_version_before_unloading_the_oldest_and_deletes_its_folder(
+    tiny_model_dir, tmp_path
+):
+    peft_model = trained_like(get_peft_model(load(tiny_model_dir), LoraConfig(r=4, target_modules=TARGETS)))
+    servers = RecordingServers(tmp_path / ".vllm_lora", missing={"run-v1"})
+    loop = BackgroundLoop()
+    try:
+        backend = LoraAdapterSync(servers, loop, tmp_path / ".vllm_lora", keep=2)  # max_staleness = 1
+        backend.prefix = "run"
+        for version in range(4):
+            backend.sync(peft_model, version)
+        backend.sync(peft_model, 3)  # the same version again: pushed in place to a restarted server
+        assert sorted(p.name for p in backend.directory.iterdir()) == ["v2", "v3"]
+        backend.close()
+    finally:
+        loop.close()
+    assert servers.calls == [
+        ("load", "run-v0", False, ["v0"]),
+        ("label", policy_label(0)),
+        ("load", "run-v1", False, ["v0", "v1"]),
+        ("label", policy_label(1)),
+        ("load", "run-v2", False, ["v0", "v1", "v2"]),  # three loaded for a moment: --max-loras >= 3
+        ("label", policy_label(2)),
+        ("unload", "run-v0", ["v0", "v1", "v2"]),
+        ("load", "run-v3", False, ["v1", "v2", "v3"]),
+        ("label", policy_label(3)),
+        ("unload", "run-v1", ["v1", "v2", "v3"]),  # 404 (gone from a restarted server): not an error
+        ("load", "run-v3", True, ["v2", "v3"]),
+        ("label", policy_label(3)),
+        ("unload", "run-v2", ["v2", "v3"]),  # close(): the run's adapters and the serving cache go
+        ("unload", "run-v3", ["v3"]),
+    ]
+    assert not backend.directory.exists()
+
+
+class VersionedServer:
+    """Answers each request with the adapter it named; `retired` names answer 404 (unloaded by a
+    sync), and the trainer publishes `next_version` when one is refused."""
+
+    def __init__(self, channels, retired=(), next_version=None):
+        self.channels, self.retired, self.next_version, self.models = channels, set(retired), next_version, []
+
+    async def complete(self, prompt_ids, sampling, seed, model=None, cache_salt=None):
+        self.models.append(model)
+        if model in self.retired:
+            self.channels.model_version_value.value = self.next_version
+            raise VLLMRequestError("http://s/v1/completions", 404, f"The model `{model}` does not exist.")
+        return model
+
+
+def rollout_loop(version: int, lora_name: str | None) -> AsyncRolloutLoop:
+    channels = SimpleNamespace(model_version_value=SimpleNamespace(value=version))
+    config = AsyncGRPOConfig(output_dir="unused", report_to="none")
+    loop = AsyncRolloutLoop(config, "tiny", [], [], None, [0], channels, lora_name=lora_name)
+    loop._token_route = False
+    return loop
+
+
+def test_each_request_runs_under_the_adapter_of_the_version_current_when_it_starts():
+    loop = rollout_loop(5, lora_name="run")
+    loop.client = VersionedServer(loop.channels)
+    assert asyncio.run(loop._sample([1, 2], SamplingParams(max_tokens=4), 0)) == ("run-v5", 5)
+    # Read just before a sync retired version 5: sent again under the version published since.
+    loop.client = VersionedServer(loop.channels, retired={"run-v5"}, next_version=6)
+    assert asyncio.run(loop._sample([1, 2], SamplingParams(max_tokens=4), 0)) == ("run-v6", 6)
+    assert loop.client.models == ["run-v5", "run-v6"]
+    # Merged or full-model sync: every request goes to the served model, whose weights change in place.
+    loop = rollout_loop(5, lora_name=None)
+    loop.client = VersionedServer(loop.channels, retired={None})
+    with pytest.raises(VLLMRequestError):
+        asyncio.run(loop._sample([1, 2], SamplingParams(max_tokens=4), 0))
+    assert loop.client.models == [None]
+
+
+def test_one_factory_chooses_the_senders_backend(tiny_model_dir, tmp_path):
+    """make_sender: the adapter alone when the servers run --enable-lora, else the requested backend
+    (auto: the filesystem without a GPU); an explicit nccl needs a server running the NCCL engine."""
+    from types import SimpleNamespace
+
+    from asyncgrpo.generation.server_info import ServerInfo
+    from asyncgrpo.weight_sync import FilesystemWeightSync, make_sender, make_weight_sync
+
+    client, loop = SimpleNamespace(base_urls=["http://server:8000"]), SimpleNamespace()
+    plain = load(tiny_model_dir)
+    adapted = get_peft_model(load(tiny_model_dir), LoraConfig(r=8, target_modules=TARGETS))
+    lora_server = ServerInfo(max_lora_rank=16, max_loras=4)
+
+    def sender(model, info, requested="auto"):
+        return make_sender(requested, model, info, client, loop, tmp_path, 5.0, 1, trainer_on_gpu=False)
+
+    assert isinstance(sender(adapted, lora_server), LoraAdapterSync)
+    assert isinstance(sender(adapted, ServerInfo()), FilesystemWeightSync)  # no --enable-lora: merged
+    chosen = sender(plain, lora_server)
+    assert isinstance(chosen, FilesystemWeightSync) and chosen.timeout_s == 5.0
+    assert chosen.directory == (tmp_path / ".vllm_weights").resolve()
+    with pytest.raises(ValueError, match="not started with the NCCL engine"):
+        sender(plain, ServerInfo(), requested="nccl")
+    assert make_weight_sync(chosen.name, is_sender=False).is_sender is False

@@ -19,7 +19,9 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from asyncgrpo import AsyncGRPOTrainer
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMRequestError, policy_adapter_name
+from asyncgrpo.weight_sync import make_weight_sync
 from asyncgrpo.weight_sync.lora import LoraAdapterSync, adapter_sync_for
+from asyncgrpo.weight_sync.merged import sync_policy
 
 pytestmark = pytest.mark.vllm
 
@@ -72,8 +74,15 @@ def test_adapter_only_sync_trains_and_the_server_runs_the_newest_adapter(
     lora_server, tiny_model_dir, tmp_path
 ):
     base_before = served(lora_server.url)
+    # Gradient checkpointing on: the checkpointed layers must still pass gradients to the adapter.
     args = make_config(
-        lora_server, tmp_path, max_steps=3, learning_rate=5e-2, max_grad_norm=0.0, max_staleness=0
+        lora_server,
+        tmp_path,
+        max_steps=3,
+        learning_rate=5e-2,
+        max_grad_norm=0.0,
+        max_staleness=0,
+        gradient_checkpointing=True,
     )
     trainer = AsyncGRPOTrainer(
         str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts(),
@@ -94,6 +103,14 @@ def test_adapter_only_sync_trains_and_the_server_runs_the_newest_adapter(
     assert seen["completion"].token_ids.tolist() == expected_tokens
     np.testing.assert_allclose(seen["completion"].logprobs, expected_logprobs, atol=1e-4)
     assert expected_tokens != base_before.token_ids.tolist(), "training must have moved the adapter"
+    # The rollouts ran under the adapter of their version (max_staleness=0: the trainer's): the sampler's
+    # log-probs are the trainer's, also after training moved the adapter away from the base model.
+    gaps = [
+        entry["sampling/sampling_logp_difference/max"]
+        for entry in trainer.state.log_history
+        if "sampling/sampling_logp_difference/max" in entry
+    ]
+    assert len(gaps) == 3 and max(gaps) < 1e-3, gaps
     # The base model is untouched and the run's adapters are unloaded at the end.
     assert served(lora_server.url).token_ids.tolist() == base_before.token_ids.tolist()
     assert not any(name.startswith(trainer._weight_sync.prefix) for name in served_models(lora_server.url))
@@ -171,22 +188,38 @@ def test_server_flags_too_small_fail_with_the_flags_to_restart_with(lora_server,
 
 
 def test_an_adapter_vllm_cannot_serve_falls_back_to_merged_sync_with_a_warning(
-    lora_server, tiny_model_dir, caplog
+    lora_server, tiny_model_dir, tmp_path, caplog
 ):
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
         LoraConfig(r=4, target_modules=TARGETS, use_dora=True),
     )
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:  # B starts at zero: make the adapter change something
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    base_before = served(lora_server.url)
     loop = BackgroundLoop()
+    client = VLLMClient(lora_server.url, timeout=60)
     try:
         with caplog.at_level(logging.WARNING):
-            client = VLLMClient(lora_server.url, timeout=60)
             backend = adapter_sync_for(model, loop.run(client.server_info()), client, loop, Path("unused"), 0)
-            loop.run(client.close())
+        assert backend is None
+        # The fallback: merged weights through the ordinary backend, into the server run with --enable-lora.
+        sync_policy(make_weight_sync("filesystem", client, loop, tmp_path), model, 1)
+        after = served(lora_server.url)
     finally:
+        loop.run(client.close())
         loop.close()
-    assert backend is None
-    assert any("DoRA" in record.message and "merged weights" in record.message for record in caplog.records)
+        restore_server(lora_server.url, tiny_model_dir)
+    warnings = [
+        r.message for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("asyncgrpo")
+    ]
+    assert len(warnings) == 1 and "DoRA" in warnings[0] and "merged weights" in warnings[0]
+    expected_tokens, expected_logprobs = greedy_reference(merged_copy(model), PROBE, GREEDY.max_tokens)
+    assert after.token_ids.tolist() == expected_tokens != base_before.token_ids.tolist()
+    np.testing.assert_allclose(after.logprobs, expected_logprobs, atol=1e-4)
 
 
 class AdapterAtBegin(TrainerCallback):
@@ -249,6 +282,8 @@ def test_merged_sync_serves_the_merged_model_and_checkpoints_hold_the_adapter(
     assert {
         e["perf/weight_sync_bytes"] for e in trainer.state.log_history if "perf/weight_sync_bytes" in e
     } == {full_bytes}
+    sync_seconds = [e["perf/weight_sync_s"] for e in trainer.state.log_history if "perf/weight_sync_s" in e]
+    assert len(sync_seconds) == 2 and all(seconds > 0 for seconds in sync_seconds)
     # The checkpoint holds the trained adapter (not the base), loadable with PeftModel.from_pretrained ...
     checkpoint = tmp_path / "checkpoint-2"
     assert (checkpoint / "adapter_model.safetensors").exists() and not (

@@ -104,5 +104,51 @@ def test_a_malformed_sample_is_refused_where_it_enters_the_trainer():
     broken = sample(0)
     broken.sampler_logprobs = broken.sampler_logprobs[:-1]  # one trained token without its log-prob
     intake, _ = make_intake([group(0, [broken])])
-    with pytest.raises(AssertionError, match="one sampler log-prob per trained token"):
+    with pytest.raises(ValueError, match="one sampler log-prob per trained token"):
         intake.next_step(gradient_accumulation_steps=1, metrics=MetricsWindow(), model_version=0)
+
+
+@pytest.mark.parametrize(
+    "break_it, invariant",
+    [
+        (lambda s: setattr(s, "trained", s.trained[:-1]), "trained mask must match token_ids"),
+        (lambda s: s.trained.__setitem__(0, True), "first token cannot be trained"),
+        (lambda s: setattr(s, "top_ids", np.zeros((5, 2), np.int64)), "same shape"),
+        (
+            lambda s: (
+                setattr(s, "top_ids", np.zeros((4, 2), np.int64)),
+                setattr(s, "top_logprobs", np.zeros((4, 2), np.float32)),
+            ),
+            "one top-N row per trained token",
+        ),
+        (lambda s: setattr(s, "candidate_sets", [np.arange(3)] * 4), "one candidate set per trained token"),
+    ],
+)
+def test_each_sample_invariant_is_a_value_error_naming_it(break_it, invariant):
+    good = sample(0)
+    good.validate()
+    break_it(good)
+    with pytest.raises(ValueError, match=invariant):
+        good.validate()
+
+
+@pytest.mark.parametrize("max_staleness, factor", [(0, 1), (1, 1), (3, 3)])
+def test_the_allowance_is_max_staleness_steps_of_tokens_beyond_what_was_consumed(max_staleness, factor):
+    """max_staleness counts steps of tokens here (docs/architecture.md#the-token-allowance): before
+    the first step a step is assumed full (token_budget x rows); after it, the last step's tokens."""
+    results = [group(1, [sample(1, model_version=0)] * 2), group(2, [sample(2, model_version=0, length=20)])]
+    intake, _ = make_intake(results, max_staleness=max_staleness)
+    assert intake.worker.allowance == factor * 25  # token_budget 25, one row per step
+    intake.next_step(gradient_accumulation_steps=1, metrics=MetricsWindow(), model_version=0)
+    consumed = 2 * 10  # group 1 trained; group 2 did not fit beside it and stays queued
+    assert intake.worker.allowance == consumed + factor * consumed
+
+
+def test_an_oversize_sample_is_dropped_and_its_prompt_not_counted_for_the_epoch():
+    results = [group(0, [sample(0, length=30)]), group(1, [sample(1)]), group(2, [sample(2, length=20)])]
+    intake, ledger = make_intake(results)  # token_budget 25: the 30-token sample cannot fit any row
+    window = MetricsWindow()
+    batch = intake.next_step(gradient_accumulation_steps=1, metrics=window, model_version=0)
+    assert [s.stream_index for s in batch.samples] == [1]
+    assert window.summarize()["batch/dropped_oversize_count"] == 1
+    assert ledger.epoch_prompts == 1, "prompt 0 was resolved without training: it does not count"

@@ -76,7 +76,8 @@ PLOTTED = {
 
 
 def test_each_plot_draws_every_metric_it_is_about(tmp_path):
-    # The recorded CPU runs cannot log MFU (no peak FLOPs on CPU): a history with every metric checks the rest.
+    # The recorded CPU runs cannot log MFU (no peak FLOPs on CPU): a history with every metric checks the
+    # rest.
     from asyncgrpo.report.history import History
     from asyncgrpo.report.plots import render_plot
 

@@ -53,6 +53,7 @@ def test_unknown_config_value_is_rejected():
         ({"score_centering": True, "num_sampler_logprobs": 0}, "num_sampler_logprobs > 0"),
         ({"lr_scheduler_type": "linear"}, "set max_steps, or use a constant schedule"),
         ({"logging_steps": 0.1}, "fraction of training need max_steps > 0"),
+        ({"router_aux_loss_coef": -0.1}, "router_aux_loss_coef=-0.1 must be >= 0"),
     ],
 )
 def test_bad_config_values_fail_at_construction(overrides, message):
@@ -218,15 +219,18 @@ def test_the_tokenizer_loads_the_revision_of_model_init_kwargs(tiny_model_dir, t
     assert seen == ["main"]
 
 
-def test_torch_compile_leaves_the_callers_args_as_given(tiny_model_dir, tmp_path):
+def test_the_trainer_leaves_the_callers_args_as_given(tiny_model_dir, tmp_path):
+    """The trainer resolves torch_compile and router_aux_loss_coef on its own copy of the config."""
     args = config(tmp_path, torch_compile=True)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), some_reward, args, train_dataset=conversational())
     assert args.torch_compile and args.torch_compile_backend == "inductor"
+    assert args.router_aux_loss_coef is None, "None means the model config's: the caller's args keep it"
     assert (
         trainer._compile_layers
         and not trainer.args.torch_compile
         and trainer.args.torch_compile_backend is None
     )
+    assert trainer.args.router_aux_loss_coef == 0.0  # a dense model: no load-balancing loss
 
 
 def test_vision_language_checkpoint_trains_on_text(tmp_path):
@@ -244,3 +248,64 @@ def test_vision_language_checkpoint_trains_on_text(tmp_path):
     )
     with pytest.raises(ValueError, match="prompts with images are not supported"):
         AsyncGRPOTrainer(str(model_dir), some_reward, config(tmp_path), train_dataset=with_image)
+
+
+def test_resuming_an_iterable_dataset_warns_that_it_restarts_from_the_first_prompt(
+    tiny_model_dir, tmp_path, caplog
+):
+    from asyncgrpo.trainer.prompt_ledger import RolloutState
+
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    RolloutState(first_untrained_index=12, consumed_after=[14], epoch_prompts=12, model_version=3).save(
+        checkpoint
+    )
+    args = config(tmp_path)
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir), some_reward, args, train_dataset=conversational().to_iterable_dataset()
+    )
+    with caplog.at_level("WARNING"):
+        state = trainer._restore_state(trainer.args, str(checkpoint))
+    assert "cannot be repositioned" in caplog.text
+    assert (state.first_untrained_index, state.consumed_after, state.model_version) == (0, [], 3)
+
+
+def test_weight_sync_barrier_is_the_wait_for_the_other_processes(monkeypatch):
+    """perf/weight_sync_barrier_s is the time every process takes to reach the sync (the gather
+    before it), and perf/weight_sync_s adds it to the pause and the transfer."""
+    import asyncgrpo.trainer.async_grpo_trainer as trainer_module
+    from asyncgrpo.metrics import MetricsWindow
+    from asyncgrpo.weight_sync.base import SyncTimings
+
+    def slow_gather(value):
+        time.sleep(0.05)  # another process arrives 50 ms later
+        return [value, value]
+
+    monkeypatch.setattr(
+        trainer_module, "sync_policy", lambda backend, model, version: (SyncTimings(0.25, 0.5), 1000)
+    )
+    fake = SimpleNamespace(
+        accelerator=SimpleNamespace(unwrap_model=lambda model: model),
+        _processes=SimpleNamespace(gather=slow_gather),
+        _weight_sync=None,
+        _model_version=1,
+        _worker=None,
+        _window=MetricsWindow(),
+    )
+    AsyncGRPOTrainer._sync_weights(fake, torch.nn.Linear(2, 2))
+    logged = fake._window.summarize()
+    assert 0.05 <= logged["perf/weight_sync_barrier_s"] < 1.0
+    assert logged["perf/weight_sync_s"] == pytest.approx(0.75 + logged["perf/weight_sync_barrier_s"])
+    assert (logged["perf/weight_sync_pause_s"], logged["perf/weight_sync_transfer_s"]) == (0.25, 0.5)
+
+
+@pytest.mark.parametrize("injected", ["rollout_worker", "weight_transfer"])
+def test_trl_protocol_objects_are_refused_naming_what_to_use_instead(tiny_model_dir, tmp_path, injected):
+    with pytest.raises(NotImplementedError, match="subclass AsyncRolloutLoop"):
+        AsyncGRPOTrainer(
+            str(tiny_model_dir),
+            some_reward,
+            config(tmp_path),
+            train_dataset=conversational(),
+            **{injected: object()},
+        )

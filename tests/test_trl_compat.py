@@ -36,11 +36,12 @@ TRL_116_FIELDS = dict(  # noqa: C408 (keyword form: the fields read as a config 
     model_init_kwargs=None, dtype="float32", trust_remote_code=False, router_aux_loss_coef=None,
     learning_rate=1e-6, logging_steps=1, lr_scheduler_type="constant", ignore_data_skip=True,
     num_generations=8, max_completion_length=2048, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-    repetition_penalty=1.0, chat_template_kwargs=None, max_tool_calling_iterations=None, fork_threshold_tokens=1024,
+    repetition_penalty=1.0, chat_template_kwargs=None, max_tool_calling_iterations=None,
+    fork_threshold_tokens=1024,
     vllm_server_base_url="http://localhost:8000", vllm_server_timeout=240.0, request_timeout=600,
     weight_sync_timeout=1800, epsilon=0.2, epsilon_high=None, token_budget=None, max_inflight_tasks=-1,
-    max_staleness=4, queue_maxsize=1024, weight_sync_steps=1, heartbeat_stale_after_s=300.0, log_completions=False,
-    num_completions_to_print=None,
+    max_staleness=4, queue_maxsize=1024, weight_sync_steps=1, heartbeat_stale_after_s=300.0,
+    log_completions=False, num_completions_to_print=None,
 )  # fmt: skip
 
 
@@ -226,8 +227,9 @@ def test_trl_example_script_runs_with_only_the_import_changed(vllm_server, tiny_
     model_dir = boxed_answer_model(tmp_path / "model")
     data = gsm8k_shaped(tmp_path / "gsm8k.jsonl")
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(HERE / "trl_example" / "fsdp2.yaml"),
-        "--num_processes", "1", str(HERE / "trl_example" / "async_grpo.py"), str(model_dir), str(data), vllm_server.url,
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(HERE / "trl_example" / "fsdp2.yaml"), "--num_processes", "1",
+        str(HERE / "trl_example" / "async_grpo.py"), str(model_dir), str(data), vllm_server.url,
     ]  # fmt: skip
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     launch = subprocess.Popen(
@@ -258,8 +260,8 @@ def test_trl_attributes_and_trainer_callbacks_during_training(vllm_server, tiny_
 
     recorder = Recorder()
     config = make_config(
-        vllm_server, tmp_path, max_steps=2, gradient_accumulation_steps=2, token_budget=64, repetition_penalty=1.3,
-        request_timeout=60, weight_sync_timeout=60,
+        vllm_server, tmp_path, max_steps=2, gradient_accumulation_steps=2, token_budget=64,
+        repetition_penalty=1.3, request_timeout=60, weight_sync_timeout=60,
     )  # fmt: skip
     trainer = AsyncGRPOTrainer(
         str(tiny_model_dir), token_parity_reward, config, train_dataset=prompts(), callbacks=[recorder]

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -32,10 +33,26 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncgrpo.weight_sync.buckets import plan_buckets, tensor_bytes, unpack  # noqa: E402
+from asyncgrpo.weight_sync.buckets import plan_buckets, tensor_bytes  # noqa: E402
 
 GROUP_TIMEOUT = timedelta(seconds=60)
 _ABANDONED_GROUPS: list = []
+
+
+def unpack(
+    buffer: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]
+) -> list[torch.Tensor]:
+    """Inverse of `asyncgrpo.weight_sync.buckets.pack`, as vLLM's receiver does it: views of `buffer`
+    with the given shapes and dtypes. The trainer only sends, so this lives with the server double."""
+    sizes = [tensor_bytes(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+    if sum(sizes) != buffer.numel():
+        raise ValueError(f"bucket holds {buffer.numel()} bytes, its metadata says {sum(sizes)}")
+    tensors = []
+    for piece, shape, dtype in zip(buffer.split(sizes), shapes, dtypes):
+        if piece.storage_offset() % dtype.itemsize:
+            piece = piece.clone()  # a view needs an offset aligned to the element size
+        tensors.append(piece.view(dtype).view(tuple(shape)))
+    return tensors
 
 
 class GlooTransport:

@@ -126,7 +126,10 @@ def policy_cache_salt(version: int) -> str:
 
 def serve_hint(url: str) -> str:
     port = url.rstrip("/").rsplit(":", 1)[-1] if url.count(":") >= 2 else "8000"
-    return f"start one with `asyncgrpo serve MODEL --port {port}` (or `vllm serve MODEL` with the flags in the README)"
+    return (
+        f"start one with `asyncgrpo serve MODEL --port {port}` (or `vllm serve MODEL` with the flags in the "
+        "README)"
+    )
 
 
 class VLLMClient:

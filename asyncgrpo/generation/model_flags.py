@@ -51,13 +51,15 @@ def model_flags(model: str, on_cpu: bool, dtype: str | None) -> tuple[list[str],
     if on_cpu and "linear_attention" in (text.get("layer_types") or []):
         if dtype not in (None, "bfloat16"):
             raise ValueError(
-                f"--dtype {dtype}: vLLM-CPU runs Gated DeltaNet layers in bfloat16 only; drop --dtype or pass bfloat16"
+                f"--dtype {dtype}: vLLM-CPU runs Gated DeltaNet layers in bfloat16 only; drop --dtype or "
+                "pass bfloat16"
             )
         if dtype is None:
             flags += ["--dtype", "bfloat16"]
             reasons.append("Gated DeltaNet layers: vLLM-CPU's kernel runs in bfloat16 only")
         flags.append("--no-enable-prefix-caching")
         reasons.append(
-            "Gated DeltaNet layers: prefix caching would need chunked prefill, which crashes on seeded requests on CPU"
+            "Gated DeltaNet layers: prefix caching would need chunked prefill, which crashes on seeded "
+            "requests on CPU"
         )
     return flags, reasons

@@ -53,7 +53,7 @@ def check_logprobs_mode(info: ServerInfo | None, url: str) -> None:
     if info is None or info.logprobs_mode in (None, REQUIRED_LOGPROBS_MODE):
         return
     raise ValueError(
-        f"the vLLM server at {url} returns {info.logprobs_mode!r} log-probs; the trainer needs the log-probs of "
-        f"the distribution actually sampled: restart it with `--logprobs-mode {REQUIRED_LOGPROBS_MODE}` "
+        f"the vLLM server at {url} returns {info.logprobs_mode!r} log-probs; the trainer needs the log-probs "
+        f"of the distribution actually sampled: restart it with `--logprobs-mode {REQUIRED_LOGPROBS_MODE}` "
         "(`asyncgrpo serve` adds it)"
     )

@@ -176,21 +176,24 @@ def fla_refusal(device: torch.device) -> str | None:
     """Why fla-core cannot train the gated delta rule on `device`, or None when it can.
 
     fla-core 0.6 raises in the rule's backward on Hopper (H100, H200) with Triton >= 3.4, < 3.7.1,
-    whose code for that kernel gives wrong results (fla issue #640), unless tilelang is installed
-    (fla then runs that kernel through tilelang). Seen on an H200 with Triton 3.6.0 (bench/RESULTS.md).
+    whose code for that kernel gives wrong results (fla issue #640), unless tilelang is installed and
+    an nvcc to JIT-compile it is found (fla then runs that one kernel through tilelang; fla's own test
+    is `has_usable_nvcc`). Seen on an H200 with Triton 3.6.0 (bench/RESULTS.md).
     """
     import triton  # fla-core's own dependency
+    from fla.utils import has_usable_nvcc
     from packaging.version import Version
 
     version = Version(triton.__version__)
     hopper = torch.cuda.get_device_capability(device)[0] == 9
     if not hopper or not Version("3.4.0") <= version < Version("3.7.1"):
         return None
-    if importlib.util.find_spec("tilelang") is not None:
+    if importlib.util.find_spec("tilelang") is not None and has_usable_nvcc():
         return None
     return (
         f"fla-core refuses the gated delta rule's backward on Hopper GPUs with Triton {version} (it computes "
-        "wrong gradients there, fla issue #640): upgrade Triton to >= 3.7.1 or `pip install tilelang`"
+        "wrong gradients there, fla issue #640): upgrade Triton to >= 3.7.1, or `pip install tilelang` "
+        "with a CUDA toolkit's nvcc on PATH or in CUDA_HOME"
     )
 
 
@@ -209,6 +212,12 @@ def _fla_chunk_rule(device: torch.device):
         )
         return None
     return chunk_gated_delta_rule
+
+
+def uses_torch_rule(device: torch.device) -> bool:
+    """Whether Gated DeltaNet layers on `device` run transformers' torch rule (CPU, or fla-core missing
+    or refusing), which keeps far more activations than fla's kernels (trainer/activation_memory.py)."""
+    return device.type != "cuda" or _fla_chunk_rule(device) is None
 
 
 def tree_gated_delta_rule(

@@ -160,7 +160,8 @@ def diagnose_bottleneck(history: History) -> Finding:
     return Finding(
         "bottleneck",
         "balanced",
-        "Neither side waits for long: the trainer rarely finds the queue empty and generation is rarely held.",
+        "Neither side waits for long: the trainer rarely finds the queue empty and generation is rarely "
+        "held.",
         "Nothing to change.",
         evidence,
     )
@@ -265,17 +266,18 @@ def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0
         return Finding(
             "saturation",
             "stuck at the bottom",
-            "The prompts are too hard, or the reward function never credits the completions: whole groups fail.",
-            "Check completions/clipped_ratio first (a completion cut before its answer scores 0), then read a "
-            "few completions to check that the reward function can parse them.",
+            "The prompts are too hard, or the reward function never credits the completions: whole groups "
+            "fail.",
+            "Check completions/clipped_ratio first (a completion cut before its answer scores 0), then "
+            "read a few completions to check that the reward function can parse them.",
             evidence + _clipped_evidence(history),
         )
     if frac_last >= FRAC_HIGH and BOTTOM < position < TOP:
         return Finding(
             "saturation",
             "mixture",
-            "Some prompts are too easy while others are too hard (with partial-credit rewards, groups can also "
-            "be stuck at one partial score).",
+            "Some prompts are too easy while others are too hard (with partial-credit rewards, groups can "
+            "also be stuck at one partial score).",
             "Read the rollouts.",
             evidence,
         )

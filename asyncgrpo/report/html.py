@@ -61,9 +61,10 @@ def _html(run_dir: Path, history: History, findings: list[Finding], figures) -> 
     for finding in findings:
         kind = "ok" if finding.verdict in _OK_VERDICTS else "warn"
         parts.append(
-            f"<div class='finding {kind}' id='{finding.question}'><div>{escape(QUESTIONS[finding.question])}</div>"
-            f"<div class='verdict'>{escape(finding.verdict)}</div><p>{escape(finding.explanation)}</p>"
-            f"<p><b>What to do:</b> {escape(finding.action)}</p><ul>"
+            f"<div class='finding {kind}' "
+            f"id='{finding.question}'><div>{escape(QUESTIONS[finding.question])}</div><div "
+            f"class='verdict'>{escape(finding.verdict)}</div><p>{escape(finding.explanation)}</p><p><b>What "
+            f"to do:</b> {escape(finding.action)}</p><ul>"
             + "".join(f"<li>{escape(line)}</li>" for line in finding.evidence)
             + "</ul></div>"
         )

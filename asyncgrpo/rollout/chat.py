@@ -181,12 +181,13 @@ class RewriteDetector:
         if forks and not self.warned:
             self.warned = True
             logger.warning(
-                "in %d of %d turn transitions of a rollout the next prompt did not start with the tokens kept "
-                "so far: each such turn starts a new training sample (a fork). Either the chat template "
-                "rewrites earlier turns, or the model sampled tokens that its text does not encode back to. "
-                "Watch rollout/fork_frac and rollout/drift_tokens_mean: occasional forks are re-encodings, "
-                "frequent ones a template that rewrites history, which a prefix-preserving template "
-                "(appending a message never changes how earlier ones render) avoids.",
+                "in %d of %d turn transitions of a rollout the next prompt did not start with the tokens "
+                "kept so far: each such turn starts a new training sample (a fork). Either the chat "
+                "template rewrites earlier turns, or the model sampled tokens that its text does not "
+                "encode back to. Watch rollout/fork_frac and rollout/drift_tokens_mean: occasional forks "
+                "are re-encodings, frequent ones a template that rewrites history, which a "
+                "prefix-preserving template (appending a message never changes how earlier ones render) "
+                "avoids.",
                 forks,
                 transitions,
             )

@@ -109,8 +109,8 @@ class RolloutSlots:
             )
         except asyncio.TimeoutError:
             raise RuntimeError(
-                f"waited {self.stall_timeout_s:g} s {what} but none of the {self.running} running rollouts finished: "
-                "generation is stuck (a server or a tool that never answers?)"
+                f"waited {self.stall_timeout_s:g} s {what} but none of the {self.running} running rollouts "
+                "finished: generation is stuck (a server or a tool that never answers?)"
             ) from None
 
     def reserve(self, count: int) -> None:

@@ -72,8 +72,8 @@ def check_routing(factory: Any, dataset: Any) -> None:
     columns = getattr(dataset, "column_names", None) or []
     if dataset is None or ROUTING_COLUMN not in columns:
         raise ValueError(
-            f"environment_factory is a dict ({sorted(factory)}): each train_dataset row must name its environment "
-            f"in an {ROUTING_COLUMN!r} column"
+            f"environment_factory is a dict ({sorted(factory)}): each train_dataset row must name its "
+            f"environment in an {ROUTING_COLUMN!r} column"
         )
 
 
@@ -85,8 +85,8 @@ def prompt_with_observation(
     if observation is None:
         if prompt is None:
             raise ValueError(
-                "the dataset row has no 'prompt' and the environment's reset() returned None: without a prompt "
-                "column, reset() must return the user prompt as a string"
+                "the dataset row has no 'prompt' and the environment's reset() returned None: without a "
+                "prompt column, reset() must return the user prompt as a string"
             )
         return prompt
     if not isinstance(observation, str):

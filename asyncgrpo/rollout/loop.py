@@ -163,8 +163,8 @@ class AsyncRolloutLoop:
             versions = [parse_policy_label(label) for label in completion.weight_labels]
             if None in versions:
                 raise ServerLostWeightsError(
-                    f"tokens sampled by weights labelled {completion.weight_labels}: a server restarted and runs "
-                    "weights the trainer did not push"
+                    f"tokens sampled by weights labelled {completion.weight_labels}: a server restarted and "
+                    "runs weights the trainer did not push"
                 )
             if not self.lora_name:  # with adapters, the adapter the request named sampled every token
                 version = min(versions)
@@ -349,7 +349,8 @@ class AsyncRolloutLoop:
                 rejected_in_epoch[item.epoch] = rejected_in_epoch.get(item.epoch, 0) + 1
                 if num_rows is not None and rejected_in_epoch[item.epoch] >= num_rows:
                     raise RuntimeError(
-                        f"filter_prompt rejected every prompt of epoch {item.epoch}: no sample can reach the trainer"
+                        f"filter_prompt rejected every prompt of epoch {item.epoch}: no sample can reach the "
+                        "trainer"
                     )
                 self._put_result(GroupResult(item.stream_index, item.epoch, item.row_index, -1, []))
                 continue
@@ -416,8 +417,9 @@ class AsyncRolloutLoop:
                 limit, moved = self.channels.token_allowance.value, time.monotonic()
             elif time.monotonic() - moved > bound:
                 raise RuntimeError(
-                    f"the trainer took no sample for {time.monotonic() - moved:.0f} s while the worker held a full "
-                    f"staleness budget ({ALLOWANCE_STALL_FACTOR} x vllm_server_timeout): the trainer is stuck"
+                    f"the trainer took no sample for {time.monotonic() - moved:.0f} s while the worker held "
+                    f"a full staleness budget ({ALLOWANCE_STALL_FACTOR} x vllm_server_timeout): the trainer "
+                    "is stuck"
                 )
         self.metrics.record("rollout/backpressure_s", time.monotonic() - started)
 
@@ -484,8 +486,9 @@ class AsyncRolloutLoop:
                     if parse_policy_label(label) is None
                 ]
                 raise ServerLostWeightsError(
-                    f"vLLM server(s) {', '.join(lost)} came back without the trainer's weights and the trainer did "
-                    f"not push them within vllm_server_timeout={self.config.vllm_server_timeout:g} s"
+                    f"vLLM server(s) {', '.join(lost)} came back without the trainer's weights and the "
+                    "trainer did not push them within "
+                    f"vllm_server_timeout={self.config.vllm_server_timeout:g} s"
                 )
             await asyncio.sleep(1.0)
 

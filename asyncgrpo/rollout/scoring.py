@@ -69,8 +69,9 @@ async def call_reward_functions(
             result = await asyncio.wait_for(call, None if math.isinf(timeout_s) else timeout_s)
         except asyncio.TimeoutError:
             raise RewardFunctionError(
-                f"reward function {reward_function_name(function)!r} did not return within reward_timeout="
-                f"{timeout_s:g} s{where}; it is stuck (a judge that never answers?). Fix it or raise reward_timeout."
+                f"reward function {reward_function_name(function)!r} did not return within "
+                f"reward_timeout={timeout_s:g} s{where}; it is stuck (a judge that never answers?). Fix it "
+                "or raise reward_timeout."
             ) from None
         return _checked_rewards(function, result, len(completions))
 

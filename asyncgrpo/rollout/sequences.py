@@ -77,8 +77,8 @@ class _SequenceBuilder:
             return
         if len(turn.output_log_probs) != len(output):
             raise ValueError(
-                f"TurnRecord has {len(turn.output_log_probs)} output_log_probs for {len(output)} output_ids: the "
-                "sampler log-prob of every trained token is needed for the importance ratio"
+                f"TurnRecord has {len(turn.output_log_probs)} output_log_probs for {len(output)} output_ids: "
+                "the sampler log-prob of every trained token is needed for the importance ratio"
             )
         self.logprobs.append(np.asarray(turn.output_log_probs, dtype=np.float32)[mask])
         top_ids, top_logprobs = _turn_top(turn)

@@ -49,9 +49,10 @@ def check_picklable(objects: dict[str, Any]) -> None:
             pickle.dumps(value)
         except Exception as error:
             raise TypeError(
-                f"{description} cannot be sent to the rollout worker process ({type(error).__name__}: {error}). "
-                "Everything the worker runs must pickle: use a module-level function, functools.partial or "
-                "an instance of a module-level callable class; lambdas and closures do not pickle."
+                f"{description} cannot be sent to the rollout worker process ({type(error).__name__}: "
+                f"{error}). Everything the worker runs must pickle: use a module-level function, "
+                "functools.partial or an instance of a module-level callable class; lambdas and closures do "
+                "not pickle."
             ) from error
 
 

@@ -10,14 +10,17 @@ for that is checkpointed everywhere, as before.
 The estimate is per token and per layer, from the model's shape: what a compiled decoder layer keeps
 for backward (the fp32 residual stream under autocast, the bf16 inputs of its matmuls, q/k/v, the
 attention output and the MLP's gate/up/activation), times a safety factor; bench/gpu_step.py
-measures the peak memory it leads to.
+measures the peak memory it leads to. Gated DeltaNet layers that run transformers' torch rule (where
+fla-core cannot train, see docs/models.md) keep far more: the rule's fp32 chunk intermediates and one
+recurrent state per 64-token chunk, ~160 KB per token per layer at the Qwen3.5-2B shape; without that
+term the default step ran out of memory on an H200 (bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from asyncgrpo.packing.gated_deltanet import LINEAR_ATTENTION, uses_torch_rule
 
 # Covers allocator fragmentation and what the estimate leaves out (flex attention's scratch). Not
 # calibrated kernel by kernel: on an H200 (Qwen3-1.7B shape, fp32 weights + AdamW) rows of 16k-262k
@@ -42,21 +45,53 @@ def layer_bytes_per_token(config) -> tuple[float, float]:
     return SAFETY_FACTOR * kept, float(residual)
 
 
-def layers_to_checkpoint(
-    num_tokens: int, num_layers: int, kept_per_token: float, input_per_token: float, available_bytes: float
-) -> int:
-    """The fewest leading layers to checkpoint so that the row's activations fit `available_bytes`.
+# transformers' torch gated delta rule, per token and value head, in fp32 values kept for backward:
+# ~15 vectors of the head dim, the chunk's recurrent state (Dk x Dv) shared by its 64 tokens, ~5 rows
+# of the 64 x 64 chunk matrices. Fitted to the bytes autograd saves for that rule on CPU at head dims
+# 32, 64 and 128 (tests/test_activation_memory.py measures them).
+TORCH_RULE_CHUNK = 64
+TORCH_RULE_VECTORS_PER_HEAD_DIM = 15
+TORCH_RULE_CHUNK_ROWS = 5
 
-    With k of N layers checkpointed a row keeps (N - k) full layers and k layer inputs, plus one
-    layer's full activations while that layer is recomputed in backward.
+
+def torch_rule_bytes_per_token(config) -> float:
+    """Bytes per token a Gated DeltaNet layer keeps for backward when transformers' torch rule runs."""
+    key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+    per_head = (
+        TORCH_RULE_VECTORS_PER_HEAD_DIM * max(key_dim, value_dim)
+        + key_dim * value_dim / TORCH_RULE_CHUNK
+        + TORCH_RULE_CHUNK_ROWS * TORCH_RULE_CHUNK
+    )
+    return 4.0 * config.linear_num_value_heads * per_head
+
+
+def per_layer_bytes_per_token(config, torch_rule: bool) -> tuple[list[float], float]:
+    """(bytes per token each layer keeps when not checkpointed, bytes when checkpointed: its input).
+    `torch_rule`: the Gated DeltaNet layers run transformers' torch rule, not fla-core."""
+    kept, checkpointed = layer_bytes_per_token(config)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    extra = SAFETY_FACTOR * torch_rule_bytes_per_token(config) if torch_rule else 0.0
+    return [kept + (extra if kind == LINEAR_ATTENTION else 0.0) for kind in layer_types], checkpointed
+
+
+def layers_to_checkpoint(
+    num_tokens: int, kept_per_token: list[float], input_per_token: float, available_bytes: float
+) -> int:
+    """The fewest leading layers to checkpoint so that the row's activations fit `available_bytes`
+    (all of them when nothing fits).
+
+    With the first k layers checkpointed a row keeps the other layers' activations and k layer inputs,
+    plus, while a checkpointed layer is recomputed in backward, that layer's full activations (the
+    largest of the k).
     """
-    full, checkpointed = num_tokens * kept_per_token, num_tokens * input_per_token
-    need = lambda k: (num_layers - k) * full + k * checkpointed + (full if k else 0)  # noqa: E731
-    if need(0) <= available_bytes:
-        return 0
-    saved_per_layer = full - checkpointed
-    k = math.ceil((need(0) + full - available_bytes) / saved_per_layer) if saved_per_layer > 0 else num_layers
-    return max(1, min(num_layers, k))
+
+    def need(k: int) -> float:
+        recomputed = max(kept_per_token[:k], default=0.0)
+        return num_tokens * (sum(kept_per_token[k:]) + k * input_per_token + recomputed)
+
+    return next(
+        (k for k in range(len(kept_per_token) + 1) if need(k) <= available_bytes), len(kept_per_token)
+    )
 
 
 class CheckpointToFit:
@@ -64,7 +99,8 @@ class CheckpointToFit:
 
     def __init__(self, layers, config, params: list[torch.nn.Parameter], optimizer, device: torch.device):
         self.layers = layers
-        self.kept_per_token, self.input_per_token = layer_bytes_per_token(config)
+        torch_rule = getattr(config, "linear_num_value_heads", None) is not None and uses_torch_rule(device)
+        self.kept_per_token, self.input_per_token = per_layer_bytes_per_token(config, torch_rule)
         self.params = params
         self.optimizer = optimizer
         self.device = device
@@ -99,7 +135,7 @@ class CheckpointToFit:
     def before_row(self, num_tokens: int) -> int:
         """Flag the layers for a row of `num_tokens` packed tokens; returns how many are checkpointed."""
         k = layers_to_checkpoint(
-            num_tokens, len(self.layers), self.kept_per_token, self.input_per_token, self.available_bytes()
+            num_tokens, self.kept_per_token, self.input_per_token, self.available_bytes()
         )
         for index, layer in enumerate(self.layers):
             layer.gradient_checkpointing = index < k

@@ -28,29 +28,41 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def wrap_with_peft(model: torch.nn.Module, peft_config, gradient_checkpointing: bool) -> torch.nn.Module:
-    """`model` with a fresh trainable adapter of `peft_config`; the base weights are frozen."""
+def check_peft_config(peft_config) -> None:
+    """What is refused from the config alone: the trainer calls it before loading the model."""
     try:
-        from peft import get_peft_model
+        import peft  # noqa: F401
     except ImportError as error:
         raise ImportError("peft_config needs the peft library: pip install 'asyncgrpo[peft]'") from error
     if getattr(peft_config, "is_prompt_learning", False):
         raise ValueError(
-            f"{type(peft_config).__name__} is a prompt-learning method: its virtual tokens cannot be merged into "
-            "the weights vLLM serves. Use a LoraConfig (or another adapter that merges into the linear layers)."
+            f"{type(peft_config).__name__} is a prompt-learning method: its virtual tokens cannot be merged "
+            "into the weights vLLM serves. Use a LoraConfig (or another adapter that merges into the linear "
+            "layers)."
         )
     if getattr(peft_config, "target_parameters", None):
         raise ValueError(
-            "peft_config.target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported: target "
-            "modules instead"
+            "peft_config.target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported: "
+            "target modules instead"
         )
+
+
+def wrap_with_peft(model: torch.nn.Module, peft_config, gradient_checkpointing: bool) -> torch.nn.Module:
+    """`model` with a fresh trainable adapter of `peft_config`; the base weights are frozen."""
+    check_peft_config(peft_config)
+    from peft import get_peft_model
+
     peft_config = _outside_language_model_excluded(model, peft_config)
     head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
     if gradient_checkpointing:
         # The frozen embedding's output needs grad, or checkpointed layers pass none to the adapters.
         model.enable_input_require_grads()
     wrapped = get_peft_model(model, peft_config)
     _refuse_output_head(wrapped, head)
+    if tied:
+        _refuse_tied_embedding(wrapped, embedding)
     _refuse_frozen_modules(wrapped, model)
     return wrapped
 
@@ -87,19 +99,40 @@ def _refuse_frozen_modules(peft_model, model: torch.nn.Module) -> None:
 
 
 def _refuse_output_head(peft_model, head: torch.nn.Module | None) -> None:
+    name = _wrapping(peft_model, head) if head is not None else None
+    if name is not None:
+        raise ValueError(
+            f"the adapter wraps the output head ({name}): PEFT on lm_head is not supported (the loss "
+            "reads the head's weight directly, and vLLM cannot serve it as an adapter). Remove lm_head "
+            "from target_modules / modules_to_save."
+        )
+
+
+def _refuse_tied_embedding(peft_model, embedding: torch.nn.Module) -> None:
+    """The output head shares the input embedding's weight (`tie_word_embeddings`): merging an
+    adapter into that weight for the servers would change their head as well, while the trainer's
+    head stays the base one, so the served policy would not be the trained one."""
+    name = _wrapping(peft_model, embedding)
+    if name is not None:
+        raise ValueError(
+            f"the adapter wraps the input embedding ({name}) of a model whose output "
+            "head shares its weight (tie_word_embeddings): merged into the served weights it would change "
+            "lm_head too, and PEFT on lm_head is not supported. Remove the embedding from target_modules / "
+            "modules_to_save."
+        )
+
+
+def _wrapping(peft_model, module: torch.nn.Module) -> str | None:
+    """The name of the PEFT layer (LoRA or modules_to_save) around `module`, if any."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
 
-    for name, module in peft_model.named_modules():
-        wrapped_head = (isinstance(module, BaseTunerLayer) and module.get_base_layer() is head) or (
-            isinstance(module, ModulesToSaveWrapper) and module.original_module is head
-        )
-        if head is not None and wrapped_head:
-            raise ValueError(
-                f"the adapter wraps the output head ({name}): PEFT on lm_head is not supported (the loss reads the "
-                "head's weight directly, and vLLM cannot serve it as an adapter). Remove lm_head from "
-                "target_modules / modules_to_save."
-            )
+    for name, candidate in peft_model.named_modules():
+        if (isinstance(candidate, BaseTunerLayer) and candidate.get_base_layer() is module) or (
+            isinstance(candidate, ModulesToSaveWrapper) and candidate.original_module is module
+        ):
+            return name
+    return None
 
 
 def active_config(peft_model):
@@ -113,6 +146,13 @@ def adapter_rank(peft_model) -> int:
     return max([int(config.r), *(int(rank) for rank in (config.rank_pattern or {}).values())])
 
 
+# init_lora_weights values that only set the adapter's first weights and leave the base model as
+# loaded (the others rewrite the base weights at wrapping time). True/False are LoRA's own inits.
+_INITS_LEAVING_THE_BASE = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+# LoraConfig options vLLM 0.32 refuses when it loads an adapter.
+_UNSERVED_LORA_OPTIONS = ("alora_invocation_tokens", "layer_replication", "use_bdlora", "use_qalora")
+
+
 def adapter_unservable_reason(peft_model) -> str | None:
     """Why vLLM cannot load the active adapter as a runtime LoRA adapter; None when it can."""
     from peft import LoraConfig
@@ -124,9 +164,17 @@ def adapter_unservable_reason(peft_model) -> str | None:
     if config.use_dora:
         return "it uses DoRA (use_dora=True), which vLLM does not serve"
     if config.modules_to_save:
-        return f"it trains whole modules (modules_to_save={list(config.modules_to_save)}), which vLLM does not serve"
+        modules = list(config.modules_to_save)
+        return f"it trains whole modules (modules_to_save={modules}), which vLLM does not serve"
     if config.bias != "none" or getattr(config, "lora_bias", False):
         return "it trains biases (bias / lora_bias), which vLLM does not serve"
+    init = config.init_lora_weights
+    if isinstance(init, str) and init.lower() not in _INITS_LEAVING_THE_BASE:
+        # PiSSA, OLoRA, CorDA, LoftQ: the trained base is not the one the servers hold.
+        return f"init_lora_weights={init!r} changes the base weights, which the servers do not have"
+    unserved = [name for name in _UNSERVED_LORA_OPTIONS if getattr(config, name, None)]
+    if unserved:
+        return f"it sets {unserved[0]}, which vLLM does not serve"
     embedded = [name for name, module in peft_model.named_modules() if isinstance(module, LoraEmbedding)]
     if embedded:
         return f"it targets embeddings ({embedded[0]}), which vLLM does not serve as LoRA"

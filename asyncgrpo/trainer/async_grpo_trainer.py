@@ -52,12 +52,14 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
-from asyncgrpo.trainer.adapters import is_peft_model, wrap_with_peft
+from asyncgrpo.trainer.adapters import check_peft_config, wrap_with_peft
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,
+    check_epochs_can_end,
     check_launch,
     check_multi_process,
+    check_no_injected_protocols,
     check_prompt_lengths,
     check_reward_funcs,
     check_transformers_version,
@@ -78,8 +80,7 @@ from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch
 from asyncgrpo.trainer.progress import AsyncProgressCallback
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 from asyncgrpo.trainer.run_directory import RunDirectoryCallback
-from asyncgrpo.weight_sync import choose_backend, make_weight_sync
-from asyncgrpo.weight_sync.lora import adapter_sync_for
+from asyncgrpo.weight_sync import LoraAdapterSync, make_sender, make_weight_sync
 from asyncgrpo.weight_sync.merged import sync_policy
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,9 @@ class AsyncGRPOTrainer(Trainer):
         model_id = model if isinstance(model, str) else model.config._name_or_path
         if args is None:
             args = AsyncGRPOConfig(output_dir=f"{Path(model_id).name or 'model'}-AsyncGRPO")
+        # The trainer resolves settings against the model (router_aux_loss_coef, torch_compile) on its
+        # own copy: the caller's `args` stay as given, and can build a second trainer.
+        args = copy.copy(args)
         if reward_funcs is None:
             reward_funcs = []
         elif not isinstance(reward_funcs, (list, tuple)):
@@ -148,21 +152,17 @@ class AsyncGRPOTrainer(Trainer):
         check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args)
         if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
             train_dataset = EnvironmentOwnedData()
-        if rollout_worker is not None or weight_transfer is not None:
-            raise NotImplementedError(
-                "injecting a rollout_worker or weight_transfer object (TRL's protocols) is not supported: subclass "
-                "AsyncRolloutLoop (set loop_cls) to change generation, weight_sync_backend to choose the sync"
-            )
+        check_no_injected_protocols(rollout_worker, weight_transfer)
         streaming = not hasattr(train_dataset, "__len__")
-        if streaming and args.max_steps <= 0:
-            raise ValueError(
-                "an IterableDataset has no length, so epochs cannot end training: set max_steps > 0"
-            )
+        check_epochs_can_end(streaming, args.max_steps)
         check_conversational(train_dataset, environment_factory)
+        if peft_config is not None:
+            check_peft_config(peft_config)  # before the model loads: a refused config costs no download
         revision = (args.model_init_kwargs or {}).get("revision")  # the tokenizer's too, as in TRL
         if isinstance(model, str):
             model = self._load_model(model, args)
-        # Before PEFT wraps it: the frozen vision tower's names are the checkpoint's, and the adapter skips it.
+        # Before PEFT wraps it: the frozen vision tower's names are the checkpoint's, and the adapter skips
+        # it.
         frozen = freeze_outside_language_model(model)  # a vision tower: text-only training never uses it
         if frozen:
             logger.info("froze %d parameters outside the language model (vision tower)", len(frozen))
@@ -180,11 +180,9 @@ class AsyncGRPOTrainer(Trainer):
             use_training_template(processing_class)  # known families only; unknown ones are watched for forks
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
-        # base Trainer would compile the whole model, whose forward this trainer does not call. It gets
-        # a copy with compilation off: the caller's `args` stay as given.
+        # base Trainer would compile the whole model, whose forward this trainer does not call.
         self._compile_layers = args.torch_compile
         if args.torch_compile:
-            args = copy.copy(args)
             args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
         self.reward_funcs = list(reward_funcs)
         self.tools = tools
@@ -374,8 +372,9 @@ class AsyncGRPOTrainer(Trainer):
                 rollout_state = restored
             if self.streaming and (rollout_state.first_untrained_index or rollout_state.consumed_after):
                 logger.warning(
-                    "resuming with an IterableDataset: it cannot be repositioned, so the rollout worker restarts "
-                    "from its first prompt (prompts trained before the checkpoint will be seen again)"
+                    "resuming with an IterableDataset: it cannot be repositioned, so the rollout worker "
+                    "restarts from its first prompt (prompts trained before the checkpoint will be seen "
+                    "again)"
                 )
                 rollout_state.first_untrained_index, rollout_state.consumed_after = 0, []
             elif not self.streaming:
@@ -413,18 +412,18 @@ class AsyncGRPOTrainer(Trainer):
         self._warn_on_dtype_mismatch(server_info)
         self.token_budget = args.token_budget or max_model_len
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
-        adapter_sync = None
-        if is_peft_model(self.model):  # adapter-only sync when the servers run --enable-lora
-            adapter_sync = adapter_sync_for(
-                self.model, server_info, self._client, self._http, args.output_dir, args.max_staleness
-            )
-        if adapter_sync is not None:
-            self._weight_sync = adapter_sync
-        else:
-            backend = choose_backend(args.weight_sync_backend, server_info, self.args.device.type == "cuda")
-            self._weight_sync = make_weight_sync(
-                backend, self._client, self._http, args.output_dir, args.weight_sync_timeout
-            )
+        self._weight_sync = make_sender(
+            args.weight_sync_backend,
+            self.model,
+            server_info,
+            self._client,
+            self._http,
+            args.output_dir,
+            args.weight_sync_timeout,
+            args.max_staleness,
+            trainer_on_gpu=self.args.device.type == "cuda",
+        )
+        adapter_sync = self._weight_sync if isinstance(self._weight_sync, LoraAdapterSync) else None
         self._worker = RolloutWorker(
             self.loop_cls,
             dict(
@@ -601,8 +600,8 @@ class AsyncGRPOTrainer(Trainer):
         else:
             self._nonfinite_streak += 1
             logger.warning(
-                "step %d: non-finite loss (%s) or gradient norm (%s): the optimizer step and the weight sync are "
-                "skipped (%d in a row)",
+                "step %d: non-finite loss (%s) or gradient norm (%s): the optimizer step and the weight "
+                "sync are skipped (%d in a row)",
                 self.state.global_step + 1,
                 loss,
                 grad_norm,
@@ -610,9 +609,10 @@ class AsyncGRPOTrainer(Trainer):
             )
             if self._nonfinite_streak >= MAX_NONFINITE_STEPS:
                 raise NonFiniteTrainingError(
-                    f"{self._nonfinite_streak} steps in a row had a non-finite loss or gradient norm (last: loss "
-                    f"{loss}, gradient norm {grad_norm}); training stopped before the weights were touched. Lower "
-                    "learning_rate, set max_grad_norm, and look at the rewards and advantages of recent steps."
+                    f"{self._nonfinite_streak} steps in a row had a non-finite loss or gradient norm (last: "
+                    f"loss {loss}, gradient norm {grad_norm}); training stopped before the weights were "
+                    "touched. Lower learning_rate, set max_grad_norm, and look at the rewards and "
+                    "advantages of recent steps."
                 )
         model.zero_grad(set_to_none=True)
         return self._now() - started, finite
@@ -632,8 +632,8 @@ class AsyncGRPOTrainer(Trainer):
         barrier_s = time.perf_counter() - waiting
         if not all(finite):
             raise NonFiniteTrainingError(
-                f"the weights of policy version {self._model_version} hold inf or NaN: they were not sent to the "
-                "vLLM server. The optimizer produced them from finite gradients: lower learning_rate."
+                f"the weights of policy version {self._model_version} hold inf or NaN: they were not sent to "
+                "the vLLM server. The optimizer produced them from finite gradients: lower learning_rate."
             )
         timings, sent_bytes = sync_policy(self._weight_sync, unwrapped, self._model_version)
         self._window.record("perf/weight_sync_bytes", sent_bytes)
@@ -822,7 +822,8 @@ class AsyncGRPOTrainer(Trainer):
             text_config = self.model.config.get_text_config()
             hybrid = "linear_attention" in (getattr(text_config, "layer_types", None) or [])
             remedy = (
-                "vLLM-CPU serves Gated DeltaNet models in bfloat16 only; on a GPU serve them in the trainer's dtype."
+                "vLLM-CPU serves Gated DeltaNet models in bfloat16 only; on a GPU serve them in the "
+                "trainer's dtype."
                 if hybrid
                 else f"Serve with `--dtype {trained}`."
             )

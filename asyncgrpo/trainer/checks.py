@@ -26,12 +26,29 @@ def check_reward_funcs(reward_funcs: list[Any]) -> None:
         if isinstance(function, str) or isinstance(function, torch.nn.Module):
             raise ValueError(
                 f"reward_funcs[{index}] is {'a model id' if isinstance(function, str) else 'a model'} "
-                f"({function if isinstance(function, str) else type(function).__name__}): reward models are not "
-                "supported. Pass a Python callable; to score with a model, serve it (vLLM, TGI...) and call it "
-                "from an async reward function."
+                f"({function if isinstance(function, str) else type(function).__name__}): reward models are "
+                "not supported. Pass a Python callable; to score with a model, serve it (vLLM, TGI...) and "
+                "call it from an async reward function."
             )
         if not callable(function):
             raise ValueError(f"reward_funcs[{index}] ({function!r}) is not callable")
+
+
+def check_no_injected_protocols(rollout_worker, weight_transfer) -> None:
+    """TRL's trainer accepts its own rollout-worker and weight-transfer objects; this one has other
+    customisation points."""
+    if rollout_worker is not None or weight_transfer is not None:
+        raise NotImplementedError(
+            "injecting a rollout_worker or weight_transfer object (TRL's protocols) is not supported: "
+            "subclass AsyncRolloutLoop (set loop_cls) to change generation, weight_sync_backend to "
+            "choose the sync"
+        )
+
+
+def check_epochs_can_end(streaming: bool, max_steps: int) -> None:
+    """Without max_steps, epochs counted in prompts end training: a dataset without a length has none."""
+    if streaming and max_steps <= 0:
+        raise ValueError("an IterableDataset has no length, so epochs cannot end training: set max_steps > 0")
 
 
 def check_conversational(dataset, environment_factory: Callable | None) -> None:
@@ -89,9 +106,9 @@ def check_prompt_lengths(
         length = render(prompt)
         if length >= max_model_len:
             raise ValueError(
-                f"train_dataset row {index}: its prompt is {length} tokens after the chat template, which leaves "
-                f"no room to generate under the vLLM server's max_model_len={max_model_len}. Shorten or filter "
-                "such prompts, or restart the server with a larger --max-model-len."
+                f"train_dataset row {index}: its prompt is {length} tokens after the chat template, which "
+                f"leaves no room to generate under the vLLM server's max_model_len={max_model_len}. Shorten "
+                "or filter such prompts, or restart the server with a larger --max-model-len."
             )
 
 
@@ -136,13 +153,13 @@ def check_agent_inputs(reward_funcs: list, train_dataset, tools: list, environme
             raise ValueError("train_dataset is required (it must have a conversational 'prompt' column)")
         if isinstance(environment_factory, dict):
             raise ValueError(
-                "environment_factory is a dict but there is no train_dataset: the dataset's 'environment' column "
-                "routes each rollout to its environment"
+                "environment_factory is a dict but there is no train_dataset: the dataset's 'environment' "
+                "column routes each rollout to its environment"
             )
         if args.max_steps <= 0:
             raise ValueError(
-                "environment_factory without train_dataset: the environment owns the data, so there are no epochs "
-                "to end training; set max_steps > 0 in AsyncGRPOConfig"
+                "environment_factory without train_dataset: the environment owns the data, so there are no "
+                "epochs to end training; set max_steps > 0 in AsyncGRPOConfig"
             )
     check_routing(environment_factory, train_dataset)
     factories = (

@@ -28,8 +28,9 @@ def read_fsdp_launch(plugin) -> FsdpLaunch | None:
     offload = getattr(plugin, "cpu_offload", None)
     if type(offload).__name__ == "CPUOffloadPolicy" or getattr(offload, "offload_params", False):
         raise ValueError(
-            "the accelerate FSDP config sets fsdp_offload_params: true, which asyncgrpo does not support (the "
-            "weight sync and the packed forward need the parameters on the training device); set it to false"
+            "the accelerate FSDP config sets fsdp_offload_params: true, which asyncgrpo does not support "
+            "(the weight sync and the packed forward need the parameters on the training device); set it to "
+            "false"
         )
     notes = []
     version = getattr(plugin, "fsdp_version", 1) or 1

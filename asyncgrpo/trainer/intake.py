@@ -188,9 +188,10 @@ class SampleIntake:
                 )
                 raise TrainingComplete
             raise NoTrainingSignalError(
-                f"the last {streak} prompts (a whole pass over the dataset) produced nothing to train on: every "
-                "group's rollouts got equal rewards (or every prompt was filtered out), so no advantage is "
-                "non-zero. Check the reward functions (logged as rewards/<name>/mean) against a few "
+                f"the last {streak} prompts (a whole pass over the dataset) produced "
+                "nothing to train on: every group's rollouts got equal rewards (or "
+                "every prompt was filtered out), so no advantage is non-zero. Check "
+                "the reward functions (logged as rewards/<name>/mean) against a few "
                 "completions, or make the task easier for the model." + self._reward_note()
             )
 

@@ -1,5 +1,6 @@
-"""Pushing the trainer's weights to the vLLM servers: backends behind one small interface, chosen in
-one place (`make_weight_sync`)."""
+"""Pushing the trainer's weights to the vLLM servers: backends behind one small interface, chosen and
+built in one place: `make_sender` on the process that talks to the servers, `make_weight_sync(name,
+is_sender=False)` on the others, by the name the sender's backend reports."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 
 from asyncgrpo.config import WEIGHT_SYNC_BACKENDS
 from asyncgrpo.generation.server_info import ServerInfo
+from asyncgrpo.trainer.adapters import is_peft_model
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
-from asyncgrpo.weight_sync.lora import LoraAdapterSync
+from asyncgrpo.weight_sync.lora import LoraAdapterSync, adapter_sync_for
 from asyncgrpo.weight_sync.nccl import NcclWeightSync, vllm_at_least
 from asyncgrpo.weight_sync.transport import NcclTransport
 
@@ -55,6 +57,28 @@ def make_weight_sync(
     raise ValueError(f"unknown weight-sync backend {backend!r} (one of {WEIGHT_SYNC_BACKENDS})")
 
 
+def make_sender(
+    requested: str,
+    model,
+    info: ServerInfo | None,
+    client,
+    loop,
+    output_dir: str | Path,
+    timeout_s: float,
+    max_staleness: int,
+    trainer_on_gpu: bool,
+) -> WeightSyncBackend:
+    """Rank 0's backend: the adapter alone when the model carries a PEFT adapter that the servers
+    (started with --enable-lora) can load; otherwise the backend `choose_backend` names for
+    `weight_sync_backend`, with its NCCL transport."""
+    if is_peft_model(model):
+        adapter_sync = adapter_sync_for(model, info, client, loop, output_dir, max_staleness)
+        if adapter_sync is not None:
+            return adapter_sync
+    backend = choose_backend(requested, info, trainer_on_gpu)
+    return make_weight_sync(backend, client, loop, output_dir, timeout_s)
+
+
 __all__ = [
     "FilesystemWeightSync",
     "LoraAdapterSync",
@@ -62,5 +86,6 @@ __all__ = [
     "SyncTimings",
     "WeightSyncBackend",
     "choose_backend",
+    "make_sender",
     "make_weight_sync",
 ]

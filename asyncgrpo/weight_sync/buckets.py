@@ -43,18 +43,3 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[range]:
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One flat uint8 tensor holding the tensors' bytes back to back (on their device)."""
     return torch.cat([tensor.contiguous().view(-1).view(torch.uint8) for tensor in tensors])
-
-
-def unpack(
-    buffer: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]
-) -> list[torch.Tensor]:
-    """Inverse of `pack`: views of `buffer` with the given shapes and dtypes."""
-    sizes = [tensor_bytes(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
-    if sum(sizes) != buffer.numel():
-        raise ValueError(f"bucket holds {buffer.numel()} bytes, its metadata says {sum(sizes)}")
-    tensors = []
-    for piece, shape, dtype in zip(buffer.split(sizes), shapes, dtypes):
-        if piece.storage_offset() % dtype.itemsize:
-            piece = piece.clone()  # a view needs an offset aligned to the element size
-        tensors.append(piece.view(dtype).view(tuple(shape)))
-    return tensors

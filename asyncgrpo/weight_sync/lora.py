@@ -52,8 +52,8 @@ def check_lora_server(max_rank: int, max_loras: int, url: str, rank: int, max_st
         problems.append(f"--max-lora-rank {max_rank} is below the adapter's rank r={rank}")
     if max_loras < max_staleness + 2:
         problems.append(
-            f"--max-loras {max_loras} is below max_staleness + 2 = {max_staleness + 2} (max_staleness + 1 versions "
-            "stay loaded, and each sync loads the next one before unloading the oldest)"
+            f"--max-loras {max_loras} is below max_staleness + 2 = {max_staleness + 2} (max_staleness + 1 "
+            "versions stay loaded, and each sync loads the next one before unloading the oldest)"
         )
     if problems:
         raise ValueError(
