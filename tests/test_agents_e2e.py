@@ -220,10 +220,10 @@ def increment_warm_start(out_dir: Path, seed: int = 0) -> tuple[Path, float, flo
     return out_dir, right, well_formed
 
 
-# A policy that collapses (every group scoring the same, e.g. all 0) brings no sample to train on, and
-# with environment-owned data (no pass over a dataset) the trainer waits for one without end: seen
-# once, at step 9 of 18. The timeout turns that into a failure (the slowest passing run, on a loaded
-# 2-core machine, took 24 minutes).
+# A policy that collapses (every group scoring the same, e.g. all 0) brings no sample to train on: seen
+# once, at step 9 of 18. The trainer then stops with NoTrainingSignalError after 1,000 such prompts
+# (environment-owned data has no pass to wait out; it used to wait without end). The timeout is the
+# last guard (the slowest passing run, on a loaded 2-core machine, took 24 minutes).
 @pytest.mark.timeout(2400)
 def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
     warm_dir, right, well_formed = increment_warm_start(tmp_path / "warm")

@@ -247,6 +247,19 @@ def test_a_group_with_samples_restarts_the_streak():
     assert drain_a_pass([(1.0, 0)] * 3 + [(1.0, 2)] + [(1.0, 0)] * 3) is None  # 3 < a pass of 4
 
 
+def test_data_without_a_length_counts_a_fixed_number_of_prompts_as_a_pass(monkeypatch):
+    """Streaming or environment-owned data: a policy collapsed to equal rewards is not waited on
+    forever (it was, with an environment)."""
+    from asyncgrpo.trainer import intake
+
+    monkeypatch.setattr(intake, "UNBOUNDED_PASS_PROMPTS", 5)
+    collapsed = [(1.0, 2)] + [(0.0, 0)] * 5  # trained at reward 1.0, then every group at 0
+    assert drain_a_pass(collapsed[:-1], prompts=None) is None  # 4 < 5
+    verdict = drain_a_pass(collapsed, prompts=None)
+    assert isinstance(verdict, intake.NoTrainingSignalError), verdict
+    assert "the last 5 prompts (data without a length" in str(verdict)
+
+
 def test_waiting_for_a_rollout_place_is_bounded():
     async def scenario():
         slots = RolloutSlots(1, stall_timeout_s=0.2)

@@ -450,7 +450,8 @@ class AsyncGRPOTrainer(Trainer):
             self.token_budget,
             num_rows=self.accelerator.num_processes,
             rows_per_step=args.gradient_accumulation_steps * self.accelerator.num_processes,
-            # Environment-owned data has no pass over prompts: one degenerate group is not a dead dataset.
+            # Environment-owned data has no pass over prompts (its length is not a pass: one degenerate
+            # group is not a dead dataset); the intake then counts a fixed number of prompts as one.
             prompts_per_epoch=None
             if self.streaming or isinstance(self.train_dataset, EnvironmentOwnedData)
             else len(self.train_dataset),

@@ -44,6 +44,13 @@ class ServersLostWeights(Exception):
         self.urls = urls
 
 
+# Data without a length (a streaming dataset, environment-owned episodes) has no pass to wait out: this
+# many prompts in a row with nothing to train on count as one. Without it a policy that collapsed to
+# equal rewards was waited on forever (seen with an environment); dropped groups do not use the token
+# allowance, so the worker keeps generating and the streak grows at generation speed.
+UNBOUNDED_PASS_PROMPTS = 1000
+
+
 @dataclass
 class RewardStreak:
     """What the groups since the last one with samples scored. When a whole pass over the prompts
@@ -177,18 +184,25 @@ class SampleIntake:
         if self.stop_condition():
             raise TrainingComplete
         streak = self.ledger.prompts_without_samples_streak
-        if self.prompts_per_epoch and streak >= self.prompts_per_epoch:
+        span = self.prompts_per_epoch or UNBOUNDED_PASS_PROMPTS
+        if streak >= span:
+            what = (
+                "a whole pass over the dataset"
+                if self.prompts_per_epoch
+                else "data without a length, so that many in a row count as a pass"
+            )
             if self.rewards.solved:
                 logger.warning(
-                    "every group of the last %d prompts (a whole pass over the dataset) got reward %.4g on "
-                    "all its rollouts, the best this run has seen: the policy solves the training set, and "
-                    "groups with equal rewards carry no signal. Training ends here, as at max_steps.",
+                    "every group of the last %d prompts (%s) got reward %.4g on all its rollouts, the best "
+                    "this run has seen: the policy solves the training set, and groups with equal rewards "
+                    "carry no signal. Training ends here, as at max_steps.",
                     streak,
+                    what,
                     self.rewards.best,
                 )
                 raise TrainingComplete
             raise NoTrainingSignalError(
-                f"the last {streak} prompts (a whole pass over the dataset) produced "
+                f"the last {streak} prompts ({what}) produced "
                 "nothing to train on: every group's rollouts got equal rewards (or "
                 "every prompt was filtered out), so no advantage is non-zero. Check "
                 "the reward functions (logged as rewards/<name>/mean) against a few "
