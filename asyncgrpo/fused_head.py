@@ -6,12 +6,20 @@ division by the temperature, log_softmax, exp, a product and a sum each read and
 to bf16 and its bf16 gradient cast back for every chunk. Over a 152k vocabulary that elementwise
 traffic, not the head's matmul, dominated the head's time on an H200.
 
-Here, per chunk, forward runs the head's matmul once (bf16 out under autocast) and one fused pass
-(compiled on CUDA) that reduces the logits to what the loss reads: log p(target), entropy, log p at
-the sampler's top-N ids and the log-normalizer. Only the hidden states and (E,) statistics are kept.
-Backward recomputes the chunk's logits, builds d loss / d logits in closed form in one more fused
-pass, and runs the two gradient matmuls; the weight is cast once per call and its gradient
-accumulated in fp32. Same function, same gradients as the unfused path (tests/test_fused_head.py).
+Here, per chunk, forward runs the head's matmul once (bf16 out under autocast) and one pass that
+reduces the logits to what the loss reads: log p(target), entropy, log p at the sampler's top-N ids
+and the log-normalizer. Backward builds d loss / d logits in closed form in one more pass, in place
+over the logits, and runs the two gradient matmuls; the weight is cast once per call and its
+gradient accumulated in fp32. On CUDA the two passes are Triton kernels (`head_kernels`, one read of
+the logits forward, one read and one write backward); elsewhere they are the torch functions below,
+which are also their reference (tests/test_fused_head.py).
+
+What is kept between forward and backward (`keep_logits`):
+- False: the hidden states and (E,) statistics only; each chunk's logits are recomputed in backward
+  (one more head matmul, ~1/3 of the head's FLOPs).
+- True: the whole (E, V) head output, E x V x 2 bytes under bf16 (4 GB for 13k trained tokens over a
+  152k vocabulary), and no recomputation. The trainer picks it when the row's memory plan has room
+  (`trainer/activation_memory.py`).
 
 For outputs y_t = log p_t (target and top-N ids) and H = -sum_v p_v log p_v, with z the transformed
 logits (scale, softcap, / temperature, candidate mask):
@@ -31,7 +39,9 @@ def _widened(raw: torch.Tensor) -> torch.Tensor:
     return raw.to(torch.promote_types(raw.dtype, torch.float32))
 
 
-def _transform(raw: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
+def transform_logits(
+    raw: torch.Tensor, scale: float, softcap: float | None, temperature: float
+) -> torch.Tensor:
     """raw head output (C, V) -> the logits the sampler's softmax reads, in fp32 at least."""
     logits = _widened(raw)
     if scale != 1.0:
@@ -43,7 +53,7 @@ def _transform(raw: torch.Tensor, scale: float, softcap: float | None, temperatu
 
 def _chunk_forward(raw, targets, top_ids, allowed, scale: float, softcap, temperature: float):
     """(C, V) head output -> log p(target) (C,), entropy (C,), top log p (C, N) or None, lse (C,)."""
-    z = _transform(raw, scale, softcap, temperature)
+    z = transform_logits(raw, scale, softcap, temperature)
     if allowed is not None:
         z = z.masked_fill(~allowed, NEG_INF)
     lse = torch.logsumexp(z, dim=-1)
@@ -58,9 +68,10 @@ def _chunk_forward(raw, targets, top_ids, allowed, scale: float, softcap, temper
 
 
 def _chunk_backward(raw, lse, entropy, targets, top_ids, allowed, g_target, g_entropy, g_top,
-                    scale: float, softcap, temperature: float, out_dtype: torch.dtype):  # fmt: skip
-    """d loss / d raw head output (C, V) in `out_dtype`, from the gradients of the three outputs."""
-    z = _transform(raw, scale, softcap, temperature)
+                    scale: float, softcap, temperature: float, out_dtype: torch.dtype, out=None):  # fmt: skip
+    """d loss / d raw head output (C, V) in `out_dtype`, from the gradients of the three outputs;
+    written into `out` when given (it may be `raw` itself)."""
+    z = transform_logits(raw, scale, softcap, temperature)
     if allowed is not None:
         z = z.masked_fill(~allowed, NEG_INF)
     logp = z - lse[:, None]
@@ -81,7 +92,7 @@ def _chunk_backward(raw, lse, entropy, targets, top_ids, allowed, g_target, g_en
         grad = grad * (1.0 - capped * capped)
     if scale != 1.0:
         grad = grad * scale
-    return grad.to(out_dtype)
+    return grad.to(out_dtype) if out is None else out.copy_(grad)
 
 
 def candidate_mask(sizes: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -98,11 +109,13 @@ def candidate_mask(sizes: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> t
 
 @functools.cache
 def _kernels(device_type: str):
-    """The two fused passes: compiled on CUDA (one or two kernels each instead of ~10 passes over
-    (C, V)); eager elsewhere, so the CPU path compiles nothing."""
+    """The two passes: Triton kernels on CUDA, the torch functions above elsewhere (the CPU path
+    compiles nothing)."""
     if device_type != "cuda":
         return _chunk_forward, _chunk_backward
-    return torch.compile(_chunk_forward, dynamic=True), torch.compile(_chunk_backward, dynamic=True)
+    from asyncgrpo import head_kernels  # imports Triton, which CPU-only installs lack
+
+    return head_kernels.chunk_forward, head_kernels.chunk_backward
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -115,10 +128,15 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 class FusedHeadLogprobs(torch.autograd.Function):
     """hidden (E, H), weight (V, H), bias (V,) or None -> log p(target) (E,), entropy (E,), top log p
     (E, N) or None. `chunks`: list of (start, stop, candidates) covering 0..E, candidates = (set sizes
-    (C,), ids) or None; each chunk's (C, V) mask is rebuilt when needed, never kept."""
+    (C,), ids) or None; each chunk's (C, V) mask is rebuilt when needed, never kept. `keep_logits`
+    (one chunk only): keep its head output for backward instead of recomputing it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, top_ids, chunks, scale, softcap, temperature):
+    def forward(
+        ctx, hidden, weight, bias, targets, top_ids, chunks, scale, softcap, temperature, keep_logits
+    ):
+        if keep_logits and len(chunks) != 1:
+            raise ValueError(f"keep_logits needs the entries as one chunk, got {len(chunks)}")
         dtype = _compute_dtype(hidden)
         forward_kernel, _ = _kernels(hidden.device.type)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -137,6 +155,9 @@ class FusedHeadLogprobs(torch.autograd.Function):
         top_logp = None if top_ids is None else torch.cat([o[2] for o in outputs])
         lse = torch.cat([o[3] for o in outputs])
         ctx.save_for_backward(hidden, weight, bias, targets, top_ids, lse, entropy)
+        # Not saved tensors: the first backward overwrites the logits with their gradient and drops
+        # them, so a second one (retain_graph) recomputes them instead of reading the gradient.
+        ctx.kept_logits, ctx.cast_weight = (raw, w) if keep_logits else (None, None)
         ctx.chunks, ctx.scale, ctx.softcap, ctx.temperature, ctx.dtype = (
             chunks,
             scale,
@@ -151,44 +172,41 @@ class FusedHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_target, g_entropy, g_top):
         hidden, weight, bias, targets, top_ids, lse, entropy = ctx.saved_tensors
+        kept, w = ctx.kept_logits, ctx.cast_weight
+        ctx.kept_logits = ctx.cast_weight = None
         dtype = ctx.dtype
         _, backward_kernel = _kernels(hidden.device.type)
         if g_target is None:
             g_target = torch.zeros_like(lse)
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = (
-            torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
-            if want_weight
-            else None
-        )
-        grad_bias = (
-            torch.zeros_like(bias, dtype=grad_weight.dtype if grad_weight is not None else torch.float32)
-            if want_bias
-            else None
-        )
+        grad_weight = grad_bias = None  # accumulated in fp32 at least
+        accumulate_dtype = torch.promote_types(weight.dtype, torch.float32)
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
+            if w is None:
+                w = weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
             for start, stop, candidates in ctx.chunks:
                 allowed = None if candidates is None else candidate_mask(*candidates, w.shape[0])
                 h = hidden[start:stop].to(dtype)
-                raw = torch.nn.functional.linear(h, w, b)
+                raw = kept if kept is not None else torch.nn.functional.linear(h, w, b)
                 rows = slice(start, stop)
                 grad_raw = backward_kernel(
                     raw, lse[rows], entropy[rows], targets[rows],
                     None if top_ids is None else top_ids[rows], allowed, g_target[rows],
                     None if g_entropy is None else g_entropy[rows], None if g_top is None else g_top[rows],
-                    ctx.scale, ctx.softcap, ctx.temperature, dtype,
+                    ctx.scale, ctx.softcap, ctx.temperature, dtype, out=raw,
                 )  # fmt: skip
                 if grad_hidden is not None:
                     grad_hidden[rows] = (grad_raw @ w).to(hidden.dtype)
-                if grad_weight is not None:
-                    grad_weight += grad_raw.t() @ h
-                if grad_bias is not None:
-                    grad_bias += grad_raw.sum(0)
+                if want_weight:
+                    part = grad_raw.t() @ h
+                    grad_weight = part.to(accumulate_dtype) if grad_weight is None else grad_weight.add_(part)
+                if want_bias:
+                    part = grad_raw.sum(0)
+                    grad_bias = part.to(accumulate_dtype) if grad_bias is None else grad_bias.add_(part)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None

@@ -11,8 +11,9 @@ the entry's candidate set when the sampler used top-k / top-p (an empty set = fu
 so that the importance ratio compares like with like.
 
 On CUDA the same function runs fused (`fused_head.FusedHeadLogprobs`): the logits of a chunk are
-reduced to the (E,) statistics in one compiled pass and rebuilt in backward, which removes most of
-the (C, V) fp32 elementwise traffic; elsewhere (CPU) the plain chunked path below runs.
+reduced to the (E,) statistics in one Triton pass and rebuilt in backward (or, with `keep_logits`,
+kept for it), which removes most of the (C, V) fp32 elementwise traffic; elsewhere (CPU) the plain
+chunked path below runs.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def token_logprobs(
     candidate_ids: torch.Tensor | None = None,
     chunk_size: int | None = None,
     fused: bool | None = None,
+    keep_logits: bool = False,
 ) -> TokenLogprobs:
     """Log p(target), entropy and log p at the sampler's top-N ids, per entry.
 
@@ -118,7 +120,8 @@ def token_logprobs(
     fp32 tensors (about 4 x 1024 x 150k x 4 bytes = 2.5 GB at the default and a 150k vocabulary).
     fused: None = on CUDA (see the module doc). chunk_size: None = 1024 unfused, 4096 fused (the
     fused path keeps no (C, V) tensor between chunks, and fewer chunks mean fewer passes of the fp32
-    weight-gradient accumulation).
+    weight-gradient accumulation). keep_logits (fused path, no candidate sets): one chunk, whose
+    (E, V) head output is kept for backward instead of recomputed (see `fused_head`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
@@ -138,6 +141,9 @@ def token_logprobs(
     if not isinstance(head, OutputHead):
         head = OutputHead(head)
     num_entries = hidden.shape[0]
+    keep_logits = keep_logits and fused and candidate_offsets is None
+    if keep_logits:
+        chunk_size = max(num_entries, 1)
     if targets.shape != (num_entries,) or (top_ids is not None and top_ids.shape[0] != num_entries):
         raise ValueError(f"hidden has {num_entries} entries; targets and top_ids must have as many rows")
     if candidate_offsets is not None:
@@ -156,7 +162,14 @@ def token_logprobs(
         if not grad_wanted:
             inputs = tuple(None if t is None else t.detach() for t in inputs)
         logprobs, entropy, top = FusedHeadLogprobs.apply(
-            *inputs, targets, top_ids, chunks, head.scale, head.softcap, temperature
+            *inputs,
+            targets,
+            top_ids,
+            chunks,
+            head.scale,
+            head.softcap,
+            temperature,
+            keep_logits and grad_wanted,
         )
         return TokenLogprobs(logprobs, entropy, top)
     parts = []
@@ -178,8 +191,16 @@ def token_logprobs(
     )
 
 
-def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
-    return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(device)
+def to_device(array: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+    """A row's host array on `device`. To a GPU through pinned memory and without waiting: a plain
+    copy from pageable memory synchronizes the stream, so the GPU would drain the previous row's
+    backward and idle while this row's masks are built and its first kernels launched."""
+    if array is None:
+        return None
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 # Under FSDP2 the packed forward is registered as a forward method of the root module (see
@@ -194,6 +215,7 @@ def row_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     router_aux_loss: bool = False,
+    keep_logits: bool = False,
 ) -> TokenLogprobs:
     """Forward one packed row through `model` (switched with `enable_tree_attention`) and return the
     log-probs of its E loss entries, in entry order; with `router_aux_loss`, also the MoE
@@ -211,28 +233,32 @@ def row_logprobs(
     # Padding: token 0 at position 0; it attends only to itself and no entry reads it.
     input_ids = torch.zeros(length, dtype=torch.int64, device=device)
     position_ids = torch.zeros(length, dtype=torch.int64, device=device)
-    input_ids[:num_tokens] = _tensor(row.input_ids, device)
-    position_ids[:num_tokens] = _tensor(row.position_ids, device)
+    input_ids[:num_tokens] = to_device(row.input_ids, device)
+    position_ids[:num_tokens] = to_device(row.position_ids, device)
     masks = tree_attention_masks(
-        config, _tensor(row.subtree_end, device), position_ids[:num_tokens], _tensor(row.segment_ids, device)
+        config,
+        to_device(row.subtree_end, device),
+        position_ids[:num_tokens],
+        to_device(row.segment_ids, device),
     )
     token_weights = None
     if router_aux_loss:
         token_weights = torch.zeros(length, dtype=torch.float32, device=device)  # padding weighs 0
-        token_weights[:num_tokens] = _tensor(row.token_multiplicity, device).float()
+        token_weights[:num_tokens] = to_device(row.token_multiplicity, device).float()
     forward = getattr(model, PACKED_FORWARD_METHOD, None) or (lambda *args: packed_forward(model, *args))
     logprobs, entropy, top_logprobs, aux_loss = forward(
         input_ids,
         position_ids,
         masks,
-        _tensor(row.predict_index, device),
-        _tensor(row.target_ids, head_device),
+        to_device(row.predict_index, device),
+        to_device(row.target_ids, head_device),
         temperature,
-        _tensor(row.top_ids, head_device),
-        _tensor(row.candidate_offsets, head_device),
-        _tensor(row.candidate_ids, head_device),
+        to_device(row.top_ids, head_device),
+        to_device(row.candidate_offsets, head_device),
+        to_device(row.candidate_ids, head_device),
         chunk_size,
         token_weights,
+        keep_logits,
     )
     return TokenLogprobs(logprobs, entropy, top_logprobs, aux_loss)
 
@@ -250,6 +276,7 @@ def packed_forward(
     candidate_ids: torch.Tensor | None,
     chunk_size: int | None,
     router_token_weights: torch.Tensor | None = None,  # (L,): ask for the MoE load-balancing loss
+    keep_logits: bool = False,  # token_logprobs: keep the head output for backward
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The decoder on the packed row, then the head on the E predicting positions only. Returns a
     tuple of tensors (what FSDP2's forward hooks can track): logprobs, entropy, top_logprobs and
@@ -277,5 +304,6 @@ def packed_forward(
         candidate_offsets=candidate_offsets,
         candidate_ids=candidate_ids,
         chunk_size=chunk_size,
+        keep_logits=keep_logits,
     )
     return result.logprobs, result.entropy, result.top_logprobs, aux_loss

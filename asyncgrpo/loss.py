@@ -46,6 +46,9 @@ class LossInputs:
     entropy: torch.Tensor | None = None  # (E,) trainer entropy, for the metric
     top_logprobs: torch.Tensor | None = None  # (E, N) trainer log p_v at the sampler's top-N ids, -inf padded
     sampler_top_logprobs: torch.Tensor | None = None  # (E, N) sampler's top-N log-probs, -inf padded
+    # More than the largest entry_sample, known on the host: the per-sample metrics then need no
+    # device-to-host read (a GPU sync mid-step). None: read from entry_sample.
+    num_samples: int | None = None
 
 
 def importance_ratio(
@@ -165,7 +168,7 @@ def _shared_metrics(
     logp_diff = (x.logprobs.detach() - x.sampler_logprobs).abs()
     low = (rho < 1.0 - epsilon) & (advantages < 0)
     high = (rho > 1.0 + epsilon_high) & (advantages > 0)
-    low_per_sample, high_per_sample = _per_sample_fractions(x.entry_sample, low, high)
+    low_per_sample, high_per_sample = _per_sample_fractions(x.entry_sample, low, high, x.num_samples)
     metrics = {
         "sampling/sampling_logp_difference/mean": Stat(Reduce.MEAN, logp_diff.sum(), count),
         "sampling/sampling_logp_difference/max": Stat(Reduce.MAX, logp_diff.max()),
@@ -175,9 +178,9 @@ def _shared_metrics(
         "sampling/masked_mean": Stat(Reduce.MEAN, (~mask).sum().float(), count),
         "clip_ratio/region_mean": Stat(Reduce.MEAN, (low | high).sum().float(), count),
         "clip_ratio/low_mean": Stat(Reduce.MEAN, low.sum().float(), count),
-        "clip_ratio/low_min": Stat(Reduce.MIN, low_per_sample.min()),
+        "clip_ratio/low_min": Stat(Reduce.MIN, low_per_sample),
         "clip_ratio/high_mean": Stat(Reduce.MEAN, high.sum().float(), count),
-        "clip_ratio/high_max": Stat(Reduce.MAX, high_per_sample.max()),
+        "clip_ratio/high_max": Stat(Reduce.MAX, high_per_sample),
     }
     if x.entropy is not None:
         metrics["entropy"] = Stat(Reduce.MEAN, x.entropy.detach().sum(), count)
@@ -185,12 +188,18 @@ def _shared_metrics(
 
 
 def _per_sample_fractions(
-    entry_sample: torch.Tensor, low: torch.Tensor, high: torch.Tensor
+    entry_sample: torch.Tensor, low: torch.Tensor, high: torch.Tensor, num_samples: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S',) fractions of each sample's trained tokens clipped low / high, over samples with entries."""
+    """The smallest fraction of a sample's trained tokens clipped low and the largest clipped high,
+    over the samples that have entries (0-d tensors)."""
     entry_sample = entry_sample.long()
-    counts = torch.bincount(entry_sample)
+    if num_samples is None:
+        num_samples = int(entry_sample.max()) + 1
+    counts = torch.zeros(num_samples, dtype=torch.float32, device=entry_sample.device)
+    counts.index_add_(0, entry_sample, torch.ones_like(low, dtype=torch.float32))
+    low_count = torch.zeros_like(counts).index_add_(0, entry_sample, low.float())
+    high_count = torch.zeros_like(counts).index_add_(0, entry_sample, high.float())
     present = counts > 0
-    low_count = torch.bincount(entry_sample, weights=low.float(), minlength=len(counts))
-    high_count = torch.bincount(entry_sample, weights=high.float(), minlength=len(counts))
-    return (low_count / counts.clamp(min=1))[present], (high_count / counts.clamp(min=1))[present]
+    low_fraction = torch.where(present, low_count / counts.clamp(min=1), torch.inf)
+    high_fraction = torch.where(present, high_count / counts.clamp(min=1), -torch.inf)
+    return low_fraction.min(), high_fraction.max()

@@ -1,7 +1,7 @@
 """The whole optimizer step at the trainer's default settings on one GPU: MFU, profile, memory.
 
 The step is built by `AsyncGRPOTrainer` itself (its defaults, its model preparation, its
-`_forward_backward` with `row_loss` and its `_optimizer_step`: clipping + AdamW), on random weights
+`_forward_backward_step`: `row_loss` per row, then clipping + AdamW), on random weights
 of the Qwen3-1.7B shape held in fp32 (the trainer's `dtype` default) with no vLLM server: only the
 samples are synthetic. Phases (one call, device time is scarce; a short table is printed last):
   1. the card's bf16 matmul peak (8192^3), the ceiling MFU is measured against;
@@ -21,6 +21,7 @@ Prints `gpu_step mfu=X target=0.45` last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -46,8 +47,10 @@ from asyncgrpo.packing.trie import pack_row  # noqa: E402
 from asyncgrpo.perf import flop_model  # noqa: E402
 from asyncgrpo.sample import Sample  # noqa: E402
 from asyncgrpo.tiny_model import build_tokenizer  # noqa: E402
+from asyncgrpo.trainer.activation_memory import RowMemoryPlan  # noqa: E402
 from asyncgrpo.trainer.distributed import Processes  # noqa: E402
 from asyncgrpo.trainer.intake import StepBatch  # noqa: E402
+from asyncgrpo.trainer.optimizer_step import takes_device_decisions  # noqa: E402
 
 TARGET = 0.45
 # Name fragments of fla-core's gated delta rule kernels (Gated DeltaNet hybrids, gpu_step_qwen3_5.py).
@@ -56,6 +59,7 @@ TOP_N = 8
 # name -> (AsyncGRPOConfig overrides, fused head); the first is what the trainer does by default.
 VARIANTS = {
     "defaults": ({}, True),
+    "recomputed-head-logits": ({}, True),  # the fused head never keeps its logits (see measure_variant)
     "full-ckpt": ({"gradient_checkpointing_to_fit": False}, True),
     "unfused-head": ({}, False),
     "previous-defaults": (  # eager layers, every layer checkpointed, unfused head
@@ -169,9 +173,8 @@ def with_top(row, tree):
 
 def step(trainer: AsyncGRPOTrainer, plans) -> None:
     """What `AsyncGRPOTrainer._train_step` runs on the GPU: forward/backward of every micro-batch,
-    then clipping + AdamW."""
-    _, _, loss = trainer._forward_backward(trainer._model, StepBatch(plans=list(plans)))
-    trainer._optimizer_step(trainer._model, loss)
+    then clipping + AdamW (queued on the device with the trainer's fused AdamW)."""
+    trainer._forward_backward_step(trainer._model, StepBatch(plans=list(plans)))
 
 
 def timed_steps(trainer, plans, repeats: int, warmup: int) -> float:
@@ -187,6 +190,50 @@ def timed_steps(trainer, plans, repeats: int, warmup: int) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def memory_plan(trainer) -> dict:
+    """What the row memory plans chose since the last call (a mean over rows; None off CUDA)."""
+    window = trainer._window.summarize()
+    return {
+        "checkpointed_layers": window.get("perf/checkpointed_layers"),
+        "head_logits_kept": window.get("perf/head_logits_kept"),
+    }
+
+
+def activation_probe(trainer, plans) -> dict:
+    """Activation memory of `plans`' step with no layer checkpointed and the head's logits recomputed,
+    measured (peak allocated above the memory held between steps, less the gradients, which the
+    planner counts apart) against the planner's estimate for its largest row
+    (trainer/activation_memory.py; the estimate includes its safety factor)."""
+    fit = trainer._fit_checkpointing
+    if fit is None or not torch.cuda.is_available():
+        return {}
+
+    def nothing_checkpointed(num_tokens: int, num_entries: int) -> RowMemoryPlan:
+        for layer in fit.layers:
+            layer.gradient_checkpointing = False
+        return RowMemoryPlan(checkpointed_layers=0, keep_logits=False)
+
+    planned = fit.before_row
+    fit.before_row = nothing_checkpointed
+    try:
+        step(trainer, plans)  # compiled, gradients and optimizer states built
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(trainer, plans)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    finally:
+        fit.before_row = planned
+    grads = sum(p.numel() * p.element_size() for p in fit.params)
+    tokens = max(row.num_tokens for plan in plans for row in plan.pack())
+    measured, estimated = peak - held - grads, tokens * sum(fit.kept_per_token)
+    result = {"row_tokens": tokens, "measured_gb": measured / 1e9, "estimated_gb": estimated / 1e9,
+              "measured_over_estimated": measured / estimated}  # fmt: skip
+    log(f"activation probe {result}")
+    return result
 
 
 def plan_flops(flops, rows) -> float:
@@ -205,6 +252,11 @@ def set_fused(fused: bool, original=logprobs_module.token_logprobs) -> None:
 def measure_variant(name, overrides, fused, args, peak, out_dir) -> dict:
     set_fused(fused)
     trainer = make_trainer(overrides, args.smoke, out_dir)
+    if name == "recomputed-head-logits" and trainer._fit_checkpointing is not None:
+        plan_row = trainer._fit_checkpointing.before_row
+        trainer._fit_checkpointing.before_row = lambda *row: dataclasses.replace(
+            plan_row(*row), keep_logits=False
+        )
     vocab = trainer._model.config.vocab_size
     plans = deepmath_plans(np.random.default_rng(7), args.budget, 2, vocab, args.smoke)
     rows = [row for plan in plans for row in plan.pack()]
@@ -219,12 +271,14 @@ def measure_variant(name, overrides, fused, args, peak, out_dir) -> dict:
         "tflops": model_flops / seconds / 1e12,
         "row_tokens": [r.num_tokens for r in rows], "unpacked_tok_s": unpacked / seconds,
         "packing_ratio": unpacked / sum(r.num_tokens for r in rows),
-        "checkpointed_layers": trainer._window.summarize().get("perf/checkpointed_layers"),
+        **memory_plan(trainer), "optimizer_on_device": takes_device_decisions(trainer.optimizer),
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
     }  # fmt: skip
     log(f"variant {result}")
     if name == "defaults":
+        result["activation_probe"] = activation_probe(trainer, plans)
         result["profile"] = profile(trainer, plans, "default step")
+        result["idle_gaps"] = diagnose_idle_gaps(trainer, plans, "default step")
         result["tree_vs_plain"] = tree_vs_plain(trainer, flops, args)
     set_fused(True)
     return result
@@ -283,6 +337,67 @@ def profile(trainer, plans, label: str) -> dict:
     return {"total_ms": total, "wall_ms": wall_ms, "families_ms": families, "top_kernels": kernels[:40]}
 
 
+def idle_gaps(trainer, plans, label: str, min_gap_ms: float = 0.3) -> dict:
+    """Where the GPU waits on the host in one step: gaps between consecutive kernels longer than
+    `min_gap_ms`, each put down to what the host was doing when the GPU ran dry (a CUDA call that
+    waits for the device, with the Python frames of asyncgrpo/bench that made it, or else the frames
+    running mid-gap). Summed by cause, largest first."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step(trainer, plans)
+        torch.cuda.synchronize()
+    trace = Path(tempfile.mkdtemp(prefix="gpu_step-trace-")) / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    trace.unlink()
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    frames = [
+        e
+        for e in events
+        if e.get("cat") == "python_function" and ("asyncgrpo" in e["name"] or "bench/" in e["name"])
+    ]
+
+    def ours(at: float) -> str:
+        spanning = sorted((f for f in frames if f["ts"] <= at <= f["ts"] + f["dur"]), key=lambda f: f["ts"])
+        return " > ".join(f["name"].split("/")[-1] for f in spanning[-3:]) or "?"
+
+    causes: dict[str, list[float]] = {}
+    for before, after in zip(kernels, kernels[1:]):
+        start, gap = before["ts"] + before["dur"], after["ts"] - (before["ts"] + before["dur"])
+        if gap < min_gap_ms * 1e3:
+            continue
+        waits = [r for r in runtime if ("ynchronize" in r["name"] or "Memcpy" in r["name"])
+                 and r["ts"] <= start + 50 and r["ts"] + r["dur"] >= start - 50]  # fmt: skip
+        cause = (
+            f"wait {waits[0]['name']} at {ours(waits[0]['ts'])}" if waits else f"host {ours(start + gap / 2)}"
+        )
+        causes.setdefault(cause, []).append(gap / 1e3)
+    total = sum(sum(v) for v in causes.values())
+    kernel_ms = sum(k["dur"] for k in kernels) / 1e3
+    log(
+        f"idle gaps of {label} over {min_gap_ms} ms: {total:.1f} ms in one step "
+        f"({kernel_ms:.0f} ms of kernels)"
+    )
+    ranked = sorted(causes.items(), key=lambda kv: -sum(kv[1]))
+    for cause, gaps in ranked[:15]:
+        log(f"  {sum(gaps):7.1f} ms in {len(gaps):3d} gaps: {cause[:160]}")
+    return {"idle_ms": total, "kernel_ms": kernel_ms, "causes": [(c, sum(g), len(g)) for c, g in ranked[:30]]}
+
+
+def diagnose_idle_gaps(trainer, plans, label: str) -> dict:
+    try:  # a diagnosis: its failure must not cost the measurements after it
+        return idle_gaps(trainer, plans, label)
+    except Exception as error:  # noqa: BLE001
+        log(f"idle gap diagnosis of {label} failed: {error!r}")
+        return {}
+
+
 def plain_rows_within_budget(samples: list[Sample], budget: int) -> list:
     """Plain padding-free packing as the trainer would lay it out at the same token_budget: samples
     in order, a new row whenever the next one would pass the budget."""
@@ -322,6 +437,7 @@ def tree_vs_plain(trainer, flops, args) -> dict:
         "packing_ratio": sum(r.num_unpacked_tokens for r in tree_rows) / sum(r.num_tokens for r in tree_rows),
         "tree_tokens": [r.num_tokens for r in tree_rows], "tree_s": tree_s,
         "tree_profile": profile(trainer, tree_plans, "tree rows"),
+        "tree_idle_gaps": diagnose_idle_gaps(trainer, tree_plans, "tree rows"),
     }  # fmt: skip
     for name, plans in (("budget", budget_plain_plans), ("wide", wide_plain_plans)):
         rows = [p.rows[0] for p in plans]
@@ -330,7 +446,7 @@ def tree_vs_plain(trainer, flops, args) -> dict:
         result[name] = {
             "plain_tokens": [r.num_tokens for r in rows], "plain_s": plain_s, "speedup": plain_s / tree_s,
             "flop_ratio": flop_ratio, "speedup_over_flop_ratio": plain_s / tree_s / flop_ratio,
-            "checkpointed_layers": trainer._window.summarize().get("perf/checkpointed_layers"),
+            **memory_plan(trainer),
             "profile": profile(trainer, plans, f"plain rows ({name})"),
         }  # fmt: skip
     log(f"tree vs plain {json.dumps(result, default=str)[:3000]}")
@@ -357,7 +473,7 @@ def memory_sweep(args, out_dir, deadline: float) -> list[dict]:
                 "row_tokens": plans[0].pack()[0].num_tokens,
                 "fits": True,
                 "seconds": time.perf_counter() - started,
-                "checkpointed_layers": trainer._window.summarize().get("perf/checkpointed_layers"),
+                **memory_plan(trainer),
                 "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9
                 if torch.cuda.is_available()
                 else 0.0,
@@ -380,7 +496,9 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=16384, help="token_budget of each of the 2 rows")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names, or 'defaults'")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated names; '' for the memory sweep alone"
+    )
     parser.add_argument("--memory-seconds", type=float, default=120.0)
     args = parser.parse_args()
     if args.smoke:
@@ -411,11 +529,21 @@ def print_table(report: dict) -> None:
         f"\n{report['device']} torch {report['torch']}: bf16 matmul peak {report['matmul_peak_tflops']:.0f} "
         "TFLOP/s"
     )
-    log("| variant | step s | MFU | unpacked tok/s | ckpt layers | peak GB |")
-    log("|---|---|---|---|---|---|")
+    log(
+        "| variant | step s | MFU | unpacked tok/s | ckpt layers | head logits kept | optimizer on device "
+        "| peak GB |"
+    )
+    log("|---|---|---|---|---|---|---|---|")
     for v in report["variants"]:
         log(f"| {v['variant']} | {v['seconds']:.3f} | {v['mfu']:.1%} | {v['unpacked_tok_s']:,.0f} "
-            f"| {v['checkpointed_layers']} | {v['peak_memory_gb']:.1f} |")  # fmt: skip
+            f"| {v['checkpointed_layers']} | {v['head_logits_kept']} | {v['optimizer_on_device']} "
+            f"| {v['peak_memory_gb']:.1f} |")  # fmt: skip
+    for m in report.get("memory", []):
+        log(f"memory budget {m['token_budget']}: fits={m['fits']} peak "
+            f"{m.get('peak_memory_gb', float('nan')):.1f} GB ckpt layers "
+            f"{m.get('checkpointed_layers')} head logits kept {m.get('head_logits_kept')}")  # fmt: skip
+    if not report["variants"]:  # --variants '': the memory sweep alone
+        return
     default = report["variants"][0]
     if "tree_vs_plain" in default:
         t = default["tree_vs_plain"]
@@ -426,10 +554,6 @@ def print_table(report: dict) -> None:
                 f"speedup {c['speedup']:.2f}, FLOP ratio {c['flop_ratio']:.2f}, speedup / FLOP ratio "
                 f"{c['speedup_over_flop_ratio']:.3f} (target 0.97)"
             )
-    for m in report.get("memory", []):
-        log(f"memory budget {m['token_budget']}: fits={m['fits']} peak "
-            f"{m.get('peak_memory_gb', float('nan')):.1f} GB ckpt layers "
-            f"{m.get('checkpointed_layers')}")  # fmt: skip
     log(f"gpu_step mfu={default['mfu']:.3f} target={TARGET}")
 
 

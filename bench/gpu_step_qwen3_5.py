@@ -2,8 +2,9 @@
 
 The same step as bench/gpu_step.py: `AsyncGRPOTrainer` built with its defaults around random fp32
 weights of Qwen/Qwen3.5-2B's text shape (bench/gpu_training.QWEN3_5_2B), prepared as `train()` does
-(compiled layers, checkpoint only to fit, fused head, bf16 autocast), then `_forward_backward` +
-`_optimizer_step` on 2 micro-batches of one row each; no vLLM server, only the samples are synthetic.
+(compiled layers, checkpoint only to fit, fused head, bf16 autocast), then `_forward_backward_step`
+(forward/backward, clipping + AdamW) on 2 micro-batches of one row each; no vLLM server, only the
+samples are synthetic.
 The Gated DeltaNet layers run tree-packed through fla-core's varlen kernel (extra `gpu`).
 Phases (one device call; a short table is printed last):
   1. the card's bf16 matmul peak (8192^3), the ceiling MFU is measured against;
@@ -11,7 +12,9 @@ Phases (one device call; a short table is printed last):
      for groups of 8 completions whose packing ratio is ~3.4, ~1 and ~2 (gpu_training's
      SPEED_WORKLOADS): tree rows as the trainer's planner fills them (2 rows), plain rows as a plain
      packer would (a new row when the next sample would pass the budget);
-  3. the default step on DeepMath-like rows (200-token prompt, 8 completions of 300-1,500 tokens,
+  3. (`memory`) the activations of one row of token_budget / 2 with no layer checkpointed, measured
+     against the checkpoint-to-fit planner's estimate;
+  4. the default step on DeepMath-like rows (200-token prompt, 8 completions of 300-1,500 tokens,
      packing ratio ~1.2): MFU, tokens/s, peak memory and a profile by kernel family.
 The report names the Gated DeltaNet path that ran (`gdn_path`): fla's varlen kernel, or transformers'
 torch rule where fla-core is missing or refuses to train (asyncgrpo.packing.gated_deltanet.fla_refusal).
@@ -24,6 +27,7 @@ Run (GPU machine): `python bench/gpu_step_qwen3_5.py --out $OUT`; `--smoke` runs
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -38,6 +42,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_step import (  # noqa: E402
     FixedPlan,
+    activation_probe,
     deepmath_plans,
     log,
     make_trainer,
@@ -76,7 +81,9 @@ def gdn_path(device: torch.device) -> str:
         return "torch rule"
     if gated_deltanet._fla_chunk_rule(device):
         return "fla varlen"
-    return f"torch rule ({gated_deltanet.fla_refusal(device) or 'fla-core is not installed'})"
+    if importlib.util.find_spec("fla") is None:
+        return "torch rule (fla-core is not installed)"
+    return f"torch rule ({gated_deltanet.fla_refusal(device)})"
 
 
 def peak_memory_gb() -> float:
@@ -129,7 +136,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=480.0, help="skip phases that start after this")
     parser.add_argument(
         "--phases", default="3.4,1,2,defaults",
-        help="comma-separated: packing ratios of the tree-vs-plain workloads (3.4, 1, 2) and/or 'defaults'; "
+        help="comma-separated: packing ratios of the tree-vs-plain workloads (3.4, 1, 2), 'memory' (the "
+        "activations of one unchecked row against the planner's estimate) and/or 'defaults'; "
         "lets a short device call run part of the measurement",
     )  # fmt: skip
     args = parser.parse_args()
@@ -160,8 +168,8 @@ def main() -> None:
     # The comparison first (ratio 3.4, 1, 2): a call cut short by the device's time keeps the most.
     phases = args.phases.split(",")
     workloads = {"3.4": SPEED_WORKLOADS[2], "1": SPEED_WORKLOADS[0], "2": SPEED_WORKLOADS[1]}
-    if set(phases) - set(workloads) - {"defaults"}:
-        parser.error(f"--phases: unknown {sorted(set(phases) - set(workloads) - {'defaults'})}")
+    if set(phases) - set(workloads) - {"defaults", "memory"}:
+        parser.error(f"--phases: unknown {sorted(set(phases) - set(workloads) - {'defaults', 'memory'})}")
     report["tree_vs_plain"] = []
     for prompt_len, completion_len, _ in (workloads[p] for p in phases if p in workloads):
         if time.perf_counter() - started > args.seconds:
@@ -180,6 +188,10 @@ def main() -> None:
         }  # fmt: skip
         report["tree_vs_plain"].append(entry)
         log(f"tree vs plain {json.dumps(entry)}")
+        save()
+    if "memory" in phases:  # one row of half the budget: the torch rule's activations fit unchecked
+        plans = deepmath_plans(np.random.default_rng(5), args.budget // 2, 1, vocab, args.smoke)
+        report["activation_probe"] = activation_probe(trainer, plans)
         save()
     if "defaults" in phases and time.perf_counter() - started < args.seconds:
         plans = deepmath_plans(np.random.default_rng(7), args.budget, 2, vocab, args.smoke)

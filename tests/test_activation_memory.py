@@ -10,9 +10,12 @@ import torch
 
 from asyncgrpo.trainer.activation_memory import (
     SAFETY_FACTOR,
+    TORCH_RULE_STEP_FACTOR,
+    RowMemoryPlan,
     layer_bytes_per_token,
     layers_to_checkpoint,
     per_layer_bytes_per_token,
+    plan_row,
     torch_rule_bytes_per_token,
 )
 
@@ -38,6 +41,23 @@ def test_uneven_layers_count_the_largest_recomputed_one():
     assert layers_to_checkpoint(100, [50.0, 10.0, 10.0], 2.0, 6_399) == 3
 
 
+def test_the_head_keeps_its_logits_when_that_recomputes_less():
+    # 3 layers of 10 bytes a token, input 2, 100 tokens (as above: k=0 needs 3,000, k=1 3,200, k=2
+    # 2,400, k=3 1,600); 40 entries of 5 logit bytes: keeping them takes 200 bytes. A layer's forward
+    # costs 1 FLOP a token (100 a layer), the head's matmul `head` FLOPs an entry (40 x head).
+    def plan(available: float, head: float) -> RowMemoryPlan:
+        return plan_row(100, 40, [10.0] * 3, 2.0, available, 5.0, 1.0, head)
+
+    assert plan(3_200, 10.0) == RowMemoryPlan(0, True)  # everything fits
+    # 3,000: without the logits no layer; with them 2 layers (200 FLOPs) against the head's 400
+    assert plan(3_000, 10.0) == RowMemoryPlan(2, True)
+    assert plan(3_000, 2.0) == RowMemoryPlan(0, False)  # the head's 80 FLOPs are cheaper
+    assert plan(3_000, 5.0) == RowMemoryPlan(2, True)  # a tie keeps them: 200 against 200
+    # 1,700: every layer checkpointed (1,600) fits, but not with the logits (1,500 left)
+    assert plan(1_700, 1e9) == RowMemoryPlan(3, False)
+    assert plan(10, 1.0) == RowMemoryPlan(3, False)  # nothing fits: all layers, as before
+
+
 def gdn_config(heads: int, head_dim: int):
     return SimpleNamespace(
         hidden_size=64,
@@ -58,7 +78,7 @@ def test_only_gated_deltanet_layers_running_the_torch_rule_get_its_term():
     kept, checkpointed = layer_bytes_per_token(config)
     assert per_layer_bytes_per_token(config, torch_rule=False) == ([kept] * 4, checkpointed)
     with_rule, _ = per_layer_bytes_per_token(config, torch_rule=True)
-    extra = SAFETY_FACTOR * torch_rule_bytes_per_token(config)
+    extra = SAFETY_FACTOR * TORCH_RULE_STEP_FACTOR * torch_rule_bytes_per_token(config)
     assert with_rule == [kept + extra] * 3 + [kept]
 
 

@@ -18,6 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
 from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop

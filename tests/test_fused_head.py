@@ -1,5 +1,7 @@
 """The fused head (`fused_head.FusedHeadLogprobs`, the CUDA default) computes the same function and
-the same gradients as the plain chunked path of `token_logprobs`, in float64 on CPU (eager kernels)."""
+the same gradients as the plain chunked path of `token_logprobs`: in float64 on CPU (its torch
+passes), with its logits kept or recomputed; on a GPU, its Triton passes against the torch ones and
+the whole head at the trainer's CUDA defaults."""
 
 from __future__ import annotations
 
@@ -34,23 +36,27 @@ def random_case(seed: int, *, transforms: bool, candidates: bool):
     return hidden, weight, bias, head_args, targets, top_ids, offsets, ids
 
 
-def run(case, fused: bool, chunk_size: int, temperature: float, upstream):
+def run(case, fused: bool, chunk_size: int, temperature: float, upstream, keep_logits=False, backwards=1):
+    """Values and gradients of a weighted sum of the outputs; `backwards` > 1 runs backward again on
+    the retained graph and returns every round's gradients."""
     hidden, weight, bias, head_args, targets, top_ids, offsets, ids = case
     leaves = [t.clone().requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())]
     head = OutputHead(leaves[1], leaves[2] if bias is not None else None, **head_args)
     out = token_logprobs(leaves[0], head, targets, temperature, top_ids=top_ids, candidate_offsets=offsets,
-                         candidate_ids=ids, chunk_size=chunk_size, fused=fused)  # fmt: skip
+                         candidate_ids=ids, chunk_size=chunk_size, fused=fused,
+                         keep_logits=keep_logits)  # fmt: skip
     g_target, g_entropy, g_top = upstream
     finite_top = out.top_logprobs.masked_fill(out.top_logprobs == float("-inf"), 0.0)
     finite_target = out.logprobs.masked_fill(out.logprobs == float("-inf"), 0.0)
     loss = (finite_target * g_target).sum() + (out.entropy * g_entropy).sum() + (finite_top * g_top).sum()
-    grads = torch.autograd.grad(loss, leaves)
-    return out, grads
+    rounds = [torch.autograd.grad(loss, leaves, retain_graph=r + 1 < backwards) for r in range(backwards)]
+    return out, rounds[0] if backwards == 1 else rounds
 
 
+@pytest.mark.parametrize("keep_logits", [False, True])
 @pytest.mark.parametrize("transforms", [False, True])
 @pytest.mark.parametrize("candidates", [False, True])
-def test_fused_head_matches_plain_values_and_gradients(transforms, candidates):
+def test_fused_head_matches_plain_values_and_gradients(transforms, candidates, keep_logits):
     case = random_case(3 + 2 * transforms + candidates, transforms=transforms, candidates=candidates)
     gen = torch.Generator().manual_seed(99)
     upstream = (
@@ -59,7 +65,8 @@ def test_fused_head_matches_plain_values_and_gradients(transforms, candidates):
         torch.randn(ENTRIES, TOP_N, dtype=torch.float64, generator=gen),
     )
     plain, plain_grads = run(case, fused=False, chunk_size=5, temperature=0.8, upstream=upstream)
-    fused, fused_grads = run(case, fused=True, chunk_size=7, temperature=0.8, upstream=upstream)
+    fused, fused_grads = run(case, fused=True, chunk_size=7, temperature=0.8, upstream=upstream,
+                             keep_logits=keep_logits)  # fmt: skip
     for name in ("logprobs", "entropy", "top_logprobs"):
         expected, got = getattr(plain, name), getattr(fused, name)
         assert torch.equal(torch.isinf(expected), torch.isinf(got)), name
@@ -70,6 +77,23 @@ def test_fused_head_matches_plain_values_and_gradients(transforms, candidates):
     for expected, got in zip(plain_grads, fused_grads):
         assert got.abs().sum() > 0
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_kept_logits_are_recomputed_for_a_second_backward():
+    """The first backward overwrites the kept logits with their gradient: a second one on the retained
+    graph must recompute them, not read the gradient as logits."""
+    case = random_case(4, transforms=True, candidates=False)
+    gen = torch.Generator().manual_seed(7)
+    upstream = tuple(
+        torch.randn(shape, dtype=torch.float64, generator=gen)
+        for shape in ((ENTRIES,), (ENTRIES,), (ENTRIES, TOP_N))
+    )
+    _, rounds = run(case, fused=True, chunk_size=7, temperature=0.8, upstream=upstream, keep_logits=True,
+                    backwards=2)  # fmt: skip
+    _, plain_grads = run(case, fused=False, chunk_size=5, temperature=0.8, upstream=upstream)
+    for grads in rounds:
+        for expected, got in zip(plain_grads, grads):
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
 
 
 def test_fused_head_without_gradient_or_entries():
@@ -125,7 +149,51 @@ def default_cuda_model():
 
 
 @pytest.mark.gpu
-def test_cuda_defaults_packed_logprobs_match_each_sample_alone():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transforms", [False, True])
+@pytest.mark.parametrize("candidates", [False, True])
+def test_cuda_head_kernels_match_the_torch_passes(dtype, transforms, candidates):
+    """The Triton passes vs the torch reference on the same GPU tensors, over a real vocabulary
+    (151,936: not a multiple of the kernels' blocks), with the top-N, entropy and candidate terms."""
+    from asyncgrpo import fused_head, head_kernels
+
+    vocab, entries, top_n = 151_936, 300, 8
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    raw = (torch.randn(entries, vocab, device="cuda", generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (entries,), device="cuda", generator=gen)
+    top_ids = torch.randint(0, vocab, (entries, top_n), device="cuda", generator=gen)
+    top_ids[::3, -2:] = -1
+    top_ids[::5, 0] = targets[::5]  # a target among the top ids: both gradient terms at one column
+    allowed = None
+    if candidates:
+        allowed = torch.rand(entries, vocab, device="cuda", generator=gen) < 0.01
+        allowed[::4] = True  # empty set = the whole vocabulary
+        allowed[torch.arange(entries, device="cuda"), targets] = True
+    transform = (0.7, 30.0) if transforms else (1.0, None)
+    args = (*transform, 0.9)
+    want = fused_head._chunk_forward(raw, targets, top_ids, allowed, *args)
+    got = head_kernels.chunk_forward(raw, targets, top_ids, allowed, *args)
+    for name, expected, value in zip(("target", "entropy", "top", "lse"), want, got):
+        assert torch.equal(torch.isinf(expected), torch.isinf(value)), name
+        finite = torch.isfinite(expected)
+        torch.testing.assert_close(value[finite], expected[finite], rtol=2e-5, atol=2e-5, msg=name)
+    lse, entropy = want[3], want[1]
+    g_target, g_entropy = torch.randn(2, entries, device="cuda", generator=gen)
+    g_top = torch.randn(entries, top_n, device="cuda", generator=gen)
+    backward_args = (lse, entropy, targets, top_ids, allowed, g_target, g_entropy, g_top, *args, dtype)
+    expected = fused_head._chunk_backward(raw, *backward_args).float()
+    in_place = raw.clone()
+    value = head_kernels.chunk_backward(in_place, *backward_args, out=in_place)
+    assert value.data_ptr() == in_place.data_ptr()
+    # bf16: one rounding apart at most; fp32: the kernels' exp and tanh against torch's
+    step = 1e-4 if dtype == torch.float32 else 2.0**-7
+    assert ((value.float() - expected).abs() <= step * expected.abs() + 1e-6).all()
+    assert expected.abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_cuda_defaults_packed_logprobs_match_each_sample_alone(keep_logits):
     """Tree-packed log-probs at the CUDA defaults vs each sample forwarded alone (plain HF, fp32 CPU)."""
     from asyncgrpo.logprobs import row_logprobs
     from asyncgrpo.packing.trie import pack_row
@@ -133,7 +201,7 @@ def test_cuda_defaults_packed_logprobs_match_each_sample_alone():
     model, reference = default_cuda_model()
     samples = grpo_samples(np.random.default_rng(21), model.config.vocab_size)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        packed = row_logprobs(model, pack_row(samples)).logprobs.double().cpu()
+        packed = row_logprobs(model, pack_row(samples), keep_logits=keep_logits).logprobs.double().cpu()
     expected = []
     with torch.no_grad():
         for s in samples:
@@ -148,9 +216,11 @@ def test_cuda_defaults_packed_logprobs_match_each_sample_alone():
 
 
 @pytest.mark.gpu
-def test_cuda_defaults_loss_gradient_matches_reference():
-    """The trainer's `row_loss` and its gradient at the CUDA defaults vs the same row on CPU in fp32
-    (plain head path): the relative error of bf16 compute."""
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_cuda_defaults_loss_gradient_matches_reference(keep_logits):
+    """The trainer's `row_loss` and its gradient at the CUDA defaults (logits kept when the row fits,
+    recomputed otherwise) vs the same row on CPU in fp32 (plain head path): the relative error of
+    bf16 compute."""
     pytest.importorskip("msgspec", reason="the trainer module needs msgspec")
     from types import SimpleNamespace
 
@@ -170,7 +240,7 @@ def test_cuda_defaults_loss_gradient_matches_reference():
     model, reference = default_cuda_model()
     row = pack_row(grpo_samples(np.random.default_rng(22), model.config.vocab_size))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss, _ = row_loss(model, row, float(row.num_entries), args, score_centered_loss)
+        loss, _ = row_loss(model, row, float(row.num_entries), args, score_centered_loss, keep_logits)
     loss.backward()
     expected_loss, _ = row_loss(reference, row, float(row.num_entries), args, score_centered_loss)
     expected_loss.backward()
@@ -182,9 +252,10 @@ def test_cuda_defaults_loss_gradient_matches_reference():
 
 
 @pytest.mark.gpu
-def test_cuda_fused_head_fp32_matches_fp64():
-    """The compiled fused passes in fp32 on the GPU vs the plain path in fp64 on CPU."""
-    case = random_case(8, transforms=True, candidates=True)
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_cuda_fused_head_fp32_matches_fp64(keep_logits):
+    """The fused head (Triton passes) in fp32 on the GPU vs the plain path in fp64 on CPU."""
+    case = random_case(8, transforms=True, candidates=not keep_logits)
     gen = torch.Generator().manual_seed(5)
     upstream = tuple(
         torch.randn(shape, dtype=torch.float64, generator=gen)
@@ -197,10 +268,11 @@ def test_cuda_fused_head_fp32_matches_fp64():
             for t in case[:3]
         )
         + (case[3],)
-        + tuple(t.cuda() for t in case[4:])
+        + tuple(None if t is None else t.cuda() for t in case[4:])
     )
     fused, fused_grads = run(cuda_case, fused=True, chunk_size=7, temperature=0.8,
-                             upstream=tuple(u.float().cuda() for u in upstream))  # fmt: skip
+                             upstream=tuple(u.float().cuda() for u in upstream),
+                             keep_logits=keep_logits)  # fmt: skip
     finite = torch.isfinite(plain.logprobs)
     torch.testing.assert_close(
         fused.logprobs.double().cpu()[finite], plain.logprobs[finite], rtol=1e-4, atol=1e-4

@@ -263,6 +263,26 @@ def test_metrics_by_hand():
     assert set(m) - set(m_surrogate) == {"sampling/sampler_mass"}
 
 
+def test_per_sample_clip_fractions_with_the_sample_count_known():
+    """The trainer passes the row's sample count (no device read); a sample with no entries (here 1
+    of samples 0..3) must not count as a sample clipped 0/0. Same rho, A and eps as above, entries of
+    samples [0, 0, 2, 2]: low fractions 0/2 and 2/2, high 1/2 and 0/2."""
+    _, x = surrogate_inputs([1.0, 2.0, 0.25, 0.7], [1.0, 1.0, -1.0, -1.0], entry_sample=[0, 0, 2, 2])
+    settings = dict(SETTINGS, epsilon_high=0.2)
+    for num_samples in (None, 3, 4):
+        x.num_samples = num_samples
+        _, m = clipped_surrogate_loss(
+            x, **settings, num_trained_tokens_global=4, gradient_accumulation_steps=1
+        )
+        assert float(m["clip_ratio/low_min"].result()) == 0.0, num_samples
+        assert float(m["clip_ratio/high_max"].result()) == 0.5, num_samples
+    x.entry_sample = torch.tensor([2, 2, 2, 2])  # the only sample is all clipped low or high
+    x.num_samples = 4
+    _, m = clipped_surrogate_loss(x, **settings, num_trained_tokens_global=4, gradient_accumulation_steps=1)
+    assert float(m["clip_ratio/low_min"].result()) == 0.5  # entries 2, 3 of 4
+    assert float(m["clip_ratio/high_max"].result()) == 0.25  # entry 1 of 4
+
+
 def test_metrics_merge_exactly_across_micro_batches():
     rng = np.random.default_rng(0)
     rho, adv = rng.uniform(0.3, 2.0, 12), rng.normal(size=12)

@@ -7,6 +7,10 @@ import copy
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from asyncgrpo.generation.model_flags import model_flags

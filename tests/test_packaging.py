@@ -17,7 +17,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Modules that come with a declared dependency rather than under their own name, and why.
 PROVIDED_BY = {
     "fla": "fla-core",  # the gpu extra; its import name differs and it is absent on CPU machines
-    "triton": "fla-core",  # fla-core's own dependency (GPU only)
+    "triton": "torch",  # installed with torch's CUDA builds; head_kernels and fla-core use it (GPU only)
     "nvidia": "torch",  # nvidia.nccl: a dependency of torch's CUDA builds
 }
 # Core dependencies the package never imports, and why they are declared anyway.

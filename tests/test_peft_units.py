@@ -10,6 +10,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, PromptTuningConfig, get_peft_model
 from safetensors.torch import load_file

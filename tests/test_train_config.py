@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
 from asyncgrpo.cli import main
 from asyncgrpo.run_config import (
     ConfigError,

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -251,7 +252,9 @@ def test_trl_example_script_runs_with_only_the_import_changed(vllm_server, tiny_
     result = subprocess.CompletedProcess(command, launch.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-5000:]
     output = result.stdout + result.stderr
-    assert "step 3  reward=" in output, output[-3000:]  # the progress line of the last of its 3 steps
+    # The progress line of the last of its 3 steps. Its fields are the window's metrics: `reward` only
+    # when a group was scored since the last log, which a loaded machine can skip (seen in a full run).
+    assert re.search(r"^step 3  \w+=", output, re.MULTILINE), output[-3000:]
 
 
 @pytest.mark.vllm

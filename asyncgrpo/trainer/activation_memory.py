@@ -12,11 +12,20 @@ for backward (the fp32 residual stream under autocast, the bf16 inputs of its ma
 attention output and the MLP's gate/up/activation), times a safety factor; bench/gpu_step.py
 measures the peak memory it leads to. Gated DeltaNet layers that run transformers' torch rule (where
 fla-core cannot train, see docs/models.md) keep far more: the rule's fp32 chunk intermediates and one
-recurrent state per 64-token chunk, ~160 KB per token per layer at the Qwen3.5-2B shape; without that
-term the default step ran out of memory on an H200 (bench/RESULTS.md).
+recurrent state per 64-token chunk, ~160 KB per token per layer at the Qwen3.5-2B shape for the rule
+alone and about 2.2x that for the whole layer in a step; without that term the default step ran out
+of memory on an H200 (bench/RESULTS.md).
+
+The same plan decides whether the fused head keeps the row's (E, V) logits for backward
+(`fused_head`, `keep_logits`) or recomputes them: keeping costs E x V x 2 bytes under bf16 and saves
+one head matmul, 2 x V x H FLOPs per trained entry, which for a 152k vocabulary is the recomputation
+of several decoder layers. Both options are planned and the one that recomputes fewer FLOPs wins;
+keeping loses when its bytes would force more layers to be checkpointed than the head matmul saves.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +61,13 @@ def layer_bytes_per_token(config) -> tuple[float, float]:
 TORCH_RULE_CHUNK = 64
 TORCH_RULE_VECTORS_PER_HEAD_DIM = 15
 TORCH_RULE_CHUNK_ROWS = 5
+# In a training step on a GPU a Gated DeltaNet layer running that rule keeps 2.2x what the rule alone
+# keeps: autocast's fp32 copies of its inputs, tree packing's per-level gathers (gated_deltanet.py) and
+# the layer's own projections and convolution, which the generic per-layer term does not model.
+# Measured on an H200 at the Qwen3.5-2B shape: a 6,907-token row with nothing checkpointed kept
+# 55.2 GB where the estimate without this factor said 38.8 (bench/RESULTS.md); without it the default
+# step ran out of memory.
+TORCH_RULE_STEP_FACTOR = 2.2
 
 
 def torch_rule_bytes_per_token(config) -> float:
@@ -70,7 +86,7 @@ def per_layer_bytes_per_token(config, torch_rule: bool) -> tuple[list[float], fl
     `torch_rule`: the Gated DeltaNet layers run transformers' torch rule, not fla-core."""
     kept, checkpointed = layer_bytes_per_token(config)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    extra = SAFETY_FACTOR * torch_rule_bytes_per_token(config) if torch_rule else 0.0
+    extra = SAFETY_FACTOR * TORCH_RULE_STEP_FACTOR * torch_rule_bytes_per_token(config) if torch_rule else 0.0
     return [kept + (extra if kind == LINEAR_ATTENTION else 0.0) for kind in layer_types], checkpointed
 
 
@@ -94,22 +110,79 @@ def layers_to_checkpoint(
     )
 
 
-class CheckpointToFit:
-    """Sets each decoder layer's `gradient_checkpointing` flag before a row, see the module doc."""
+@dataclass(frozen=True)
+class RowMemoryPlan:
+    checkpointed_layers: int  # leading decoder layers to checkpoint
+    keep_logits: bool  # the fused head keeps the (E, V) logits for backward
 
-    def __init__(self, layers, config, params: list[torch.nn.Parameter], optimizer, device: torch.device):
+
+def plan_row(
+    num_tokens: int,
+    num_entries: int,
+    kept_per_token: list[float],
+    input_per_token: float,
+    available_bytes: float,
+    logits_bytes_per_entry: float,
+    layer_flops_per_token: float,
+    head_flops_per_entry: float,
+) -> RowMemoryPlan:
+    """Checkpointed layers and whether to keep the head's logits, whichever recomputes fewer FLOPs
+    (a checkpointed layer: its forward again, `layer_flops_per_token` a token; recomputed logits:
+    `head_flops_per_entry` an entry) among the plans that fit `available_bytes`. Ties keep the
+    logits (no recomputation either way: keeping them is the faster backward)."""
+
+    def fits(k: int, budget: float) -> bool:
+        recomputed = max(kept_per_token[:k], default=0.0)
+        return num_tokens * (sum(kept_per_token[k:]) + k * input_per_token + recomputed) <= budget
+
+    recompute = RowMemoryPlan(
+        layers_to_checkpoint(num_tokens, kept_per_token, input_per_token, available_bytes), False
+    )
+    keep_budget = available_bytes - num_entries * logits_bytes_per_entry
+    keep = RowMemoryPlan(layers_to_checkpoint(num_tokens, kept_per_token, input_per_token, keep_budget), True)
+    if not fits(keep.checkpointed_layers, keep_budget):
+        return recompute
+    keep_flops = keep.checkpointed_layers * layer_flops_per_token * num_tokens
+    recompute_flops = (
+        recompute.checkpointed_layers * layer_flops_per_token * num_tokens
+        + head_flops_per_entry * num_entries
+    )
+    return keep if keep_flops <= recompute_flops else recompute
+
+
+class CheckpointToFit:
+    """Sets each decoder layer's `gradient_checkpointing` flag before a row and says whether the head
+    keeps its logits, see the module doc."""
+
+    def __init__(
+        self,
+        layers,
+        config,
+        params: list[torch.nn.Parameter],
+        optimizer,
+        device: torch.device,
+        head_weight: torch.Tensor,
+        compute_bytes: int,
+    ):
         self.layers = layers
         torch_rule = getattr(config, "linear_num_value_heads", None) is not None and uses_torch_rule(device)
         self.kept_per_token, self.input_per_token = per_layer_bytes_per_token(config, torch_rule)
         self.params = params
         self.optimizer = optimizer
         self.device = device
+        vocab, hidden = head_weight.shape
+        self.logits_bytes_per_entry = float(vocab * compute_bytes)
+        self.head_flops_per_entry = 2.0 * vocab * hidden
+        # A checkpointed layer's forward again: 2 FLOPs per weight and token (attention scores aside).
+        self.layer_flops_per_token = (
+            2.0 * sum(p.numel() for p in torch.nn.ModuleList(layers).parameters()) / len(layers)
+        )
 
     @classmethod
     def for_training(cls, model, optimizer, args, distributed: bool) -> CheckpointToFit | None:
         """The policy when it applies: gradient checkpointing on and to fit, one process on CUDA, and
         layers that carry transformers' per-layer flag. None otherwise: every layer is checkpointed
-        (or none), exactly as `gradient_checkpointing` says."""
+        (or none), exactly as `gradient_checkpointing` says, and the head recomputes its logits."""
         if not (args.gradient_checkpointing and args.gradient_checkpointing_to_fit) or distributed:
             return None
         device = next(model.parameters()).device
@@ -119,7 +192,17 @@ class CheckpointToFit:
         if device.type != "cuda" or not flagged:
             return None
         params = [p for p in model.parameters() if p.requires_grad]
-        return cls(list(layers), model.config.get_text_config(), params, optimizer, device)
+        head_weight = model.get_output_embeddings().weight
+        compute_bytes = 2 if args.bf16 or args.fp16 else head_weight.element_size()
+        return cls(
+            list(layers),
+            model.config.get_text_config(),
+            params,
+            optimizer,
+            device,
+            head_weight,
+            compute_bytes,
+        )
 
     def available_bytes(self) -> float:
         """Free GPU memory (the driver's free plus the allocator's cached but unused), less what the
@@ -132,11 +215,19 @@ class CheckpointToFit:
         reserve = max(MIN_RESERVE_BYTES, RESERVE_FRACTION * total)
         return free + cached - pending - reserve
 
-    def before_row(self, num_tokens: int) -> int:
-        """Flag the layers for a row of `num_tokens` packed tokens; returns how many are checkpointed."""
-        k = layers_to_checkpoint(
-            num_tokens, self.kept_per_token, self.input_per_token, self.available_bytes()
+    def before_row(self, num_tokens: int, num_entries: int) -> RowMemoryPlan:
+        """Flag the layers for a row of `num_tokens` packed tokens and `num_entries` trained entries;
+        returns the plan (how many layers are checkpointed, whether the head keeps its logits)."""
+        plan = plan_row(
+            num_tokens,
+            num_entries,
+            self.kept_per_token,
+            self.input_per_token,
+            self.available_bytes(),
+            self.logits_bytes_per_entry,
+            self.layer_flops_per_token,
+            self.head_flops_per_entry,
         )
         for index, layer in enumerate(self.layers):
-            layer.gradient_checkpointing = index < k
-        return k
+            layer.gradient_checkpointing = index < plan.checkpointed_layers
+        return plan

@@ -19,10 +19,10 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from transformers import (
     AutoTokenizer,
@@ -40,7 +40,7 @@ from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, policy_label
 from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
-from asyncgrpo.logprobs import row_logprobs
+from asyncgrpo.logprobs import row_logprobs, to_device
 from asyncgrpo.loss import LossInputs, clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
@@ -65,6 +65,7 @@ from asyncgrpo.trainer.checks import (
     check_transformers_version,
 )
 from asyncgrpo.trainer.compile import compile_decoder_layers
+from asyncgrpo.trainer.device_clock import DeviceClock
 from asyncgrpo.trainer.distributed import (
     Processes,
     full_state,
@@ -77,6 +78,7 @@ from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
 from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
 from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
+from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_decisions
 from asyncgrpo.trainer.progress import AsyncProgressCallback
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 from asyncgrpo.trainer.run_directory import RunDirectoryCallback
@@ -503,8 +505,7 @@ class AsyncGRPOTrainer(Trainer):
             batch = self._processes.broadcast(self._next_batch() if self._processes.is_main else None)
         if batch is None:
             raise TrainingComplete()
-        fwd_s, fwd_bwd_s, loss = self._forward_backward(model, batch)
-        optimizer_s, stepped = self._optimizer_step(model, loss)
+        fwd_s, fwd_bwd_s, loss, optimizer_s, stepped = self._forward_backward_step(model, batch)
         if stepped and (self.state.global_step + 1) % args.weight_sync_steps == 0:
             self._model_version += 1
             self._sync_weights(model)
@@ -537,12 +538,14 @@ class AsyncGRPOTrainer(Trainer):
         if lost:
             raise ServersLostWeights(lost)
 
-    def _forward_backward(self, model, batch: StepBatch) -> tuple[float, float, float]:
-        """Tree-packed forward and backward of every micro-batch; returns (fwd_s, fwd_bwd_s, loss)."""
+    def _forward_backward(self, model, batch: StepBatch) -> QueuedRows:
+        """Tree-packed forward and backward of every micro-batch, queued: nothing here waits for the
+        GPU (timings are device events, losses and metrics are read by `_read_rows`), so the host
+        packs and uploads the next row while the GPU runs the previous one."""
         args = self.args
-        fwd_s = fwd_bwd_s = loss_total = 0.0
+        clock = DeviceClock(args.device)
         world, rank = self._processes.world_size, self._processes.rank
-        row_stats = []
+        row_marks, row_losses, row_stats = [], [], []
         for index, plan in enumerate(batch.plans):
             if index:  # the base Trainer's point: after each micro-batch but the step's last
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
@@ -554,69 +557,107 @@ class AsyncGRPOTrainer(Trainer):
                     continue
                 # FSDP2 needs every rank in every forward/backward: borrow a row, count it zero times.
                 row, weight = next(r for r in rows if r.num_entries), 0.0
+            keep_logits = False
             if self._fit_checkpointing is not None:
-                self._window.record(
-                    "perf/checkpointed_layers", self._fit_checkpointing.before_row(row.num_tokens)
-                )
-            started = self._now()
+                memory_plan = self._fit_checkpointing.before_row(row.num_tokens, row.num_entries)
+                self._window.record("perf/checkpointed_layers", memory_plan.checkpointed_layers)
+                self._window.record("perf/head_logits_kept", float(memory_plan.keep_logits))
+                keep_logits = memory_plan.keep_logits
+            started = clock.mark()
             with self.compute_loss_context_manager():
-                loss, stats = row_loss(model, row, entries_global, args, self._loss_fn)
-            forward_done = self._now()
+                loss, stats = row_loss(model, row, entries_global, args, self._loss_fn, keep_logits)
+            forward_done = clock.mark()
             # FSDP2 averages gradients over processes; the loss is already normalized globally.
             self.accelerator.backward(loss * (world * weight))
-            done = self._now()
-            fwd_s += forward_done - started
-            fwd_bwd_s += done - started
+            row_marks.append((started, forward_done, clock.mark()))
             if weight:
-                loss_total += float(loss.detach())
-                row_stats.append(
-                    {name: Stat(s.reduce, float(s.value), float(s.weight)) for name, s in stats.items()}
-                )
+                row_losses.append(loss.detach())
+                row_stats.append(stats)
+        return QueuedRows(clock, row_marks, row_losses, row_stats)
+
+    def _read_rows(self, queued: QueuedRows) -> tuple[float, float, float]:
+        """(fwd_s, fwd_bwd_s, loss) of the queued rows; their metrics go to the window. Waits for
+        the device, once."""
+        clock = queued.clock
+        fwd_s = sum(clock.seconds(started, forward_done) for started, forward_done, _ in queued.marks)
+        fwd_bwd_s = sum(clock.seconds(started, done) for started, _, done in queued.marks)
+        loss_total, row_stats = values_on_host(queued.losses, queued.stats)
         gathered = self._processes.gather((loss_total, row_stats))
         for _, stats_of_rank in gathered:
             for stats in stats_of_rank:
                 self._window.merge(stats)
         return fwd_s, fwd_bwd_s, sum(rank_loss for rank_loss, _ in gathered)
 
-    def _optimizer_step(self, model, loss: float) -> tuple[float, bool]:
-        """Clip and step; returns (seconds, whether the weights changed). A non-finite loss or
-        gradient norm skips the step (and so the weight sync): one bad batch must not turn the
-        weights, and then the server's, into NaN. `MAX_NONFINITE_STEPS` in a row stop the run."""
-        started = self._now()
-        max_norm = (
-            self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else math.inf
+    def _forward_backward_step(self, model, batch: StepBatch) -> tuple[float, float, float, float, bool]:
+        """Forward/backward of the step's rows, clipping and the optimizer step: (fwd_s, fwd_bwd_s,
+        loss, optimizer_s, whether the weights changed). On one process with a fused optimizer the
+        clipping and the finiteness check are queued on the device behind the last backward
+        (trainer/optimizer_step.py) and the host reads the step's values once, at the end."""
+        queued = self._forward_backward(model, batch)
+        if self._sharded or self._processes.distributed or not takes_device_decisions(self.optimizer):
+            fwd_s, fwd_bwd_s, loss = self._read_rows(queued)
+            optimizer_s, stepped = self._optimizer_step(model, loss)
+            return fwd_s, fwd_bwd_s, loss, optimizer_s, stepped
+        clock = queued.clock
+        started = clock.mark()
+        loss_tensor = torch.stack(queued.losses).sum() if queued.losses else torch.zeros(())
+        self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+        grad_norm, skipped = queue_clipped_step(
+            self.optimizer, list(model.parameters()), self._max_grad_norm(), loss_tensor
         )
+        done = clock.mark()
+        fwd_s, fwd_bwd_s, loss = self._read_rows(queued)
+        finite = not bool(skipped)
+        self._after_optimizer_step(loss, float(grad_norm), finite)
+        model.zero_grad(set_to_none=True)
+        return fwd_s, fwd_bwd_s, loss, clock.seconds(started, done), finite
+
+    def _optimizer_step(self, model, loss: float) -> tuple[float, bool]:
+        """Clip and step, deciding on the host; returns (seconds, whether the weights changed). A
+        non-finite loss or gradient norm skips the step (and so the weight sync): one bad batch must
+        not turn the weights, and then the server's, into NaN."""
+        started = self._now()
         grad_norm = local_value(
-            self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+            self.accelerator.clip_grad_norm_(model.parameters(), self._max_grad_norm())
         )  # inf: measure only
         finite = math.isfinite(loss) and math.isfinite(grad_norm)  # both are global: every rank agrees
+        if finite:
+            self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+            self.optimizer.step()
+        self._after_optimizer_step(loss, grad_norm, finite)
+        model.zero_grad(set_to_none=True)
+        return self._now() - started, finite
+
+    def _max_grad_norm(self) -> float:
+        max_norm = self.args.max_grad_norm
+        return max_norm if max_norm and max_norm > 0 else math.inf
+
+    def _after_optimizer_step(self, loss: float, grad_norm: float, finite: bool) -> None:
+        """Metrics, callbacks and the schedule after a step that was taken (`finite`) or skipped;
+        `MAX_NONFINITE_STEPS` skipped in a row stop the run."""
         self._window.record("train/nonfinite_steps", 0 if finite else 1, Reduce.SUM)
         if finite:
             self._window.record("grad_norm", grad_norm)
-            self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
-            self.optimizer.step()
             self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
             self.lr_scheduler.step()
             self._nonfinite_streak = 0
-        else:
-            self._nonfinite_streak += 1
-            logger.warning(
-                "step %d: non-finite loss (%s) or gradient norm (%s): the optimizer step and the weight "
-                "sync are skipped (%d in a row)",
-                self.state.global_step + 1,
-                loss,
-                grad_norm,
-                self._nonfinite_streak,
+            return
+        self._nonfinite_streak += 1
+        logger.warning(
+            "step %d: non-finite loss (%s) or gradient norm (%s): the optimizer step and the weight "
+            "sync are skipped (%d in a row)",
+            self.state.global_step + 1,
+            loss,
+            grad_norm,
+            self._nonfinite_streak,
+        )
+        if self._nonfinite_streak >= MAX_NONFINITE_STEPS:
+            raise NonFiniteTrainingError(
+                f"{self._nonfinite_streak} steps in a row had a non-finite loss or gradient norm (last: "
+                f"loss {loss}, gradient norm {grad_norm}); training stopped before the weights were "
+                "touched. Lower learning_rate, set max_grad_norm, and look at the rewards and "
+                "advantages of recent steps."
             )
-            if self._nonfinite_streak >= MAX_NONFINITE_STEPS:
-                raise NonFiniteTrainingError(
-                    f"{self._nonfinite_streak} steps in a row had a non-finite loss or gradient norm (last: "
-                    f"loss {loss}, gradient norm {grad_norm}); training stopped before the weights were "
-                    "touched. Lower learning_rate, set max_grad_norm, and look at the rewards and "
-                    "advantages of recent steps."
-                )
-        model.zero_grad(set_to_none=True)
-        return self._now() - started, finite
 
     def _restore_server_weights(self, model, lost: ServersLostWeights) -> None:
         """Servers restarted with their original checkpoint: push the current policy again (a new
@@ -837,22 +878,57 @@ class AsyncGRPOTrainer(Trainer):
             )
 
 
+@dataclass
+class QueuedRows:
+    """A step's rows, forwarded and backpropagated on the device but not yet read by the host."""
+
+    clock: DeviceClock
+    marks: list[tuple]  # (started, forward done, backward done) device marks of each row
+    losses: list[torch.Tensor]  # 0-d, rows this process counts
+    stats: list[dict[str, Stat]]  # their metrics, values still on the device
+
+
+def values_on_host(row_losses: list[torch.Tensor], row_stats: list[dict[str, Stat]]):
+    """(sum of the rows' losses, the rows' metrics with float values): every device value in one
+    transfer, so the step waits for the GPU once, after its last row."""
+    device_values = [row_losses] + [
+        [v for s in stats.values() for v in (s.value, s.weight)] for stats in row_stats
+    ]
+    tensors = [
+        v.detach().double().reshape(()) for values in device_values for v in values if torch.is_tensor(v)
+    ]
+    host = iter(torch.stack(tensors).tolist() if tensors else [])
+
+    def read(value) -> float:
+        return next(host) if torch.is_tensor(value) else float(value)
+
+    loss_total = sum(read(loss) for loss in row_losses)
+    stats = [
+        {name: Stat(s.reduce, read(s.value), read(s.weight)) for name, s in row.items()} for row in row_stats
+    ]
+    return loss_total, stats
+
+
 def row_loss(
-    model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig, loss_fn
+    model, row, num_trained_tokens_global: float, args: AsyncGRPOConfig, loss_fn, keep_logits: bool = False
 ) -> tuple[torch.Tensor, dict]:
     """The loss of one packed row (this process's share of a micro-batch), normalized by the trained
-    tokens of the whole micro-batch over all processes, and its metrics."""
+    tokens of the whole micro-batch over all processes, and its metrics. keep_logits: the fused head
+    keeps the row's logits for backward (the row's memory plan has room for them)."""
     aux_coef = args.router_aux_loss_coef or 0.0
-    out = row_logprobs(model, row, temperature=args.temperature, router_aux_loss=aux_coef > 0)
+    out = row_logprobs(
+        model, row, temperature=args.temperature, router_aux_loss=aux_coef > 0, keep_logits=keep_logits
+    )
     device = out.logprobs.device
     inputs = LossInputs(
         logprobs=out.logprobs,
-        sampler_logprobs=_tensor(row.sampler_logprobs, device),
-        advantages=_tensor(row.advantages, device),
-        entry_sample=_tensor(row.entry_sample, device),
+        sampler_logprobs=to_device(row.sampler_logprobs, device),
+        advantages=to_device(row.advantages, device),
+        entry_sample=to_device(row.entry_sample, device),
         entropy=out.entropy,
         top_logprobs=out.top_logprobs,
-        sampler_top_logprobs=_tensor(row.top_logprobs, device),
+        sampler_top_logprobs=to_device(row.top_logprobs, device),
+        num_samples=int(row.entry_sample.max()) + 1 if len(row.entry_sample) else None,
     )
     loss, metrics = loss_fn(
         inputs,
@@ -870,10 +946,6 @@ def row_loss(
             Reduce.MEAN, out.aux_loss.detach() * row.num_entries, float(row.num_entries)
         )
     return loss, metrics
-
-
-def _tensor(array: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
-    return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
 # The rollout-loop names are importable from this module as well as from `asyncgrpo`. TRL 1.16 has no
