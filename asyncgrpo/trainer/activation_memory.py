@@ -31,9 +31,11 @@ import torch
 
 from asyncgrpo.packing.gated_deltanet import LINEAR_ATTENTION, uses_torch_rule
 
-# Covers allocator fragmentation and what the estimate leaves out (flex attention's scratch). Not
-# calibrated kernel by kernel: on an H200 (Qwen3-1.7B shape, fp32 weights + AdamW) rows of 16k-262k
-# tokens all fit with it, the fullest at 124 GB peak of 139 GiB (bench/RESULTS.md, gpu_step).
+# Covers allocator fragmentation and part of what the estimate leaves out (flex attention's scratch,
+# the head's chunk workspace). Not calibrated kernel by kernel, and thinner than its name: on an H200
+# (Qwen3-1.7B shape, fp32 weights + AdamW) a 16k-token row with nothing checkpointed kept 8% more than
+# the estimate with this factor; the reserve below covered it, and rows of 16k-262k tokens all fit
+# (bench/RESULTS.md, gpu_step: memory sweep and activation probe).
 SAFETY_FACTOR = 1.25
 # Memory kept free beyond the estimate: the fused head's chunk workspace, the block masks, cuBLAS
 # workspaces. A fraction of the card's memory, at least 4 GiB.
