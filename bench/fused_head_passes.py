@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 
-from asyncgrpo import head_kernels
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_training import require_cuda  # noqa: E402
 
 
 def timed_ms(fn, repeats: int = 10) -> float:
@@ -37,6 +40,9 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=10240, help="trained entries of the row")
     parser.add_argument("--vocab", type=int, default=151936)
     args = parser.parse_args()
+    require_cuda(smoke=None)
+    from asyncgrpo import head_kernels  # Triton, which CPU machines lack: after the check
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     raw = (torch.randn(args.entries, args.vocab, device="cuda", generator=gen) * 3).bfloat16()
     targets = torch.randint(0, args.vocab, (args.entries,), device="cuda", generator=gen)

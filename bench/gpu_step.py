@@ -36,7 +36,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_training import QWEN3, QWEN3_COMMON, matmul_peak  # noqa: E402
+from gpu_training import QWEN3, QWEN3_COMMON, matmul_peak, require_cuda  # noqa: E402
 from workloads import plain_row  # noqa: E402
 
 import asyncgrpo.logprobs as logprobs_module  # noqa: E402
@@ -501,6 +501,7 @@ def main() -> None:
     )
     parser.add_argument("--memory-seconds", type=float, default=120.0)
     args = parser.parse_args()
+    require_cuda(args.smoke)
     if args.smoke:
         args.budget = min(args.budget, 2048)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")

@@ -52,7 +52,7 @@ from gpu_step import (  # noqa: E402
     sample,
     timed_steps,
 )
-from gpu_training import QWEN3_5_2B, SPEED_WORKLOADS, matmul_peak  # noqa: E402
+from gpu_training import QWEN3_5_2B, SPEED_WORKLOADS, matmul_peak, require_cuda  # noqa: E402
 
 from asyncgrpo.packing import gated_deltanet  # noqa: E402
 from asyncgrpo.packing.planner import TokenBudgetBatcher  # noqa: E402
@@ -141,6 +141,7 @@ def main() -> None:
         "lets a short device call run part of the measurement",
     )  # fmt: skip
     args = parser.parse_args()
+    require_cuda(args.smoke)
     started = time.perf_counter()
     if args.smoke:
         args.budget = min(args.budget, 2048)

@@ -104,6 +104,17 @@ def cuda_time(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def require_cuda(smoke: bool | None) -> None:
+    """Stop a GPU benchmark run without a GPU (it would run the full shapes on CPU for hours).
+    smoke: the script's --smoke flag, None for a script that has none."""
+    if smoke or torch.cuda.is_available():
+        return
+    hint = "" if smoke is None else ", or with --smoke to check it runs on tiny shapes on CPU"
+    sys.exit(
+        f"{Path(sys.argv[0]).name} measures a CUDA GPU and none is visible: run it on a GPU machine{hint}"
+    )
+
+
 def matmul_peak(device) -> float:
     n = 8192 if device.type == "cuda" else 512
     inputs = [
@@ -319,6 +330,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default="peak,correct,speed,mfu,memory")
     args = parser.parse_args()
+    require_cuda(args.smoke)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     parts = set(args.only.split(","))
     report: dict = {

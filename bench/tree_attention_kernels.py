@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_step import plain_rows_within_budget, shared_prefix_samples  # noqa: E402
+from gpu_training import require_cuda  # noqa: E402
 
 from asyncgrpo.packing import tree_attention as tree_attention_module  # noqa: E402
 from asyncgrpo.packing.planner import TokenBudgetBatcher  # noqa: E402
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    require_cuda(args.smoke)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     budget = min(args.budget, 2048) if args.smoke else args.budget
     tree, plain = rows(budget, 151_936, args.smoke)
