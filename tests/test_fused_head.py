@@ -5,6 +5,12 @@ the whole head at the trainer's CUDA defaults."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -148,6 +154,33 @@ def default_cuda_model():
     return model, reference
 
 
+def triton_for_the_interpreter() -> str | None:
+    """Where Triton can be imported from for the interpreted test: the environment itself (a GPU
+    host), or the folder `make venv` installs it into beside the venv's packages (CPU machines: in
+    site-packages, vLLM and torch would take it for a usable GPU Triton)."""
+    if importlib.util.find_spec("triton") is not None:
+        return ""
+    folder = Path(sys.prefix) / "triton-interpreter"
+    return str(folder) if (folder / "triton").is_dir() else None
+
+
+def test_head_kernels_match_the_torch_passes_in_tritons_interpreter():
+    """The Triton passes' logic on every CPU run (CI has no GPU), through Triton's interpreter: the
+    same checks as the GPU test below over a small vocabulary, in a process of its own."""
+    folder = triton_for_the_interpreter()
+    assert folder is not None, (
+        f"Triton is not importable and {Path(sys.prefix) / 'triton-interpreter'} does not hold it: "
+        "run `make venv` (it installs Triton there for this test)"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    if folder:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, env.get("PYTHONPATH")]))
+    script = Path(__file__).with_name("head_kernels_check.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.count("ok ") == 8, done.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transforms", [False, True])
@@ -155,40 +188,9 @@ def default_cuda_model():
 def test_cuda_head_kernels_match_the_torch_passes(dtype, transforms, candidates):
     """The Triton passes vs the torch reference on the same GPU tensors, over a real vocabulary
     (151,936: not a multiple of the kernels' blocks), with the top-N, entropy and candidate terms."""
-    from asyncgrpo import fused_head, head_kernels
+    from head_kernels_check import check_head_kernels
 
-    vocab, entries, top_n = 151_936, 300, 8
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    raw = (torch.randn(entries, vocab, device="cuda", generator=gen) * 4).to(dtype)
-    targets = torch.randint(0, vocab, (entries,), device="cuda", generator=gen)
-    top_ids = torch.randint(0, vocab, (entries, top_n), device="cuda", generator=gen)
-    top_ids[::3, -2:] = -1
-    top_ids[::5, 0] = targets[::5]  # a target among the top ids: both gradient terms at one column
-    allowed = None
-    if candidates:
-        allowed = torch.rand(entries, vocab, device="cuda", generator=gen) < 0.01
-        allowed[::4] = True  # empty set = the whole vocabulary
-        allowed[torch.arange(entries, device="cuda"), targets] = True
-    transform = (0.7, 30.0) if transforms else (1.0, None)
-    args = (*transform, 0.9)
-    want = fused_head._chunk_forward(raw, targets, top_ids, allowed, *args)
-    got = head_kernels.chunk_forward(raw, targets, top_ids, allowed, *args)
-    for name, expected, value in zip(("target", "entropy", "top", "lse"), want, got):
-        assert torch.equal(torch.isinf(expected), torch.isinf(value)), name
-        finite = torch.isfinite(expected)
-        torch.testing.assert_close(value[finite], expected[finite], rtol=2e-5, atol=2e-5, msg=name)
-    lse, entropy = want[3], want[1]
-    g_target, g_entropy = torch.randn(2, entries, device="cuda", generator=gen)
-    g_top = torch.randn(entries, top_n, device="cuda", generator=gen)
-    backward_args = (lse, entropy, targets, top_ids, allowed, g_target, g_entropy, g_top, *args, dtype)
-    expected = fused_head._chunk_backward(raw, *backward_args).float()
-    in_place = raw.clone()
-    value = head_kernels.chunk_backward(in_place, *backward_args, out=in_place)
-    assert value.data_ptr() == in_place.data_ptr()
-    # bf16: one rounding apart at most; fp32: the kernels' exp and tanh against torch's
-    step = 1e-4 if dtype == torch.float32 else 2.0**-7
-    assert ((value.float() - expected).abs() <= step * expected.abs() + 1e-6).all()
-    assert expected.abs().sum() > 0
+    check_head_kernels("cuda", 151_936, 300, dtype, transforms, candidates)
 
 
 @pytest.mark.gpu
