@@ -318,6 +318,7 @@ class AsyncRolloutLoop:
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
         self._finished_since_raise = 0
         self._generated_tokens = 0
+        self._last_flush = time.monotonic()
         self._last_preemptions = load.preemptions if load else 0
         self._reported_retries = 0
         self._next_group_id = 0
@@ -681,21 +682,24 @@ class AsyncRolloutLoop:
             await asyncio.sleep(self.load_poll_interval_s)
 
     async def _metrics_loop(self) -> None:
-        last = time.monotonic()
-        while True:
+        while True:  # the gauges reach the trainer even while no group finishes
             await asyncio.sleep(METRICS_FLUSH_INTERVAL_S)
-            now = time.monotonic()
-            self.metrics.record_rate("rollout/generated_tokens_per_s", self._generated_tokens, now - last)
-            self._generated_tokens, last = 0, now
-            self.metrics.record("rollout/concurrency", self.slots.running)
-            self.metrics.record("rollout/concurrency_cap", self.concurrency_cap)
-            self.metrics.record("rollout/score_queue_size", self.score_queue.qsize())
-            retries = self.client.retry_count
-            self.metrics.record("rollout/vllm_retry_count", retries - self._reported_retries, Reduce.SUM)
-            self._reported_retries = retries
             self._flush_metrics()
 
     def _flush_metrics(self) -> None:
-        """Send what the window holds to the trainer (it merges windows by weight) and start anew."""
+        """Record the generation gauges (tokens/s since the last flush, concurrency, queue, retries),
+        send what the window holds to the trainer (it merges windows by weight) and start anew. Each
+        scored group flushes too, so every step's window has the gauges, however short the run."""
+        now = time.monotonic()
+        self.metrics.record_rate(
+            "rollout/generated_tokens_per_s", self._generated_tokens, now - self._last_flush
+        )
+        self._generated_tokens, self._last_flush = 0, now
+        self.metrics.record("rollout/concurrency", self.slots.running)
+        self.metrics.record("rollout/concurrency_cap", self.concurrency_cap)
+        self.metrics.record("rollout/score_queue_size", self.score_queue.qsize())
+        retries = self.client.retry_count
+        self.metrics.record("rollout/vllm_retry_count", retries - self._reported_retries, Reduce.SUM)
+        self._reported_retries = retries
         self.channels.metrics_queue.put(self.metrics.stats())
         self.metrics = MetricsWindow()
