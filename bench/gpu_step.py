@@ -50,7 +50,7 @@ from asyncgrpo.tiny_model import build_tokenizer  # noqa: E402
 from asyncgrpo.trainer.activation_memory import RowMemoryPlan  # noqa: E402
 from asyncgrpo.trainer.distributed import Processes  # noqa: E402
 from asyncgrpo.trainer.intake import StepBatch  # noqa: E402
-from asyncgrpo.trainer.optimizer_step import takes_device_decisions  # noqa: E402
+from asyncgrpo.trainer.optimizer_step import takes_device_decisions, torch_optimizer  # noqa: E402
 
 TARGET = 0.45
 # Name fragments of fla-core's gated delta rule kernels (Gated DeltaNet hybrids, gpu_step_qwen3_5.py).
@@ -272,6 +272,7 @@ def measure_variant(name, overrides, fused, args, peak, out_dir) -> dict:
         "row_tokens": [r.num_tokens for r in rows], "unpacked_tok_s": unpacked / seconds,
         "packing_ratio": unpacked / sum(r.num_tokens for r in rows),
         **memory_plan(trainer), "optimizer_on_device": takes_device_decisions(trainer.optimizer),
+        "optimizer": type(torch_optimizer(trainer.optimizer)).__name__,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
     }  # fmt: skip
     log(f"variant {result}")

@@ -5,15 +5,10 @@ the whole head at the trainer's CUDA defaults."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from asyncgrpo.logprobs import OutputHead, token_logprobs
 
@@ -154,31 +149,10 @@ def default_cuda_model():
     return model, reference
 
 
-def triton_for_the_interpreter() -> str | None:
-    """Where Triton can be imported from for the interpreted test: the environment itself (a GPU
-    host), or the folder `make venv` installs it into beside the venv's packages (CPU machines: in
-    site-packages, vLLM and torch would take it for a usable GPU Triton)."""
-    if importlib.util.find_spec("triton") is not None:
-        return ""
-    folder = Path(sys.prefix) / "triton-interpreter"
-    return str(folder) if (folder / "triton").is_dir() else None
-
-
 def test_head_kernels_match_the_torch_passes_in_tritons_interpreter():
     """The Triton passes' logic on every CPU run (CI has no GPU), through Triton's interpreter: the
-    same checks as the GPU test below over a small vocabulary, in a process of its own."""
-    folder = triton_for_the_interpreter()
-    assert folder is not None, (
-        f"Triton is not importable and {Path(sys.prefix) / 'triton-interpreter'} does not hold it: "
-        "run `make venv` (it installs Triton there for this test)"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    if folder:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, env.get("PYTHONPATH")]))
-    script = Path(__file__).with_name("head_kernels_check.py")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("ok ") == 8, done.stdout
+    same checks as the GPU test below over a small vocabulary."""
+    assert run_interpreted("head_kernels_check.py").count("ok ") == 8
 
 
 @pytest.mark.gpu

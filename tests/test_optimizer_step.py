@@ -1,14 +1,17 @@
 """The optimizer step queued on the device (trainer/optimizer_step.py) against clip_grad_norm_ + step:
-same update, and a non-finite loss or gradient leaves weights and optimizer states untouched."""
+same update, and a non-finite loss or gradient leaves weights and optimizer states untouched; the
+Triton AdamW (adamw_kernel.py) against torch's AdamW, and when the trainer uses it."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
-from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_decisions
+from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_decisions, with_triton_update
 
 
 def model_and_optimizer(seed: int = 0):
@@ -90,3 +93,31 @@ def test_accelerates_wrapper_takes_the_device_path():
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert not hasattr(optimizer, "grad_scale")
+
+
+def test_triton_adamw_matches_torch_adamw_in_tritons_interpreter():
+    """The Triton update's logic on every CPU run, through Triton's interpreter: the same checks as
+    the GPU test below, what the kernel does not cover (amsgrad, FSDP2's sharded parameters) left to
+    torch's update, and the class the trainer would pick on a GPU."""
+    lines = run_interpreted("adamw_kernel_check.py").splitlines()
+    assert lines[-4:] == ["ok cpu", "amsgrad: torch's update", "sharded: torch's step", "picked on cuda"]
+
+
+@pytest.mark.gpu
+def test_cuda_triton_adamw_matches_torch_adamw():
+    from adamw_kernel_check import check_triton_adamw
+
+    check_triton_adamw("cuda")
+
+
+def test_only_torchs_fused_adamw_on_cuda_is_replaced():
+    """CPU, another optimizer, a non-fused AdamW or triton_adamw=False keep what Trainer picked."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    kept = [
+        (torch.optim.AdamW, {"fused": True}, SimpleNamespace(device=cpu, triton_adamw=True)),
+        (torch.optim.AdamW, {"fused": True}, SimpleNamespace(device=cuda, triton_adamw=False)),
+        (torch.optim.AdamW, {"foreach": True}, SimpleNamespace(device=cuda, triton_adamw=True)),
+        (torch.optim.SGD, {"fused": True}, SimpleNamespace(device=cuda, triton_adamw=True)),
+    ]
+    for optimizer_cls, kwargs, args in kept:
+        assert with_triton_update(optimizer_cls, kwargs, args) is optimizer_cls

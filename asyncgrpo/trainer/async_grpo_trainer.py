@@ -78,7 +78,7 @@ from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
 from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
 from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
-from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_decisions
+from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_decisions, with_triton_update
 from asyncgrpo.trainer.progress import AsyncProgressCallback
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 from asyncgrpo.trainer.run_directory import RunDirectoryCallback
@@ -320,6 +320,13 @@ class AsyncGRPOTrainer(Trainer):
         if self.control.should_save:
             self._save_checkpoint(model, trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        """Trainer's choice from `optim`, with torch's fused AdamW run as the Triton AdamW on CUDA
+        (`triton_adamw`, trainer/optimizer_step.py)."""
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        return with_triton_update(optimizer_cls, kwargs, args), kwargs
 
     def _prepare_model(self, args: AsyncGRPOConfig, resume_from_checkpoint: str | None):
         """The model to train (wrapped, sharded, compiled as configured) and its optimizer."""

@@ -55,3 +55,15 @@ def queue_clipped_step(
     finally:
         del inner.grad_scale, inner.found_inf
     return norm, skipped
+
+
+def with_triton_update(optimizer_cls: type, kwargs: dict, args) -> type:
+    """The optimizer class to build in place of `optimizer_cls`: torch's fused AdamW (the default
+    `optim`) becomes the Triton AdamW on a CUDA device unless `args.triton_adamw` is False. Same
+    update, arguments, state and checkpoints; the update runs at memory bandwidth (adamw_kernel.py)."""
+    fused_adamw = optimizer_cls is torch.optim.AdamW and kwargs.get("fused")
+    if not (fused_adamw and getattr(args, "triton_adamw", True) and args.device.type == "cuda"):
+        return optimizer_cls
+    from asyncgrpo.adamw_kernel import TritonAdamW  # imports Triton, which CPU-only installs lack
+
+    return TritonAdamW

@@ -1,0 +1,41 @@
+"""Running a Triton check script under Triton's interpreter, for the CPU tests of the CUDA kernels.
+
+The interpreter runs a kernel's program in numpy over CPU tensors, so the kernels' logic is tested on
+every CPU run (CI has no GPU); the GPU tests check their compiled code. TRITON_INTERPRET is read when
+a kernel is defined, so each script runs in a process of its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def triton_for_the_interpreter() -> str | None:
+    """Where Triton can be imported from: the environment itself (a GPU host, ""), or the folder
+    `make venv` installs it into beside the venv's packages (CPU machines: in site-packages, vLLM
+    and torch would take it for a usable GPU Triton); None if neither."""
+    if importlib.util.find_spec("triton") is not None:
+        return ""
+    folder = Path(sys.prefix) / "triton-interpreter"
+    return str(folder) if (folder / "triton").is_dir() else None
+
+
+def run_interpreted(script_name: str) -> str:
+    """Run tests/`script_name` with TRITON_INTERPRET=1; its stdout. Fails the calling test (with
+    what to do) when Triton is missing or the script fails."""
+    folder = triton_for_the_interpreter()
+    assert folder is not None, (
+        f"Triton is not importable and {Path(sys.prefix) / 'triton-interpreter'} does not hold it: "
+        "run `make venv` (it installs Triton there for the interpreted kernel tests)"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    if folder:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, env.get("PYTHONPATH")]))
+    script = Path(__file__).with_name(script_name)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
