@@ -2,9 +2,9 @@
 
 The optimizer step is the part of a training step that packing cannot shrink: for a 1.7B model in
 fp32 it moves ~48 GB (read parameter, gradient and both moments, write back parameter and moments).
-torch's fused AdamW moved them at ~2.5 TB/s on an H200 (bench/RESULTS.md, gpu_step); this kernel is
-one program per block of a tensor, with nothing but the update's arithmetic per element, so it runs
-at the card's memory bandwidth. Same update as torch's AdamW (decoupled weight decay):
+torch's fused AdamW moved them at 2.9 TB/s on an H200 (16.5 ms); this kernel is one program per
+block of a tensor, with nothing but the update's arithmetic per element, and runs at 3.9 TB/s (12.5
+ms; bench/adamw_step.py, bench/RESULTS.md). Same update as torch's AdamW (decoupled weight decay):
     g = grad / grad_scale                  (the clipping factor, a device scalar: no host read)
     p <- p (1 - lr wd)
     m <- b1 m + (1 - b1) g,   v <- b2 v + (1 - b2) g^2
