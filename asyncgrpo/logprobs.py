@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from asyncgrpo.fused_head import FusedHeadLogprobs, candidate_mask
+from asyncgrpo.kernels.fused_head import FusedHeadLogprobs, candidate_mask
 from asyncgrpo.models import load_balancing_loss
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.packing.tree_attention import TREE_ATTENTION, padded_length, tree_attention_masks

@@ -1,6 +1,6 @@
 """Part benchmark: the optimizer step alone (gradient norm + AdamW) over the Qwen3-1.7B shape's fp32
 parameters on a GPU, torch's fused AdamW (what the trainer used) against the Triton update
-(asyncgrpo.adamw_kernel), with the launch settings swept. A part of the step, not the step: the
+(asyncgrpo.kernels.adamw_kernel), with the launch settings swept. A part of the step, not the step: the
 step's figure is bench/gpu_step.py.
 
 Traffic: the update reads parameter, gradient and both moments and writes back parameter and moments
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     require_cuda(None)
-    from asyncgrpo.adamw_kernel import BLOCK, WARPS, TritonAdamW, adamw_update_
+    from asyncgrpo.kernels.adamw_kernel import BLOCK, WARPS, TritonAdamW, adamw_update_
 
     shapes = qwen3_shapes(args.shape)
     count = sum(torch.Size(s).numel() for s in shapes)

@@ -1,4 +1,4 @@
-"""Part benchmark: the fused head's two passes over the logits (asyncgrpo.head_kernels) on a GPU.
+"""Part benchmark: the fused head's two passes over the logits (asyncgrpo.kernels.head_kernels) on a GPU.
 
 Times the forward pass (log-normalizer and entropy) and the backward pass (d loss / d logits, in
 place) over one row's bf16 logits, E trained entries x a 152k vocabulary, for a few block sizes
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     args = parser.parse_args()
     require_cuda(smoke=None)
-    from asyncgrpo import head_kernels  # Triton, which CPU machines lack: after the check
+    from asyncgrpo.kernels import head_kernels  # Triton, which CPU machines lack: after the check
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     raw = (torch.randn(args.entries, args.vocab, device="cuda", generator=gen) * 3).bfloat16()

@@ -41,12 +41,12 @@ from workloads import plain_row  # noqa: E402
 
 import asyncgrpo.logprobs as logprobs_module  # noqa: E402
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.cli.tiny_model import build_tokenizer  # noqa: E402
 from asyncgrpo.packing.planner import MicroBatchPlan, TokenBudgetBatcher  # noqa: E402
 from asyncgrpo.packing.tree_attention import BLOCK_SIZE  # noqa: E402
 from asyncgrpo.packing.trie import pack_row  # noqa: E402
 from asyncgrpo.perf import flop_model  # noqa: E402
 from asyncgrpo.sample import Sample  # noqa: E402
-from asyncgrpo.tiny_model import build_tokenizer  # noqa: E402
 from asyncgrpo.trainer.activation_memory import RowMemoryPlan  # noqa: E402
 from asyncgrpo.trainer.distributed import Processes  # noqa: E402
 from asyncgrpo.trainer.intake import StepBatch  # noqa: E402

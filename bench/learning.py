@@ -94,12 +94,12 @@ def run_asyncgrpo(arm: str, seed: int, model_dir: str, url: str, prompts: int, o
     import torch
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.demo import addition_dataset, correct_sum
+    from asyncgrpo.cli.demo import addition_dataset, correct_sum
 
     sys.path.insert(0, str(HERE))
     from overlap import SynchronousTrainer
 
-    torch.set_num_threads(1)  # the server generates on the same cores (asyncgrpo/demo.py says why)
+    torch.set_num_threads(1)  # the server generates on the same cores (asyncgrpo/cli/demo.py says why)
     args = AsyncGRPOConfig(
         output_dir=str(out / f"{arm}-{seed}"),
         vllm_server_base_url=url,
@@ -133,7 +133,7 @@ def run_asyncgrpo(arm: str, seed: int, model_dir: str, url: str, prompts: int, o
 def run_trl(seed: int, model_dir: str, prompts: int, samples_per_step: int, out: Path) -> list[dict]:
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncgrpo.demo import addition_dataset, correct_sum
+    from asyncgrpo.cli.demo import addition_dataset, correct_sum
 
     prompts_per_step = max(samples_per_step // GROUP_SIZE, 1)
     args = GRPOConfig(
@@ -187,8 +187,8 @@ def warm_started_model(work: Path) -> tuple[Path, float]:
     accuracy when sampling at temperature 1."""
     import torch
 
-    from asyncgrpo.demo import warm_start
-    from asyncgrpo.tiny_model import build_model, build_tokenizer
+    from asyncgrpo.cli.demo import warm_start
+    from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
@@ -204,7 +204,7 @@ def expected_accuracy(model_dir: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncgrpo.demo import addition_prompt
+    from asyncgrpo.cli.demo import addition_prompt
 
     model, tokenizer = (
         AutoModelForCausalLM.from_pretrained(model_dir).eval(),

@@ -31,8 +31,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.cli.tiny_model import save_tiny_model
 from asyncgrpo.generation.server import ServerOptions, VLLMServer
-from asyncgrpo.tiny_model import save_tiny_model
 
 WARMUP_STEPS = 4  # compilation and the first fill of the queue
 TARGET = 1.10

@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from asyncgrpo.cli.tiny_model import save_tiny_model
 from asyncgrpo.generation.client import SamplingParams, VLLMClient
 from asyncgrpo.generation.server import ServerOptions, VLLMServer
-from asyncgrpo.tiny_model import save_tiny_model
 
 IN_FLIGHT = 48
 MEASURE_S = 10.0

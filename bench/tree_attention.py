@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from workloads import GROUP_SIZE, make_groups, plain_row
 
+from asyncgrpo.cli.tiny_model import TinyModelSpec, build_model, build_tokenizer
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.packing.tree_attention import BLOCK_SIZE, enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
-from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer
 
 SPEC = TinyModelSpec(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64)  # fmt: skip

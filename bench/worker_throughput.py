@@ -82,10 +82,10 @@ def run_fake_server(port: int, vocab: int, core: int) -> None:
 def main() -> None:
     from datasets import Dataset
 
+    from asyncgrpo.cli.tiny_model import build_tokenizer
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
     from asyncgrpo.rollout.worker import RolloutWorker
-    from asyncgrpo.tiny_model import build_tokenizer
 
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     worker_core, other_core = cores[0], cores[-1]

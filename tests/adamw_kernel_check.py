@@ -1,4 +1,4 @@
-"""The Triton AdamW (`asyncgrpo.adamw_kernel.TritonAdamW`) against torch's AdamW, on any device.
+"""The Triton AdamW (`asyncgrpo.kernels.adamw_kernel.TritonAdamW`) against torch's AdamW, on any device.
 Used by tests/test_optimizer_step.py twice: on a GPU (compiled kernel) and on CPU through Triton's
 interpreter, where this file runs as a script in a process of its own with TRITON_INTERPRET=1 (Triton
 reads it when the kernel is defined)."""
@@ -38,7 +38,7 @@ def check_triton_adamw(device: str) -> None:
     """Six steps through the trainer's queue_clipped_step (one clipped, one skipped for a non-finite
     loss) against clip_grad_norm_ + torch's AdamW: parameters, moments and step counts agree; then
     the state continues in torch's fused AdamW (the same next step) and loads back."""
-    from asyncgrpo.adamw_kernel import TritonAdamW
+    from asyncgrpo.kernels.adamw_kernel import TritonAdamW
 
     settings = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
     reference, candidate = model(device), model(device)
@@ -84,7 +84,7 @@ def check_triton_adamw(device: str) -> None:
 def check_uncovered_groups_take_torchs_update() -> None:
     """amsgrad is not in the kernel: that group gets torch's fused update, the same as torch's
     AdamW's, and the step hooks still run once."""
-    from asyncgrpo.adamw_kernel import TritonAdamW
+    from asyncgrpo.kernels.adamw_kernel import TritonAdamW
 
     settings = dict(lr=1e-2, amsgrad=True)
     reference, candidate = model("cpu"), model("cpu")
@@ -113,7 +113,7 @@ def check_sharded_parameters_take_torchs_step() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from asyncgrpo.adamw_kernel import TritonAdamW
+    from asyncgrpo.kernels.adamw_kernel import TritonAdamW
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -136,7 +136,7 @@ def check_sharded_parameters_take_torchs_step() -> None:
 if __name__ == "__main__":
     from types import SimpleNamespace
 
-    from asyncgrpo.adamw_kernel import TritonAdamW
+    from asyncgrpo.kernels.adamw_kernel import TritonAdamW
     from asyncgrpo.trainer.optimizer_step import with_triton_update
 
     check_triton_adamw("cpu")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from asyncgrpo.tiny_model import save_tiny_model
+from asyncgrpo.cli.tiny_model import save_tiny_model
 
 if TYPE_CHECKING:  # the server module needs msgspec, which a GPU host may lack: imported where used
     from asyncgrpo.generation.server import VLLMServer

@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_trie_packing import random_samples  # noqa: E402
 
+from asyncgrpo.cli.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.loss import score_centered_loss  # noqa: E402
 from asyncgrpo.packing.planner import TokenBudgetBatcher  # noqa: E402
 from asyncgrpo.packing.tree_attention import enable_tree_attention  # noqa: E402
-from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.trainer.async_grpo_trainer import row_loss  # noqa: E402
 from asyncgrpo.trainer.distributed import shard_model  # noqa: E402
 

@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from weight_transfer_double import GlooTransport  # noqa: E402
 
+from asyncgrpo.cli.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.generation.background import BackgroundLoop  # noqa: E402
 from asyncgrpo.generation.client import VLLMClient  # noqa: E402
-from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.weight_sync.lora import LoraAdapterSync  # noqa: E402
 from asyncgrpo.weight_sync.nccl import NcclWeightSync  # noqa: E402
 

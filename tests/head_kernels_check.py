@@ -1,4 +1,4 @@
-"""The Triton head passes (`asyncgrpo.head_kernels`) against the torch reference passes, on any
+"""The Triton head passes (`asyncgrpo.kernels.head_kernels`) against the torch reference passes, on any
 device. Used by tests/test_fused_head.py twice: on a GPU (compiled kernels, a real 152k vocabulary)
 and on CPU through Triton's interpreter, where this file runs as a script in a process of its own with
 TRITON_INTERPRET=1 (Triton reads it when the kernels are defined, so it cannot be set in a process
@@ -17,7 +17,7 @@ def check_head_kernels(device: str, vocab: int, entries: int, dtype, transforms:
     the fp32 torch pass; logits with the awkward cases: a vocabulary that is no multiple of the
     kernels' blocks, padding top ids (-1), a target among the top ids, a top id twice, and (with
     candidate sets) a row whose only allowed logit is in the vocabulary's last partial block."""
-    from asyncgrpo import fused_head, head_kernels
+    from asyncgrpo.kernels import head_kernels, head_reference
 
     top_n = 8
     gen = torch.Generator(device=device).manual_seed(3)
@@ -37,7 +37,7 @@ def check_head_kernels(device: str, vocab: int, entries: int, dtype, transforms:
         targets[2] = vocab - 3
     transform = (0.7, 30.0) if transforms else (1.0, None)
     args = (*transform, 0.9)
-    exact = fused_head._chunk_forward(raw.double(), targets, top_ids, allowed, *args)
+    exact = head_reference.chunk_forward(raw.double(), targets, top_ids, allowed, *args)
     got = head_kernels.chunk_forward(raw, targets, top_ids, allowed, *args)
     for name, expected, value in zip(("target", "entropy", "top", "lse"), exact, got):
         assert torch.equal(torch.isinf(expected), torch.isinf(value)), name
@@ -51,7 +51,7 @@ def check_head_kernels(device: str, vocab: int, entries: int, dtype, transforms:
     for with_entropy, with_top in ((True, True), (False, True), (True, False)):
         gradients = (g_target, g_entropy if with_entropy else None, g_top if with_top else None)
         backward_args = (lse, entropy, targets, top_ids, allowed, *gradients, *args, dtype)
-        expected = fused_head._chunk_backward(raw, *backward_args).float()
+        expected = head_reference.chunk_backward(raw, *backward_args).float()
         in_place = raw.clone()
         value = head_kernels.chunk_backward(in_place, *backward_args, out=in_place)
         assert value.data_ptr() == in_place.data_ptr()

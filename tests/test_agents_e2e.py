@@ -2,7 +2,7 @@
 documentation with only the import changed, on the tiny model.
 
 The tiny model starts from random weights, so for the IncrementEnv run it first gets a short
-supervised warm start (the demo's, asyncgrpo/demo.py) on the conversations the tool loop renders: it
+supervised warm start (the demo's, asyncgrpo/cli/demo.py) on the conversations the tool loop renders: it
 learns the `<tool_call>` format, to close after the tool's response, and to read the target, but only
 loosely (see increment_warm_start). GRPO, driven only by the environment's get_reward, then has to
 raise the reward (docs/agents.md, "Learning, end to end", says what it took).
@@ -28,10 +28,10 @@ pytest.importorskip(
 from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
-from asyncgrpo.demo import WARM_START_LR, answer_probability, supervised_steps
+from asyncgrpo.cli.demo import WARM_START_LR, answer_probability, supervised_steps
+from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.rollout.chat import render_prompt_ids
-from asyncgrpo.tiny_model import build_model, build_tokenizer
 
 pytestmark = pytest.mark.vllm
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from asyncgrpo import AsyncGRPOConfig
+from asyncgrpo.cli.tiny_model import build_tokenizer
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rollout.agent import record_tool_rollout_metrics, run_tool_loop, turn_text
 from asyncgrpo.rollout.chat import (
@@ -33,7 +34,6 @@ from asyncgrpo.rollout.sequences import build_training_sequences
 from asyncgrpo.rollout.tool_calls import parse_tool_calls, parse_turn, split_reasoning, tool_call_format
 from asyncgrpo.rollout.tools import run_tool_calls
 from asyncgrpo.rollout.types import Rollout, TurnRecord
-from asyncgrpo.tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

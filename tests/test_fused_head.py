@@ -137,8 +137,8 @@ def grpo_samples(rng, vocab: int, groups: int = 2) -> list:
 def default_cuda_model():
     """The tiny model as the trainer runs it on CUDA by default, and an fp32 CPU copy as reference
     (plain head path; tree attention only for packed rows, SDPA for a plain forward)."""
+    from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
     from asyncgrpo.packing.tree_attention import enable_tree_attention
-    from asyncgrpo.tiny_model import build_model, build_tokenizer
     from asyncgrpo.trainer.compile import compile_decoder_layers
 
     torch.manual_seed(0)

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from test_logprobs import TEMPERATURE, check_packed_equals_unpacked, completion_sample, random_trie_samples
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
+from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.packing.gated_deltanet import fla_refusal, recurrent_layout, tree_causal_conv1d
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
-from asyncgrpo.tiny_model import build_model, build_tokenizer
 
 VOCAB = 900
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 from asyncgrpo.logprobs import OutputHead, row_logprobs, token_logprobs
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.sample import Sample
-from asyncgrpo.tiny_model import build_model, build_tokenizer
 
 TEMPERATURE = 0.7
 TOP_N = 4

@@ -13,6 +13,7 @@ pytest.importorskip(
 )
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+from asyncgrpo.cli.tiny_model import save_tiny_model
 from asyncgrpo.generation.model_flags import model_flags
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.models import (
@@ -24,7 +25,6 @@ from asyncgrpo.models import (
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.sample import Sample
-from asyncgrpo.tiny_model import save_tiny_model
 from asyncgrpo.weight_sync.base import serving_tensors
 
 

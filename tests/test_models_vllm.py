@@ -17,9 +17,9 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.cli.tiny_model import save_tiny_model  # noqa: E402
 from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
 from asyncgrpo.models import load_model  # noqa: E402
-from asyncgrpo.tiny_model import save_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

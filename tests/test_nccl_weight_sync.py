@@ -27,9 +27,9 @@ import torch  # noqa: E402
 from conftest import free_port  # noqa: E402
 from weight_transfer_double import GlooTransport, checksum, running_double, unpack  # noqa: E402
 
+from asyncgrpo.cli.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.generation.background import BackgroundLoop  # noqa: E402
 from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
-from asyncgrpo.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.weight_sync.base import serving_tensors  # noqa: E402
 from asyncgrpo.weight_sync.buckets import pack, plan_buckets  # noqa: E402
 from asyncgrpo.weight_sync.nccl import NcclWeightSync, WeightTransferError  # noqa: E402

@@ -28,9 +28,9 @@ from asyncgrpo.generation.client import SamplingParams, VLLMRequestError, policy
 from asyncgrpo.generation.server import serving_lora_rank
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.packing.trie import pack_row
+from asyncgrpo.peft_adapters import adapter_rank, adapter_unservable_reason, wrap_with_peft
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.sample import Sample
-from asyncgrpo.trainer.adapters import adapter_rank, adapter_unservable_reason, wrap_with_peft
 from asyncgrpo.weight_sync.base import serving_tensors
 from asyncgrpo.weight_sync.lora import LoraAdapterSync, check_lora_server
 from asyncgrpo.weight_sync.merged import merged_for_serving

@@ -2,8 +2,8 @@
 
 import torch
 
+from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 from asyncgrpo.perf import flop_model
-from asyncgrpo.tiny_model import build_model, build_tokenizer
 
 
 def test_qwen3_5_flop_model_counts_its_matmuls():

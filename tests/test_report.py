@@ -106,7 +106,7 @@ def chromium() -> str:
         if path:
             return path
     pytest.fail(
-        "headless Chromium is needed to check report.html: apt-get install -y chromium (.ci/run does)"
+        "headless Chromium is needed to check report.html: make test installs it (scripts/ensure_chromium.sh)"
     )
 
 

@@ -298,8 +298,8 @@ def test_top_logprobs_follow_trained_tokens_and_masked_outputs_stay_context():
 
 
 def test_completions_table_prints_prompt_completion_and_reward(capsys):
+    from asyncgrpo.cli.tiny_model import build_tokenizer
     from asyncgrpo.sample import Sample
-    from asyncgrpo.tiny_model import build_tokenizer
     from asyncgrpo.trainer.completions_table import print_completions
 
     tokenizer = build_tokenizer()

@@ -9,7 +9,8 @@ import multiprocessing
 import os
 from types import SimpleNamespace
 
-from asyncgrpo.trainer.run_directory import WARNINGS_FILE_ENV, RunDirectoryCallback, attach_warnings_file
+from asyncgrpo.run_files import WARNINGS_FILE_ENV, attach_warnings_file
+from asyncgrpo.trainer.run_directory import RunDirectoryCallback
 
 
 def _spawned_warning() -> None:

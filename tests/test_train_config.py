@@ -14,14 +14,14 @@ pytest.importorskip(
 )
 
 from asyncgrpo.cli import main
-from asyncgrpo.run_config import (
+from asyncgrpo.cli.run_config import (
     ConfigError,
     build_run_config,
     load_training_dataset,
     parse_overrides,
     read_config,
 )
-from asyncgrpo.train_command import server_options_for
+from asyncgrpo.cli.train_command import server_options_for
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -243,9 +243,9 @@ def test_serve_for_prints_the_command_it_would_run(capsys, monkeypatch):
 
 
 def test_build_trainer_wires_what_the_config_names(tiny_model_dir, tmp_path):
-    from asyncgrpo.demo import correct_sum
+    from asyncgrpo.cli.demo import correct_sum
+    from asyncgrpo.cli.run_config import build_trainer
     from asyncgrpo.rollout.worker import check_worker_payload
-    from asyncgrpo.run_config import build_trainer
     from examples.functions import CurriculumRolloutLoop, multiply
 
     raw = read_config(

@@ -236,7 +236,7 @@ def test_the_trainer_leaves_the_callers_args_as_given(tiny_model_dir, tmp_path):
 def test_vision_language_checkpoint_trains_on_text(tmp_path):
     """A checkpoint with a vision tower loads with the image-text-to-text class; only its language
     model trains; prompts with images fail at construction."""
-    from asyncgrpo.tiny_model import save_tiny_model
+    from asyncgrpo.cli.tiny_model import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "vl", arch="qwen3_5_vl")
     trainer = AsyncGRPOTrainer(str(model_dir), some_reward, config(tmp_path), train_dataset=conversational())

@@ -8,6 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import GptOssConfig, GptOssForCausalLM
 
+from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 from asyncgrpo.packing.tree_attention import (
     TREE_ATTENTION,
     build_tree_block_mask,
@@ -16,7 +17,6 @@ from asyncgrpo.packing.tree_attention import (
     tree_attention,
     tree_attention_forward,
 )
-from asyncgrpo.tiny_model import build_model, build_tokenizer
 
 
 def random_tree(rng: np.random.Generator, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -216,7 +216,7 @@ def test_attention_dropout_refused():
 
 def test_a_tree_attention_model_still_runs_ordinary_forwards_as_sdpa():
     """After training (generation, evaluation, a plain forward) the model behaves exactly like SDPA."""
-    from asyncgrpo.tiny_model import build_model, build_tokenizer
+    from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     reference = build_model(tokenizer).eval()

@@ -185,7 +185,7 @@ def test_epoch_callbacks_bracket_passes_over_the_prompts():
 def boxed_answer_model(out_dir: Path) -> Path:
     """The tiny model after a few supervised steps that make it answer `\\boxed{1}` or `\\boxed{2}`,
     about half of the time each, then stop: rewards differ within a group, so GRPO has a signal."""
-    from asyncgrpo.tiny_model import build_model, build_tokenizer
+    from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)

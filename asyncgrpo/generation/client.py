@@ -65,10 +65,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     num_top_logprobs: int = 0  # the sampler's top-N log-probs per token (score centering)
     stop_token_ids: tuple[int, ...] = ()
+    # Tokens generated before EOS or a stop token may end the request: a request that must stay in
+    # flight for a while (a pause test, a load test) sets it, training requests leave it at 0.
+    min_tokens: int = 0
 
     def as_request_fields(self) -> dict[str, Any]:
         return {
             "max_tokens": self.max_tokens,
+            "min_tokens": self.min_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,

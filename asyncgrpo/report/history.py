@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncgrpo.trainer.run_directory import CONFIG_FILE, METRICS_FILE
+from asyncgrpo.run_files import CONFIG_FILE, METRICS_FILE
 
 
 @dataclass

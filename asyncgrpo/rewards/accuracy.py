@@ -64,7 +64,7 @@ def _verifier_pool() -> ProcessPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            from asyncgrpo.rollout.worker import exit_when_parent_dies
+            from asyncgrpo.parent_watch import exit_when_parent_dies
 
             _pool = ProcessPoolExecutor(
                 VERIFY_PROCESSES,

@@ -31,9 +31,10 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+from asyncgrpo.parent_watch import exit_when_parent_dies
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.messages import GroupResult
-from asyncgrpo.trainer.run_directory import attach_warnings_file
+from asyncgrpo.run_files import attach_warnings_file
 
 logger = logging.getLogger(__name__)
 
@@ -64,20 +65,6 @@ def check_worker_payload(reward_funcs, loop_cls, tools=None, environment_factory
     for index, tool in enumerate(tools or []):
         check_picklable({f"tool #{index} ({getattr(tool, '__name__', tool)!r})": tool})
     check_picklable({"environment_factory": environment_factory})
-
-
-PARENT_WATCH_INTERVAL_S = 0.5
-
-
-def exit_when_parent_dies(parent_pid: int) -> None:
-    """A daemon thread that ends this process as soon as `parent_pid` is no longer its parent."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_WATCH_INTERVAL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="asyncgrpo-parent-watch", daemon=True).start()
 
 
 def _worker_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels) -> None:

@@ -45,6 +45,7 @@ from asyncgrpo.loss import LossInputs, clipped_surrogate_loss, score_centered_lo
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
 from asyncgrpo.packing.tree_attention import enable_tree_attention, padded_length
+from asyncgrpo.peft_adapters import check_peft_config, wrap_with_peft
 from asyncgrpo.perf import device_peak_flops, flop_model
 from asyncgrpo.rollout.chat import render_prompt_ids, use_training_template
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
@@ -52,7 +53,6 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
-from asyncgrpo.trainer.adapters import check_peft_config, wrap_with_peft
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from asyncgrpo.logprobs import PACKED_FORWARD_METHOD, packed_forward
+from asyncgrpo.sharded import full_tensor
 
 T = TypeVar("T")
 
@@ -69,13 +70,6 @@ def shard_model(model: torch.nn.Module, reshard_after_forward: bool = True) -> N
     fully_shard(model, reshard_after_forward=reshard_after_forward)
     setattr(model, PACKED_FORWARD_METHOD, types.MethodType(packed_forward, model))
     register_fsdp_forward_method(model, PACKED_FORWARD_METHOD)
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a collective over the training processes for a sharded DTensor (all of
-    them must call it in the same order), the tensor itself otherwise."""
-    gather = getattr(tensor, "full_tensor", None)
-    return gather() if gather is not None else tensor
 
 
 def local_value(value: torch.Tensor | float) -> float:

@@ -64,6 +64,6 @@ def with_triton_update(optimizer_cls: type, kwargs: dict, args) -> type:
     fused_adamw = optimizer_cls is torch.optim.AdamW and kwargs.get("fused")
     if not (fused_adamw and getattr(args, "triton_adamw", True) and args.device.type == "cuda"):
         return optimizer_cls
-    from asyncgrpo.adamw_kernel import TritonAdamW  # imports Triton, which CPU-only installs lack
+    from asyncgrpo.kernels.adamw_kernel import TritonAdamW  # imports Triton, which CPU-only installs lack
 
     return TritonAdamW

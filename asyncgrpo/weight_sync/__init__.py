@@ -9,7 +9,7 @@ from pathlib import Path
 
 from asyncgrpo.config import WEIGHT_SYNC_BACKENDS
 from asyncgrpo.generation.server_info import ServerInfo
-from asyncgrpo.trainer.adapters import is_peft_model
+from asyncgrpo.peft_adapters import is_peft_model
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
 from asyncgrpo.weight_sync.lora import LoraAdapterSync, adapter_sync_for

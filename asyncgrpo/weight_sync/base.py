@@ -19,7 +19,7 @@ import torch
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.models import is_served
-from asyncgrpo.trainer.distributed import full_tensor
+from asyncgrpo.sharded import full_tensor
 
 
 @dataclass

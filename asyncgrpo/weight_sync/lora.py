@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from asyncgrpo.generation.client import VLLMRequestError, policy_adapter_name, policy_label
 from asyncgrpo.generation.server import SERVABLE_LORA_RANKS, serving_lora_rank
 from asyncgrpo.generation.server_info import ServerInfo
-from asyncgrpo.trainer.adapters import active_config, adapter_rank, adapter_tensors, adapter_unservable_reason
+from asyncgrpo.peft_adapters import active_config, adapter_rank, adapter_tensors, adapter_unservable_reason
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, full_tensor
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 import torch
 
 from asyncgrpo.generation.client import policy_label
-from asyncgrpo.trainer.distributed import full_tensor
+from asyncgrpo.sharded import full_tensor
 from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_tensors
 from asyncgrpo.weight_sync.buckets import (
     DEFAULT_BUCKET_BYTES,

@@ -107,8 +107,8 @@ def record(names: list[str]) -> None:
     from datasets import Dataset
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.cli.tiny_model import save_tiny_model
     from asyncgrpo.generation.server import ServerOptions, VLLMServer
-    from asyncgrpo.tiny_model import save_tiny_model
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     work = Path(tempfile.mkdtemp(prefix="report-runs-"))

@@ -7,7 +7,7 @@ import sys
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    from asyncgrpo.tiny_model import save_tiny_model
+    from asyncgrpo.cli.tiny_model import save_tiny_model
 
     out = save_tiny_model(args.out_dir, arch=args.arch)
     print(f"tiny {args.arch} model and tokenizer written to {out}")
@@ -18,7 +18,7 @@ def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
     from asyncgrpo.generation.server import ServerOptions, lora_flags_for_run, serve_foreground
 
     if args.for_config is not None:
-        from asyncgrpo.train_command import run_serve_for
+        from asyncgrpo.cli.train_command import run_serve_for
 
         # Reparsed without the MODEL positional, which would swallow the value of a vllm flag
         # (`--api-server-count 8`): with --for, the config names the model.
@@ -52,13 +52,13 @@ def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from asyncgrpo.demo import run_demo
+    from asyncgrpo.cli.demo import run_demo
 
     return run_demo(workdir=args.workdir, seed=args.seed)
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from asyncgrpo.train_command import run_train
+    from asyncgrpo.cli.train_command import run_train
 
     return run_train(args.config, overrides, check_only=args.check)
 
@@ -175,7 +175,3 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -163,8 +163,8 @@ MINUTES_LIMIT = 10.0
 
 def run_demo(workdir: str = ".demo", seed: int = 0) -> int:
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.cli.tiny_model import build_model, build_tokenizer, save_tiny_model
     from asyncgrpo.generation.server import ServerOptions, VLLMServer
-    from asyncgrpo.tiny_model import build_model, build_tokenizer, save_tiny_model
 
     logging.basicConfig(level=logging.WARNING)
     # SIGTERM (a timeout, `kill`) unwinds like Ctrl-C, so the vLLM server is stopped, not orphaned.

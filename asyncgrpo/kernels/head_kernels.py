@@ -13,8 +13,8 @@ part of a training step that packing could not shrink (bench/RESULTS.md, gpu_ste
   reference, so the pass over V columns compares no ids.
 Both passes are memory-bound only if they are cheap per element: exponentials are base 2 (the
 logits are scaled by 1 / ln 2 once, inside the multiply by scale / temperature) and the backward's
-per-row terms fold into two scalars. Same formulas as `fused_head._chunk_forward` /
-`_chunk_backward` (the reference, tests/test_fused_head.py): with z the transformed logits,
+per-row terms fold into two scalars. Same formulas as `head_reference.chunk_forward` /
+`chunk_backward` (the reference, tests/test_fused_head.py): with z the transformed logits,
 p = exp(z - lse), H = lse - sum_v p_v z_v and u = (z - lse) / ln 2,
     d loss / d z_v = -p_v (sum of the log-prob gradients + g_H (log p_v + H)) + [v = t] g_t + ...
                    = p_v (k + j u_v) + [v = t] g_t + ...,  k = -(sum + g_H H), j = -g_H ln 2.
@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncgrpo.fused_head import _chunk_backward, transform_logits
+from asyncgrpo.kernels import head_reference
+from asyncgrpo.kernels.head_reference import NEG_INF, transform_logits
 
-NEG_INF = float("-inf")
 _LN2 = tl.constexpr(math.log(2.0))  # a kernel reads globals only as constexpr
 # Logits outside the candidate set (or past the vocabulary) enter the forward sums as this finite
 # base-2 value instead of -inf: exp2 of it against any real maximum is exactly 0, and a lane that has
@@ -144,7 +144,7 @@ def _scales(scale: float, softcap, temperature: float) -> tuple[float, float, bo
 
 
 def chunk_forward(raw, targets, top_ids, allowed, scale: float, softcap, temperature: float):
-    """As `fused_head._chunk_forward`: (C, V) head output -> log p(target) (C,), entropy (C,),
+    """As `head_reference.chunk_forward`: (C, V) head output -> log p(target) (C,), entropy (C,),
     top log p (C, N) or None, lse (C,)."""
     rows, vocab = raw.shape
     raw = raw.contiguous()
@@ -172,7 +172,7 @@ def chunk_forward(raw, targets, top_ids, allowed, scale: float, softcap, tempera
 
 def chunk_backward(raw, lse, entropy, targets, top_ids, allowed, g_target, g_entropy, g_top,
                    scale: float, softcap, temperature: float, out_dtype: torch.dtype, out=None):  # fmt: skip
-    """As `fused_head._chunk_backward`: d loss / d raw head output (C, V) in `out_dtype`. `out`: where
+    """As `head_reference.chunk_backward`: d loss / d raw head output (C, V) in `out_dtype`. `out`: where
     to write it, which may be `raw` itself (each element is read before it is written)."""
     rows, vocab = raw.shape
     raw = raw.contiguous()
@@ -203,6 +203,8 @@ def chunk_backward(raw, lse, entropy, targets, top_ids, allowed, g_target, g_ent
         )  # fmt: skip
     # The id columns whole (dense part + every term landing there), by the reference over (C, 1 + N).
     local_top = None if top_ids is None else torch.where(top_ids < 0, -1, first[:, 1:])
-    at_ids = _chunk_backward(raw_at, lse, entropy, first[:, 0], local_top, allowed_at, g_target, g_entropy,
-                             g_top, scale, softcap, temperature, torch.float32)  # fmt: skip
+    at_ids = head_reference.chunk_backward(
+        raw_at, lse, entropy, first[:, 0], local_top, allowed_at, g_target, g_entropy, g_top,
+        scale, softcap, temperature, torch.float32,
+    )  # fmt: skip
     return out.scatter_(1, ids, at_ids.gather(1, first).to(out.dtype))

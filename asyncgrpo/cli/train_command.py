@@ -7,8 +7,8 @@ import signal
 from pathlib import Path
 from urllib.parse import urlparse
 
+from asyncgrpo.cli.run_config import ConfigError, RunConfig, build_run_config, build_trainer, read_config
 from asyncgrpo.generation.server import lora_flags_for_run
-from asyncgrpo.run_config import ConfigError, RunConfig, build_run_config, build_trainer, read_config
 
 RESOLVED_CONFIG_FILE = "config.yaml"
 

@@ -11,8 +11,8 @@ reduces the logits to what the loss reads: log p(target), entropy, log p at the 
 and the log-normalizer. Backward builds d loss / d logits in closed form in one more pass, in place
 over the logits, and runs the two gradient matmuls; the weight is cast once per call and its
 gradient accumulated in fp32. On CUDA the two passes are Triton kernels (`head_kernels`, one read of
-the logits forward, one read and one write backward); elsewhere they are the torch functions below,
-which are also their reference (tests/test_fused_head.py).
+the logits forward, one read and one write backward); elsewhere they are the torch functions of
+`head_reference`, which are also their reference (tests/test_fused_head.py).
 
 What is kept between forward and backward (`keep_logits`):
 - False: the hidden states and (E,) statistics only; each chunk's logits are recomputed in backward
@@ -32,67 +32,7 @@ import functools
 
 import torch
 
-NEG_INF = float("-inf")
-
-
-def _widened(raw: torch.Tensor) -> torch.Tensor:
-    return raw.to(torch.promote_types(raw.dtype, torch.float32))
-
-
-def transform_logits(
-    raw: torch.Tensor, scale: float, softcap: float | None, temperature: float
-) -> torch.Tensor:
-    """raw head output (C, V) -> the logits the sampler's softmax reads, in fp32 at least."""
-    logits = _widened(raw)
-    if scale != 1.0:
-        logits = logits * scale
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits / temperature
-
-
-def _chunk_forward(raw, targets, top_ids, allowed, scale: float, softcap, temperature: float):
-    """(C, V) head output -> log p(target) (C,), entropy (C,), top log p (C, N) or None, lse (C,)."""
-    z = transform_logits(raw, scale, softcap, temperature)
-    if allowed is not None:
-        z = z.masked_fill(~allowed, NEG_INF)
-    lse = torch.logsumexp(z, dim=-1)
-    p = torch.exp(z - lse[:, None])
-    finite_z = z if allowed is None else z.masked_fill(~allowed, 0.0)  # p = 0 there: 0 * -inf is NaN
-    entropy = lse - (p * finite_z).sum(-1)
-    target_logp = z.gather(1, targets[:, None])[:, 0] - lse
-    top_logp = None
-    if top_ids is not None:
-        top_logp = (z.gather(1, top_ids.clamp(min=0)) - lse[:, None]).masked_fill(top_ids < 0, NEG_INF)
-    return target_logp, entropy, top_logp, lse
-
-
-def _chunk_backward(raw, lse, entropy, targets, top_ids, allowed, g_target, g_entropy, g_top,
-                    scale: float, softcap, temperature: float, out_dtype: torch.dtype, out=None):  # fmt: skip
-    """d loss / d raw head output (C, V) in `out_dtype`, from the gradients of the three outputs;
-    written into `out` when given (it may be `raw` itself)."""
-    z = transform_logits(raw, scale, softcap, temperature)
-    if allowed is not None:
-        z = z.masked_fill(~allowed, NEG_INF)
-    logp = z - lse[:, None]
-    p = torch.exp(logp)
-    total = g_target if g_top is None else g_target + g_top.masked_fill(top_ids < 0, 0.0).sum(-1)
-    grad = -p * total[:, None]
-    if g_entropy is not None:
-        finite_logp = logp if allowed is None else logp.masked_fill(~allowed, 0.0)
-        grad = grad - p * (finite_logp + entropy[:, None]) * g_entropy[:, None]
-    grad = grad.scatter_add(1, targets[:, None], g_target[:, None])
-    if g_top is not None:
-        grad = grad.scatter_add(1, top_ids.clamp(min=0), g_top.masked_fill(top_ids < 0, 0.0))
-    if allowed is not None:  # the unfused path's masked_fill passes no gradient to masked logits
-        grad = grad.masked_fill(~allowed, 0.0)
-    grad = grad / temperature
-    if softcap is not None:
-        capped = torch.tanh(_widened(raw) * (scale / softcap))
-        grad = grad * (1.0 - capped * capped)
-    if scale != 1.0:
-        grad = grad * scale
-    return grad.to(out_dtype) if out is None else out.copy_(grad)
+from asyncgrpo.kernels.head_reference import chunk_backward, chunk_forward
 
 
 def candidate_mask(sizes: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -109,11 +49,11 @@ def candidate_mask(sizes: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> t
 
 @functools.cache
 def _kernels(device_type: str):
-    """The two passes: Triton kernels on CUDA, the torch functions above elsewhere (the CPU path
+    """The two passes: Triton kernels on CUDA, the torch references elsewhere (the CPU path
     compiles nothing)."""
     if device_type != "cuda":
-        return _chunk_forward, _chunk_backward
-    from asyncgrpo import head_kernels  # imports Triton, which CPU-only installs lack
+        return chunk_forward, chunk_backward
+    from asyncgrpo.kernels import head_kernels  # imports Triton, which CPU-only installs lack
 
     return head_kernels.chunk_forward, head_kernels.chunk_backward
 
