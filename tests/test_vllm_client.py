@@ -120,6 +120,13 @@ async def _wait_until_running(client: VLLMClient, count: int) -> None:
     raise AssertionError(f"the server never reported {count} requests running")
 
 
+def describe(request: asyncio.Task) -> str:
+    if request.exception() is not None:
+        return repr(request.exception())
+    completion = request.result()
+    return f"{completion.num_tokens} tokens, {completion.finish_reason}"
+
+
 def test_pause_with_request_in_flight_then_resume_completes(vllm_server, prompt_ids):
     # In flight by construction: each request must generate 600 tokens (min_tokens = max_tokens), and the
     # pause comes once the server reports them running, so none can have finished, however loaded the
@@ -135,7 +142,8 @@ def test_pause_with_request_in_flight_then_resume_completes(vllm_server, prompt_
             await client.pause(mode="keep")
             try:
                 assert await client.is_paused()
-                assert not any(request.done() for request in requests), "a request finished before the pause"
+                finished = [describe(request) for request in requests if request.done()]
+                assert not finished, f"requests finished before the pause: {finished}"
                 await asyncio.sleep(1.5)
                 assert not any(request.done() for request in requests), "a paused server finished a request"
             finally:
