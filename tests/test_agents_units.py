@@ -425,16 +425,19 @@ def test_slow_sync_reward_functions_do_not_take_the_tools_threads(tokenizer):
     # Two threads per pool; four groups scored at once by a 1 s sync judge hold the reward threads for
     # 2 s. A tool call made meanwhile must not queue behind them (it did when they shared one pool).
     from asyncgrpo import AsyncRolloutLoop
+    from asyncgrpo.rollout.scheduler import RolloutScheduler
     from asyncgrpo.rollout.scoring import call_reward_functions
 
     config = AsyncGRPOConfig(output_dir="unused", report_to="none", max_concurrent_rollouts=2)
     loop = AsyncRolloutLoop(config, "m", [], [slow_judge], tokenizer, [0], channels=None)
-    loop._make_thread_pools()
+    scheduler = RolloutScheduler(loop)
+    scheduler._make_thread_pools()
     _, calls = parse_tool_calls('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>')
 
     async def scoring_and_a_tool_call():
         scoring = [
-            call_reward_functions([slow_judge], loop._reward_executor, [[]], [[]], [[]], {}) for _ in range(4)
+            call_reward_functions([slow_judge], scheduler._reward_executor, [[]], [[]], [[]], {})
+            for _ in range(4)
         ]
         judged = asyncio.gather(*scoring)
         await asyncio.sleep(0.1)  # the judges hold the reward threads now

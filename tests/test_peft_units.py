@@ -29,7 +29,7 @@ from asyncgrpo.generation.server import serving_lora_rank
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.peft_adapters import adapter_rank, adapter_unservable_reason, wrap_with_peft
-from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.sampler import PolicySampler
 from asyncgrpo.sample import Sample
 from asyncgrpo.weight_sync.base import serving_tensors
 from asyncgrpo.weight_sync.lora import LoraAdapterSync, check_lora_server
@@ -302,28 +302,28 @@ class VersionedServer:
         return model
 
 
-def rollout_loop(version: int, lora_name: str | None) -> AsyncRolloutLoop:
+def policy_sampler(version: int, lora_name: str | None) -> tuple[PolicySampler, SimpleNamespace]:
     channels = SimpleNamespace(model_version_value=SimpleNamespace(value=version))
-    config = AsyncGRPOConfig(output_dir="unused", report_to="none")
-    loop = AsyncRolloutLoop(config, "tiny", [], [], None, [0], channels, lora_name=lora_name)
-    loop._token_route = False
-    return loop
+    sampler = PolicySampler(
+        None, channels.model_version_value, lora_name, seed=0, token_route=False, candidate_sets=False
+    )
+    return sampler, channels
 
 
 def test_each_request_runs_under_the_adapter_of_the_version_current_when_it_starts():
-    loop = rollout_loop(5, lora_name="run")
-    loop.client = VersionedServer(loop.channels)
-    assert asyncio.run(loop._sample([1, 2], SamplingParams(max_tokens=4), 0)) == ("run-v5", 5)
+    sampler, channels = policy_sampler(5, lora_name="run")
+    sampler.client = VersionedServer(channels)
+    assert asyncio.run(sampler.sample([1, 2], SamplingParams(max_tokens=4), 0)) == ("run-v5", 5)
     # Read just before a sync retired version 5: sent again under the version published since.
-    loop.client = VersionedServer(loop.channels, retired={"run-v5"}, next_version=6)
-    assert asyncio.run(loop._sample([1, 2], SamplingParams(max_tokens=4), 0)) == ("run-v6", 6)
-    assert loop.client.models == ["run-v5", "run-v6"]
+    sampler.client = VersionedServer(channels, retired={"run-v5"}, next_version=6)
+    assert asyncio.run(sampler.sample([1, 2], SamplingParams(max_tokens=4), 0)) == ("run-v6", 6)
+    assert sampler.client.models == ["run-v5", "run-v6"]
     # Merged or full-model sync: every request goes to the served model, whose weights change in place.
-    loop = rollout_loop(5, lora_name=None)
-    loop.client = VersionedServer(loop.channels, retired={None})
+    sampler, channels = policy_sampler(5, lora_name=None)
+    sampler.client = VersionedServer(channels, retired={None})
     with pytest.raises(VLLMRequestError):
-        asyncio.run(loop._sample([1, 2], SamplingParams(max_tokens=4), 0))
-    assert loop.client.models == [None]
+        asyncio.run(sampler.sample([1, 2], SamplingParams(max_tokens=4), 0))
+    assert sampler.client.models == [None]
 
 
 def test_one_factory_chooses_the_senders_backend(tiny_model_dir, tmp_path):

@@ -1,5 +1,6 @@
 """Pure pieces of the rollout side: advantages, reward sums, the cap rules, the allowance, prompt
-streams, turn reconciliation, and the reward-function examples of TRL's AsyncGRPO documentation."""
+streams, turn reconciliation, the reward-function examples of TRL's AsyncGRPO documentation, and
+what a subclass of the rollout loop inherits."""
 
 from __future__ import annotations
 
@@ -311,3 +312,30 @@ def test_completions_table_prints_prompt_completion_and_reward(capsys):
     print_completions([sample], tokenizer, step=3)
     out = capsys.readouterr().out
     assert "completions at step 3" in out and "What is 2 + 2?" in out and "1.000" in out and "+0.750" in out
+
+
+# -- the loop's surface -----------------------------------------------------------------------------
+
+
+def test_a_loop_subclass_inherits_only_the_documented_attributes():
+    # docs/agents.md lists what a subclass may read and the private names it must leave alone; the
+    # scheduler's state (queues, cap, allowance, tasks) must not land on the loop a user subclasses.
+    from asyncgrpo import AsyncGRPOConfig, AsyncRolloutLoop
+
+    config = AsyncGRPOConfig(output_dir="unused", report_to="none")
+    loop = AsyncRolloutLoop(config, "m", [], [], None, [0], channels=None)
+    readable = {
+        "config",
+        "model_name",
+        "dataset",
+        "reward_funcs",
+        "tokenizer",
+        "eos_token_ids",
+        "tools",
+        "environment_factory",
+        "lora_name",
+        "metrics",
+        "client",
+        "max_model_len",
+    }
+    assert set(vars(loop)) == readable | {"_scheduling", "_sampler", "_tool_executor", "_rendered"}

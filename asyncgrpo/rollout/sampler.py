@@ -1,0 +1,139 @@
+"""PolicySampler: one sampling request to the vLLM servers under the trainer's current policy.
+
+It holds what the default `generate_one_turn` needs and a hook should not see: the request seeds,
+the route the servers offer (token ids in and out, candidate sets), the adapter naming of
+adapter-only weight sync, and the check that the weights which sampled the tokens are the
+trainer's. The scheduler (rollout/scheduler.py) builds it once the servers answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+from asyncgrpo.generation.client import (
+    SamplingParams,
+    VLLMClient,
+    VLLMRequestError,
+    parse_policy_label,
+    policy_adapter_name,
+    policy_cache_salt,
+)
+from asyncgrpo.rollout.types import TurnRecord
+
+logger = logging.getLogger(__name__)
+
+# Adapter-only sync: how many times (about a second apart) a request retries when its policy
+# adapter is not loaded (retired by a sync, or being pushed again to a restarted server).
+ADAPTER_MISSING_RETRIES = 30
+
+
+class ServerLostWeightsError(RuntimeError):
+    """A server answered with weights the trainer did not push (it restarted from its checkpoint)."""
+
+
+async def wants_candidate_sets(client: VLLMClient, config) -> bool:
+    """Whether samples carry each token's candidate set: top-p/top-k/min-p restrict sampling and
+    the server returns the sets. Warns when they restrict it but the server cannot."""
+    if config.top_p >= 1.0 and config.top_k == 0 and not (config.min_p or 0) > 0:
+        return False
+    if await client.supports_sampling_mask():
+        return True
+    logger.warning(
+        "top_p/top_k/min_p are set but the vLLM server does not return candidate sets (start it with "
+        "--return-sampling-mask --enable-scale-out, vLLM >= 0.28): the trainer normalizes over the full "
+        "vocabulary, so importance ratios are biased"
+    )
+    return False
+
+
+class PolicySampler:
+    """Sends sampling requests under the policy version the trainer publishes in
+    `model_version_value` (a shared value, read at each request)."""
+
+    def __init__(
+        self,
+        client: VLLMClient,
+        model_version_value,
+        lora_name: str | None,
+        seed: int,
+        token_route: bool,
+        candidate_sets: bool,
+    ):
+        self.client = client
+        self.model_version_value = model_version_value
+        self.lora_name = lora_name
+        self.token_route = token_route  # token ids in and out instead of /v1/completions
+        self.candidate_sets = candidate_sets
+        self._request_seeds = random.Random(seed)
+
+    async def turn(self, prompt_ids: list[int], sampling: SamplingParams) -> TurnRecord:
+        """One sampled response as a TurnRecord, labelled with the policy version that sampled it."""
+        seed = self._request_seeds.getrandbits(62)
+        completion, version = await self.sample(prompt_ids, sampling, seed)
+        if completion.weight_labels:  # which weights sampled the tokens (see VLLMClient.complete)
+            versions = [parse_policy_label(label) for label in completion.weight_labels]
+            if None in versions:
+                raise ServerLostWeightsError(
+                    f"tokens sampled by weights labelled {completion.weight_labels}: a server restarted and "
+                    "runs weights the trainer did not push"
+                )
+            if not self.lora_name:  # with adapters, the adapter the request named sampled every token
+                version = min(versions)
+        return TurnRecord(
+            prompt_ids=list(prompt_ids),
+            output_ids=completion.token_ids.tolist(),
+            output_log_probs=completion.logprobs.tolist(),
+            output_sampling_mask=[mask.tolist() for mask in completion.sampling_masks]
+            if self.candidate_sets and completion.sampling_masks is not None
+            else None,
+            output_top_ids=completion.top_ids,
+            output_top_logprobs=completion.top_logprobs,
+            finish_reason=completion.finish_reason,
+            model_version=version,
+        )
+
+    async def sample(self, prompt_ids: list[int], sampling: SamplingParams, seed: int):
+        """One request under the current policy version; returns (completion, version). With
+        adapter-only weight sync (`lora_name` set) each version is its own adapter, named from the
+        version, so the request runs to its end under the version it started with."""
+        generate = self.client.generate_tokens if self.token_route else self.client.complete
+        version, missing = self.model_version_value.value, 0
+        while True:
+            model = policy_adapter_name(self.lora_name, version) if self.lora_name else None
+            try:
+                return await generate(
+                    prompt_ids, sampling, seed, model=model, cache_salt=policy_cache_salt(version)
+                ), version
+            except VLLMRequestError as error:
+                # The version read just before a sync retired it, or a restarted server is being given
+                # the current adapter again: take the newest version once it is there.
+                missing += 1
+                if not self.lora_name or error.status != 404 or missing > ADAPTER_MISSING_RETRIES:
+                    raise
+                if self.model_version_value.value == version:
+                    await asyncio.sleep(1.0)
+                version = self.model_version_value.value
+
+    async def wait_for_trainer_weights(self, timeout_s: float) -> None:
+        """Until every server reports a weight label the trainer set; at most `timeout_s`
+        (vllm_server_timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            labels = await self.client.weight_labels()
+            if all(parse_policy_label(label) is not None for label in labels):
+                return
+            if time.monotonic() > deadline:
+                lost = [
+                    url
+                    for url, label in zip(self.client.base_urls, labels)
+                    if parse_policy_label(label) is None
+                ]
+                raise ServerLostWeightsError(
+                    f"vLLM server(s) {', '.join(lost)} came back without the trainer's weights and the "
+                    "trainer did not push them within "
+                    f"vllm_server_timeout={timeout_s:g} s"
+                )
+            await asyncio.sleep(1.0)

@@ -1,0 +1,545 @@
+"""RolloutScheduler: runs a user's AsyncRolloutLoop in the rollout process.
+
+It owns everything a hook must not touch: the prompt stream, the staleness budget (token
+allowance), the concurrency cap and its load polling, the scoring queue and scorers, the heartbeat,
+the metric flushes and the failure of any task. It calls the loop's hooks and hands the loop what
+they may read (client, max_model_len, tool_executor). Order of events and timing: docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
+from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.rollout.agent import record_tool_rollout_metrics
+from asyncgrpo.rollout.channels import WorkerChannels
+from asyncgrpo.rollout.chat import RewriteDetector
+from asyncgrpo.rollout.concurrency import RolloutSlots, TokenAllowance, initial_cap, next_cap
+from asyncgrpo.rollout.environments import EnvironmentPool, environment_reward_sources
+from asyncgrpo.rollout.messages import GroupResult
+from asyncgrpo.rollout.prompts import PromptItem, prompt_stream
+from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
+from asyncgrpo.rollout.sampler import PolicySampler, ServerLostWeightsError, wants_candidate_sets
+from asyncgrpo.rollout.scoring import (
+    call_reward_functions,
+    finite_reward,
+    is_degenerate_group,
+    reward_function_name,
+    sum_rewards,
+)
+from asyncgrpo.rollout.sequences import build_training_sequences
+from asyncgrpo.rollout.types import Rollout, RolloutGroup
+from asyncgrpo.sample import Sample
+
+if TYPE_CHECKING:
+    from asyncgrpo.rollout.loop import AsyncRolloutLoop
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+METRICS_FLUSH_INTERVAL_S = 1.0
+# Groups scored at once. Scoring is mostly waiting (threads, async judges, the event loop running
+# generation callbacks between them), so many groups in flight keep it off the critical path.
+SCORE_CONCURRENCY = 64
+# What the user's close() hook may take when the loop stops, before the process leaves without it.
+CLOSE_HOOK_TIMEOUT_S = 30.0
+# Beyond reward_timeout, how long a full scoring queue may stand still before scoring counts as stuck.
+SCORE_QUEUE_GRACE_S = 60.0
+# How many vllm_server_timeouts the trainer may leave the staleness budget unmoved before it counts as stuck.
+ALLOWANCE_STALL_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class SchedulingArgs:
+    """The loop's constructor arguments that only the scheduler reads: the link to the trainer
+    and where the prompt stream resumes."""
+
+    channels: WorkerChannels  # the queues and shared values of the trainer (rollout/channels.py)
+    score_queue_maxsize: int
+    dataset_start_index: int
+    skip_stream_indices: frozenset[int]
+
+
+class RolloutScheduler:
+    def __init__(self, loop: AsyncRolloutLoop):
+        self.loop = loop
+        self.config = loop.config
+        args = loop._scheduling
+        self.channels = args.channels
+        self.score_queue_maxsize = args.score_queue_maxsize
+        self.dataset_start_index = args.dataset_start_index
+        self.skip_stream_indices = args.skip_stream_indices
+        self.environments: EnvironmentPool | None = None  # made in _main, with the tool thread pool
+        self._rewrites = RewriteDetector()
+        self._tasks: set[asyncio.Task] = set()
+
+    def _make_thread_pools(self) -> None:
+        """Sync tools and environments get max_concurrent_rollouts threads, one per running rollout,
+        so a tool call never waits for a thread. Sync reward functions get their own pool: groups
+        scored at once (up to SCORE_CONCURRENCY) with a slow judge must not take the tools' threads."""
+        size = self.config.max_concurrent_rollouts
+        self._tool_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="tool")
+        self._reward_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="reward")
+        self.loop._tool_executor = self._tool_executor
+
+    # -- the process's main -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run until cancelled (SIGTERM from the trainer) or until something fails."""
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        config, loop = self.config, self.loop
+        # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        self._make_thread_pools()
+        if loop.environment_factory is not None:
+            self.environments = EnvironmentPool(
+                loop.environment_factory, self._tool_executor, lambda: loop.metrics
+            )
+        self.client = loop.client = VLLMClient(
+            config.vllm_server_urls,
+            timeout=config.vllm_server_timeout,
+            model=loop.model_name,
+            request_timeout=config.request_timeout,
+        )
+        try:
+            await self.client.wait_until_ready()
+            self.max_model_len = loop.max_model_len = await self.client.max_model_len()
+            candidate_sets = await wants_candidate_sets(self.client, config)
+            # Token in, token out wherever the server offers it: the same samples, far less work
+            # for the server's API process than `/v1/completions`, which detokenizes every top
+            # log-prob (bench/RESULTS.md, "overlap").
+            token_route = candidate_sets or await self.client.supports_token_generate()
+            self.sampler = loop._sampler = PolicySampler(
+                self.client,
+                self.channels.model_version_value,
+                loop.lora_name,
+                seed=config.seed,
+                token_route=token_route,
+                candidate_sets=candidate_sets,
+            )
+            await loop.setup()
+            await self._start_state()
+            self.channels.ready_event.set()
+            self._fatal: asyncio.Future = asyncio.get_running_loop().create_future()
+            loops = [
+                self._generate_loop(),
+                self._heartbeat_loop(),
+                self._load_loop(),
+                self._metrics_loop(),
+                *(self._score_loop() for _ in range(SCORE_CONCURRENCY)),
+            ]
+            for coroutine in loops:
+                self._watch(asyncio.create_task(coroutine))
+            await self._fatal
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            try:
+                await asyncio.wait_for(loop.close(), CLOSE_HOOK_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning(
+                    "the rollout loop's close() did not finish within %.0f s; leaving without it",
+                    CLOSE_HOOK_TIMEOUT_S,
+                )
+            finally:
+                await self.client.close()
+                self._tool_executor.shutdown(wait=False, cancel_futures=True)
+                self._reward_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _start_state(self) -> None:
+        config = self.config
+        self.allowance = TokenAllowance(config.num_generations)
+        load = await self.client.load()
+        cap = initial_cap(
+            load.kv_cache_tokens if load else 0, self.max_model_len, config.max_concurrent_rollouts
+        )
+        self.concurrency_cap = cap
+        self.slots = RolloutSlots(
+            min(cap, config.max_concurrent_rollouts), stall_timeout_s=config.vllm_server_timeout
+        )
+        self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
+        self._finished_since_raise = 0
+        self._generated_tokens = 0
+        self._last_flush = time.monotonic()
+        self._last_preemptions = load.preemptions if load else 0
+        self._reported_retries = 0
+        self._next_group_id = 0
+        self._warned_skip = False
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._fatal.done():
+            self._fatal.set_exception(error)
+
+    def _watch(self, task: asyncio.Task) -> None:
+        def done(finished: asyncio.Task) -> None:
+            self._tasks.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                self._fail(finished.exception())
+
+        self._tasks.add(task)
+        task.add_done_callback(done)
+
+    # -- generation ---------------------------------------------------------------------------------------
+
+    async def _generate_loop(self) -> None:
+        dataset = self.loop.dataset
+        rejected_in_epoch: dict[int, int] = {}
+        stream = prompt_stream(
+            dataset, self.config.seed, self.dataset_start_index, self.skip_stream_indices, shuffle=True
+        )
+        num_rows = len(dataset) if hasattr(dataset, "__len__") else None
+        for item in stream:
+            if not self.loop.filter_prompt(item.row_index, item.row, item.epoch):
+                rejected_in_epoch[item.epoch] = rejected_in_epoch.get(item.epoch, 0) + 1
+                if num_rows is not None and rejected_in_epoch[item.epoch] >= num_rows:
+                    raise RuntimeError(
+                        f"filter_prompt rejected every prompt of epoch {item.epoch}: no sample can reach the "
+                        "trainer"
+                    )
+                self._put_result(GroupResult(item.stream_index, item.epoch, item.row_index, -1, []))
+                continue
+            problem = self._prompt_problem(item)
+            if problem is not None:
+                self._skip_prompt(item, problem)
+                continue
+            await self._wait_for_allowance()
+            await self.slots.wait_for_room()
+            group_id = self._next_group_id
+            self._next_group_id += 1
+            self.allowance.group_started()
+            self.slots.reserve(self.config.num_generations)
+            self._watch(asyncio.create_task(self._run_group(item, group_id)))
+
+    def _prompt_problem(self, item: PromptItem) -> str | None:
+        """Why a dataset row cannot be generated for (None when it can): no prompt, not a list of
+        messages, a chat template that fails on it, or too long for the server."""
+        if self.loop.environment_factory is not None and "prompt" not in item.row:
+            return None  # the environment's reset() provides the prompt
+        prompt = item.row.get("prompt")
+        if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m for m in prompt):
+            return f"its 'prompt' is not a list of {{'role', 'content'}} messages: {str(prompt)[:80]!r}"
+        try:
+            length = len(self.loop.render_prompt(prompt, self.loop.tools, group_id=-2 - item.stream_index))
+        except Exception as error:  # the chat template refused it: the row is the problem
+            return f"the chat template failed on it ({type(error).__name__}: {error})"
+        finally:
+            self.loop._rendered.pop(-2 - item.stream_index, None)
+        if length >= self.max_model_len:
+            return (
+                f"its prompt is {length} tokens, which leaves no room to generate under "
+                f"max_model_len={self.max_model_len}"
+            )
+        return None
+
+    def _skip_prompt(self, item: PromptItem, problem: str) -> None:
+        """A bad row is consumed without training, counted, and reported once: a run hours in does
+        not stop for one malformed row."""
+        if not self._warned_skip:
+            self._warned_skip = True
+            logger.warning(
+                "skipping dataset row %d: %s. Bad rows are skipped and counted (rollout/skipped_prompts); "
+                "only the first is reported.",
+                item.row_index,
+                problem,
+            )
+        self.loop.metrics.record("rollout/skipped_prompts", 1, Reduce.SUM)
+        self._put_result(GroupResult(item.stream_index, item.epoch, item.row_index, -1, []))
+
+    async def _wait_for_allowance(self) -> None:
+        """Until the staleness budget lets a new group start. The trainer raises the budget at every
+        step. Each of its waits is bounded by vllm_server_timeout, so a trainer that has not moved the
+        budget for several times that (a step may hold a few such waits, a checkpoint, long compute)
+        is stuck, and the worker says so instead of waiting forever."""
+        if self.allowance.may_start_group(self.channels.token_allowance.value):
+            return
+        started = moved = time.monotonic()
+        limit = self.channels.token_allowance.value
+        bound = ALLOWANCE_STALL_FACTOR * self.config.vllm_server_timeout
+        while not self.allowance.may_start_group(self.channels.token_allowance.value):
+            await asyncio.sleep(0.01)
+            if self.channels.token_allowance.value != limit:
+                limit, moved = self.channels.token_allowance.value, time.monotonic()
+            elif time.monotonic() - moved > bound:
+                raise RuntimeError(
+                    f"the trainer took no sample for {time.monotonic() - moved:.0f} s while the worker held "
+                    f"a full staleness budget ({ALLOWANCE_STALL_FACTOR} x vllm_server_timeout): the trainer "
+                    "is stuck"
+                )
+        self.loop.metrics.record("rollout/backpressure_s", time.monotonic() - started)
+
+    async def _run_group(self, item: PromptItem, group_id: int) -> None:
+        if "prompt" not in item.row and self.environments is None:
+            raise KeyError(f"dataset row {item.row_index} has no 'prompt' column")
+        model_version = self.channels.model_version_value.value
+        rollouts = await asyncio.gather(
+            *(self._run_rollout(item.row, group_id) for _ in range(self.config.num_generations))
+        )
+        self.loop._rendered.pop(group_id, None)
+        group = self._make_group(item, group_id, model_version, rollouts)
+        blocked_since = time.monotonic()
+        group.queued_at = blocked_since
+        if self.score_queue.full():
+            # Every scorer is busy; each call is bounded by reward_timeout, so a queue that does not
+            # move for longer means scoring itself is stuck.
+            bound = self.config.reward_timeout + SCORE_QUEUE_GRACE_S
+            try:
+                await asyncio.wait_for(self.score_queue.put(group), bound)
+            except asyncio.TimeoutError:
+                raise RuntimeError(
+                    f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s)"
+                ) from None
+            self.loop.metrics.record("rollout/score_block_s", time.monotonic() - blocked_since)
+        else:
+            self.score_queue.put_nowait(group)
+
+    async def _run_rollout(
+        self, row: dict[str, Any], group_id: int
+    ) -> tuple[Rollout, float, list, tuple | None]:
+        """(the rollout, its duration, its prompt, its environment's reward or None)."""
+        await self.slots.acquire()
+        started = time.monotonic()
+        try:
+            while True:
+                try:
+                    rollout, prompt, env_reward = await self._generate_episode(row, group_id)
+                    break
+                except ServerLostWeightsError:
+                    # A server answered with weights the trainer never pushed: it restarted from its
+                    # checkpoint. Wait until every server runs the trainer's weights again (the trainer
+                    # pushes them), then sample anew.
+                    self.loop.metrics.record("rollout/regenerated_count", 1, Reduce.SUM)
+                    await self.sampler.wait_for_trainer_weights(self.config.vllm_server_timeout)
+        finally:
+            await self.slots.release()
+        duration = time.monotonic() - started
+        self._finished_since_raise += 1
+        self._generated_tokens += sum(len(turn.output_ids) for turn in rollout.turns)
+        return rollout, duration, prompt, env_reward
+
+    async def _generate_episode(
+        self, row: dict[str, Any], group_id: int
+    ) -> tuple[Rollout, list, tuple | None]:
+        """One rollout of a row: (the rollout, its prompt, its environment's reward or None). With
+        environments, each attempt is a fresh episode (reset, tools of the routed environment)."""
+        tools = self.loop.tools
+        if self.environments is None:
+            prompt = row["prompt"]
+            return await self.loop.generate_one(prompt, tools, group_id), prompt, None
+        async with self.environments.episode(row) as episode:
+            rollout = await self.loop.generate_one(episode.prompt, tools + episode.tools, group_id)
+            return rollout, episode.prompt, await self.environments.reward(episode.instance)
+
+    def _make_group(self, item: PromptItem, group_id: int, model_version: int, rollouts) -> RolloutGroup:
+        columns = {key: value for key, value in item.row.items() if key != "prompt"}
+        size = len(rollouts)
+        sequences = []
+        with_tools = bool(self.loop.tools) or self.environments is not None
+        for rollout, duration, _, _ in rollouts:
+            built, stats = build_training_sequences(rollout.turns)
+            sequences.append(built)
+            record_rollout_metrics(
+                self.loop.metrics, rollout, duration, len(built), stats, self.loop.eos_token_ids
+            )
+            if with_tools:
+                record_tool_rollout_metrics(self.loop.metrics, rollout)
+            self._rewrites.observe(stats.transitions, stats.forks)
+        return RolloutGroup(
+            prompts=[prompt for _, _, prompt, _ in rollouts],
+            reward_kwargs={key: [value] * size for key, value in columns.items()},
+            completions=[rollout.completion for rollout, *_ in rollouts],
+            completions_ids=[rollout.completion_ids for rollout, *_ in rollouts],
+            completions_sequences=sequences,
+            tool_call_counts=[rollout.tool_call_count for rollout, *_ in rollouts],
+            tool_failure_counts=[rollout.tool_failure_count for rollout, *_ in rollouts],
+            model_version=model_version,
+            group_id=group_id,
+            row_index=item.row_index,
+            env_rewards=[env_reward for *_, env_reward in rollouts],
+            rollout_rewards=[rollout.reward for rollout, *_ in rollouts],
+            stream_index=item.stream_index,
+            epoch=item.epoch,
+            rollouts=[rollout for rollout, *_ in rollouts],
+        )
+
+    # -- scoring --------------------------------------------------------------------------------------------
+
+    async def _score_loop(self) -> None:
+        reward_funcs = self.loop.reward_funcs
+        while True:
+            group = await self.score_queue.get()
+            self.loop.metrics.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
+            started = time.monotonic()
+            per_function = await call_reward_functions(
+                reward_funcs,
+                self._reward_executor,
+                group.prompts,
+                group.completions,
+                group.completions_ids,
+                group.reward_kwargs,
+                timeout_s=self.config.reward_timeout,
+                where=f" (dataset row {group.row_index})",
+            )
+            env_names, env_sources = environment_reward_sources(group.env_rewards)
+            env_sources = [
+                [
+                    None if value is None else finite_reward(value, "an environment's get_reward()")
+                    for value in source
+                ]
+                for source in env_sources
+            ]
+            rollout_rewards = [
+                None
+                if reward is None
+                else finite_reward(float(reward), "a Rollout.reward set by generate_one")
+                for reward in group.rollout_rewards
+            ]
+            group.rewards = sum_rewards([*per_function, *env_sources, rollout_rewards], len(group.prompts))
+            advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
+            if advantages.shape != (len(group.prompts),):
+                raise ValueError(
+                    f"compute_advantages must return one advantage per rollout ({len(group.prompts)}), "
+                    f"got shape {advantages.shape}"
+                )
+            if not np.all(np.isfinite(advantages)):
+                raise ValueError(
+                    "compute_advantages returned a non-finite advantage for dataset row "
+                    f"{group.row_index}: {advantages}"
+                )
+            dropped = is_degenerate_group(group.rewards)
+            samples = [] if dropped else self._samples(group, advantages)
+            names = [reward_function_name(function) for function in reward_funcs] + env_names
+            record_group_metrics(
+                self.loop.metrics, group, [*per_function, *env_sources], names, dropped, len(samples)
+            )
+            self.loop.metrics.record("rollout/score_s", time.monotonic() - started)
+            self.allowance.group_finished(
+                [int(sum(len(s.token_ids) for s in seqs)) for seqs in group.completions_sequences],
+                sum(sample.num_tokens for sample in samples),
+            )
+            # The group's metrics leave before its samples, so the step that trains them logs them.
+            self._flush_metrics()
+            scored = group.rewards[~np.isnan(group.rewards)]
+            top_reward = float(scored.max()) if len(scored) else None
+            self._put_result(
+                GroupResult(
+                    group.stream_index, group.epoch, group.row_index, group.group_id, samples, top_reward
+                )
+            )
+
+    def _samples(self, group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:
+        """Training samples of a kept group. Unscored rollouts (advantage 0) add no gradient, only
+        forward cost, so they are not queued."""
+        samples = []
+        now = time.time()
+        for index, sequences in enumerate(group.completions_sequences):
+            if np.isnan(group.rewards[index]):
+                continue
+            for sequence in sequences:
+                samples.append(
+                    Sample(
+                        token_ids=sequence.token_ids,
+                        trained=sequence.trained,
+                        sampler_logprobs=sequence.sampler_logprobs,
+                        advantage=float(advantages[index]),
+                        group_id=group.group_id,
+                        top_ids=sequence.top_ids,
+                        top_logprobs=sequence.top_logprobs,
+                        candidate_sets=sequence.candidate_sets,
+                        model_version=sequence.model_version,
+                        row_index=group.row_index,
+                        stream_index=group.stream_index,
+                        epoch=group.epoch,
+                        reward=float(group.rewards[index]),
+                        rollout_id=group.rollouts[index].rollout_id,
+                        queued_at=now,
+                    )
+                )
+        return samples
+
+    def _put_result(self, result: GroupResult) -> None:
+        self.channels.rollout_buffer.put(result)
+
+    # -- upkeep ---------------------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        # (A trainer that dies is noticed by the process's parent watch, rollout/worker.py.)
+        while True:
+            self.channels.heartbeat_value.value = time.time()
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _load_loop(self) -> None:
+        """Read the servers' load now and every `load_poll_interval_s` (a class attribute of the
+        loop), and move the cap."""
+        while True:
+            try:
+                load = await self.client.load()
+            except VLLMUnavailableError as error:
+                # A server down (restarting?): keep the cap. Generation waits for it, within
+                # vllm_server_timeout, and fails naming it if it does not come back.
+                logger.warning(
+                    "reading the vLLM servers' load: %s; keeping the concurrency cap at %d",
+                    error,
+                    self.concurrency_cap,
+                )
+                await asyncio.sleep(self.loop.load_poll_interval_s)
+                continue
+            if load is None:
+                cap = self.config.max_concurrent_rollouts
+            else:
+                cap, raised = next_cap(
+                    self.concurrency_cap,
+                    load,
+                    self._finished_since_raise,
+                    self.config.max_concurrent_rollouts,
+                )
+                if raised:
+                    self._finished_since_raise = 0
+                metrics = self.loop.metrics
+                metrics.record("rollout/vllm_kv_cache_usage_frac", load.kv_cache_usage)
+                metrics.record("rollout/vllm_running_requests", load.running)
+                metrics.record("rollout/vllm_queued_requests", load.waiting)
+                metrics.record(
+                    "rollout/vllm_preemption_count",
+                    max(0, load.preemptions - self._last_preemptions),
+                    Reduce.SUM,
+                )
+                self._last_preemptions = load.preemptions
+            if cap != self.concurrency_cap:
+                self.concurrency_cap = cap
+                await self.slots.set_limit(cap)
+            await asyncio.sleep(self.loop.load_poll_interval_s)
+
+    async def _metrics_loop(self) -> None:
+        while True:  # the gauges reach the trainer even while no group finishes
+            await asyncio.sleep(METRICS_FLUSH_INTERVAL_S)
+            self._flush_metrics()
+
+    def _flush_metrics(self) -> None:
+        """Record the generation gauges (tokens/s since the last flush, concurrency, queue, retries),
+        send what the window holds to the trainer (it merges windows by weight) and start anew. Each
+        scored group flushes too, so every step's window has the gauges, however short the run.
+        The loop's `metrics` is replaced by the fresh window: hooks record into whichever is current."""
+        metrics = self.loop.metrics
+        now = time.monotonic()
+        metrics.record_rate("rollout/generated_tokens_per_s", self._generated_tokens, now - self._last_flush)
+        self._generated_tokens, self._last_flush = 0, now
+        metrics.record("rollout/concurrency", self.slots.running)
+        metrics.record("rollout/concurrency_cap", self.concurrency_cap)
+        metrics.record("rollout/score_queue_size", self.score_queue.qsize())
+        retries = self.client.retry_count
+        metrics.record("rollout/vllm_retry_count", retries - self._reported_retries, Reduce.SUM)
+        self._reported_retries = retries
+        self.channels.metrics_queue.put(metrics.stats())
+        self.loop.metrics = MetricsWindow()
