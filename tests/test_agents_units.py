@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -328,6 +329,11 @@ def nap(seconds: float) -> str:
 # -- the tool loop on scripted turns -------------------------------------------------------------------------
 
 
+# Released by the test once the fast rollout has ended: the slow tool answers only after it, so the
+# fast rollout must have run all its turns while the slow tool was busy (no timing involved).
+SLOW_TOOL_RELEASE = threading.Event()
+
+
 def slow_lookup(key: str) -> str:
     """
     A slow lookup.
@@ -335,7 +341,8 @@ def slow_lookup(key: str) -> str:
     Args:
         key: What to look up.
     """
-    time.sleep(2.0)
+    if not SLOW_TOOL_RELEASE.wait(timeout=60):
+        return "never released: the other rollout was held back"
     return key.upper()
 
 
@@ -350,7 +357,6 @@ class ScriptedLoop:
         self.metrics = MetricsWindow()
         self.max_model_len = 4096
         self.tool_executor = ThreadPoolExecutor(4)
-        self.finished: dict[str, float] = {}
 
     def render_prompt(self, prompt, tools, group_id):
         return render_prompt_ids(self.tokenizer, prompt, tools)
@@ -376,21 +382,21 @@ def test_a_slow_tool_does_not_hold_back_other_rollouts(tokenizer):
     }
     loop = ScriptedLoop(tokenizer, replies)
     tools = [slow_lookup, multiply]
+    SLOW_TOOL_RELEASE.clear()
 
-    async def timed(key):
-        rollout = await run_tool_loop(loop, [{"role": "user", "content": key}], tools, 0)
-        loop.finished[key] = time.monotonic()
-        return rollout
+    async def rollout(key):
+        result = await run_tool_loop(loop, [{"role": "user", "content": key}], tools, 0)
+        if key == "fast":
+            SLOW_TOOL_RELEASE.set()
+        return result
 
     async def both():
-        started = time.monotonic()
-        slow, fast = await asyncio.gather(timed("slow"), timed("fast"))
-        return started, slow, fast
+        return await asyncio.gather(rollout("slow"), rollout("fast"))
 
-    started, slow, fast = asyncio.run(both())
+    slow, fast = asyncio.run(both())
     assert fast.tool_call_count == 5 and len(fast.turns) == 6 and slow.tool_call_count == 1
-    # The fast rollout's six turns all ran while the slow tool slept (in sequence it would end after it).
-    assert loop.finished["fast"] - started < 2.0 <= loop.finished["slow"] - started
+    # The slow tool answered after the fast rollout's six turns had all ended.
+    assert [m["content"] for m in slow.completion if m["role"] == "tool"] == ["A"]
 
 
 def test_failed_calls_are_answered_and_the_rollout_goes_on(tokenizer):
@@ -416,14 +422,21 @@ def test_failed_calls_are_answered_and_the_rollout_goes_on(tokenizer):
     assert stats["tools/parallel_calls_mean"] == pytest.approx((4 + 1) / 2)
 
 
+# Judges that hold their reward thread until released, counting how many hold one.
+JUDGES_RELEASE = threading.Event()
+JUDGES_HOLDING = threading.Semaphore(0)
+
+
 def slow_judge(completions, **kwargs) -> list[float]:
-    time.sleep(1.0)
+    JUDGES_HOLDING.release()
+    JUDGES_RELEASE.wait(timeout=60)
     return [0.0] * len(completions)
 
 
 def test_slow_sync_reward_functions_do_not_take_the_tools_threads(tokenizer):
-    # Two threads per pool; four groups scored at once by a 1 s sync judge hold the reward threads for
-    # 2 s. A tool call made meanwhile must not queue behind them (it did when they shared one pool).
+    # Two threads per pool; four groups scored at once by sync judges that hold both reward threads
+    # until released. A tool call made meanwhile must answer before they are released (it queued
+    # behind them when they shared one pool).
     from asyncgrpo import AsyncRolloutLoop
     from asyncgrpo.rollout.scheduler import RolloutScheduler
     from asyncgrpo.rollout.scoring import call_reward_functions
@@ -433,6 +446,7 @@ def test_slow_sync_reward_functions_do_not_take_the_tools_threads(tokenizer):
     scheduler = RolloutScheduler(loop)
     scheduler._make_thread_pools()
     _, calls = parse_tool_calls('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    JUDGES_RELEASE.clear()
 
     async def scoring_and_a_tool_call():
         scoring = [
@@ -440,15 +454,18 @@ def test_slow_sync_reward_functions_do_not_take_the_tools_threads(tokenizer):
             for _ in range(4)
         ]
         judged = asyncio.gather(*scoring)
-        await asyncio.sleep(0.1)  # the judges hold the reward threads now
-        started = time.monotonic()
-        messages, _ = await run_tool_calls(calls, [multiply], loop.tool_executor, lambda: MetricsWindow())
-        waited = time.monotonic() - started
+        try:
+            for _ in range(2):  # both reward threads are held by a judge now
+                assert await asyncio.to_thread(JUDGES_HOLDING.acquire, timeout=60), "no judge started"
+            tool_call = run_tool_calls(calls, [multiply], loop.tool_executor, lambda: MetricsWindow())
+            messages, _ = await asyncio.wait_for(tool_call, timeout=30)
+        finally:
+            JUDGES_RELEASE.set()
         await judged
-        return messages, waited
+        return messages
 
-    messages, waited = asyncio.run(scoring_and_a_tool_call())
-    assert messages[0]["content"] == "6" and waited < 0.5, f"the tool call waited {waited:.2f} s"
+    messages = asyncio.run(scoring_and_a_tool_call())
+    assert messages[0]["content"] == "6"
 
 
 def test_loop_stops_at_max_tool_calling_iterations_and_builds_trl_style_completions(tokenizer):

@@ -87,7 +87,13 @@ def test_4xx_fails_at_once_quoting_the_server():
 
 
 def test_a_server_that_never_answers_times_out_within_the_bound():
+    # Counted, not timed: a generation request is tried twice (one retry on timeout), a control
+    # request once; each attempt waits out the 1 s timeout. The upper bounds only tell a bounded wait
+    # from a hang (the server sleeps for an hour), so a loaded machine cannot fail them.
+    attempts: list[str] = []
+
     async def never(request: web.Request) -> web.Response:
+        attempts.append(request.path)
         await asyncio.sleep(3600)
         return web.Response()
 
@@ -99,18 +105,24 @@ def test_a_server_that_never_answers_times_out_within_the_bound():
                 with pytest.raises(VLLMUnavailableError) as error:
                     await client.complete([1, 2], SAMPLING, seed=0)
                 generation_elapsed = time.monotonic() - started
+                generation_attempts = len(attempts)
                 started = time.monotonic()
                 with pytest.raises(VLLMUnavailableError):
                     await client.pause()
                 control_elapsed = time.monotonic() - started
-                return error.value, generation_elapsed, control_elapsed, client.retry_count
+                return (
+                    error.value,
+                    generation_elapsed,
+                    generation_attempts,
+                    control_elapsed,
+                    client.retry_count,
+                )
         finally:
             await runner.cleanup()
 
-    error, generation_elapsed, control_elapsed, retries = asyncio.run(scenario())
-    # One timed-out attempt is retried (generation requests are retried on timeout), then it fails.
-    assert 2.0 <= generation_elapsed < 4.0 and retries == 1
-    assert control_elapsed < 2.0
+    error, generation_elapsed, generation_attempts, control_elapsed, retries = asyncio.run(scenario())
+    assert generation_attempts == 2 and retries == 1 and attempts[2:] == ["/pause"]
+    assert 2.0 <= generation_elapsed < 60 and 1.0 <= control_elapsed < 60
     assert "did not answer within 1 s" in str(error)
 
 
@@ -123,7 +135,7 @@ def test_an_unreachable_url_at_start_up_fails_in_time_naming_url_and_command():
             return error.value, time.monotonic() - started
 
     error, elapsed = asyncio.run(scenario())
-    assert elapsed < 4.0
+    assert elapsed < 60  # the 2 s start-up timeout, not a wait without end
     assert "http://127.0.0.1:9" in str(error) and "asyncgrpo serve" in str(error)
 
 
@@ -169,4 +181,4 @@ def test_a_dead_engine_fails_at_once_instead_of_retrying_for_the_whole_timeout()
         finally:
             await runner.cleanup()
 
-    assert asyncio.run(scenario()) < 5
+    assert asyncio.run(scenario()) < 30  # not the 60 s timeout spent retrying

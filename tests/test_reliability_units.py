@@ -42,13 +42,15 @@ def call(functions, timeout_s=math.inf):
         executor.shutdown(wait=False)  # a stuck call's thread is abandoned, as the worker does
 
 
+# Far longer than the 0.3 s deadline, so "returned at the deadline" and "waited for the function" are
+# seconds apart, whatever the load on the machine.
 def slow(completions, **kwargs):
-    time.sleep(2)
+    time.sleep(10)
     return [0.0, 1.0]
 
 
 async def async_slow(completions, **kwargs):
-    await asyncio.sleep(2)
+    await asyncio.sleep(10)
     return [0.0, 1.0]
 
 
@@ -60,7 +62,7 @@ def test_a_reward_call_past_its_deadline_names_the_function_and_the_row(function
         match=rf"'{function.__name__}' did not return within reward_timeout=0.3 s \(dataset row 7\)",
     ):
         call([function], timeout_s=0.3)
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 5
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, np.float32("inf")])

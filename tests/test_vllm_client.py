@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -110,64 +111,92 @@ def test_seeds_make_requests_reproducible_and_distinct(vllm_server, prompt_ids):
     assert first.token_ids.tolist() != other.token_ids.tolist()
 
 
-async def _wait_until_running(client: VLLMClient, count: int) -> None:
-    """Until the server reports `count` requests running: an event, not a guess at how long a start takes."""
-    for _ in range(600):
-        load = await client.load()
-        if load is not None and load.running >= count:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"the server never reported {count} requests running")
+async def generated_tokens(http: aiohttp.ClientSession, url: str) -> float:
+    """The server's count of tokens generated since it started (`vllm:generation_tokens_total`)."""
+    async with http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    values = [
+        line.rsplit(" ", 1)[1]
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    ]
+    assert values, "the server's /metrics has no vllm:generation_tokens_total"
+    return sum(float(value) for value in values)
 
 
-def describe(request: asyncio.Task) -> str:
-    if request.exception() is not None:
-        return repr(request.exception())
-    completion = request.result()
-    return f"{completion.num_tokens} tokens, {completion.finish_reason}"
+async def pause_while_generating(client: VLLMClient, http: aiohttp.ClientSession, url: str, prompt_ids):
+    """Start 32 requests that must generate 900 tokens each (min_tokens = max_tokens), pause once the
+    server's token counter shows them generating, check that nothing is generated while paused, resume.
+    Returns (completions, tokens generated after the resume)."""
+    sampling = SamplingParams(max_tokens=900, min_tokens=900, temperature=1.0)
+    before = await generated_tokens(http, url)
+    requests = [asyncio.create_task(client.complete(prompt_ids, sampling, seed=seed)) for seed in range(32)]
+    for _ in range(1200):
+        if await generated_tokens(http, url) > before:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the server generated nothing for the requests in 60 s")
+    await client.pause(mode="keep")
+    try:
+        assert await client.is_paused()
+        # The step under way when the pause landed may still be counted: wait for the count to hold.
+        at_pause = await generated_tokens(http, url)
+        for _ in range(60):
+            await asyncio.sleep(0.5)
+            if (count := await generated_tokens(http, url)) == at_pause:
+                break
+            at_pause = count
+        else:
+            raise AssertionError("a paused server kept generating tokens for 30 s")
+        frozen = [request for request in requests if not request.done()]
+        await asyncio.sleep(2.0)
+        assert await generated_tokens(http, url) == at_pause, "a paused server generated tokens"
+        assert not any(request.done() for request in frozen), "a paused server finished a request"
+    finally:
+        await client.resume()  # never leave the shared server paused
+    assert not await client.is_paused()
+    completions = await asyncio.wait_for(asyncio.gather(*requests), timeout=600)
+    return completions, await generated_tokens(http, url) - at_pause
 
 
 def test_pause_with_request_in_flight_then_resume_completes(vllm_server, prompt_ids):
-    # In flight by construction: each request must generate 600 tokens (min_tokens = max_tokens), and the
-    # pause comes once the server reports them running, so none can have finished, however loaded the
-    # machine is.
-    sampling = SamplingParams(max_tokens=600, min_tokens=600, temperature=1.0)
-
+    # In flight by construction: 32 x 900 tokens of work, and the pause comes as soon as the server's
+    # counter shows generation under way. That the requests really were in flight is checked, not
+    # assumed: they must generate tokens after the resume. On a machine so loaded that all of them
+    # finished before the pause landed, nothing was tested: the scenario is run again (at most 3 times).
     async def scenario():
-        async with VLLMClient(vllm_server.url, timeout=120) as client:
-            requests = [
-                asyncio.create_task(client.complete(prompt_ids, sampling, seed=seed)) for seed in range(8)
-            ]
-            await _wait_until_running(client, 1)
-            await client.pause(mode="keep")
-            try:
-                assert await client.is_paused()
-                finished = [describe(request) for request in requests if request.done()]
-                assert not finished, f"requests finished before the pause: {finished}"
-                await asyncio.sleep(1.5)
-                assert not any(request.done() for request in requests), "a paused server finished a request"
-            finally:
-                await client.resume()  # never leave the shared server paused
-            assert not await client.is_paused()
-            return await asyncio.wait_for(asyncio.gather(*requests), timeout=300)
+        async with VLLMClient(vllm_server.url, timeout=120) as client, aiohttp.ClientSession() as http:
+            for _ in range(3):
+                completions, after_resume = await pause_while_generating(
+                    client, http, vllm_server.url, prompt_ids
+                )
+                if after_resume > 0:
+                    return completions, after_resume
+        raise AssertionError("in 3 tries every request finished before the pause: nothing was frozen")
 
-    completions = run(scenario())
-    assert all(completion.num_tokens == 600 for completion in completions)
+    completions, after_resume = run(scenario())
+    assert after_resume > 0
+    assert all(completion.num_tokens == 900 for completion in completions)
     assert all(completion.finish_reason == "length" for completion in completions)
 
 
 def test_metrics_move_under_load(vllm_server, prompt_ids):
-    # 32 requests of 300 tokens each (min_tokens: none ends early), so all of them run together for a
-    # while and the load is seen however slowly /metrics answers on a loaded machine.
-    sampling = SamplingParams(max_tokens=300, min_tokens=300, temperature=1.0)
+    # 32 requests of 900 tokens each (min_tokens: none ends early) run together for seconds, so the
+    # load is seen however slowly /metrics answers on a loaded machine.
+    sampling = SamplingParams(max_tokens=900, min_tokens=900, temperature=1.0)
 
     async def scenario():
         async with VLLMClient(vllm_server.url, timeout=120) as client:
             idle = await client.load()
             requests = [asyncio.create_task(client.complete(prompt_ids, sampling, seed=s)) for s in range(32)]
-            await _wait_until_running(client, 8)
-            busiest = await client.load()
-            await asyncio.wait_for(asyncio.gather(*requests), timeout=300)
+            busiest = idle
+            while not all(request.done() for request in requests):
+                load = await client.load()
+                if load.running > busiest.running:
+                    busiest = load
+                await asyncio.sleep(0.2)
+            await asyncio.gather(*requests)
             return idle, busiest
 
     idle, busiest = run(scenario())
