@@ -42,7 +42,7 @@ from asyncgrpo.rollout.concurrency import (
 )
 from asyncgrpo.rollout.environments import EnvironmentPool, environment_reward_sources
 from asyncgrpo.rollout.messages import GroupResult
-from asyncgrpo.rollout.prompts import PromptItem, prompt_stream
+from asyncgrpo.rollout.prompts import PromptItem, PromptOrder, prompt_stream
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
 from asyncgrpo.rollout.scoring import (
     call_reward_functions,
@@ -341,9 +341,8 @@ class AsyncRolloutLoop:
 
     async def _generate_loop(self) -> None:
         rejected_in_epoch: dict[int, int] = {}
-        stream = prompt_stream(
-            self.dataset, self.config.seed, self.dataset_start_index, self.skip_stream_indices, shuffle=True
-        )
+        order = PromptOrder.of(self.config)  # data_seed (or seed) and train_sampling_strategy
+        stream = prompt_stream(self.dataset, order.seed, self.dataset_start_index, self.skip_stream_indices)
         num_rows = len(self.dataset) if hasattr(self.dataset, "__len__") else None
         for item in stream:
             if not self.filter_prompt(item.row_index, item.row, item.epoch):
