@@ -298,7 +298,9 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         metadata={
             "help": "Tokens one process forwards per micro-batch (a row), shared prefixes counted once, and "
             "the row's loss entries (trained tokens, counted per sample); bounds peak memory. None: the "
-            "server's max_model_len, so every sample fits. Longer samples are dropped."
+            "server's max_model_len, so every sample fits. Longer samples are dropped. <= 0 (TRL's "
+            "fixed-count mode): a row holds per_device_train_batch_size samples, still tree-packed, "
+            "whatever their tokens (no memory bound)."
         },
     )
 
@@ -445,8 +447,16 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
             )
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             fail(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (None: the model config's)")
-        if self.token_budget is not None and self.token_budget < 16:
-            fail(f"token_budget={self.token_budget} is too small to hold a sample")
+        if self.token_budget is not None and 0 < self.token_budget < 16:
+            fail(
+                f"token_budget={self.token_budget} is too small to hold a sample: give >= 16 tokens, None "
+                "(the server's max_model_len), or <= 0 for rows of per_device_train_batch_size samples"
+            )
+        if self.token_budget is not None and self.token_budget <= 0 and self.per_device_train_batch_size < 1:
+            fail(
+                f"per_device_train_batch_size={self.per_device_train_batch_size} must be >= 1: with "
+                f"token_budget={self.token_budget} it is the number of samples in each process's row"
+            )
         if self.max_concurrent_rollouts < 1:
             fail(f"max_concurrent_rollouts={self.max_concurrent_rollouts} must be >= 1")
         if self.max_staleness < 0:

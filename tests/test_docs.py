@@ -118,6 +118,21 @@ def _placeholders_blank(name: str) -> str:
     return re.sub(r"\{[^}]*\}", "{}", name)
 
 
+# Names the base Trainer's `log` adds to every log it writes (AsyncGRPOTrainer logs through it).
+BASE_TRAINER_LOGS = ("epoch", "num_input_tokens_seen")
+
+
+def logged_metric_names() -> set[str]:
+    """Every name a run can log, placeholders blank: the package's records and the base Trainer's."""
+    import inspect
+
+    from transformers import Trainer
+
+    base_log = inspect.getsource(Trainer.log)
+    assert all(f'logs["{name}"]' in base_log for name in BASE_TRAINER_LOGS), "transformers changed"
+    return {_placeholders_blank(name) for name in recorded_metric_names()} | set(BASE_TRAINER_LOGS)
+
+
 def documented_metric_names() -> tuple[set[str], set[str]]:
     """(every backticked name in docs/metrics.md, the names its tables define in their first column)."""
     reference = (DOCS / "metrics.md").read_text()
@@ -139,8 +154,112 @@ def test_every_recorded_metric_is_in_the_metric_reference():
     mentioned, defined = documented_metric_names()
     undocumented = sorted(f"{name} ({where})" for name, where in recorded.items() if name not in mentioned)
     assert not undocumented, f"metrics missing from docs/metrics.md: {undocumented}"
-    never_logged = sorted(defined - set(recorded))
+    assert set(BASE_TRAINER_LOGS) <= mentioned, "the base Trainer's names are logged too"
+    never_logged = sorted(defined - logged_metric_names())
     assert not never_logged, f"docs/metrics.md describes metrics the code never logs: {never_logged}"
+
+
+# Metric names of TRL 1.16 that asyncgrpo logs under another name or not at all, as
+# docs/trl-compatibility.md and the README mention them (placeholders blank). Anything else a doc names
+# must be logged by this code.
+TRL_ONLY_METRICS = {
+    "reward_std", "rewards/{}", "ratio", "kl",
+    "perf/mfu_fwd_bwd", "perf/mfu_wall_clock", "perf/forwarded_tok_s_fwd_bwd",
+    "perf/forwarded_tok_s_wall_clock", "perf/trained_tok_s_wall_clock",
+    "rollout/generated_tok_s", "rollout/inflight", "rollout/vllm_retry_total", "rollout/realign_frac",
+    "rollout/correctness_mean", "sample/dropped_stale_total", "sample/rollout_queue_size",
+    "batch/dropped_oversize_total", "tools/unknown_name_total", "tools/{}/call_total",
+    "tools/{}/failure_total",
+}  # fmt: skip
+
+
+def _names_a_logged_metric(name: str, logged: set[str]) -> bool:
+    """`name` (placeholders blank) is logged: exactly, as an instance of a placeholder
+    (`rewards/IncrementEnv/mean`), or, with `*`, as a pattern some logged name fits."""
+    if name in logged:
+        return True
+    pattern = re.escape(name).replace(r"\*", ".*").replace(r"\{\}", "[^/]+")
+    return any(
+        re.fullmatch(pattern, metric) or re.fullmatch(re.escape(metric).replace(r"\{\}", "[^/]+"), name)
+        for metric in logged
+    )
+
+
+def _metric_passages() -> dict[str, str]:
+    """Where the docs map metric names one to one: there every backquoted name is a metric (or a
+    setting), short names like `reward` or `kl` included."""
+    compatibility = (DOCS / "trl-compatibility.md").read_text()
+    section = compatibility[compatibility.index("## Metric names") :]
+    readme = (ROOT / "README.md").read_text()
+    bullet = readme[readme.index("- Metric names") + 1 :]  # to the next bullet or paragraph
+    return {
+        "docs/trl-compatibility.md (Metric names)": section[: section.index("\n## ")],
+        "README.md (Coming from TRL)": bullet[: min(bullet.index("\n- "), bullet.index("\n\n"))],
+    }
+
+
+def unknown_metric_names(documents: dict[str, str], passages: dict[str, str]) -> list[str]:
+    """Backquoted metric names that neither this code logs nor TRL's list above names: a metric
+    name (`part/...` with a metric namespace) anywhere in `documents`, any name in `passages`."""
+    logged = logged_metric_names()
+    # A backquoted `part/...` whose first part starts some logged name (`rollout/`, `tools/`) is a metric.
+    namespaces = {name.split("/")[0] for name in logged if "/" in name}
+    settings = {field.name for field in dataclasses.fields(AsyncGRPOConfig)}
+    unknown = []
+    for where, text in [*documents.items(), *passages.items()]:
+        in_passage = where in passages
+        for quoted in re.findall(r"`([^`\s]+)`", text):
+            name = _placeholders_blank(quoted)
+            if "." in name or name.startswith(("_", "/")):
+                continue  # a file, a fragment (`/min`, `_count`)
+            if not in_passage and ("/" not in name or name.split("/")[0] not in namespaces):
+                continue
+            if name in settings or name in TRL_ONLY_METRICS or _names_a_logged_metric(name, logged):
+                continue
+            unknown.append(f"{where}: {quoted}")
+    return unknown
+
+
+def _documents() -> dict[str, str]:
+    pages = {f"docs/{path.name}": path.read_text() for path in sorted(DOCS.glob("*.md"))}
+    return {**pages, "README.md": (ROOT / "README.md").read_text()}
+
+
+def test_every_metric_a_doc_names_is_logged_or_is_trls():
+    logged = logged_metric_names()
+    assert not TRL_ONLY_METRICS & logged, "a name listed as TRL's own is logged here"
+    passages = _metric_passages()
+    assert all(len(text) > 200 for text in passages.values()), passages.keys()
+    unknown = unknown_metric_names(_documents(), passages)
+    assert not unknown, f"metric names the docs mention that nothing logs: {unknown}"
+
+
+def test_the_metric_name_check_catches_a_made_up_name():
+    """The check above is not vacuous: a name nothing logs fails it, wherever a doc puts it."""
+    documents = {"docs/page.md": "watch `rollout/made_up_frac` and `tools/{name}/latency_s`"}
+    passages = {"docs/table.md": "| `reward_stdev` | `reward_group_std` | `rewards/IncrementEnv/mean` |"}
+    assert unknown_metric_names(documents, passages) == [
+        "docs/page.md: rollout/made_up_frac",
+        "docs/table.md: reward_stdev",
+    ]
+
+
+def test_every_field_the_configuration_page_lists_exists():
+    """The first column of every table of docs/configuration.md names config fields (TrainingArguments'
+    included), each of which must exist; and every field asyncgrpo declares is on the page."""
+    configuration = (DOCS / "configuration.md").read_text()
+    fields = {field.name for field in dataclasses.fields(AsyncGRPOConfig)}
+    listed = {
+        name
+        for line in configuration.splitlines()
+        if line.startswith("| `")
+        for name in re.findall(r"`([^`]+)`", line.split("|")[1])
+    }
+    assert len(listed) > 40
+    assert not listed - fields, f"docs/configuration.md lists fields AsyncGRPOConfig lacks: {listed - fields}"
+    own = set(AsyncGRPOConfig.__annotations__) | set(TrlCompatFields.__annotations__)
+    missing = sorted(name for name in own if f"`{name}`" not in configuration)
+    assert not missing, f"fields missing from docs/configuration.md: {missing}"
 
 
 def test_every_metric_row_says_what_it_means_and_what_is_healthy():

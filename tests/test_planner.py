@@ -200,3 +200,62 @@ def test_identical_samples_fill_a_row_by_their_loss_entries():
     assert [plan.num_samples for plan in plans] == [5, 5, 5, 5]
     assert all(plan.row_tokens == [10] for plan in plans)
     assert all(trie.num_entries <= 30 for plan in plans for trie in plan.tries)
+
+
+# -- fixed-count rows (token_budget <= 0, TRL's fixed-count mode) ---------------------------------------
+
+
+def test_fixed_count_needs_a_sample_count():
+    with pytest.raises(ValueError, match="samples_per_row >= 1"):
+        TokenBudgetBatcher(-1, 2)
+    assert TokenBudgetBatcher(0, 2, samples_per_row=3).fixed_count
+    assert not TokenBudgetBatcher(100, 2, samples_per_row=3).fixed_count  # a budget wins
+
+
+@pytest.mark.parametrize("num_rows, samples_per_row", [(1, 4), (2, 3), (3, 5)])
+def test_fixed_count_rows_hold_exactly_n_samples_whatever_their_length(num_rows, samples_per_row):
+    rng = np.random.default_rng(num_rows)
+    samples = random_groups(rng, num_groups=9, group_size=4, prompt_len=20, completion_len=(5, 300))
+    samples.insert(5, make_sample(np.arange(5000), group_id=99))  # longer than any budget: still trained
+    plans = plan_all(TokenBudgetBatcher(0, num_rows, samples_per_row=samples_per_row), samples)
+    placed = [s for plan in plans for row in plan.rows for s in row]
+    assert sorted(map(id, placed)) == sorted(map(id, samples))  # every sample exactly once, none dropped
+    assert all(plan.dropped_oversize_count == 0 for plan in plans)
+    for plan in plans[:-1]:
+        assert [len(row) for row in plan.rows] == [samples_per_row] * num_rows
+        assert plan.row_tokens == [pack_row(row).num_tokens for row in plan.rows]
+        assert np.isnan(plan.row_fill_frac)  # no budget to fill: not logged
+    # The last, partial micro-batch: what was left, no row over the count.
+    last = plans[-1]
+    assert last.num_samples == len(samples) - (len(plans) - 1) * num_rows * samples_per_row
+    assert 0 < last.num_samples <= num_rows * samples_per_row
+    assert all(len(row) <= samples_per_row for row in last.rows)
+
+
+def test_fixed_count_keeps_a_group_in_one_row_and_forwards_its_prompt_once():
+    prompt_a, prompt_b = list(range(1, 9)), list(range(101, 109))
+    group_a = [make_sample(prompt_a + [20 + i, 30 + i], 0, 8) for i in range(4)]
+    group_b = [make_sample(prompt_b + [40 + i, 50 + i], 1, 8) for i in range(4)]
+    batcher = TokenBudgetBatcher(0, 2, samples_per_row=4)
+    interleaved = [s for pair in zip(group_a, group_b) for s in pair]
+    assert [batcher.offer(s) for s in interleaved] == [Placement.PLACED] * 8
+    plan = batcher.close()
+    assert plan.rows == [group_a, group_b]
+    # 7 prompt tokens once (the 8th predicts each completion's start) + 3 per completion, not 4 x 10.
+    assert plan.row_tokens == [7 + 4 * 3, 7 + 4 * 3]
+
+
+def test_fixed_count_spills_a_large_group_and_fills_every_row_before_closing():
+    # Rows of 2. Group a (a 5-token prompt, 1-token completions) fills row 0: cost 21, + 11 for the
+    # second (its last two tokens: the prompt's last one predicts another target); b (8 tokens, cost 36)
+    # is in row 1. a's third sample in row 1 would raise the heaviest row's cost from 36
+    # to 36 + 21 = 57, where the token-budget rule closes the micro-batch; fixed-count rows take it:
+    # the count, not the cost, decides when a micro-batch is full.
+    a = [make_sample([1, 2, 3, 4, 5, 20 + i], 0, 5) for i in range(3)]
+    b = make_sample(np.arange(100, 108), 1)
+    batcher = TokenBudgetBatcher(0, 2, samples_per_row=2)
+    assert [batcher.offer(s) for s in (a[0], b, a[1])] == [Placement.PLACED] * 3
+    assert batcher.offer(a[2]) is Placement.PLACED
+    assert batcher.offer(make_sample([7, 8], 2)) is Placement.CLOSED  # every row holds 2
+    plan = batcher.close()
+    assert plan.rows == [a[:2], [b, a[2]]] and plan.row_attention_costs == [32, cost(8) + 21]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -80,8 +79,14 @@ def coding_reward_func(prompts, completions, task, **kwargs):
     ]
 
 
+ASYNC_REWARDS_RUNNING = {"now": 0, "most": 0}
+
+
 async def async_reward_func(prompts, completions, **kwargs):
+    ASYNC_REWARDS_RUNNING["now"] += 1
+    ASYNC_REWARDS_RUNNING["most"] = max(ASYNC_REWARDS_RUNNING["most"], ASYNC_REWARDS_RUNNING["now"])
     await asyncio.sleep(0.2)
+    ASYNC_REWARDS_RUNNING["now"] -= 1
     return [1.0 if completion else 0.0 for completion in completions]
 
 
@@ -121,9 +126,10 @@ def test_documented_multi_task_example_returns_none_for_other_tasks():
 def test_async_reward_functions_overlap():
     prompts = [[{"role": "user", "content": "x"}]] * 2
     completions = [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": ""}]]
-    started = time.monotonic()
+    ASYNC_REWARDS_RUNNING.update(now=0, most=0)
     rewards = score([async_reward_func] * 5, prompts, completions, [[1], []])
-    assert time.monotonic() - started < 0.6, "five 0.2 s async rewards must run together"
+    # Counted, not timed: all five were awaiting at once (run one after another, at most one would be).
+    assert ASYNC_REWARDS_RUNNING["most"] == 5, "five async rewards must run together"
     assert rewards == [[1.0, 1.0]] * 5
 
 

@@ -228,6 +228,9 @@ def test_server_flags_for_a_config():
     )
     sampled = server_options_for(build(top_p=0.9, top_k=64))
     assert "--return-sampling-mask" in sampled.extra_args
+    # token_budget caps the server's length only when it is a budget (<= 0: rows of a sample count).
+    assert server_options_for(build(token_budget=2048)).max_model_len == 2048
+    assert server_options_for(build(token_budget=0)).max_model_len is None
 
 
 def test_serve_for_prints_the_command_it_would_run(capsys, monkeypatch):

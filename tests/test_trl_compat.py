@@ -91,6 +91,40 @@ def test_fields_without_effect_warn_once_saying_why(tmp_path, caplog, monkeypatc
     assert "fork_threshold_tokens=8 has no effect" in messages[1]
 
 
+def test_token_budget_zero_or_below_is_trls_fixed_count_mode(tmp_path):
+    for budget in (0, -1):
+        config = AsyncGRPOConfig(
+            str(tmp_path), report_to="none", token_budget=budget, per_device_train_batch_size=4
+        )
+        assert (config.token_budget, config.per_device_train_batch_size) == (budget, 4)
+    for budget in (1, 15):
+        with pytest.raises(ValueError, match=rf"token_budget={budget} is too small.*or <= 0"):
+            AsyncGRPOConfig(str(tmp_path), report_to="none", token_budget=budget)
+    with pytest.raises(ValueError, match="per_device_train_batch_size=0 must be >= 1"):
+        AsyncGRPOConfig(str(tmp_path), report_to="none", token_budget=0, per_device_train_batch_size=0)
+
+
+def test_fixed_count_intake_plans_full_rows_and_lets_the_worker_start():
+    """With token_budget <= 0 the worker's first allowance assumes rows of samples of max_model_len (a
+    zero budget must not hold generation back), and a step is micro-batches of rows of exactly
+    per_device_train_batch_size samples, however long."""
+    from test_prompt_ledger import QueueDouble, group, sample
+
+    from asyncgrpo.metrics import MetricsWindow
+    from asyncgrpo.trainer.intake import SampleIntake
+    from asyncgrpo.trainer.prompt_ledger import PromptLedger
+
+    queue = QueueDouble([group(index, [sample(index, length=400) for _ in range(4)]) for index in range(4)])
+    intake = SampleIntake(
+        queue, PromptLedger(), 1, token_budget=0, num_rows=2, rows_per_step=4, samples_per_row=3,
+        max_sample_tokens=256,
+    )  # fmt: skip
+    assert queue.allowance == 3 * 256 * 4
+    batch = intake.next_step(gradient_accumulation_steps=2, metrics=MetricsWindow(), model_version=0)
+    assert [[len(row) for row in plan.rows] for plan in batch.plans] == [[3, 3], [3, 3]]
+    assert len(intake.buffer) == 16 - 12  # the rest waits for the next step
+
+
 def test_request_timeout_bounds_generation_requests_not_the_other_calls():
     async def never(request: web.Request) -> web.Response:
         await asyncio.sleep(3600)
@@ -301,3 +335,34 @@ def test_trl_attributes_and_trainer_callbacks_during_training(vllm_server, tiny_
         "on_epoch_end",
         "on_train_end",
     ]
+
+
+@pytest.mark.vllm
+def test_fixed_count_rows_train_against_the_server(vllm_server, tiny_model_dir, tmp_path, monkeypatch):
+    """token_budget=0 (TRL's fixed-count mode): every row holds per_device_train_batch_size samples,
+    and row_fill_frac, which divides by the budget, is not logged. The same short run checks two
+    TrainingArguments settings of the base Trainer's loop: torch_empty_cache_steps and
+    include_num_input_tokens_seen."""
+    from test_trainer_e2e import make_config, prompts, restore_server, token_parity_reward
+
+    from asyncgrpo.trainer import base_loop_settings
+
+    cleared = []
+    monkeypatch.setattr(base_loop_settings, "clear_device_cache", lambda: cleared.append(True))
+    config = make_config(
+        vllm_server, tmp_path, max_steps=3, token_budget=0, per_device_train_batch_size=3,
+        gradient_accumulation_steps=2, torch_empty_cache_steps=2, include_num_input_tokens_seen="non_padding",
+    )  # fmt: skip
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, config, train_dataset=prompts())
+    try:
+        trainer.train()
+    finally:
+        restore_server(vllm_server.url, tiny_model_dir)
+    steps = [entry for entry in trainer.state.log_history if "batch/samples_per_step" in entry]
+    assert len(steps) == 3
+    for entry in steps:
+        assert (entry["batch/samples_per_row"], entry["batch/samples_per_step"]) == (3, 6)
+        assert entry["batch/microbatches_per_step"] == 2
+        assert "batch/row_fill_frac" not in entry and "batch/row_imbalance" in entry
+        assert entry["num_input_tokens_seen"] == entry["num_tokens"] > 0  # forwarded tokens, cumulative
+    assert len(cleared) == 1  # after step 2

@@ -57,7 +57,7 @@ def server_options_for(run: RunConfig, cpu: bool | None = None):
         model=run.model,
         port=url.port or 8000,
         host=url.hostname or "127.0.0.1",
-        max_model_len=args.token_budget,
+        max_model_len=args.token_budget if (args.token_budget or 0) > 0 else None,  # <= 0: no budget
         dtype=None if args.dtype == "auto" else args.dtype,
         cpu=cpu,
         extra_args=extra,

@@ -15,6 +15,11 @@ order:
   4. a sample whose group no row holds yet starts it in the row that fits with the lowest
      attention cost after adding it (rows fill evenly);
   5. otherwise the micro-batch closes and the sample opens the next one.
+With `token_budget <= 0` (TRL's fixed-count mode) a row holds `samples_per_row` samples instead,
+however many tokens they take: nothing is dropped as oversize, and a spill takes the row with room
+that is cheapest after adding it (rule 3 without its cost condition), so a micro-batch closes only
+when every row holds exactly `samples_per_row` samples. Rows are still tree-packed: a group's
+samples share a row while it has room, and its prompt is forwarded once there.
 Each row keeps its `PrefixTrie`, so "what would this sample add here" is one walk down the tree
 and the counts are exactly those of `pack_row`.
 """
@@ -22,6 +27,7 @@ and the counts are exactly those of `pack_row`.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +54,7 @@ class MicroBatchPlan:
     """One micro-batch: a trie per process row (some possibly empty) and the `batch/*` counts."""
 
     tries: list[PrefixTrie]  # (num_rows,)
-    token_budget: int
+    token_budget: int  # <= 0: fixed-count rows, no token budget
     dropped_oversize_count: int  # samples dropped while this micro-batch was filling
 
     @property
@@ -76,7 +82,10 @@ class MicroBatchPlan:
 
     @property
     def row_fill_frac(self) -> float:
-        """Mean forwarded tokens per row (empty rows included: their process idles) / token_budget."""
+        """Mean forwarded tokens per row (empty rows included: their process idles) / token_budget;
+        NaN for fixed-count rows, which have no budget to fill (a metrics window skips NaN)."""
+        if self.token_budget <= 0:
+            return math.nan
         return float(np.mean(self.row_tokens)) / self.token_budget
 
     def pack(self) -> list[PackedRow]:
@@ -85,18 +94,25 @@ class MicroBatchPlan:
 
 
 class TokenBudgetBatcher:
-    """Streams samples into micro-batches of `num_rows` rows of at most `token_budget` tokens.
+    """Streams samples into micro-batches of `num_rows` rows of at most `token_budget` tokens, or,
+    with `token_budget <= 0`, of `samples_per_row` samples each.
 
     Usage: `offer` each sample; on CLOSED call `close()` to take the plan and offer the same sample
     again (it opens the next micro-batch); call `close()` at the end for the last partial one.
     """
 
-    def __init__(self, token_budget: int, num_rows: int, min_shared_tokens: int = 0):
-        if token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    def __init__(
+        self, token_budget: int, num_rows: int, min_shared_tokens: int = 0, samples_per_row: int = 0
+    ):
         if num_rows < 1:
             raise ValueError(f"num_rows (one per training process) must be >= 1, got {num_rows}")
+        if token_budget <= 0 and samples_per_row < 1:
+            raise ValueError(
+                f"token_budget={token_budget} (fixed-count rows) needs samples_per_row >= 1, got "
+                f"{samples_per_row}"
+            )
         self.token_budget = token_budget
+        self.samples_per_row = samples_per_row if token_budget <= 0 else 0
         self.num_rows = num_rows
         self.min_shared_tokens = min_shared_tokens  # see PrefixTrie
         self._reset()
@@ -111,8 +127,12 @@ class TokenBudgetBatcher:
         """Samples placed in the micro-batch being filled."""
         return sum(len(trie.samples) for trie in self._tries)
 
+    @property
+    def fixed_count(self) -> bool:
+        return self.samples_per_row > 0
+
     def offer(self, sample: Sample) -> Placement:
-        if sample.num_tokens > self.token_budget:
+        if not self.fixed_count and sample.num_tokens > self.token_budget:
             self._dropped_oversize += 1
             return Placement.DROPPED_OVERSIZE
         targets = prediction_targets(sample.token_ids, sample.trained)  # (L,) computed once per offer
@@ -138,6 +158,8 @@ class TokenBudgetBatcher:
 
     def _fits(self, row: int, added_tokens: int, sample: Sample) -> bool:
         trie = self._tries[row]
+        if self.fixed_count:
+            return len(trie.samples) < self.samples_per_row
         return (
             trie.num_tokens + added_tokens <= self.token_budget
             and trie.num_entries + sample.num_trained <= self.token_budget
@@ -154,13 +176,17 @@ class TokenBudgetBatcher:
 
     def _spill_row(self, sample: Sample, targets: np.ndarray) -> int | None:
         """For a sample whose group's rows are full: an empty row, else the cheapest fitting row
-        provided its cost does not exceed the most loaded row's; None closes the micro-batch."""
+        provided its cost does not exceed the most loaded row's (fixed-count rows: any row with
+        room, as the count, not the cost, decides when the micro-batch is full); None closes the
+        micro-batch."""
         for row, trie in enumerate(self._tries):
             if not trie.samples:
                 return row
         max_cost = max(trie.attention_cost for trie in self._tries)
         best, best_cost = self._cheapest(sample, targets)
-        return best if best_cost is not None and best_cost <= max_cost else None
+        if best_cost is None or (best_cost > max_cost and not self.fixed_count):
+            return None
+        return best
 
     def _cheapest_fitting_row(self, sample: Sample, targets: np.ndarray) -> int | None:
         return self._cheapest(sample, targets)[0]

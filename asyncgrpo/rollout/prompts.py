@@ -3,7 +3,11 @@
 Each prompt has a stream index `epoch * len(dataset) + k` (k = its place in that epoch's order).
 The order of epoch e is a permutation drawn from (seed, e), so a resumed run rebuilds exactly the
 same stream and starts at the first untrained index (`dataset_start_index`), skipping the indices
-after it that were already trained (`skip_stream_indices`).
+after it that were already trained (`skip_stream_indices`). The order's seed is the config's
+`data_seed`, or `seed` when it is unset (as transformers' samplers do);
+`train_sampling_strategy="sequential"` keeps the dataset's order in every epoch. A checkpoint
+records the order (`PromptOrder`), and a resume in another order is refused: its positions would
+name other prompts.
 """
 
 from __future__ import annotations
@@ -24,34 +28,53 @@ class PromptItem:
     row: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class PromptOrder:
+    """How each epoch orders the prompts: a permutation drawn from `seed`, or (None) the dataset's."""
+
+    seed: int | None
+
+    @classmethod
+    def of(cls, config: Any) -> PromptOrder:
+        """The order a config asks for; `train_sampling_strategy` values other than "sequential"
+        shuffle (the config warns about those it cannot honour)."""
+        if config.train_sampling_strategy == "sequential":
+            return cls(None)
+        return cls(int(config.seed if config.data_seed is None else config.data_seed))
+
+    def describe(self) -> str:
+        return "in dataset order" if self.seed is None else f"shuffled with seed {self.seed}"
+
+
 def _is_iterable_dataset(dataset: Any) -> bool:
     return not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__")
 
 
-def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    if not shuffle:
+def epoch_order(num_rows: int, seed: int | None, epoch: int) -> np.ndarray:
+    """Epoch `epoch`'s row order: a permutation drawn from (seed, epoch); seed None: dataset order."""
+    if seed is None:
         return np.arange(num_rows)
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
 def prompt_stream(
     dataset: Any,
-    seed: int,
+    seed: int | None,
     start_index: int = 0,
     skip_stream_indices: frozenset[int] = frozenset(),
-    shuffle: bool = True,
 ) -> Iterator[PromptItem]:
-    """Endless stream of prompts (the trainer decides when to stop)."""
+    """Endless stream of prompts (the trainer decides when to stop), each epoch shuffled by `seed`
+    (None: in the dataset's order)."""
     if _is_iterable_dataset(dataset):
         # A stream cannot seek: a resumed run restarts it from its first prompt (the trainer warns).
-        yield from _iterable_stream(dataset, seed, shuffle)
+        yield from _iterable_stream(dataset, seed)
         return
     num_rows = len(dataset)
     if num_rows == 0:
         raise ValueError("train_dataset is empty: there is nothing to generate from")
     epoch, position = divmod(start_index, num_rows)
     while True:
-        order = epoch_order(num_rows, seed, epoch, shuffle)
+        order = epoch_order(num_rows, seed, epoch)
         for k in range(position, num_rows):
             stream_index = epoch * num_rows + k
             if stream_index in skip_stream_indices:
@@ -61,12 +84,12 @@ def prompt_stream(
         epoch, position = epoch + 1, 0
 
 
-def _iterable_stream(dataset: Any, seed: int, shuffle: bool) -> Iterator[PromptItem]:
+def _iterable_stream(dataset: Any, seed: int | None) -> Iterator[PromptItem]:
     """A streaming dataset, epoch after epoch, from its first prompt."""
     stream_index = 0
     for epoch in itertools.count():
         source = dataset
-        if shuffle and hasattr(dataset, "shuffle"):
+        if seed is not None and hasattr(dataset, "shuffle"):
             source = dataset.shuffle(seed=seed + epoch, buffer_size=1000)
         empty = True
         for row_index, row in enumerate(source):

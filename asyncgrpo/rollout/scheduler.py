@@ -26,7 +26,7 @@ from asyncgrpo.rollout.chat import RewriteDetector
 from asyncgrpo.rollout.concurrency import RolloutSlots, TokenAllowance, initial_cap, next_cap
 from asyncgrpo.rollout.environments import EnvironmentPool, environment_reward_sources
 from asyncgrpo.rollout.messages import GroupResult
-from asyncgrpo.rollout.prompts import PromptItem, prompt_stream
+from asyncgrpo.rollout.prompts import PromptItem, PromptOrder, prompt_stream
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
 from asyncgrpo.rollout.sampler import PolicySampler, ServerLostWeightsError, wants_candidate_sets
 from asyncgrpo.rollout.scoring import (
@@ -196,9 +196,8 @@ class RolloutScheduler:
     async def _generate_loop(self) -> None:
         dataset = self.loop.dataset
         rejected_in_epoch: dict[int, int] = {}
-        stream = prompt_stream(
-            dataset, self.config.seed, self.dataset_start_index, self.skip_stream_indices, shuffle=True
-        )
+        order = PromptOrder.of(self.config)  # data_seed (or seed) and train_sampling_strategy
+        stream = prompt_stream(dataset, order.seed, self.dataset_start_index, self.skip_stream_indices)
         num_rows = len(dataset) if hasattr(dataset, "__len__") else None
         for item in stream:
             if not self.loop.filter_prompt(item.row_index, item.row, item.epoch):

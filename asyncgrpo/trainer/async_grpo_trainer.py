@@ -50,9 +50,11 @@ from asyncgrpo.perf import device_peak_flops, flop_model
 from asyncgrpo.rollout.chat import render_prompt_ids, use_training_template
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
+from asyncgrpo.trainer.base_loop_settings import EmptyDeviceCache, input_tokens_seen
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,
@@ -203,7 +205,7 @@ class AsyncGRPOTrainer(Trainer):
             args=args,
             train_dataset=train_dataset,
             processing_class=processing_class,
-            callbacks=list(callbacks or []) + [self._progress, RunDirectoryCallback()],
+            callbacks=list(callbacks or []) + [self._progress, RunDirectoryCallback(), EmptyDeviceCache()],
             optimizers=optimizers,
         )
         self.remove_callback(ProgressCallback)
@@ -387,6 +389,8 @@ class AsyncGRPOTrainer(Trainer):
                 )
                 rollout_state.first_untrained_index, rollout_state.consumed_after = 0, []
             elif not self.streaming:
+                # The prompt order (data_seed, train_sampling_strategy) must be the checkpoint's.
+                rollout_state.check_prompt_order(PromptOrder.of(args), checkpoint)
                 self._held_on_resume = load_held_samples(checkpoint)
         self._model_version = rollout_state.model_version
         self._num_tokens = rollout_state.num_tokens
@@ -419,7 +423,8 @@ class AsyncGRPOTrainer(Trainer):
         server_info = self._http.run(self._client.server_info())
         check_logprobs_mode(server_info, args.vllm_server_urls[0])
         self._warn_on_dtype_mismatch(server_info)
-        self.token_budget = args.token_budget or max_model_len
+        # token_budget <= 0: rows of per_device_train_batch_size samples, no token cap (TRL's fixed count)
+        self.token_budget = max_model_len if args.token_budget is None else args.token_budget
         check_prompt_lengths(self.train_dataset, self._prompt_length, max_model_len)
         self._weight_sync = make_sender(
             args.weight_sync_backend,
@@ -459,6 +464,8 @@ class AsyncGRPOTrainer(Trainer):
             self.token_budget,
             num_rows=self.accelerator.num_processes,
             rows_per_step=args.gradient_accumulation_steps * self.accelerator.num_processes,
+            samples_per_row=args.per_device_train_batch_size,
+            max_sample_tokens=max_model_len,
             # Environment-owned data has no pass over prompts (its length is not a pass: one degenerate
             # group is not a dead dataset); the intake then counts a fixed number of prompts as one.
             prompts_per_epoch=None
@@ -704,6 +711,8 @@ class AsyncGRPOTrainer(Trainer):
         attention_pairs = sum(cost for plan in batch.plans for cost in plan.row_attention_costs)
         padded = sum(padded_length(tokens) for plan in batch.plans for tokens in plan.row_tokens if tokens)
         self._num_tokens += forwarded
+        # include_num_input_tokens_seen: the base Trainer's log() reports this count.
+        self.state.num_input_tokens_seen += input_tokens_seen(self.args, forwarded, padded)
         window.record("loss", loss)
         window.record("learning_rate", self.lr_scheduler.get_last_lr()[0])
         window.record("num_tokens", self._num_tokens, Reduce.LAST)
@@ -825,6 +834,7 @@ class AsyncGRPOTrainer(Trainer):
             epoch_prompts=self._ledger.epoch_prompts,
             model_version=self._model_version,
             num_tokens=self._num_tokens,
+            prompt_order=PromptOrder.of(self.args),
         ).save(directory)
         save_held_samples(self._intake.held_samples(), directory)
 

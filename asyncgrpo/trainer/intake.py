@@ -2,8 +2,9 @@
 
 Samples come off the worker's queue into a local buffer (so its size is the queue's size when the
 trainer takes from it). A sample older than `max_staleness` weight updates when taken is dropped.
-A step is `gradient_accumulation_steps` micro-batches planned by the TokenBudgetBatcher; a sample
-that closes a micro-batch is the first of the next one (it waits at the head of the buffer).
+A step is `gradient_accumulation_steps` micro-batches planned by the TokenBudgetBatcher (rows of
+`token_budget` tokens, or with `token_budget <= 0` of `samples_per_row` samples); a sample that
+closes a micro-batch is the first of the next one (it waits at the head of the buffer).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class SampleIntake:
         token_budget: int,
         num_rows: int,
         rows_per_step: int,
+        samples_per_row: int = 0,
+        max_sample_tokens: int = 0,
         prompts_per_epoch: int | None = None,
         stop_condition=lambda: False,
         check_servers=lambda: None,
@@ -116,11 +119,14 @@ class SampleIntake:
         self.max_staleness = max_staleness
         self.token_budget = token_budget
         self.num_rows = num_rows
+        self.samples_per_row = samples_per_row  # used when token_budget <= 0 (fixed-count rows)
         self.buffer: deque[Sample] = deque()
         self.consumed_tokens_total = 0
         self.allowance_factor = max(max_staleness, 1)
-        # Before the first step, assume every row of a step is full.
-        self.last_step_tokens = token_budget * rows_per_step
+        # Before the first step, assume every row of a step is full (fixed-count rows: of samples of
+        # `max_sample_tokens`, the server's max_model_len).
+        row_tokens = token_budget if token_budget > 0 else samples_per_row * max_sample_tokens
+        self.last_step_tokens = row_tokens * rows_per_step
         self._warned_oversize = False
         self.rewards = RewardStreak()
         self._publish_allowance(held_tokens=0)
@@ -259,7 +265,9 @@ class SampleIntake:
     def _plan(
         self, batch: StepBatch, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int
     ) -> None:
-        batcher = TokenBudgetBatcher(self.token_budget, self.num_rows, min_shared_tokens=MIN_SHARED_TOKENS)
+        batcher = TokenBudgetBatcher(
+            self.token_budget, self.num_rows, MIN_SHARED_TOKENS, samples_per_row=self.samples_per_row
+        )
         while len(batch.plans) < gradient_accumulation_steps:
             sample = self._next_sample(batch, metrics, model_version)
             placement = batcher.offer(sample)

@@ -19,10 +19,13 @@ trained prompts, and the stream simply continues into the next epoch to make up 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from asyncgrpo.rollout.prompts import PromptOrder
 
 ROLLOUT_STATE_NAME = "rollout_state.json"
 
@@ -36,12 +39,33 @@ class RolloutState:
     epoch_prompts: int = 0  # prompts counted toward num_train_epochs (see the module doc)
     model_version: int = 0
     num_tokens: int = 0
+    # The order whose stream indices the positions above count; None in checkpoints older than this
+    # field, which are resumed in the config's order unchecked.
+    prompt_order: PromptOrder | None = None
+
+    def check_prompt_order(self, order: PromptOrder, checkpoint: str | os.PathLike) -> None:
+        """A resume replays the stream from the saved positions: in another prompt order they would
+        name other prompts (some trained twice, others never), so a different order is refused."""
+        saved = self.prompt_order
+        if saved is None or saved == order:
+            return
+        settings = (
+            "train_sampling_strategy='sequential'"
+            if saved.seed is None
+            else f"data_seed={saved.seed} (train_sampling_strategy='random')"
+        )
+        raise ValueError(
+            f"{checkpoint} drew its prompts {saved.describe()}, this config {order.describe()}: the resume "
+            "position counts prompts in the checkpoint's order, so another order would train some "
+            f"prompts twice and skip others. Resume with {settings}."
+        )
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write atomically: a crash leaves the old file or the new one, never half of one."""
         path = Path(directory) / ROLLOUT_STATE_NAME
         partial = path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(self.__dict__, indent=2))
+        fields = dataclasses.asdict(self)  # prompt_order too, as a dict
+        partial.write_text(json.dumps(fields, indent=2))
         os.replace(partial, path)
 
     @classmethod
@@ -54,8 +78,11 @@ class RolloutState:
             return cls(
                 first_untrained_index=int(fields["prompt_index"]),
                 model_version=int(fields.get("model_version", 0)),
+                prompt_order=PromptOrder(None),  # TRL's worker reads the dataset in order
             )
         known = {name: value for name, value in fields.items() if name in cls.__dataclass_fields__}
+        if known.get("prompt_order") is not None:
+            known["prompt_order"] = PromptOrder(**known["prompt_order"])
         return cls(**known)
 
 
