@@ -50,8 +50,9 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     torch_compile: bool | None = field(
         default=None,
         metadata={
-            "help": "Compile each decoder layer (fused norms, rotary and activations: ~1.4x faster fwd+bwd "
-            "on an H200). None: True when a CUDA GPU trains, else False (compiling on CPU is slow to start)."
+            "help": "Compile each decoder layer (fused norms, rotary and activations: a faster fwd+bwd on a "
+            "GPU, docs/gpu-performance.md). None: True when a CUDA GPU trains, else False (compiling on CPU "
+            "is slow to start)."
         },
     )
     triton_adamw: bool = field(

@@ -1,19 +1,11 @@
 """Trainer log-probabilities of the trained tokens of a packed row.
 
-Only the E trained entries need a distribution over the vocabulary, so the head runs on the hidden
-states gathered at `PackedRow.predict_index`, never on every packed position. Even then (E, V)
-fp32 logits are large (8k entries x 150k vocabulary = 4.9 GB), so entries are processed in chunks
-whose logits are recomputed in backward (`torch.utils.checkpoint`): at most one chunk's (C, V)
-logits and their softmax are alive at a time.
-
-The distribution is the sampler's: softmax(logits / temperature), restricted and renormalized to
-the entry's candidate set when the sampler used top-k / top-p (an empty set = full vocabulary),
-so that the importance ratio compares like with like.
-
-On CUDA the same function runs fused (`fused_head.FusedHeadLogprobs`): the logits of a chunk are
-reduced to the (E,) statistics in one Triton pass and rebuilt in backward (or, with `keep_logits`,
-kept for it), which removes most of the (C, V) fp32 elementwise traffic; elsewhere (CPU) the plain
-chunked path below runs.
+The head runs only on the hidden states of the E trained entries (`PackedRow.predict_index`), a
+chunk at a time with each chunk's logits recomputed in backward, so the (E, V) fp32 logits never
+exist at once. The distribution is the sampler's: softmax(logits / temperature), restricted and
+renormalized to the entry's top-k / top-p candidate set (an empty set = full vocabulary), so that
+the importance ratio compares like with like. On CUDA the same function runs fused
+(`fused_head.FusedHeadLogprobs`, docs/gpu-performance.md); elsewhere the plain chunked path below.
 """
 
 from __future__ import annotations

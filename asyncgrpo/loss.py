@@ -1,21 +1,12 @@
 """The policy losses: pure tensor functions returning `(loss, metrics)`.
 
-Both losses share masked importance sampling: the sampler's (vLLM's processed) log-probs play the
-old policy, so one ratio `rho = exp(logp - s)` covers both staleness and the trainer/inference
-mismatch, and a trained token whose ratio leaves [clip_min, clip_max] leaves the loss (it is not
-reweighted: a huge ratio would dominate the step).
-
-Normalization: the sum over the micro-batch's entries is divided by `num_trained_tokens_global`
-(the micro-batch's trained tokens counted over all processes, masked ones included, which the
-caller knows from the plan) and by `gradient_accumulation_steps`. Summed over processes and
-accumulation steps, the gradient is then the mean over micro-batches of each micro-batch's
-per-token mean. DDP and FSDP *average* gradients over processes, i.e. divide that sum by the world
-size: the caller multiplies the loss by the world size before backward (this module never sees
-torch.distributed). `epsilon_high` has one default, in AsyncGRPOConfig (it equals `epsilon`).
-docs/algorithm.md derives the formulas.
-
-Metrics are `Stat`s whose merge across micro-batches and processes is exact (means carry their
-(sum, count)); values are detached 0-d tensors, converted by whoever logs them.
+Both losses use masked importance sampling against the sampler's (vLLM's processed) log-probs, and
+divide the micro-batch's sum by its trained tokens counted over all processes (masked ones included,
+known from the plan) and by `gradient_accumulation_steps`. DDP and FSDP average gradients, so the
+caller multiplies the loss by the world size before backward: this module never sees
+torch.distributed. `epsilon_high` has one default, in AsyncGRPOConfig. docs/algorithm.md derives the
+formulas. Metrics are `Stat`s whose merge across micro-batches and processes is exact (means carry
+their (sum, count)); values are detached 0-d tensors, converted by whoever logs them.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Model families beyond a plain causal LM: image-text-to-text checkpoints trained on text, and MoE
 models' router load-balancing loss.
 
-Checkpoints with a vision tower (Qwen3.5 is published only in this form) load with the
-image-text-to-text auto class, so their weights keep the names the checkpoint and the vLLM server
-use. Training data is text only, so everything outside the language model (vision tower, merger)
-is frozen: no gradients, no optimizer state (the optimizer only takes parameters that require
-grad), and weight sync skips it (the server already holds those weights and never changes them).
-
-MoE: the router load-balancing loss of Switch Transformer as transformers computes it (so a model
-config's `router_aux_loss_coef` means the same here), E * sum_e f_e * P_e over all MoE layers,
-where f_e is the number of top-k assignments to expert e per token and P_e the mean router
-probability of e. In a tree-packed row a shared prefix is forwarded once but belongs to several
-samples; each packed token is weighted by how many samples contain it, so the loss is the one the
-same samples give unpacked, and padding weighs zero.
+A checkpoint with a vision tower loads with the image-text-to-text auto class (its weights keep the
+checkpoint's and the server's names) and everything outside its language model is frozen. For MoE
+models the Switch-Transformer load-balancing loss is computed as transformers does, with each packed
+token weighted by the samples that contain it, so tree packing gives the loss of the same samples
+unpacked. What and why: docs/models.md.
 """
 
 from __future__ import annotations

@@ -2,16 +2,12 @@
 
 The task a person can check: "What is a + b?" for digits a, b; the reward is 1 when the answer is
 exactly the sum. The tiny model starts from random weights, so it first gets a supervised warm start,
-shown, honestly, as its own phase, in two parts (`warm_start`): right answers until it has mostly
-learnt the sums, then noisy answers (right a quarter of the time, otherwise a random number 0-18)
-until it samples the right sum only ~30% of the time at temperature 1, like a model that knows the
-task but has not been sharpened on it. Async GRPO then has to raise that. Why the noisy part: a
-model trained only part way on right answers is confidently wrong on many prompts, every sample of
-such a prompt scores 0, its group carries no signal, and the gain GRPO made in the demo's time
-varied from +0.27 to +0.41 between runs, often under the +0.3 the demo must show (bench/RESULTS.md,
-section "demo", has the measurements).
-The vLLM server starts on the random weights while the warm start runs; the trainer's first weight
-sync hands it the warm-started policy.
+shown as its own phase (`warm_start`): right answers until it has mostly learnt the sums, then noisy
+answers until it is unsure of them, like a model that knows the task but has not been sharpened on
+it; async GRPO then has to raise its accuracy. Why the noisy part: a model trained only part way on
+right answers is confidently wrong on many prompts, whose groups carry no signal, and GRPO's gain
+then often fell short of the bar (bench/RESULTS.md, "demo"). The vLLM server starts on the random
+weights while the warm start runs; the trainer's first weight sync hands it the warm-started policy.
 """
 
 from __future__ import annotations
@@ -179,7 +175,7 @@ def run_demo(workdir: str = ".demo", seed: int = 0) -> int:
     )
     server = VLLMServer(options, log_path=work / "vllm.log")
     print(f"[demo] starting vLLM on CPU at {options.url} (log: {server.log_path})", flush=True)
-    server_starting = _Background(server.start)  # ~45 s: overlaps the warm start
+    server_starting = _Background(server.start)  # slow to start: overlaps the warm start
 
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
@@ -197,8 +193,8 @@ def run_demo(workdir: str = ".demo", seed: int = 0) -> int:
     if server_starting.error is not None:
         raise server_starting.error
     # vLLM's CPU engine keeps both cores busy while it generates; a trainer with two threads of its
-    # own then stalls at every parallel region (measured: fwd+bwd 1.6 s per step with 2 threads,
-    # 0.4 s with 1).
+    # own then stalls at every parallel region, and was several times slower than with one
+    # (bench/RESULTS.md, "demo").
     torch.set_num_threads(1)
     try:
         args = AsyncGRPOConfig(

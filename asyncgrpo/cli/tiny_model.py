@@ -50,7 +50,8 @@ CHAT_TEMPLATE = QWEN3_TRAINING_TEMPLATE
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of the tiny model. The defaults run ~2-3k generated tokens/s on a 2-core CPU in vLLM."""
+    """Shape of the tiny model. The defaults generate fast enough on a 2-core CPU in vLLM for the tests
+    and the demo (bench/RESULTS.md, "overlap", has its generation rate)."""
 
     hidden_size: int = 128
     intermediate_size: int = 256

@@ -1,13 +1,13 @@
 """`python -m asyncgrpo.generation.guard PARENT_PID -- COMMAND...`: run COMMAND (a vLLM server) so
 that it never outlives the process that launched it.
 
-A vLLM server holds ~3 GB and several processes. It runs in a process group of its own (so that
-stopping it reaches its engine processes), which also means a SIGKILL of its launcher, or of the
-launcher's process group, does not reach it. This small guard closes that gap: it is the group's
-leader, starts the server (with the Linux parent-death signal, so the server also goes if the guard
-itself is killed), and watches the launcher's pid. When the launcher is gone, however it died, the
-guard stops the server's group: SIGTERM, then SIGKILL after `STOP_GRACE_S`. SIGTERM or SIGINT sent to
-the guard reach the server the same way. The guard exits with the server's exit code.
+A vLLM server holds gigabytes of memory and several processes. It runs in a process group of its
+own (so that stopping it reaches its engine processes), which also means a SIGKILL of its launcher,
+or of the launcher's process group, does not reach it. This small guard closes that gap: it is the
+group's leader, starts the server (with the Linux parent-death signal, so the server also goes if the
+guard itself is killed), and watches the launcher's pid. When the launcher is gone, however it died,
+the guard stops the server's group: SIGTERM, then SIGKILL after `STOP_GRACE_S`. SIGTERM or SIGINT
+sent to the guard reach the server the same way. The guard exits with the server's exit code.
 Standard library only: it starts in a fraction of a second.
 """
 

@@ -1,16 +1,9 @@
 """A Triton AdamW update (CUDA only): one read and one write of each fp32 parameter and state.
 
-The optimizer step is the part of a training step that packing cannot shrink: for a 1.7B model in
-fp32 it moves ~48 GB (read parameter, gradient and both moments, write back parameter and moments).
-torch's fused AdamW moved them at 2.9 TB/s on an H200 (16.5 ms); this kernel is one program per
-block of a tensor, with nothing but the update's arithmetic per element, and runs at 3.9 TB/s (12.5
-ms; bench/adamw_step.py, bench/RESULTS.md). Same update as torch's AdamW (decoupled weight decay):
-    g = grad / grad_scale                  (the clipping factor, a device scalar: no host read)
-    p <- p (1 - lr wd)
-    m <- b1 m + (1 - b1) g,   v <- b2 v + (1 - b2) g^2
-    p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-and nothing at all when `found_inf` is set (a non-finite step is skipped on the device). The bias
-corrections are computed once per step for every tensor (their step counts may differ) in float64.
+`TritonAdamW` is torch's AdamW (same arguments, state and checkpoints) whose step runs this kernel.
+The optimizer step is the part of a training step that packing cannot shrink, and torch's fused
+update runs below the card's memory bandwidth; this one does nothing per element but the update's
+arithmetic. Why and how fast: docs/gpu-performance.md, "AdamW at memory bandwidth".
 """
 
 from __future__ import annotations
@@ -22,10 +15,18 @@ import triton
 import triton.language as tl
 from torch.optim.adam import adam as torch_adam_update
 
-# Elements and warps per program: the fastest on an H200 of the settings bench/adamw_step.py sweeps.
+# Elements and warps per program: the fastest on an H200 of the settings bench/adamw_step.py sweeps
+# (bench/RESULTS.md, gpu_step, fourth round).
 BLOCK, WARPS = 1024, 16
 
 
+# The update, per element, is torch's AdamW (decoupled weight decay):
+#     g = grad / grad_scale                  (the clipping factor, a device scalar: no host read)
+#     p <- p (1 - lr wd)
+#     m <- b1 m + (1 - b1) g,   v <- b2 v + (1 - b2) g^2
+#     p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+# and nothing at all when `found_inf` is set (a non-finite step is skipped on the device). The bias
+# corrections are computed once per step for every tensor (their step counts may differ) in float64.
 @triton.jit
 def _adamw_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, numel,

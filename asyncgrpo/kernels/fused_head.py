@@ -1,29 +1,12 @@
 """The output head, log-softmax, top-N gather and entropy as one autograd function (CUDA training).
 
-`logprobs.token_logprobs` builds each chunk's fp32 (C, V) logits with ordinary ops: a cast, a
-division by the temperature, log_softmax, exp, a product and a sum each read and write the whole
-(C, V) tensor, the chunk is recomputed in backward, and under autocast the fp32 head weight is cast
-to bf16 and its bf16 gradient cast back for every chunk. Over a 152k vocabulary that elementwise
-traffic, not the head's matmul, dominated the head's time on an H200.
-
-Here, per chunk, forward runs the head's matmul once (bf16 out under autocast) and one pass that
-reduces the logits to what the loss reads: log p(target), entropy, log p at the sampler's top-N ids
-and the log-normalizer. Backward builds d loss / d logits in closed form in one more pass, in place
-over the logits, and runs the two gradient matmuls; the weight is cast once per call and its
-gradient accumulated in fp32. On CUDA the two passes are Triton kernels (`head_kernels`, one read of
-the logits forward, one read and one write backward); elsewhere they are the torch functions of
-`head_reference`, which are also their reference (tests/test_fused_head.py).
-
-What is kept between forward and backward (`keep_logits`):
-- False: the hidden states and (E,) statistics only; each chunk's logits are recomputed in backward
-  (one more head matmul, ~1/3 of the head's FLOPs).
-- True: the whole (E, V) head output, E x V x 2 bytes under bf16 (4 GB for 13k trained tokens over a
-  152k vocabulary), and no recomputation. The trainer picks it when the row's memory plan has room
-  (`trainer/activation_memory.py`).
-
-For outputs y_t = log p_t (target and top-N ids) and H = -sum_v p_v log p_v, with z the transformed
-logits (scale, softcap, / temperature, candidate mask):
-    d y_t / d z_v = [v = t] - p_v,     d H / d z_v = -p_v (log p_v + H).
+Per chunk of trained entries, forward runs the head's matmul once and one pass that reduces the
+logits to what the loss reads (log p(target), entropy, log p at the sampler's top-N ids, the
+log-normalizer); backward rebuilds d loss / d logits in closed form in one more pass, in place over
+the logits, and runs the two gradient matmuls. `keep_logits` keeps the head output for backward
+instead of recomputing it. On CUDA the passes are Triton kernels (`head_kernels`); elsewhere they are
+the torch functions of `head_reference`, which are also their reference (tests/test_fused_head.py).
+Why, and the formulas: docs/gpu-performance.md#the-fused-output-head.
 """
 
 from __future__ import annotations

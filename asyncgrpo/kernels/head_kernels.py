@@ -1,23 +1,12 @@
 """Triton kernels for the fused head's two passes over the (C, V) head output (CUDA only).
 
-`fused_head` reduces each entry's V logits to log-normalizer and entropy (forward) and builds
-d loss / d logits (backward). Written as torch ops, even compiled, the forward read the bf16 logits
-about three times (max, sum of exponentials, the entropy's sum) and the backward wrote a full fp32
-gradient before its scatters and its cast: on an H200 these passes, not the head's matmuls, were the
-part of a training step that packing could not shrink (bench/RESULTS.md, gpu_step). Here:
-- forward: one read of each row, with a running maximum, sums of exp(z - m) and of exp(z - m) z
-  (the online log-sum-exp);
-- backward: one read and one write of each element, in the head's dtype, in place over the logits
-  when the caller no longer needs them. The few columns that also get a target or top-N term (at
-  most 1 + N a row) are then rewritten whole from a copy taken before the pass, by the torch
-  reference, so the pass over V columns compares no ids.
-Both passes are memory-bound only if they are cheap per element: exponentials are base 2 (the
-logits are scaled by 1 / ln 2 once, inside the multiply by scale / temperature) and the backward's
-per-row terms fold into two scalars. Same formulas as `head_reference.chunk_forward` /
-`chunk_backward` (the reference, tests/test_fused_head.py): with z the transformed logits,
-p = exp(z - lse), H = lse - sum_v p_v z_v and u = (z - lse) / ln 2,
-    d loss / d z_v = -p_v (sum of the log-prob gradients + g_H (log p_v + H)) + [v = t] g_t + ...
-                   = p_v (k + j u_v) + [v = t] g_t + ...,  k = -(sum + g_H H), j = -g_H ln 2.
+Forward: one read of each row (an online log-sum-exp that also sums the entropy's terms). Backward:
+one read and one write of each element, in the head's dtype, in place over the logits when the caller
+no longer needs them; the few columns with a target or top-N term (at most 1 + N a row) are then
+rewritten whole by the torch reference (`head_reference.chunk_backward`), so the pass over V columns
+compares no ids. Both are kept cheap per element (base-2 exponentials, the backward's per-row terms
+folded into two scalars) so that they run at memory bandwidth; the formulas and why:
+docs/gpu-performance.md#the-fused-output-head.
 """
 
 from __future__ import annotations
@@ -38,9 +27,8 @@ _LN2 = tl.constexpr(math.log(2.0))  # a kernel reads globals only as constexpr
 # inf - inf (NaN) ever arises. A row always has at least one allowed logit (an empty set = all).
 _MASKED = tl.constexpr(-1.0e30)
 # Columns and warps per program. Forward: one program walks a whole row (V / 1,024 steps); backward:
-# one program per (row, block of 2,048 columns), the blocks of a row consecutive. The fastest of 18
-# choices each on an H200, among them a maximum kept per block instead of per lane (forward) and
-# rows-fastest or one-program-per-row layouts (backward) (bench/fused_head_passes.py, bench/RESULTS.md).
+# one program per (row, block of 2,048 columns), the blocks of a row consecutive. The fastest on an
+# H200 of the choices bench/fused_head_passes.py tries (bench/RESULTS.md, "gpu_step").
 STATS_BLOCK, STATS_WARPS = 1024, 16
 GRAD_BLOCK, GRAD_WARPS = 2048, 4
 
@@ -111,7 +99,8 @@ def _grad_kernel(raw_ptr, out_ptr, allowed_ptr, lse_ptr, entropy_ptr, logp_grad_
                  HAS_SOFTCAP: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
                  BLOCK: tl.constexpr):  # fmt: skip
     """The dense part p_v (k + j u_v) x d z / d raw of one block of a row, target and top-N terms
-    left out."""
+    left out: u = (z - lse) / ln 2, k = -(S + g_H H), j = -g_H ln 2, with S the sum of the log-prob
+    outputs' gradients and g_H the entropy's."""
     program = tl.program_id(0)
     row = (program // num_blocks).to(tl.int64)
     cols = (program % num_blocks) * BLOCK + tl.arange(0, BLOCK)

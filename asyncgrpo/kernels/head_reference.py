@@ -40,6 +40,9 @@ def chunk_forward(raw, targets, top_ids, allowed, scale: float, softcap, tempera
     return target_logp, entropy, top_logp, lse
 
 
+# With z the transformed logits (scale, softcap, / temperature, candidate mask), y_t = log p_t (the
+# target and top-N ids) and H = -sum_v p_v log p_v:
+#     d y_t / d z_v = [v = t] - p_v,     d H / d z_v = -p_v (log p_v + H).
 def chunk_backward(raw, lse, entropy, targets, top_ids, allowed, g_target, g_entropy, g_top,
                     scale: float, softcap, temperature: float, out_dtype: torch.dtype, out=None):  # fmt: skip
     """d loss / d raw head output (C, V) in `out_dtype`, from the gradients of the three outputs;

@@ -1,29 +1,11 @@
 """Tree attention: one attention call over a packed prefix-trie row, through FlexAttention.
 
 A `PackedRow` lets packed index `q` attend to packed index `kv` iff `kv <= q < subtree_end[kv]`
-(ancestor segments and causal); sliding-window layers add `position[q] - position[kv] < window`,
-with positions = trie depths, which is exactly the window each sample would see alone. That rule is
-a FlexAttention `mask_mod`; `create_block_mask` turns it into a block-sparse `BlockMask`, so no
-dense (L, L) mask is ever built and fully masked 128 x 128 blocks are skipped.
-
-How it plugs into transformers: `enable_tree_attention(model)` registers `tree_attention_forward`
-under the name "asyncgrpo_tree" and switches the model to it. The caller passes the BlockMask (or
-a dict {layer type: BlockMask} for models with sliding-window layers, see `tree_attention_masks`)
-as `attention_mask`; transformers' mask creation returns a 4-D BlockMask unchanged. Any other call
-(generation, evaluation, a plain forward after training) gets SDPA's mask and SDPA attention: the
-model stays usable as an ordinary transformers model.
-
-Compilation (measured on torch 2.13 CPU): `flex_attention` and `create_block_mask` are compiled
-with dynamic shapes, once per mask/score variant (tree, + window, + softcap), and reused for every
-row length. For that, the row is padded to a multiple of 128 and to at least two blocks (a size-1
-block dimension would be specialized and compiled apart), and the tensors the mask_mod reads are
-kept at a fixed capacity (a power of two >= 4096, marked static): a captured tensor whose size
-follows the row length makes the CPU flex kernel fail to compile (C++ error `cur_qSplitSize8`).
-
-Backward on CPU: FlexAttention has no CPU backward (torch 2.13 raises NotImplementedError), so on
-CPU the forward still runs the compiled flex kernel and the backward is computed block by block in
-plain torch from the same BlockMask (`_blockwise_attention_backward`). On CUDA the compiled flex
-kernel does both.
+(ancestor segments and causal); sliding-window layers add `position[q] - position[kv] < window`.
+That rule is a FlexAttention `mask_mod` turned into a block-sparse `BlockMask`.
+`enable_tree_attention(model)` plugs it into transformers; every other call keeps SDPA. How it plugs
+in, why rows are padded and captured tensors kept at a fixed capacity (compilation), and the CPU
+backward: docs/architecture.md#tree-attention-inside-transformers.
 """
 
 from __future__ import annotations
@@ -49,8 +31,8 @@ TREE_ATTENTION = "asyncgrpo_tree"  # the name registered in transformers' Attent
 BLOCK_SIZE = 128  # FlexAttention's default sparse block: rows are padded to a multiple of it
 # FlexAttention kernel options per device type; absent: torch's defaults for the device. On CUDA the
 # kernels load their blocks through the tensor memory accelerator where the GPU has one (Hopper on;
-# flex falls back where it cannot use it): on an H200, 3% faster tree attention, unchanged plain
-# attention; no tile shape beat torch's defaults (bench/tree_attention_kernels.py, bench/RESULTS.md).
+# flex falls back where it cannot use it): faster tree attention on an H200, and no tile shape beat
+# torch's defaults (bench/tree_attention_kernels.py; figures in docs/gpu-performance.md).
 FLEX_KERNEL_OPTIONS: dict[str, dict] = {"cuda": {"USE_TMA": True}}
 _MIN_CAPACITY = 4096
 # The mask's sliding window, stored on the BlockMask so that each layer can check it got the mask
@@ -65,7 +47,8 @@ _RECURRENT_MODULE = re.compile(
     r"Mamba|DeltaNet|ShortConv|RWKV|Recurrent|Lightning|LinearAttention|Rglru", re.IGNORECASE
 )
 
-# Compiled once per process (per mask/score variant), for all row lengths: see the module doc.
+# Compiled once per process (per mask/score variant), for all row lengths: why the rows and captured
+# tensors are shaped as they are, docs/architecture.md#tree-attention-inside-transformers.
 _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
 _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=True)
 # Variants (full / window / softcap x grad / no grad x device) can pass dynamo's default limit of 8
@@ -114,7 +97,7 @@ def build_tree_block_mask(
 
     ends = torch.arange(1, capacity + 1, device=device)  # padding i: subtree end i + 1 -> itself only
     ends[:num_tokens] = subtree_end
-    torch._dynamo.mark_static(ends, 0)  # see module doc: a dynamic captured size breaks the CPU kernel
+    torch._dynamo.mark_static(ends, 0)  # a dynamic captured size breaks the CPU kernel (see above)
     if sliding_window is None:
 
         def mask_mod(b, h, q_idx, kv_idx):

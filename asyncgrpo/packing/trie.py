@@ -2,19 +2,10 @@
 
 The rollouts of a group repeat its prompt, and the turns of a multi-turn rollout repeat the
 conversation so far; forwarding each shared token once shrinks the forward pass by the packing
-ratio, while the attention rule of `PackedRow` still shows each sample exactly its own history.
-
-The one-target rule: a packed position's output predicts at most one token, so two samples share
-the node at position i only if they agree on tokens[0..i] and on the target of position i
-(tokens[i+1] when trained[i+1], else none). That is why, with a prompt p1 p2 p3 and completions a1 a2 and
-b1 b2, p3 is forwarded twice: it predicts a1 in one sample and b1 in the other (docs/architecture.md,
-"Tree packing"). A position without a target is a wildcard: it joins a node
-whatever that node's target, and a node without a target takes the target of the first sample
-that needs one (a completion that is a strict prefix of another then shares all its tokens).
-
-Speed: the trie is a radix tree. Its segments (maximal chains of one-child nodes, which are also
-the row's segments) hold numpy views of the sample arrays, and a sample is matched against a
-segment with one vectorized comparison, so the Python work is per segment, not per token.
+ratio, while the attention rule of `PackedRow` still shows each sample exactly its own history. Two
+samples share a position only if they also agree on the token it predicts (the one-target rule). The
+trie is a radix tree matched a segment at a time. The rules, a worked example and why:
+docs/architecture.md#tree-packing.
 """
 
 from __future__ import annotations
@@ -80,9 +71,9 @@ class PrefixTrie:
     `min_shared_tokens`: a sample that would share fewer tokens than this with the row, while its
     own remaining tokens fill at least that many, shares nothing and starts its own branch.
     Attention runs in blocks of 128 queries x 128 keys: a short shared prefix saves a handful of
-    tokens but makes every query block of the long tails below it visit one more key block (measured
-    on an H200: 16-token prompts shared by 1,024-token completions ran 4% slower than not sharing).
-    Short samples still share short prefixes: there the prefix is most of what they forward.
+    tokens but makes every query block of the long tails below it visit one more key block, which
+    was measurably slower than not sharing (docs/architecture.md#tree-packing). Short samples still
+    share short prefixes: there the prefix is most of what they forward.
     """
 
     def __init__(self, min_shared_tokens: int = 0):

@@ -1,19 +1,10 @@
-"""Reading a run's metrics (docs/front-door.md, "The diagnosis"), as pure functions of its history.
+"""Reading a run's metrics (docs/front-door.md#the-diagnosis), as pure functions of its history.
 
 Two questions, each answered with a verdict, the evidence (metric, values, steps) and what to do:
-
-- Which side is the bottleneck? The trainer waiting on an empty queue (perf/rollout_wait_s) and
-  generation waiting because it is max_staleness steps ahead (rollout/backpressure_s) mirror each other:
-  only the first high: generation-bound; only the second: trainer-bound; both: max_staleness too tight;
-  neither: balanced.
-- Is the run still learning? frac_zero_std_groups (groups with no signal), reward_zero_std_groups
-  (where those groups are stuck) and reward, read as trends against the reward range: healthy,
-  saturated at the top, stuck at the bottom, regression, mixture; completions/duplicate_frac with
-  entropy: independent sampling, sampling that is not random, collapse.
-
-Trends compare the mean of the first third of the logging windows with the last third; the start-up
-windows (the first step always waits for the first rollouts) are left out of the bottleneck reading.
-The thresholds are named constants below; they are judgement calls, stated so a reader can disagree.
+which side is the bottleneck (the trainer waiting for samples against generation held back by
+max_staleness), and is the run still learning (groups without signal, rewards, duplicates and
+entropy, read as trends against the reward range). The thresholds are named constants below; they
+are judgement calls, stated so a reader can disagree.
 """
 
 from __future__ import annotations

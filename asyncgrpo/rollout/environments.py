@@ -1,17 +1,12 @@
 """Environments: stateful objects whose public methods are a rollout's tools.
 
 `environment_factory` is a class (any callable returning an instance) or a dict name -> factory,
-routed by each dataset row's `environment` column. One instance serves one running rollout at a
-time and is reused across episodes (an expensive `__init__` runs once per concurrent slot, not per
-rollout). Per episode: `reset(**row_columns)` (the `environment` column is not passed); a string it
-returns becomes the user prompt; the instance's public methods (not `reset`/`get_reward`) are the
-tools offered, so a rollout only sees its own environment's tools; an optional `get_reward()` (sync
-or async) scores the finished episode as a reward source named after the class. `reset`,
-`get_reward` and construction run on the tool thread pool: a slow environment holds back only its
-own rollout.
-
-Without a dataset the environment owns the data: `EnvironmentOwnedData` stands in for the dataset
-(one empty row per epoch), and `max_steps` sets the length of training.
+routed by each dataset row's `environment` column. One instance serves one running rollout at a time
+and is reused across episodes: per episode `reset(**row_columns)` may return the user prompt, the
+public methods are the tools offered, and an optional `get_reward()` scores the finished episode.
+Construction, `reset` and `get_reward` run on the tool thread pool, so a slow environment holds back
+only its own rollout. Without a dataset, `EnvironmentOwnedData` stands in for it. The contract in
+full: docs/agents.md#environments.
 """
 
 from __future__ import annotations

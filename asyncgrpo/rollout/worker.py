@@ -3,17 +3,10 @@
 The loop runs in a spawned process with `CUDA_VISIBLE_DEVICES=""` (reward code must never take the
 trainer's GPU). Everything sent to it must pickle, so that is checked before spawning, naming the
 object that does not. The trainer never waits blindly: every wait watches the worker's failure
-event (its exception and traceback come back verbatim), its exit code and its heartbeat.
-
-Neither side can be left behind by the other:
-- the worker watches the trainer's pid from its first instruction (a thread, so even a stuck event
-  loop or a reward function that never returns cannot keep it alive) and exits when the trainer is
-  gone, however the trainer died;
-- the worker always leaves with `os._exit`: threads running a stuck reward function or tool cannot
-  keep the process alive after a failure or a stop;
-- the trainer reads the worker's queues in daemon threads: a worker that dies half-way through
-  writing a message leaves a partial message in the pipe, and a direct `Queue.get` would then block
-  forever in the middle of reading it.
+event (its exception and traceback come back verbatim), its exit code and its heartbeat. Neither side
+can be left behind by the other: the worker watches the trainer's pid and always leaves with
+`os._exit`, and the trainer reads the worker's queues in daemon threads
+(docs/reliability.md#the-rollout-process-and-the-trainer says why).
 """
 
 from __future__ import annotations
@@ -75,7 +68,8 @@ def _worker_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels
     # decides what happens then, so SIGINT is ignored here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Sync reward functions and tools run in threads while the event loop thread is nearly always
-    # busy: with the default 5 ms GIL switch interval a 10 us reward waited ~100 ms for its turn.
+    # busy: at Python's default GIL switch interval a trivial reward waited far longer for its turn than
+    # it ran (bench/RESULTS.md, "worker_throughput").
     sys.setswitchinterval(0.0005)
     attach_warnings_file()  # the run directory's warnings.log, when the trainer keeps one
     exit_code = 0

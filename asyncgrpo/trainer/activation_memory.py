@@ -1,26 +1,11 @@
 """Checkpoint only the decoder layers a row needs to fit (`gradient_checkpointing_to_fit`, CUDA default).
 
-Checkpointing every layer recomputes the whole forward in backward: about a third more work per
-step, for memory that a 16k-32k-token row of a 1-2B model does not need on a large GPU. Before each
-row, `CheckpointToFit.before_row` estimates what the row's activations would take with no layer
-checkpointed, compares it with the GPU memory still available, and checkpoints just enough leading
-layers (transformers' per-layer `gradient_checkpointing` flag) for the rest to fit; a row too long
-for that is checkpointed everywhere, as before.
-
-The estimate is per token and per layer, from the model's shape: what a compiled decoder layer keeps
-for backward (the fp32 residual stream under autocast, the bf16 inputs of its matmuls, q/k/v, the
-attention output and the MLP's gate/up/activation), times a safety factor; bench/gpu_step.py
-measures the peak memory it leads to. Gated DeltaNet layers that run transformers' torch rule (where
-fla-core cannot train, see docs/models.md) keep far more: the rule's fp32 chunk intermediates and one
-recurrent state per 64-token chunk, ~160 KB per token per layer at the Qwen3.5-2B shape for the rule
-alone and about 2.2x that for the whole layer in a step; without that term the default step ran out
-of memory on an H200 (bench/RESULTS.md).
-
-The same plan decides whether the fused head keeps the row's (E, V) logits for backward
-(`fused_head`, `keep_logits`) or recomputes them: keeping costs E x V x 2 bytes under bf16 and saves
-one head matmul, 2 x V x H FLOPs per trained entry, which for a 152k vocabulary is the recomputation
-of several decoder layers. Both options are planned and the one that recomputes fewer FLOPs wins;
-keeping loses when its bytes would force more layers to be checkpointed than the head matmul saves.
+Before each row, `CheckpointToFit.before_row` estimates from the model's shape what the row's
+activations would take with no layer checkpointed, compares it with the GPU memory still available,
+and checkpoints just enough leading layers for the rest to fit (all of them for a row too long). The
+same plan decides whether the fused head keeps the row's logits for backward, whichever recomputes
+fewer FLOPs. What the estimate counts and how it was checked against measurements:
+docs/gpu-performance.md#how-checkpoint-to-fit-estimates-a-row.
 """
 
 from __future__ import annotations
@@ -32,10 +17,8 @@ import torch
 from asyncgrpo.packing.gated_deltanet import LINEAR_ATTENTION, uses_torch_rule
 
 # Covers allocator fragmentation and part of what the estimate leaves out (flex attention's scratch,
-# the head's chunk workspace). Not calibrated kernel by kernel, and thinner than its name: on an H200
-# (Qwen3-1.7B shape, fp32 weights + AdamW) a 16k-token row with nothing checkpointed kept 8% more than
-# the estimate with this factor; the reserve below covered it, and rows of 16k-262k tokens all fit
-# (bench/RESULTS.md, gpu_step: memory sweep and activation probe).
+# the head's chunk workspace). Not calibrated kernel by kernel, and thinner than its name: the reserve
+# below covers the rest (measured rows against the estimate: the docs page the module doc names).
 SAFETY_FACTOR = 1.25
 # Memory kept free beyond the estimate: the fused head's chunk workspace, the block masks, cuBLAS
 # workspaces. A fraction of the card's memory, at least 4 GiB.
@@ -63,12 +46,11 @@ def layer_bytes_per_token(config) -> tuple[float, float]:
 TORCH_RULE_CHUNK = 64
 TORCH_RULE_VECTORS_PER_HEAD_DIM = 15
 TORCH_RULE_CHUNK_ROWS = 5
-# In a training step on a GPU a Gated DeltaNet layer running that rule keeps 2.2x what the rule alone
-# keeps: autocast's fp32 copies of its inputs, tree packing's per-level gathers (gated_deltanet.py) and
-# the layer's own projections and convolution, which the generic per-layer term does not model.
-# Measured on an H200 at the Qwen3.5-2B shape: a 6,907-token row with nothing checkpointed kept
-# 55.2 GB where the estimate without this factor said 38.8 (bench/RESULTS.md); without it the default
-# step ran out of memory.
+# In a training step on a GPU a Gated DeltaNet layer running that rule keeps more than the rule alone:
+# autocast's fp32 copies of its inputs, tree packing's per-level gathers (gated_deltanet.py) and the
+# layer's own projections and convolution, which the generic per-layer term does not model. This
+# factor was measured on an H200 at the Qwen3.5-2B shape (the docs page the module doc names);
+# without it the default step ran out of memory.
 TORCH_RULE_STEP_FACTOR = 2.2
 
 
@@ -154,7 +136,7 @@ def plan_row(
 
 class CheckpointToFit:
     """Sets each decoder layer's `gradient_checkpointing` flag before a row and says whether the head
-    keeps its logits, see the module doc."""
+    keeps its logits (docs/gpu-performance.md#how-checkpoint-to-fit-estimates-a-row)."""
 
     def __init__(
         self,

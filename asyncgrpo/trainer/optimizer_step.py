@@ -2,12 +2,12 @@
 
 Clipping needs the gradient norm, and skipping a non-finite step needs to know the loss and the norm
 are finite. Read on the host, each is a synchronization: the GPU then idles while Python clips,
-checks and walks the optimizer's parameter groups (about 15 ms a step for a 1.7B model on an H200,
-bench/RESULTS.md). Optimizers that support AMP's gradient scaling (torch's fused Adam, AdamW and SGD:
-`_step_supports_amp_scaling`) take both decisions on the device instead: `grad_scale` divides the
-gradients inside the update kernel (clipping by max_norm / norm is dividing by norm / max_norm) and
-`found_inf` makes the kernel leave parameters and states untouched. The host reads the norm and
-whether the step was skipped afterwards, once the whole step is queued.
+checks and walks the optimizer's parameter groups (for how long: docs/gpu-performance.md). Optimizers
+that support AMP's gradient scaling (torch's fused Adam, AdamW and SGD: `_step_supports_amp_scaling`)
+take both decisions on the device instead: `grad_scale` divides the gradients inside the update
+kernel (clipping by max_norm / norm is dividing by norm / max_norm) and `found_inf` makes the kernel
+leave parameters and states untouched. The host reads the norm and whether the step was skipped
+afterwards, once the whole step is queued.
 """
 
 from __future__ import annotations

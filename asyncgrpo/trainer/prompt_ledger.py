@@ -1,20 +1,12 @@
 """Which prompts the trainer is done with: the resume position and the epoch count.
 
-A prompt is *resolved* when every sample of its group has been trained or dropped (stale, oversize),
-or at once when it carried none (filtered out, or a group without reward signal). The worker runs
-ahead of training by the queue's depth, and groups finish out of order, so the resume position is
-the first stream index not yet resolved (the watermark) plus the resolved indices after it: a
-resumed worker starts at the watermark and skips those, so no prompt is trained twice or skipped.
-The samples the trainer holds for prompts not yet resolved (a group can straddle two steps) travel
-with the checkpoint (trainer/held_samples.py) and are trained first on resume; results still in the
-worker's queue are lost, and their prompts regenerated.
-
-The epoch count (`epoch_prompts`) counts the prompts a pass over the data has covered: a prompt
-with at least one trained sample, and a prompt consumed without samples (filtered out, or dropped
-for equal rewards: it was seen, and had nothing to teach). A prompt whose samples were all dropped
-as stale or oversize is resolved but not counted: it was never trained, and counting it would let a
-run that drops much of its data end its epochs early. `num_train_epochs` then means passes of
-trained prompts, and the stream simply continues into the next epoch to make up the count.
+A prompt is *resolved* when every sample of its group has been trained or dropped, or at once when it
+carried none. Groups finish out of order, so the resume position is the first unresolved stream index
+(the watermark) plus the resolved indices after it: a resumed worker starts at the watermark and
+skips those, so no prompt is trained twice or skipped. The epoch count (`epoch_prompts`) counts the
+prompts a pass has covered, leaving out those whose samples were all dropped as stale or oversize.
+The rules and why: docs/architecture.md#stopping-checkpoints-and-resume and
+docs/configuration.md#epochs-counted-in-prompts.
 """
 
 from __future__ import annotations

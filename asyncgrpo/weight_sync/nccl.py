@@ -1,16 +1,10 @@
 """NCCL weight sync over vLLM's native weight-transfer protocol (`--weight-transfer-config
 '{"backend":"nccl"}'`), with the trainer as rank 0 of a group that holds every server's workers.
 
-Once, at start: `GET /get_world_size` on each server -> `POST /init_weight_transfer_engine` (each
-server with its `rank_offset`), concurrently with the trainer joining as rank 0 and the warm-up
-all-reduce. Per sync, while the servers are paused: `POST /start_weight_update` ->
-`POST /update_weights` (names, dtypes, shapes) running while rank 0 broadcasts the weights in that
-order, packed into buckets -> `POST /finish_weight_update` with the version.
-
-No hang is possible: every HTTP call and every collective has a deadline. An HTTP call that fails
-while the broadcast runs is reported at once (not after the broadcast's own timeout); on any failure
-the group is aborted, the servers get a best-effort finish and resume, and the error says the
-server must be restarted before weights can be sent again.
+Once, at start, every server joins the group at its `rank_offset` while the trainer joins as rank 0.
+Per sync, while the servers are paused, rank 0 broadcasts the weights in buckets as the servers
+receive them. Every HTTP call and every collective has a deadline, and on any failure the group is
+aborted and the servers resumed. The protocol, step by step: docs/architecture.md#weight-sync.
 """
 
 from __future__ import annotations
