@@ -1,28 +1,10 @@
 """The row planner: which samples of the queue go into which process's row of a micro-batch.
 
-A micro-batch holds one row per training process; each row is packed as a prefix trie and may
-forward at most `token_budget` tokens, shared tokens counted once, and hold at most `token_budget`
-loss entries (trained tokens, counted per sample: identical completions share every forwarded token
-but each keeps its own loss terms, so without this cap a row of duplicates would never fill, and the
-head's per-entry work and memory would be unbounded). Samples are offered one at a time, in queue
-order:
-  1. a sample longer than the budget on its own can never be trained: it is dropped and counted;
-  2. it goes to the row already holding its group, where its prompt is already forwarded;
-  3. when that row is full, it spills to another row if some row is still empty, or if adding it
-     to the least-loaded row that fits does not raise the most loaded row's attention cost: that
-     row sets the micro-batch's time, the others wait for it at the gradient all-reduce, so their
-     slack is free (spilling forwards the group's prompt a second time, so it must be free);
-  4. a sample whose group no row holds yet starts it in the row that fits with the lowest
-     attention cost after adding it (rows fill evenly);
-  5. otherwise the micro-batch closes and the sample opens the next one.
-With `token_budget <= 0` (TRL's fixed-count mode) a row holds `samples_per_row` samples instead,
-however many tokens they take: nothing is dropped as oversize, and a spill takes the row with room
-that is cheapest after adding it (rule 3 without its cost condition), so a micro-batch closes only
-when every row holds exactly `samples_per_row` samples. Rows are still tree-packed: a group's
-samples share a row while it has room, and its prompt is forwarded once there.
-Each row keeps its `PrefixTrie`, so "what would this sample add here" is one walk down the tree
-and the counts are exactly those of `pack_row`.
-"""
+Each row is a prefix trie capped at `token_budget` forwarded tokens (shared ones counted once) and
+loss entries; samples are offered in queue order, stay with their group's row while it has room,
+and spill only where it costs the micro-batch no time. With `token_budget <= 0` (TRL's fixed-count
+mode) a row holds `samples_per_row` samples instead. The rules in full: docs/architecture.md,
+"Tree packing"."""
 
 from __future__ import annotations
 
