@@ -309,11 +309,17 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
     weights = torch.from_numpy(rng.normal(size=row.num_entries)).cuda()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
 
-    tree.zero_grad()
-    with autocast:
-        packed = row_logprobs(tree, row, TEMPERATURE).logprobs
-        (packed.double() * weights).sum().backward()
-    packed_grads = {name: p.grad for name, p in tree.named_parameters() if p.grad is not None}
+    def packed_logprobs_and_grads():
+        tree.zero_grad()
+        with autocast:
+            logprobs = row_logprobs(tree, row, TEMPERATURE).logprobs
+            (logprobs.double() * weights).sum().backward()
+        return logprobs.detach(), {
+            name: p.grad.clone() for name, p in tree.named_parameters() if p.grad is not None
+        }
+
+    packed, packed_grads = packed_logprobs_and_grads()
+    _, rerun_grads = packed_logprobs_and_grads()  # the same computation again: the kernels' own noise
     assert bool(calls) == (rule is not None), "the packed forward did not take the path it should"
     # The model's own rule: fla's when it trains here (transformers dispatches to it), else torch's.
     torch_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
@@ -345,6 +351,15 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
         for g in (packed_grads, alone_grads)
     )  # relative error of all gradients as one vector
     worst = sorted(grad_err.items(), key=lambda kv: -kv[1][0] / max(kv[1][1], 1e-30))[:8]
+    decay = [n for n in reference_grads if n.endswith(("A_log", "dt_bias"))]
+    decay_norm = sum(reference_grads[n].double().norm() ** 2 for n in decay).sqrt()
+    decay_total = tuple(
+        (
+            sum((g[n].double() - reference_grads[n].double()).norm() ** 2 for n in decay).sqrt() / decay_norm
+        ).item()
+        for g in (packed_grads, alone_grads)
+    )  # the decay path's gradients (A_log, dt_bias of every GDN layer) as one vector
+    rerun = sorted(((relative(rerun_grads[n], packed_grads[n]), n) for n in packed_grads), reverse=True)[:4]
     print("GDN_MODEL", json.dumps({
         "path": gdn_path("cuda"),
         "tokens": row.num_tokens, "unpacked_tokens": row.num_unpacked_tokens, "entries": row.num_entries,
@@ -354,6 +369,8 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
         "logprob_max_abs_packed_vs_alone_bf16": (packed - alone).abs().max().item(),
         "grad_rel_vs_fp32_total": {"packed_bf16": total[0], "alone_bf16": total[1]},
         "grad_rel_vs_fp32_worst_ratio": worst,
+        "decay_path_grad_rel_vs_fp32": {"packed_bf16": decay_total[0], "alone_bf16": decay_total[1]},
+        "packed_rerun_grad_rel_worst": rerun,
     }))  # fmt: skip
     assert row.packing_ratio > 2
     assert packed_err <= 1.5 * alone_err, (packed_err, alone_err)
