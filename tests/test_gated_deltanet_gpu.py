@@ -376,8 +376,15 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
     assert packed_err <= 1.5 * alone_err, (packed_err, alone_err)
     assert broken_err > 5 * alone_err  # the check can fail
     assert total[0] <= 1.5 * total[1], total
+    # The decay path's gradients (A_log, dt_bias) sum terms of both signs over each 64-token chunk of
+    # the recurrence, and packing moves where chunks start: a single one of them is ill-conditioned.
+    # On an H200 with these inputs a change of rounding alone (the same math in another kernel) moved
+    # the worst single ratio across the old 3x bound while the decay path as one vector stayed where
+    # the unpacked forward is (bench/RESULTS.md, issue 33). So the decay path is bound as one vector,
+    # like the whole gradient, and each of its tensors more loosely.
+    assert decay_total[0] <= 1.5 * decay_total[1], decay_total
     for name, (got, own) in grad_err.items():
-        assert got <= 3 * own, (name, got, own)
+        assert got <= (4 if name in decay else 3) * own, (name, got, own)
 
 
 @pytest.mark.gpu

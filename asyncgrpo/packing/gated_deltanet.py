@@ -436,8 +436,25 @@ def _projections(module, x: torch.Tensor):
         )
         mixed = torch.cat([t.reshape(1, t.shape[1], -1) for t in (query, key, value)], dim=-1)
         return mixed[0], z[0], b[0], a[0]
-    z = module.in_proj_z(x).reshape(x.shape[0], -1, module.head_v_dim)
-    return module.in_proj_qkv(x), z, module.in_proj_b(x), module.in_proj_a(x)
+    projections = (module.in_proj_qkv, module.in_proj_z, module.in_proj_b, module.in_proj_a)
+    if all(_plain_linear(p) for p in projections):
+        # One matmul instead of four: x is cast for autocast once, b and a (a few columns each) stop
+        # being matmuls of their own, and x's gradient comes out of one matmul instead of four summed.
+        out = F.linear(x, torch.cat([p.weight for p in projections]))
+        mixed, z, b, a = torch.split(out, [p.out_features for p in projections], dim=-1)
+    else:  # adapters, hooks, biases or quantized layers: each module as the model calls it
+        mixed, z, b, a = (p(x) for p in projections)
+    return mixed, z.reshape(x.shape[0], -1, module.head_v_dim), b, a
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """A bare `nn.Linear` without bias or hooks: its forward is `F.linear(x, weight)` and nothing else."""
+    return (
+        type(module) is torch.nn.Linear
+        and module.bias is None
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+    )
 
 
 @torch.compiler.disable  # see the module doc (Compilation)
