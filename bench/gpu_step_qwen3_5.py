@@ -22,6 +22,7 @@ Model FLOPs: asyncgrpo.perf (matmul weights of every layer, the full-attention l
 recurrence's state products); recomputation by checkpointing is not counted.
 
 Run (GPU machine): `python bench/gpu_step_qwen3_5.py --out $OUT`; `--smoke` runs tiny shapes on CPU.
+The last line is `gpu_step_qwen3_5 mfu=X target=0.50` (the default step's MFU and issue 33's target).
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ module's own chunked rule (transformers' torch reference, or fla when transforme
 level's segments padded to the longest. Right padding with g = 0 and beta = 0 leaves the state
 untouched, so the padded final state is the segment's own.
 
-Dtypes follow the model's own forward: the convolution's output has the dtype of the projection
-that fed it (bf16 under autocast), so the recurrence sees what it sees unpacked; nothing is cast to
-fp32 and back that autocast does not cast.
+Dtypes follow the model's own forward: the convolution reads the projection's output as it is
+(bf16 under autocast; no fp32 copy of it) and returns that dtype, so the recurrence sees what it
+sees unpacked.
 
 Compilation: the tree mixer runs eagerly inside a compiled decoder layer (`torch.compiler.disable`):
 the layout carries per-row Python ints (level count, lengths) that would make dynamo recompile the
