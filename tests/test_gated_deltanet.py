@@ -12,12 +12,22 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_gated_deltanet_gpu import random_tree, row_arrays
 from test_logprobs import TEMPERATURE, check_packed_equals_unpacked, completion_sample, random_trie_samples
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers.activations import ACT2FN
 
 from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 from asyncgrpo.logprobs import row_logprobs
-from asyncgrpo.packing.gated_deltanet import fla_refusal, recurrent_layout, tree_causal_conv1d
+from asyncgrpo.packing import gated_deltanet
+from asyncgrpo.packing.gated_deltanet import (
+    fla_refusal,
+    path_conv_and_activate,
+    recurrent_layout,
+    to_layer_order,
+    to_packed_order,
+    tree_causal_conv1d,
+)
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 
@@ -50,16 +60,57 @@ def test_layout_of_a_hand_drawn_trie():
     segment_ids = np.array([0, 0, 0, 1, 1, 3, 2, 2, 2])
     subtree_end = np.array([9, 9, 9, 6, 6, 6, 9, 9, 9])
     layout = recurrent_layout(segment_ids, subtree_end, kernel_size=3)
+    # Layer order: the prompt, then a and b (depth 1), then c.
+    assert layout.order.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 5]
+    assert layout.inverse.tolist() == [0, 1, 2, 3, 4, 8, 5, 6, 7]
     none = 9
-    assert layout.conv_index.tolist() == [
+    packed_conv = np.append(layout.order.numpy(), none)[layout.conv_index.numpy()][layout.inverse.numpy()]
+    assert packed_conv.tolist() == [
         [none, none, 0], [none, 0, 1], [0, 1, 2],  # the prompt
         [1, 2, 3], [2, 3, 4],  # a0 a1 read the prompt's tail
         [3, 4, 5],  # c0 reads a0 a1
         [1, 2, 6], [2, 6, 7], [6, 7, 8],  # b0 b1 b2 read the prompt's tail, not a's
     ]  # fmt: skip
-    assert [level.starts.tolist() for level in layout.levels] == [[0], [3, 6], [5]]
+    # In layer order b0, b1 (rows 5, 6) and c0 (row 8) do not read the rows just before them.
+    assert layout.conv_fix_rows.tolist() == [5, 6, 8]
+    assert layout.segment_cu_seqlens.tolist() == [0, 3, 5, 8, 9]
+    assert layout.segment_predecessors.tolist() == [[none, none], [1, 2], [1, 2], [3, 4]]
+    assert [(level.start, level.stop) for level in layout.levels] == [(0, 3), (3, 8), (8, 9)]
     assert [level.parent_rows.tolist() for level in layout.levels] == [[-1], [0, 0], [0]]
-    assert layout.levels[1].gather.tolist() == [[3, 4, none], [6, 7, 8]]
+    assert [level.cu_seqlens.tolist() for level in layout.levels] == [[0, 3], [0, 2, 5], [0, 1]]
+    assert layout.levels[1].gather.tolist() == [[3, 4, 3], [5, 6, 7]]
+    assert layout.levels[1].padding.tolist() == [[False, False, True], [False, False, False]]
+    assert layout.levels[1].unpad.tolist() == [0, 1, 3, 4, 5]
+
+
+def test_layouts_needing_no_gather():
+    """Samples that share nothing are all roots (one level), and one GRPO group is its prompt then
+    its completions (two levels) in packed order already: neither gathers its rows."""
+    roots = recurrent_layout(np.repeat([0, 1, 2], [5, 3, 4]), np.repeat([5, 8, 12], [5, 3, 4]), 4)
+    assert roots.order is None and len(roots.levels) == 1
+    assert roots.conv_fix_rows.tolist() == [5, 6, 7, 8, 9, 10]  # each root's start reads zeros
+    group = recurrent_layout(np.repeat([0, 1, 2], [5, 3, 4]), np.repeat([12, 8, 12], [5, 3, 4]), 4)
+    assert group.order is None and len(group.levels) == 2
+    assert group.conv_fix_rows.tolist() == [8, 9, 10]  # the second completion reads the prompt's tail
+
+
+def test_row_permutation_and_its_gradient():
+    """to_layer_order / to_packed_order are inverse gathers (with the padded tail dropped and zeroed)
+    and their gradient is plain indexing's."""
+    rng = np.random.default_rng(0)
+    parents, lengths = random_tree(rng, 10, 6)
+    layout = recurrent_layout(*row_arrays(parents, lengths), 4)
+    num_tokens = layout.num_tokens
+    packed = torch.randn(num_tokens + 3, 5, dtype=torch.float64, requires_grad=True)  # 3 padding rows
+    rows = to_layer_order(packed, layout)
+    torch.testing.assert_close(rows, packed[layout.order], rtol=0, atol=0)
+    back = to_packed_order(rows * 2, layout, num_tokens + 3)
+    torch.testing.assert_close(back[:num_tokens], 2 * packed[:num_tokens], rtol=0, atol=0)
+    assert back[num_tokens:].abs().max() == 0
+    cotangent = torch.randn_like(back)
+    (grad,) = torch.autograd.grad((back * cotangent).sum(), packed)
+    want = torch.cat([2 * cotangent[:num_tokens], torch.zeros(3, 5, dtype=torch.float64)])
+    torch.testing.assert_close(grad, want, rtol=0, atol=0)
 
 
 def test_tree_conv_equals_conv1d_on_a_path():
@@ -71,6 +122,47 @@ def test_tree_conv_equals_conv1d_on_a_path():
     torch.testing.assert_close(tree_causal_conv1d(x, weight, bias, layout.conv_index), want)
 
 
+def fla_varlen_conv_semantics(x, weight, bias, initial_state, activation, cu_seqlens, cu_seqlens_cpu):
+    """What fla's `causal_conv1d` computes with cu_seqlens and an initial state (N, C, K), written in
+    torch: each sequence convolved as if its initial state's columns 1..K-1 came just before it."""
+    kernel_size = weight.shape[1]
+    outs = []
+    for n, (bos, eos) in enumerate(zip(cu_seqlens_cpu[:-1].tolist(), cu_seqlens_cpu[1:].tolist())):
+        sequence = torch.cat([initial_state[n, :, 1:], x[0, bos:eos].T], dim=1)
+        outs.append(
+            F.conv1d(sequence[None], weight[:, None], bias, groups=weight.shape[0])[0, :, -(eos - bos) :]
+        )
+    assert kernel_size == initial_state.shape[2] and cu_seqlens.device == x.device
+    return ACT2FN[activation](torch.cat(outs, dim=1).T)[None], None
+
+
+@pytest.mark.parametrize("path", ["plain", "fla-style"])
+@pytest.mark.parametrize("shape", ["random", "roots", "chain"])
+def test_path_conv_equals_its_definition(monkeypatch, path, shape):
+    """The layers' convolution (F.conv1d with the segment starts fixed up; or a varlen convolution
+    seeded with each segment's path tail, as fla's kernel is on CUDA, here in torch) equals the
+    per-tap definition on every row, with its gradients, in fp64."""
+    rng = np.random.default_rng(1)
+    parents, lengths = {
+        "random": random_tree(rng, 16, 7),  # segments shorter and longer than K - 1
+        "roots": (np.full(4, -1), np.array([5, 1, 3, 6])),
+        "chain": (np.arange(-1, 3), np.array([5, 1, 3, 6])),
+    }[shape]
+    layout = recurrent_layout(*row_arrays(parents, lengths), 4)
+    if path == "fla-style":
+        monkeypatch.setattr(gated_deltanet, "_fla_causal_conv1d", lambda device: fla_varlen_conv_semantics)
+    mixed = torch.randn(layout.num_tokens, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    got = path_conv_and_activate(mixed, weight, None, layout, "silu")
+    want = F.silu(tree_causal_conv1d(mixed, weight, None, layout.conv_index))
+    torch.testing.assert_close(got, want)
+    cotangent = torch.randn_like(got)
+    got_grads = torch.autograd.grad((got * cotangent).sum(), (mixed, weight))
+    want_grads = torch.autograd.grad((want * cotangent).sum(), (mixed, weight))
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
 def test_group_sharing(models):
     """A GRPO group with a long prompt: the prompt's state is computed once for 6 completions."""
     rng = np.random.default_rng(2)
@@ -80,6 +172,24 @@ def test_group_sharing(models):
     ]
     row = check_packed_equals_unpacked(*models, samples)
     assert row.packing_ratio > 3
+
+
+@pytest.mark.parametrize("shape", ["roots", "group"])
+def test_rows_in_packed_order(models, shape):
+    """Rows whose layers need no gather (`test_layouts_needing_no_gather`): samples that share
+    nothing, and one GRPO group; each sample still gets what it gets alone."""
+    rng = np.random.default_rng(4)
+    if shape == "roots":
+        samples = [
+            completion_sample(rng, [first, *rng.integers(0, VOCAB, 30)], rng.integers(0, VOCAB, 20))
+            for first in (1, 2, 3)
+        ]
+    else:
+        prompt = rng.integers(0, VOCAB, 70)
+        samples = [completion_sample(rng, prompt, rng.integers(0, VOCAB, 12 + i)) for i in range(3)]
+    row = check_packed_equals_unpacked(*models, samples)
+    layout = recurrent_layout(row.segment_ids, row.subtree_end, 4)
+    assert layout.order is None and len(layout.levels) == (1 if shape == "roots" else 2)
 
 
 @pytest.mark.parametrize("seed", [3])

@@ -30,7 +30,14 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.packing import gated_deltanet, tree_attention
-from asyncgrpo.packing.gated_deltanet import recurrent_layout, tree_gated_delta_rule
+from asyncgrpo.packing.gated_deltanet import (
+    path_conv_and_activate,
+    recurrent_layout,
+    to_layer_order,
+    to_packed_order,
+    tree_causal_conv1d,
+    tree_gated_delta_rule,
+)
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 
@@ -106,27 +113,41 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
+def packed_tree_rule(inputs, layout, chunk_rule) -> torch.Tensor:
+    """`tree_gated_delta_rule` on packed-order inputs, its output in packed order (as a layer runs it)."""
+    out = tree_gated_delta_rule(*(to_layer_order(t, layout) for t in inputs), layout, chunk_rule)
+    return to_packed_order(out, layout, layout.num_tokens)
+
+
 def rule_errors(inputs, cotangent, layout, truth, chunk_rule) -> list[float]:
     """Relative errors of the output and of the 5 input gradients of one `tree_gated_delta_rule`."""
     leaves = [t.detach().requires_grad_() for t in inputs]
-    out = tree_gated_delta_rule(*leaves, layout, chunk_rule)
+    out = packed_tree_rule(leaves, layout, chunk_rule)
     grads = torch.autograd.grad((out.float() * cotangent).sum(), leaves)
     return [relative(out, truth[0])] + [relative(g, w) for g, w in zip(grads, truth[1:])]
 
 
 RULE_CASES = [
-    pytest.param("cpu", torch.float32, id="cpu-fp32"),
-    pytest.param("cuda", torch.float32, id="cuda-fp32", marks=pytest.mark.gpu),
-    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu),
+    pytest.param("cpu", torch.float32, "random", id="cpu-fp32"),
+    # Tries whose levels are single segments (a slice each, no padding) or one level of roots (the
+    # packed order itself): the paths that skip the gathers.
+    pytest.param("cpu", torch.float32, "chain", id="cpu-fp32-chain"),
+    pytest.param("cpu", torch.float32, "roots", id="cpu-fp32-roots"),
+    pytest.param("cuda", torch.float32, "random", id="cuda-fp32", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.bfloat16, "random", id="cuda-bf16", marks=pytest.mark.gpu),
 ]
 
 
-@pytest.mark.parametrize(("device", "dtype"), RULE_CASES)
-def test_tree_rule_equals_each_sample_alone(device, dtype):
-    """A random trie of 24 segments (up to 150 tokens: across the 64-token chunks), several roots."""
+@pytest.mark.parametrize(("device", "dtype", "shape"), RULE_CASES)
+def test_tree_rule_equals_each_sample_alone(device, dtype, shape):
+    """A random trie of 24 segments (up to 150 tokens: across the 64-token chunks), several roots;
+    on CPU also a chain of segments and a row of roots."""
     rng = np.random.default_rng(11)
     heads, dim = (4, 128) if device == "cuda" else (2, 32)
     parents, lengths = random_tree(rng, 24 if device == "cuda" else 12, 150 if device == "cuda" else 80)
+    if shape != "random":
+        parents = np.arange(-1, 4) if shape == "chain" else np.full(5, -1)
+        lengths = lengths[:5]
     segment_ids, subtree_end = row_arrays(parents, lengths)
     num_tokens = len(segment_ids)
     torch.manual_seed(0)
@@ -162,8 +183,8 @@ def test_tree_rule_equals_each_sample_alone(device, dtype):
     flat_end = np.repeat(np.cumsum([len(p) for p in paths]), [len(p) for p in paths])
     index = torch.from_numpy(unrolled).to(device)
     alone_leaves = [t.detach().requires_grad_() for t in inputs]
-    out = tree_gated_delta_rule(*(t[index] for t in alone_leaves),
-                                recurrent_layout(flat_ids, flat_end, 4, device), chunk_rule)  # fmt: skip
+    out = packed_tree_rule([t[index] for t in alone_leaves], recurrent_layout(flat_ids, flat_end, 4, device),
+                           chunk_rule)  # fmt: skip
     share = cotangent[index] / torch.from_numpy(multiplicity[unrolled]).to(device)[:, None, None]
     grads = torch.autograd.grad((out.float() * share).sum(), alone_leaves)
     alone = [relative(out, truth_out[index])] + [relative(gr, w) for gr, w in zip(grads, truth[1:])]
@@ -173,13 +194,56 @@ def test_tree_rule_equals_each_sample_alone(device, dtype):
     broken = rule_errors(inputs, cotangent, broken_layout, truth, chunk_rule)
 
     names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
-    print("GDN_RULE", json.dumps({"case": f"{device}-{dtype}-{gdn_path(device)}", "tokens": num_tokens,
-          "paths": len(paths), "tree": dict(zip(names, tree)), "alone": dict(zip(names, alone)),
-          "broken": dict(zip(names, broken))}))  # fmt: skip
+    print("GDN_RULE", json.dumps({"case": f"{device}-{dtype}-{shape}-{gdn_path(device)}",
+          "tokens": num_tokens, "paths": len(paths), "tree": dict(zip(names, tree)),
+          "alone": dict(zip(names, alone)), "broken": dict(zip(names, broken))}))  # fmt: skip
     tolerance = [max(2 * own, 1e-5) for own in alone]
     for name, got, bound in zip(names, tree, tolerance):
         assert got <= bound, (name, got, bound)
-    assert broken[0] > 5 * tolerance[0]  # the check can fail
+    if shape != "roots":  # a row of roots has no parent to drop
+        assert broken[0] > 5 * tolerance[0]  # the check can fail
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", ["fla", "conv1d"])
+def test_path_conv_on_this_gpu(monkeypatch, path, dtype):
+    """The layers' path convolution on CUDA (fla's varlen kernel seeded with each segment's path tail,
+    the path where fla-core is installed; F.conv1d with the segment starts fixed up, the path without
+    it), output and gradients against the per-tap definition in fp64: a random trie at the Qwen3.5-2B
+    channel count, its segments shorter and longer than the kernel and than fla's 64-token blocks."""
+    if path == "fla":
+        pytest.importorskip("fla", reason="fla-core is not installed: pip install 'asyncgrpo[gpu]'")
+        assert gated_deltanet._fla_causal_conv1d(torch.device("cuda")) is not None
+    else:
+        monkeypatch.setattr(gated_deltanet, "_fla_causal_conv1d", lambda device: None)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    rng = np.random.default_rng(12)
+    parents, lengths = random_tree(rng, 40, 150)
+    lengths[::7] = rng.integers(1, 3, len(lengths[::7]))  # some segments shorter than K - 1
+    layout = recurrent_layout(*row_arrays(parents, lengths), 4, "cuda")
+    channels = 2 * QWEN3_5_2B["linear_num_key_heads"] * QWEN3_5_2B["linear_key_head_dim"] + (
+        QWEN3_5_2B["linear_num_value_heads"] * QWEN3_5_2B["linear_value_head_dim"]
+    )
+    torch.manual_seed(0)
+    mixed = torch.randn(layout.num_tokens, channels, device="cuda").to(dtype)
+    weight = torch.randn(channels, 4, device="cuda") / 2
+    cotangent = torch.randn(layout.num_tokens, channels, device="cuda")
+    leaves = [mixed.double().requires_grad_(), weight.double().requires_grad_()]
+    want = F.silu(tree_causal_conv1d(*leaves[:1], leaves[1], None, layout.conv_index))
+    want_grads = torch.autograd.grad((want * cotangent).sum(), leaves)
+    got_leaves = [mixed.requires_grad_(), weight.requires_grad_()]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):  # as in training
+        got = path_conv_and_activate(got_leaves[0], got_leaves[1], None, layout, "silu")
+    got_grads = torch.autograd.grad((got.float() * cotangent).sum(), got_leaves)
+    errors = [relative(got, want)] + [relative(g, w) for g, w in zip(got_grads, want_grads)]
+    print("GDN_CONV", json.dumps({"dtype": str(dtype), "path": path, "tokens": layout.num_tokens,
+                                  "out_dmixed_dweight": errors}))  # fmt: skip
+    assert got.dtype == dtype
+    # fp32: fp32 round-off (TF32 off); bf16: the rounding of the bf16 output and input gradient.
+    bound = 1e-5 if dtype == torch.float32 else 1e-2
+    for error in errors:
+        assert error <= bound, errors
 
 
 def qwen3_5_2b_samples(rng) -> list:
@@ -245,11 +309,17 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
     weights = torch.from_numpy(rng.normal(size=row.num_entries)).cuda()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
 
-    tree.zero_grad()
-    with autocast:
-        packed = row_logprobs(tree, row, TEMPERATURE).logprobs
-        (packed.double() * weights).sum().backward()
-    packed_grads = {name: p.grad for name, p in tree.named_parameters() if p.grad is not None}
+    def packed_logprobs_and_grads():
+        tree.zero_grad()
+        with autocast:
+            logprobs = row_logprobs(tree, row, TEMPERATURE).logprobs
+            (logprobs.double() * weights).sum().backward()
+        return logprobs.detach(), {
+            name: p.grad.clone() for name, p in tree.named_parameters() if p.grad is not None
+        }
+
+    packed, packed_grads = packed_logprobs_and_grads()
+    _, rerun_grads = packed_logprobs_and_grads()  # the same computation again: the kernels' own noise
     assert bool(calls) == (rule is not None), "the packed forward did not take the path it should"
     # The model's own rule: fla's when it trains here (transformers dispatches to it), else torch's.
     torch_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
@@ -281,6 +351,15 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
         for g in (packed_grads, alone_grads)
     )  # relative error of all gradients as one vector
     worst = sorted(grad_err.items(), key=lambda kv: -kv[1][0] / max(kv[1][1], 1e-30))[:8]
+    decay = [n for n in reference_grads if n.endswith(("A_log", "dt_bias"))]
+    decay_norm = sum(reference_grads[n].double().norm() ** 2 for n in decay).sqrt()
+    decay_total = tuple(
+        (
+            sum((g[n].double() - reference_grads[n].double()).norm() ** 2 for n in decay).sqrt() / decay_norm
+        ).item()
+        for g in (packed_grads, alone_grads)
+    )  # the decay path's gradients (A_log, dt_bias of every GDN layer) as one vector
+    rerun = sorted(((relative(rerun_grads[n], packed_grads[n]), n) for n in packed_grads), reverse=True)[:4]
     print("GDN_MODEL", json.dumps({
         "path": gdn_path("cuda"),
         "tokens": row.num_tokens, "unpacked_tokens": row.num_unpacked_tokens, "entries": row.num_entries,
@@ -290,13 +369,22 @@ def test_qwen3_5_2b_packed_bf16_equals_alone(monkeypatch):
         "logprob_max_abs_packed_vs_alone_bf16": (packed - alone).abs().max().item(),
         "grad_rel_vs_fp32_total": {"packed_bf16": total[0], "alone_bf16": total[1]},
         "grad_rel_vs_fp32_worst_ratio": worst,
+        "decay_path_grad_rel_vs_fp32": {"packed_bf16": decay_total[0], "alone_bf16": decay_total[1]},
+        "packed_rerun_grad_rel_worst": rerun,
     }))  # fmt: skip
     assert row.packing_ratio > 2
     assert packed_err <= 1.5 * alone_err, (packed_err, alone_err)
     assert broken_err > 5 * alone_err  # the check can fail
     assert total[0] <= 1.5 * total[1], total
+    # The decay path's gradients (A_log, dt_bias) sum terms of both signs over each 64-token chunk of
+    # the recurrence, and packing moves where chunks start: a single one of them is ill-conditioned.
+    # On an H200 with these inputs a change of rounding alone (the same math in another kernel) moved
+    # the worst single ratio across the old 3x bound while the decay path as one vector stayed where
+    # the unpacked forward is (bench/RESULTS.md, issue 33). So the decay path is bound as one vector,
+    # like the whole gradient, and each of its tensors more loosely.
+    assert decay_total[0] <= 1.5 * decay_total[1], decay_total
     for name, (got, own) in grad_err.items():
-        assert got <= 3 * own, (name, got, own)
+        assert got <= (4 if name in decay else 3) * own, (name, got, own)
 
 
 @pytest.mark.gpu

@@ -13,19 +13,28 @@ express a packed trie to it:
 Both are exact rewrites of forwarding each sample alone: the same arithmetic in the same order per
 token, up to the chunk boundaries of the recurrence (fp32 round-off).
 
+Layer order: a GDN layer gathers its input rows once into the trie's levels one after another
+(`RecurrentLayout.order`), so each level is a contiguous range of rows: the recurrence runs on
+slices, and its output comes back with one gather (none at all when the row holds one level, e.g.
+roots only). Both gathers are permutations, so their gradients are gathers too.
+
 How it plugs in: `enable_tree_recurrence(model)` wraps each GDN module's forward. The packed forward
 passes a `RecurrentLayout` as the mask of the "linear_attention" layer type (see
 `tree_attention.tree_attention_masks`); the wrapper then runs the tree path. Any other call
 (generation, a plain forward) goes to the model's own forward unchanged.
 
-Kernels: on CUDA with `fla-core` installed (extra `gpu`), the recurrence of a level runs as one
-varlen `chunk_gated_delta_rule` call (`cu_seqlens`, per-sequence `initial_state`) with no padding;
-otherwise the model module's own chunked rule (transformers' torch reference, or fla when
-transformers found it) runs on the level's segments padded to the longest. Right padding with
-g = 0 and beta = 0 leaves the state untouched, so the padded final state is the segment's own.
+Kernels: on CUDA with `fla-core` installed (extra `gpu`), the convolution runs as fla's fused varlen
+`causal_conv1d` (every segment a sequence whose initial state is its path's tail) and the recurrence
+of a level as one varlen `chunk_gated_delta_rule` call (`cu_seqlens`, per-sequence
+`initial_state`), both with no padding. Otherwise the convolution is the model's own `F.conv1d` over
+the rows with the segment starts recomputed along their paths, and the recurrence is the model
+module's own chunked rule (transformers' torch reference, or fla when transformers found it) on the
+level's segments padded to the longest. Right padding with g = 0 and beta = 0 leaves the state
+untouched, so the padded final state is the segment's own.
 
-Dtypes follow the model's own forward: the convolution's output is cast back to the dtype of the
-projection that fed it (bf16 under autocast), so the recurrence sees what it sees unpacked.
+Dtypes follow the model's own forward: the convolution reads the projection's output as it is
+(bf16 under autocast; no fp32 copy of it) and returns that dtype, so the recurrence sees what it
+sees unpacked.
 
 Compilation: the tree mixer runs eagerly inside a compiled decoder layer (`torch.compiler.disable`):
 the layout carries per-row Python ints (level count, lengths) that would make dynamo recompile the
@@ -55,25 +64,38 @@ _WRAPPED = "_asyncgrpo_tree_recurrence"  # set on each wrapped module: wrap once
 
 @dataclass(frozen=True)
 class Level:
-    """Segments of one trie depth (in segments), run as one batch of the recurrence."""
+    """Segments of one trie depth (in segments): rows start:stop of the layer order, run as one batch
+    of the recurrence."""
 
-    starts: torch.Tensor  # (B,) packed index of each segment's first token
-    lengths: torch.Tensor  # (B,)
-    parent_rows: torch.Tensor  # (B,) row of the parent segment in the previous level; -1: root
-    gather: torch.Tensor  # (B, Lmax) packed index of each padded slot; num_tokens for padding
-    max_length: int
-    index: torch.Tensor  # (N,) packed index of the level's tokens, segment after segment (varlen)
-    cu_seqlens: torch.Tensor  # (B + 1,) int64 segment offsets in `index`, for the varlen kernel
+    start: int
+    stop: int
+    parent_rows: torch.Tensor  # (B,) row of each segment's parent in the previous level; -1: a root
+    cu_seqlens: torch.Tensor  # (B + 1,) int64 segment offsets from `start`, for the varlen kernel
     cu_seqlens_cpu: torch.Tensor  # the same on the host: the kernel plans its chunks with no sync
+    # The padded batch of the torch rule (B, Lmax): the row of each slot (a padding slot repeats its
+    # segment's first row: finite values that g = beta = 0 keep out of the state), which slots are
+    # padding, and the flat slot of each of the level's rows.
+    gather: torch.Tensor
+    padding: torch.Tensor
+    unpad: torch.Tensor
 
 
 @dataclass(frozen=True)
 class RecurrentLayout:
-    """What the GDN layers need to know about a packed row: each token's convolution inputs and the
-    trie's segments grouped by depth. Built once per row, shared by every GDN layer."""
+    """What the GDN layers need to know about a packed row, built once per row and shared by every GDN
+    layer. A layer computes in *layer order*: the trie's levels one after another (each level's
+    segments in packed order), so that every level is a contiguous range of rows and runs on a slice,
+    never a gather; `order` maps it to the packed row (None when the two are the same, e.g. a row of
+    roots only). The layer gathers its input into that order once and its output back once."""
 
     num_tokens: int  # real tokens P; the padded row's tail gets zero output
-    conv_index: torch.Tensor  # (P, K) packed index of the token K-1-j steps back; P = before the start
+    order: torch.Tensor | None  # (P,) packed index of each row of the layer order; None: the identity
+    inverse: torch.Tensor | None  # (P,) layer-order row of each packed token
+    conv_index: torch.Tensor  # (P, K) row of the token K-1-j steps back along the path; P = none
+    conv_fix_rows: torch.Tensor  # rows whose K-1 predecessors are not simply the rows before them
+    segment_cu_seqlens: torch.Tensor  # (G + 1,) every segment's row offsets, in layer order
+    segment_cu_seqlens_cpu: torch.Tensor
+    segment_predecessors: torch.Tensor  # (G, K-1) conv_index[segment start, :K-1]: its path's tail
     levels: tuple[Level, ...]
 
 
@@ -91,6 +113,20 @@ def _segment_parents(starts: np.ndarray, subtree_end: np.ndarray) -> np.ndarray:
     return parents
 
 
+def _packed_conv_index(starts, lengths, parents, num_tokens: int, kernel_size: int) -> np.ndarray:
+    """(P, K) packed index of the token K-1-j steps back along each token's path (P: none).
+
+    The predecessor along the path is the previous packed token, except at a segment start, where it
+    is the parent's last token (none for a root)."""
+    previous = np.arange(num_tokens, dtype=np.int64) - 1
+    previous[starts] = np.where(parents >= 0, starts[parents] + lengths[parents] - 1, num_tokens)
+    columns = [np.arange(num_tokens, dtype=np.int64)]
+    extended = np.append(previous, num_tokens)  # index P (no token) stays P
+    for _ in range(kernel_size - 1):
+        columns.append(extended[columns[-1]])
+    return np.stack(columns[::-1], axis=1)  # column K-1 is the token itself
+
+
 def recurrent_layout(
     segment_ids: np.ndarray,
     subtree_end: np.ndarray,
@@ -106,70 +142,184 @@ def recurrent_layout(
     parents = _segment_parents(starts, subtree_end)
     if np.any((parents >= 0) & (starts[parents] + lengths[parents] > starts)):
         raise ValueError("segments must be laid out depth-first: build rows with asyncgrpo.packing.trie")
-
-    # Predecessor along the path: the previous packed token, except at a segment start, where it is
-    # the parent's last token (none for a root).
-    previous = np.arange(num_tokens, dtype=np.int64) - 1
-    previous[starts] = np.where(parents >= 0, starts[parents] + lengths[parents] - 1, num_tokens)
-    columns = [np.arange(num_tokens, dtype=np.int64)]
-    extended = np.append(previous, num_tokens)  # index P (no token) stays P
-    for _ in range(kernel_size - 1):
-        columns.append(extended[columns[-1]])
-    conv_index = np.stack(columns[::-1], axis=1)  # (P, K): column K-1 is the token itself
-
     depth = np.zeros(len(starts), dtype=np.int64)
     for s, parent in enumerate(parents):  # parents come before children
         depth[s] = depth[parent] + 1 if parent >= 0 else 0
+
+    # Layer order: segments by depth, then packed position; `first_row` of each segment there.
+    by_level = np.lexsort((starts, depth))
+    first_row = np.empty_like(starts)
+    first_row[by_level] = np.cumsum(lengths[by_level]) - lengths[by_level]
+    order = np.repeat(starts[by_level] - first_row[by_level], lengths[by_level]) + np.arange(num_tokens)
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(num_tokens)
+    packed_conv = _packed_conv_index(starts, lengths, parents, num_tokens, kernel_size)
+    conv_index = np.append(inverse, num_tokens)[packed_conv[order]]
+    natural = np.arange(num_tokens)[:, None] - np.arange(kernel_size - 1, -1, -1)[None, :]
+    natural[natural < 0] = num_tokens  # a plain causal convolution reads zeros before row 0
+    identity = bool(np.array_equal(order, np.arange(num_tokens)))
+
+    def tensor(array) -> torch.Tensor:
+        return torch.as_tensor(np.ascontiguousarray(array), device=device)
+
     row_in_level = np.zeros(len(starts), dtype=np.int64)
     levels = []
     for level in range(int(depth.max()) + 1):
-        members = np.flatnonzero(depth == level)
+        members = by_level[depth[by_level] == level]  # in packed order
         row_in_level[members] = np.arange(len(members))
         level_lengths = lengths[members]
-        max_length = int(level_lengths.max())
-        offsets = np.arange(max_length)
-        gather = starts[members, None] + offsets[None, :]
-        gather = np.where(offsets[None, :] < level_lengths[:, None], gather, num_tokens)
-        parent_rows = np.where(parents[members] >= 0, row_in_level[parents[members]], -1)
+        level_start = int(first_row[members[0]])
+        offsets = np.arange(int(level_lengths.max()))
+        real = offsets[None, :] < level_lengths[:, None]
+        gather = np.where(real, first_row[members, None] + offsets[None, :], first_row[members, None])
         cu_seqlens = torch.as_tensor(np.concatenate([[0], np.cumsum(level_lengths)]), dtype=torch.int64)
         levels.append(
             Level(
-                starts=torch.as_tensor(starts[members], device=device),
-                lengths=torch.as_tensor(level_lengths, device=device),
-                parent_rows=torch.as_tensor(parent_rows, device=device),
-                gather=torch.as_tensor(gather, device=device),
-                max_length=max_length,
-                index=torch.as_tensor(gather[offsets[None, :] < level_lengths[:, None]], device=device),
+                start=level_start,
+                stop=level_start + int(level_lengths.sum()),
+                parent_rows=tensor(np.where(parents[members] >= 0, row_in_level[parents[members]], -1)),
                 cu_seqlens=cu_seqlens.to(device),
                 cu_seqlens_cpu=cu_seqlens,
+                gather=tensor(gather),
+                padding=tensor(~real),
+                unpad=tensor(np.flatnonzero(real)),
             )
         )
-    return RecurrentLayout(num_tokens, torch.as_tensor(conv_index, device=device), tuple(levels))
+    segment_cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths[by_level])]), dtype=torch.int64)
+    return RecurrentLayout(
+        num_tokens=num_tokens,
+        order=None if identity else tensor(order),
+        inverse=None if identity else tensor(inverse),
+        conv_index=tensor(conv_index),
+        conv_fix_rows=tensor(np.flatnonzero((conv_index != natural).any(axis=1))),
+        segment_cu_seqlens=segment_cu.to(device),
+        segment_cu_seqlens_cpu=segment_cu,
+        segment_predecessors=tensor(conv_index[first_row[by_level], : kernel_size - 1]),
+        levels=tuple(levels),
+    )
+
+
+class _PermutedRows(torch.autograd.Function):
+    """x[index] followed by zero rows, `num_rows` rows in all, where `index` is a permutation of x's
+    first len(index) rows and `inverse` its inverse: the gradient is then a gather too, with no
+    scatter (index_put's backward sorts its indices; index_add's uses atomics)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, num_rows: int):
+        ctx.save_for_backward(inverse)
+        ctx.x_rows = x.shape[0]
+        out = x.new_empty(num_rows, *x.shape[1:])
+        torch.index_select(x, 0, index, out=out[: len(index)])
+        out[len(index) :].zero_()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        grad_x = grad.new_empty(ctx.x_rows, *grad.shape[1:])
+        torch.index_select(grad, 0, inverse, out=grad_x[: len(inverse)])
+        grad_x[len(inverse) :].zero_()
+        return grad_x, None, None, None
+
+
+def to_layer_order(packed: torch.Tensor, layout: RecurrentLayout) -> torch.Tensor:
+    """The first P rows of a packed-row tensor (L, ...), in the layout's layer order (P, ...)."""
+    if layout.order is None:
+        return packed[: layout.num_tokens]
+    return _PermutedRows.apply(packed, layout.order, layout.inverse, layout.num_tokens)
+
+
+def to_packed_order(rows: torch.Tensor, layout: RecurrentLayout, num_rows: int) -> torch.Tensor:
+    """Rows in layer order (P, ...) back in packed order, zero rows appended up to `num_rows`."""
+    if layout.order is None:
+        return F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, num_rows - rows.shape[0]))
+    return _PermutedRows.apply(rows, layout.inverse, layout.order, num_rows)
 
 
 def tree_causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_index: torch.Tensor
 ) -> torch.Tensor:
-    """Depthwise causal convolution along trie paths: x (P, C), weight (C, K) -> (P, C).
+    """Depthwise causal convolution along trie paths, for the rows of `conv_index`: x (P, C), weight
+    (C, K), conv_index (R, K) -> (R, C), in the weight's dtype.
 
-    out[t] = bias + sum_j weight[:, j] * x[conv_index[t, j]], a missing predecessor reading zero;
-    the same terms as `F.conv1d(..., padding=K - 1)` on the sample alone. One (P, C) gather per tap,
-    never a (P, K, C) tensor.
+    out[r] = bias + sum_j weight[:, j] * x[conv_index[r, j]], a missing predecessor (index P) reading
+    zero; the same terms as `F.conv1d(..., padding=K - 1)` on the sample alone. One (R, C) gather per
+    tap, never an (R, K, C) tensor. The definition; the layers run it only on the rows a plain
+    convolution gets wrong (`path_conv_and_activate`).
     """
-    padded = torch.cat([x, x.new_zeros(1, x.shape[1])]).to(weight.dtype)
-    out = padded[conv_index[:, 0]] * weight[:, 0]
-    for j in range(1, weight.shape[1]):
-        out = out + padded[conv_index[:, j]] * weight[:, j]
-    if bias is not None:
-        out = out + bias
-    return out
+    num_tokens = x.shape[0]
+    out = None
+    for j in range(weight.shape[1]):
+        index = conv_index[:, j]
+        tap = x.index_select(0, index.clamp(max=num_tokens - 1)).to(weight.dtype)
+        term = tap * (index < num_tokens)[:, None] * weight[:, j]
+        out = term if out is None else out + term
+    return out if bias is None else out + bias
 
 
-def _convolve_and_activate(mixed, weight, bias, conv_index, activation: str) -> torch.Tensor:
-    """act(path convolution) in the projection's dtype (bf16 under autocast, as unpacked). Run under
-    `checkpoint`: backward recomputes it from `mixed` instead of keeping its K gathered fp32 copies
-    (at 16k tokens and 6,144 channels, 1.6 GB per layer)."""
-    return ACT2FN[activation](tree_causal_conv1d(mixed, weight, bias, conv_index)).to(mixed.dtype)
+def _plain_conv_and_activate(mixed, weight, bias, layout: RecurrentLayout, activation: str) -> torch.Tensor:
+    """act(path convolution) as the model computes its own convolution (`F.conv1d`, bf16 under
+    autocast), then the rows whose path predecessors are not the rows just before them (segment
+    starts) replaced by `tree_causal_conv1d`. Run under `checkpoint`: backward recomputes it from
+    `mixed` instead of keeping the convolution's output."""
+    num_tokens, channels = mixed.shape
+    kernel_size = weight.shape[1]
+    out = F.conv1d(mixed.T[None], weight[:, None], bias, padding=kernel_size - 1, groups=channels)
+    out = out[0, :, :num_tokens].T
+    rows = layout.conv_fix_rows
+    if len(rows):
+        fixed = tree_causal_conv1d(mixed, weight, bias, layout.conv_index[rows])
+        out = out.index_put((rows,), fixed.to(out.dtype))
+    return ACT2FN[activation](out).to(mixed.dtype)
+
+
+FLA_CONV_ACTIVATIONS = ("silu", "swish")  # the activations fla's convolution kernel applies itself
+
+
+@functools.cache
+def _fla_causal_conv1d(device: torch.device):
+    """fla's varlen causal convolution (Triton) for `device`, or None off CUDA or without fla-core."""
+    if device.type != "cuda":
+        return None
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except ImportError:
+        return None
+    return causal_conv1d
+
+
+def _fla_conv_and_activate(fla_conv, mixed, weight, bias, layout: RecurrentLayout, activation: str):
+    """act(path convolution) in one fla kernel: every segment a sequence of a varlen convolution whose
+    initial state holds the K-1 tokens before it on its path (its parent's tail). fla computes in fp32
+    from the input's dtype and returns that dtype; backward gives the initial states' gradient, which
+    autograd adds to the parents' tail rows."""
+    num_tokens, channels = mixed.shape
+    predecessors = layout.segment_predecessors  # (G, K-1)
+    taps = mixed.index_select(0, predecessors.clamp(max=num_tokens - 1).flatten())
+    taps = taps.view(*predecessors.shape, channels) * (predecessors < num_tokens)[..., None]
+    # fla's initial state (G, C, K): column K - s holds the token s steps before the segment; column 0
+    # is never read.
+    initial = F.pad(taps.transpose(1, 2), (1, 0))
+    out, _ = fla_conv(
+        mixed[None],
+        weight,
+        bias,
+        initial_state=initial,
+        activation=activation,
+        cu_seqlens=layout.segment_cu_seqlens,
+        cu_seqlens_cpu=layout.segment_cu_seqlens_cpu,
+    )
+    return out[0]
+
+
+def path_conv_and_activate(mixed, weight, bias, layout: RecurrentLayout, activation: str) -> torch.Tensor:
+    """act(depthwise causal convolution along trie paths) of mixed (P, C) in layer order -> (P, C) in
+    mixed's dtype: fla's fused kernel on CUDA when fla-core is installed, else `F.conv1d` with the
+    segment starts fixed up."""
+    fla_conv = _fla_causal_conv1d(mixed.device)
+    if fla_conv is not None and activation in FLA_CONV_ACTIVATIONS:
+        return _fla_conv_and_activate(fla_conv, mixed, weight, bias, layout, activation)
+    return checkpoint(_plain_conv_and_activate, mixed, weight, bias, layout, activation, use_reentrant=False)
 
 
 def fla_refusal(device: torch.device) -> str | None:
@@ -229,35 +379,40 @@ def tree_gated_delta_rule(
     layout: RecurrentLayout,
     chunk_rule,
 ) -> torch.Tensor:
-    """The gated delta rule over a trie: query/key (P, H, Dk), value (P, H, Dv), g/beta (P, H) ->
-    (P, H, Dv). q/k are l2-normalized inside the rule, as the models ask. `chunk_rule` is a batched
-    rule with transformers' signature (padded path); on CUDA fla's varlen kernel is used when it can."""
+    """The gated delta rule over a trie, in the layout's layer order (`to_layer_order`): query/key
+    (P, H, Dk), value (P, H, Dv), g/beta (P, H) -> (P, H, Dv). q/k are l2-normalized inside the rule,
+    as the models ask. On CUDA fla's varlen kernel runs each level on a slice of the rows when it can;
+    otherwise `chunk_rule`, a batched rule with transformers' signature, runs on each level's
+    segments padded to the longest (a single-segment level: its slice, unpadded)."""
     fla_rule = _fla_chunk_rule(query.device) if query.is_cuda else None
-    out = value.new_zeros(layout.num_tokens + 1, *value.shape[1:])  # row P: padding slots land here
+    outs = []
     parent_states = None
-    for level in layout.levels:
+    for depth, level in enumerate(layout.levels):
         # Levels after the first hold only segments with a parent (depth = parent's depth + 1).
-        initial = None if parent_states is None else parent_states[level.parent_rows]
+        initial = None if parent_states is None else parent_states.index_select(0, level.parent_rows)
+        wants_states = depth + 1 < len(layout.levels)
+        rows = slice(level.start, level.stop)
         if fla_rule is not None:
-            index = level.index
             level_out, parent_states = fla_rule(
-                query[index][None],
-                key[index][None],
-                value[index][None],
-                g[index][None],
-                beta[index][None],
+                *(t[rows][None] for t in (query, key, value, g, beta)),
                 initial_state=initial,
-                output_final_state=True,
+                output_final_state=wants_states,
                 cu_seqlens=level.cu_seqlens,
                 cu_seqlens_cpu=level.cu_seqlens_cpu,
                 use_qk_l2norm_in_kernel=True,
             )
-            out = out.index_copy(0, index, level_out[0].to(out.dtype))
+            outs.append(level_out[0])
             continue
-        gather = level.gather  # (B, Lmax)
-        q, k, v, gg, bb = (
-            torch.cat([t, t.new_zeros(1, *t.shape[1:])])[gather] for t in (query, key, value, g, beta)
-        )
+        batch, slots = level.gather.shape
+        if batch == 1:
+            q, k, v, gg, bb = (t[rows][None] for t in (query, key, value, g, beta))
+        else:
+            index = level.gather.flatten()
+            q, k, v, gg, bb = (
+                t.index_select(0, index).view(batch, slots, *t.shape[1:])
+                for t in (query, key, value, g, beta)
+            )
+            gg, bb = (t.masked_fill(level.padding[..., None], 0) for t in (gg, bb))
         level_out, parent_states = chunk_rule(
             q,
             k,
@@ -265,11 +420,12 @@ def tree_gated_delta_rule(
             g=gg,
             beta=bb,
             initial_state=initial,
-            output_final_state=True,
+            output_final_state=wants_states,
             use_qk_l2norm_in_kernel=True,
         )
-        out = out.index_put((gather,), level_out.to(out.dtype), accumulate=True)
-    return out[: layout.num_tokens]
+        outs.append(level_out[0] if batch == 1 else level_out.flatten(0, 1).index_select(0, level.unpad))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.to(value.dtype)
 
 
 def _projections(module, x: torch.Tensor):
@@ -280,25 +436,37 @@ def _projections(module, x: torch.Tensor):
         )
         mixed = torch.cat([t.reshape(1, t.shape[1], -1) for t in (query, key, value)], dim=-1)
         return mixed[0], z[0], b[0], a[0]
-    z = module.in_proj_z(x).reshape(x.shape[0], -1, module.head_v_dim)
-    return module.in_proj_qkv(x), z, module.in_proj_b(x), module.in_proj_a(x)
+    projections = (module.in_proj_qkv, module.in_proj_z, module.in_proj_b, module.in_proj_a)
+    if all(_plain_linear(p) for p in projections):
+        # One matmul instead of four: x is cast for autocast once, b and a (a few columns each) stop
+        # being matmuls of their own, and x's gradient comes out of one matmul instead of four summed.
+        out = F.linear(x, torch.cat([p.weight for p in projections]))
+        mixed, z, b, a = torch.split(out, [p.out_features for p in projections], dim=-1)
+    else:  # adapters, hooks, biases or quantized layers: each module as the model calls it
+        mixed, z, b, a = (p(x) for p in projections)
+    return mixed, z.reshape(x.shape[0], -1, module.head_v_dim), b, a
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """A bare `nn.Linear` without bias or hooks: its forward is `F.linear(x, weight)` and nothing else."""
+    return (
+        type(module) is torch.nn.Linear
+        and module.bias is None
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+    )
 
 
 @torch.compiler.disable  # see the module doc (Compilation)
 def tree_gdn_forward(module, hidden_states: torch.Tensor, layout: RecurrentLayout) -> torch.Tensor:
-    """A GDN module's forward over a packed row (1, L, D) -> (1, L, D); tokens past P get zeros."""
+    """A GDN module's forward over a packed row (1, L, D) -> (1, L, D); tokens past P get zeros. Runs
+    in the layout's layer order between one gather of its input and one of its output."""
     if hidden_states.shape[0] != 1:
         raise ValueError(f"a packed row is one sequence (batch 1), got batch {hidden_states.shape[0]}")
-    x = hidden_states[0, : layout.num_tokens]
+    x = to_layer_order(hidden_states[0], layout)
     mixed, z, b, a = _projections(module, x)
-    mixed = checkpoint(
-        _convolve_and_activate,
-        mixed,
-        module.conv1d.weight.squeeze(1),
-        module.conv1d.bias,
-        layout.conv_index,
-        module.activation,
-        use_reentrant=False,
+    mixed = path_conv_and_activate(
+        mixed, module.conv1d.weight.squeeze(1), module.conv1d.bias, layout, module.activation
     )
     query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     num_tokens = x.shape[0]
@@ -317,8 +485,7 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, layout: RecurrentLayou
     core = tree_gated_delta_rule(query, key, value, g, beta, layout, chunk_rule)  # (P, Hv, Dv)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     out = module.out_proj(core.reshape(num_tokens, -1))
-    padding = out.new_zeros(hidden_states.shape[1] - num_tokens, out.shape[-1])
-    return torch.cat([out, padding])[None]
+    return to_packed_order(out, layout, hidden_states.shape[1])[None]
 
 
 def _dispatching_forward(module, original, hidden_states, cache_params=None, attention_mask=None, **kwargs):
