@@ -1,46 +1,10 @@
 """Tree packing for Gated DeltaNet layers (Qwen3.5, Qwen3.6, Qwen3-Next linear-attention layers).
 
-A Gated DeltaNet layer mixes tokens in two places, and neither is attention, so a BlockMask cannot
-express a packed trie to it:
-- a short causal depthwise convolution (kernel K = 4) over the projected q/k/v channels: here
-  each token reads its own K - 1 predecessors along its path in the trie (`conv_index`), never
-  the tokens that merely precede it in the packed row;
-- the chunked gated delta rule, a recurrence over a (key dim x value dim) state per head: here
-  each trie segment starts from the final state of its parent segment. A prompt's state is
-  computed once and handed to every completion under it; segments of the same depth in the trie
-  (a "level") run as one batch, level by level.
-
-Both are exact rewrites of forwarding each sample alone: the same arithmetic in the same order per
-token, up to the chunk boundaries of the recurrence (fp32 round-off).
-
-Layer order: a GDN layer gathers its input rows once into the trie's levels one after another
-(`RecurrentLayout.order`), so each level is a contiguous range of rows: the recurrence runs on
-slices, and its output comes back with one gather (none at all when the row holds one level, e.g.
-roots only). Both gathers are permutations, so their gradients are gathers too.
-
-How it plugs in: `enable_tree_recurrence(model)` wraps each GDN module's forward. The packed forward
-passes a `RecurrentLayout` as the mask of the "linear_attention" layer type (see
-`tree_attention.tree_attention_masks`); the wrapper then runs the tree path. Any other call
-(generation, a plain forward) goes to the model's own forward unchanged.
-
-Kernels: on CUDA with `fla-core` installed (extra `gpu`), the convolution runs as fla's fused varlen
-`causal_conv1d` (every segment a sequence whose initial state is its path's tail) and the recurrence
-of a level as one varlen `chunk_gated_delta_rule` call (`cu_seqlens`, per-sequence
-`initial_state`), both with no padding. Otherwise the convolution is the model's own `F.conv1d` over
-the rows with the segment starts recomputed along their paths, and the recurrence is the model
-module's own chunked rule (transformers' torch reference, or fla when transformers found it) on the
-level's segments padded to the longest. Right padding with g = 0 and beta = 0 leaves the state
-untouched, so the padded final state is the segment's own.
-
-Dtypes follow the model's own forward: the convolution reads the projection's output as it is
-(bf16 under autocast; no fp32 copy of it) and returns that dtype, so the recurrence sees what it
-sees unpacked.
-
-Compilation: the tree mixer runs eagerly inside a compiled decoder layer (`torch.compiler.disable`):
-the layout carries per-row Python ints (level count, lengths) that would make dynamo recompile the
-layer for every new row, and fla's kernels are opaque to it anyway. The rest of the layer (norms,
-MLP) stays compiled.
-"""
+Such a layer mixes tokens through a short causal convolution and a gated delta rule recurrence,
+neither of which a BlockMask can express: here the convolution reads each token's predecessors along
+its trie path, and each trie segment's recurrence starts from its parent's final state, level by
+level, on fla's varlen kernels on CUDA or the model's own torch rule elsewhere. An exact rewrite of
+forwarding each sample alone; how and why: docs/models.md, "Gated DeltaNet hybrids"."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ TORCH_RULE_CHUNK = 64
 TORCH_RULE_VECTORS_PER_HEAD_DIM = 15
 TORCH_RULE_CHUNK_ROWS = 5
 # In a training step on a GPU a Gated DeltaNet layer running that rule keeps more than the rule alone:
-# autocast's fp32 copies of its inputs, tree packing's per-level gathers (gated_deltanet.py) and the
+# autocast's fp32 copies of its inputs, tree packing's layout gathers (gated_deltanet.py) and the
 # layer's own projections and convolution, which the generic per-layer term does not model. This
 # factor was measured on an H200 at the Qwen3.5-2B shape (the docs page the module doc names);
 # without it the default step ran out of memory.
