@@ -208,11 +208,12 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         },
     )
     parse_reasoning: bool = field(
-        default=True,
+        default=False,
         metadata={
-            "help": "Split a <think>...</think> block off each assistant message into reasoning_content, so "
-            "reward functions see the answer alone in content (TRL's parse_response). True: rewards usually "
-            "judge the answer, not the reasoning; False: content keeps it."
+            "help": "Move a <think>...</think> block out of each assistant message's content into "
+            "reasoning_content (as TRL's parse_response does for the chat templates it knows). False: "
+            "content is the text as generated (less tool-call blocks), which format rewards such as "
+            "r'^<think>.*?</think><answer>.*?</answer>$' match; True: content is the answer alone."
         },
     )
 

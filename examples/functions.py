@@ -32,8 +32,9 @@ def coding_reward_func(prompts, completions, task, solution, **kwargs):
         if kind != "coding":
             rewards.append(None)
             continue
-        match = re.search(r"```(?:python)?\n(.*?)```", completion[0]["content"], re.DOTALL)
-        rewards.append(1.0 if match and _passes(match.group(1), check) else -1.0)
+        # The last code block is the answer: the reasoning before it (in content by default) may hold drafts.
+        blocks = re.findall(r"```(?:python)?\n(.*?)```", completion[0]["content"], re.DOTALL)
+        rewards.append(1.0 if blocks and _passes(blocks[-1], check) else -1.0)
     return rewards
 
 
@@ -50,6 +51,23 @@ async def async_reward_func(prompts, completions, **kwargs):
     """Stands for a slow remote judge: 1 for a non-empty completion."""
     await asyncio.sleep(0.01)
     return [1.0 if completion[0]["content"] else 0.0 for completion in completions]
+
+
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+def boxed_reward_func(completions, ground_truth, **kwargs):
+    """1.0 when the `\\boxed{}` answer is the row's `ground_truth` column, as text; 0.0 otherwise."""
+    # Regular expression to capture content inside \boxed{}
+    matches = [re.search(r"\\boxed\{(.*?)\}", completion[0]["content"]) for completion in completions]
+    contents = [match.group(1) if match else "" for match in matches]
+    # Reward 1 if the content is the same as the ground truth, 0 otherwise
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
 
 
 def multiply(a: int, b: int) -> int:

@@ -472,7 +472,8 @@ def test_loop_stops_at_max_tool_calling_iterations_and_builds_trl_style_completi
     replies = {
         "go": ["<think>plan</think>" + call("multiply", a=2, b=3), call("multiply", a=1, b=1), "never"]
     }
-    loop = ScriptedLoop(tokenizer, replies, max_tool_calling_iterations=1)
+    # parse_reasoning: the message shape of TRL's parse_response (tests/test_reasoning_content.py: default).
+    loop = ScriptedLoop(tokenizer, replies, max_tool_calling_iterations=1, parse_reasoning=True)
     rollout = asyncio.run(run_tool_loop(loop, [{"role": "user", "content": "go"}], [multiply], 0))
     assert len(rollout.turns) == 2 and rollout.tool_call_count == 1
     first, tool_message, last = rollout.completion

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from reward_examples import (
+    MULTI_TASK_DATASET,
+    coding_reward_func,
+    format_reward_func,
+    length_reward_func,
+    math_reward_func,
+)
 
 from asyncgrpo.generation.server_load import ServerLoad
 from asyncgrpo.metrics import MetricsWindow, Reduce
@@ -54,35 +60,14 @@ def test_sum_rewards_skips_none_and_marks_unscored_nan():
     assert total[0] == 1.5 and total[1] == 2.0 and math.isnan(total[2])
 
 
-# -- TRL's documented reward-function examples, with the rewards they document -------------------
-
-
-def length_reward(completion_ids, **kwargs):
-    return [float(len(ids)) for ids in completion_ids]
-
-
-def format_reward_func(completions, **kwargs):
-    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
-    return [1.0 if re.match(pattern, completion[0]["content"]) else 0.0 for completion in completions]
-
-
-def math_reward_func(prompts, completions, task, **kwargs):
-    return [
-        (1.0 if "4" in c[0]["content"] else -1.0) if t == "math" else None for c, t in zip(completions, task)
-    ]
-
-
-def coding_reward_func(prompts, completions, task, **kwargs):
-    return [
-        (1.0 if "def" in c[0]["content"] else -1.0) if t == "code" else None
-        for c, t in zip(completions, task)
-    ]
+# -- TRL's documented reward-function examples (tests/reward_examples.py), through the scoring path --------
 
 
 ASYNC_REWARDS_RUNNING = {"now": 0, "most": 0}
 
 
-async def async_reward_func(prompts, completions, **kwargs):
+async def slow_async_reward(prompts, completions, **kwargs):
+    """Example 5's shape, counting how many calls are awaiting at once."""
     ASYNC_REWARDS_RUNNING["now"] += 1
     ASYNC_REWARDS_RUNNING["most"] = max(ASYNC_REWARDS_RUNNING["most"], ASYNC_REWARDS_RUNNING["now"])
     await asyncio.sleep(0.2)
@@ -105,19 +90,23 @@ def test_documented_examples_length_and_format():
         [{"role": "assistant", "content": "So (3 + 1) * 2 = 8."}],
     ]
     rewards = score(
-        [length_reward, format_reward_func], prompts, completions, [[6303, 13], [304, 279, 12884, 13]]
+        [length_reward_func, format_reward_func], prompts, completions, [[6303, 13], [304, 279, 12884, 13]]
     )
     assert rewards == [[2.0, 4.0], [1.0, 0.0]]
 
 
 def test_documented_multi_task_example_returns_none_for_other_tasks():
-    prompts = [
-        [{"role": "user", "content": "What is 2+2?"}],
-        [{"role": "user", "content": "Write a sum function."}],
+    rows = MULTI_TASK_DATASET[:2]
+    completions = [
+        [{"role": "assistant", "content": "2+2 = 4"}],
+        [{"role": "assistant", "content": "```python\ndef add(a, b):\n    return a + b\n```"}],
     ]
-    completions = [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "def f(a, b)"}]]
     per_function = score(
-        [math_reward_func, coding_reward_func], prompts, completions, [[1], [2]], task=["math", "code"]
+        [math_reward_func, coding_reward_func],
+        [row["prompt"] for row in rows],
+        completions,
+        [[1], [2]],
+        task=[row["task"] for row in rows],
     )
     assert per_function == [[1.0, None], [None, 1.0]]
     assert sum_rewards(per_function, 2).tolist() == [1.0, 1.0]
@@ -127,7 +116,7 @@ def test_async_reward_functions_overlap():
     prompts = [[{"role": "user", "content": "x"}]] * 2
     completions = [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": ""}]]
     ASYNC_REWARDS_RUNNING.update(now=0, most=0)
-    rewards = score([async_reward_func] * 5, prompts, completions, [[1], []])
+    rewards = score([slow_async_reward] * 5, prompts, completions, [[1], []])
     # Counted, not timed: all five were awaiting at once (run one after another, at most one would be).
     assert ASYNC_REWARDS_RUNNING["most"] == 5, "five async rewards must run together"
     assert rewards == [[1.0, 1.0]] * 5
@@ -148,8 +137,8 @@ def test_reward_function_names():
         def __call__(self, **kwargs):
             return []
 
-    assert reward_function_name(length_reward) == "length_reward"
-    assert reward_function_name(functools.partial(length_reward)) == "length_reward"
+    assert reward_function_name(length_reward_func) == "length_reward_func"
+    assert reward_function_name(functools.partial(length_reward_func)) == "length_reward_func"
     assert reward_function_name(Judge()) == "Judge"
 
 

@@ -18,6 +18,14 @@ pytest.importorskip(
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from reward_examples import (  # noqa: E402
+    MULTI_TASK_DATASET,
+    async_reward_func,
+    coding_reward_func,
+    format_reward_func,
+    length_reward_func,
+    math_reward_func,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
@@ -217,74 +225,28 @@ def test_one_epoch_ends_training_once_every_prompt_is_counted(vllm_server, tiny_
 # -- TRL's documented code examples, with only the import changed --------------------------------
 
 
-def reward_len(completion_ids, **kwargs):
-    """Documented example 1: longer completions score higher."""
-    return [float(len(ids)) for ids in completion_ids]
-
-
-def format_reward_func(completions, **kwargs):
-    import re
-
-    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
-    return [1.0 if re.match(pattern, completion[0]["content"]) else 0.0 for completion in completions]
-
-
-def math_reward_func(prompts, completions, task, **kwargs):
-    return [
-        (1.0 if len(c[0]["content"]) % 2 else -1.0) if t == "math" else None
-        for c, t in zip(completions, task)
-    ]
-
-
-def coding_reward_func(prompts, completions, task, **kwargs):
-    return [
-        (1.0 if len(c[0]["content"]) % 3 else -1.0) if t == "code" else None
-        for c, t in zip(completions, task)
-    ]
-
-
-async def async_reward_func(prompts, completions, **kwargs):
-    await asyncio.sleep(0.01)
-    return [1.0 if completion else 0.0 for completion in completions]
-
-
 def test_documented_reward_examples_train(vllm_server, tiny_model_dir, tmp_path):
-    dataset = Dataset.from_list(
-        [
-            {"prompt": [{"role": "user", "content": "What is 2+2?"}], "task": "math"},
-            {
-                "prompt": [{"role": "user", "content": "Write a function that returns the sum."}],
-                "task": "code",
-            },
-            {"prompt": [{"role": "user", "content": "What is 3*4?"}], "task": "math"},
-            {
-                "prompt": [{"role": "user", "content": "Write a function that returns the product."}],
-                "task": "code",
-            },
-        ]
-    )
+    """Examples 1, 2, 4 and 5 of the documentation's custom reward functions (tests/reward_examples.py)
+    together on example 4's dataset: each is called and logged under its own name. The random tiny
+    model's completions often all run to the length cap and answer nothing, so the examples alone can
+    score a whole group the same; token_parity_reward keeps groups apart (something to train)."""
+    reward_funcs = [
+        length_reward_func,
+        format_reward_func,
+        math_reward_func,
+        coding_reward_func,
+        async_reward_func,
+    ]
     trainer = AsyncGRPOTrainer(
         model=str(tiny_model_dir),
-        reward_funcs=[
-            reward_len,
-            format_reward_func,
-            math_reward_func,
-            coding_reward_func,
-            async_reward_func,
-        ],
+        reward_funcs=[*reward_funcs, token_parity_reward],
         args=make_config(vllm_server, tmp_path, max_steps=2),
-        train_dataset=dataset,
+        train_dataset=Dataset.from_list(MULTI_TASK_DATASET),
     )
     trainer.train()
     logged = set().union(*(entry.keys() for entry in trainer.state.log_history))
-    for name in (
-        "reward_len",
-        "format_reward_func",
-        "math_reward_func",
-        "coding_reward_func",
-        "async_reward_func",
-    ):
-        assert f"rewards/{name}/mean" in logged
+    for function in reward_funcs:
+        assert f"rewards/{function.__name__}/mean" in logged
 
 
 # TRL's documented CurriculumRolloutLoop, defined at module level (the worker process re-imports it).

@@ -2,6 +2,8 @@
 
 Works on `\\boxed{}` answers and on DeepMath-style data (a `solution` column holding the reference
 answer). Uses math-verify, which compares parsed expressions (2/4 equals \\frac{1}{2}), not strings.
+Only the answer is judged: a closed `<think>...</think>` block, which `content` holds unless
+`parse_reasoning` moved it out, is left aside (an expression tried while reasoning is no answer).
 
 math-verify bounds its own parsing and comparison time (some expressions make sympy run for minutes)
 with SIGALRM, which only works in a process's main thread, and reward functions run in the rollout
@@ -18,6 +20,8 @@ import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
+
+from asyncgrpo.rollout.tool_calls import split_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +84,9 @@ def accuracy_reward(
 ) -> list[float | None]:
     """1.0 when the completion's last message answers `solution` correctly, 0.0 when not, None when
     the reference itself cannot be parsed (the item is left out of the reward)."""
-    contents = [completion[-1]["content"] if completion else "" for completion in completions]
+    contents = [
+        split_reasoning(completion[-1]["content"])[1] if completion else "" for completion in completions
+    ]
     references = [str(reference) for reference in solution]
     if threading.current_thread() is threading.main_thread():
         return [score_answer(content, reference) for content, reference in zip(contents, references)]

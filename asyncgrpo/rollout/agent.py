@@ -10,9 +10,9 @@ context.
 Two views of the conversation are kept. The one that is re-rendered holds each assistant turn's text
 verbatim, so a prefix-preserving template reproduces exactly the tokens that were sampled and the
 next turn extends the same sample. The one reward functions get (`completion`) is structured the way
-TRL's is: content without the tool-call blocks (and without `<think>` reasoning, which goes to
-`reasoning_content`), `tool_calls` as {"type": "function", "function": {"name", "arguments"}}, and
-one {"role": "tool", "name", "content"} message per call.
+TRL's is: content as generated less the tool-call blocks (its `<think>` block too, moved to
+`reasoning_content`, when `parse_reasoning` is on), `tool_calls` as {"type": "function", "function":
+{"name", "arguments"}}, and one {"role": "tool", "name", "content"} message per call.
 """
 
 from __future__ import annotations

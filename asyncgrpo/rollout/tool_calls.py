@@ -13,9 +13,10 @@ A block that is not valid JSON, lacks a name, or has non-object arguments is kep
 call: the loop answers it with an error message the model sees and counts it as a failure, it never
 stops the run.
 
-Reasoning: like TRL's `parse_response`, a Qwen3-style `<think>...</think>` (the opening tag may sit
-in the generation prompt) is split off into `reasoning_content`, so reward functions read the answer
-alone in `content`.
+Reasoning: a Qwen3-style `<think>...</think>` block (the opening tag may sit in the generation
+prompt) is found in every turn; calls are read only after it (a call the model muses about while
+reasoning is not made). Whether it then stays in `content` or moves to `reasoning_content` is the
+caller's choice (`parse_reasoning`, docs/agents.md#reasoning).
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ class ToolCall:
 
 @dataclass
 class ParsedTurn:
-    content: str  # the text without tool-call blocks (and without reasoning when split)
+    content: str  # the text without tool-call blocks (and without the reasoning block when split)
     calls: list[ToolCall]
-    reasoning: str | None = None
+    reasoning: str | None = None  # the reasoning block's text when split off, else None
 
 
 def tool_call_format(chat_template: Any) -> str:
@@ -152,7 +153,16 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
 
 
 def parse_turn(text: str, fmt: str, with_tools: bool, reasoning: bool) -> ParsedTurn:
-    """An assistant turn's content, calls (only looked for when tools are offered) and reasoning."""
-    thought, rest = split_reasoning(text) if reasoning else (None, text)
-    content, calls = parse_tool_calls(rest, fmt) if with_tools else (rest, [])
-    return ParsedTurn(content=content, calls=calls, reasoning=thought)
+    """An assistant turn's content, calls (only looked for when tools are offered, and only after the
+    reasoning block) and reasoning. `reasoning=True` moves the reasoning block out of `content` into
+    `reasoning`; False keeps `content` as generated, less the call blocks."""
+    head, mark, tail = text.partition("</think>")
+    head, tail = (head + mark, tail) if mark else ("", text)  # head: the reasoning block, if closed
+    rest, calls = parse_tool_calls(tail, fmt) if with_tools else (tail, [])
+    if reasoning and head:
+        return ParsedTurn(content=rest.lstrip("\n"), calls=calls, reasoning=split_reasoning(head)[0])
+    if not calls:
+        return ParsedTurn(content=text, calls=[])
+    if head and rest.strip():  # keep what separated the reasoning from the text around the calls
+        rest = tail[: len(tail) - len(tail.lstrip())] + rest.lstrip()
+    return ParsedTurn(content=head + rest, calls=calls)
