@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from asyncgrpo import AsyncGRPOConfig
 from asyncgrpo.cli.tiny_model import save_tiny_model
 
 if TYPE_CHECKING:  # the server module needs msgspec, which a GPU host may lack: imported where used
@@ -163,3 +164,24 @@ def lora_server(vllm_servers) -> VLLMServer:
     of several modules. Those tests change adapters; the one that syncs merged weights into it puts the
     base weights back (restore_server)."""
     return vllm_servers.get(enable_lora=True, max_lora_rank=8, max_loras=2)
+
+
+def make_config(server, output_dir, config_class=AsyncGRPOConfig, **overrides) -> AsyncGRPOConfig:
+    """The config every integration test starts from (tests and the scripts they spawn import it
+    from here): a short, quiet run against `server` on the tiny model; `overrides` change fields."""
+    options = dict(
+        output_dir=str(output_dir),
+        vllm_server_base_url=server.url,
+        num_generations=4,
+        max_completion_length=16,
+        token_budget=256,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        vllm_server_timeout=60,
+        seed=0,
+    )
+    options.update(overrides)
+    return config_class(**options)

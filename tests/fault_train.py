@@ -18,7 +18,8 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_trainer_e2e import make_config, prompts, token_parity_reward  # noqa: E402
+from conftest import make_config  # noqa: E402
+from test_trainer_e2e import prompts, token_parity_reward  # noqa: E402
 
 import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
 from asyncgrpo import AsyncGRPOTrainer  # noqa: E402

@@ -25,9 +25,10 @@ pytest.importorskip(
 pytest.importorskip(
     "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
 )
+from conftest import make_config
 from datasets import Dataset
 
-from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
+from asyncgrpo import AsyncGRPOTrainer, AsyncRolloutLoop
 from asyncgrpo.cli.demo import WARM_START_LR, answer_probability, supervised_steps
 from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 from asyncgrpo.generation.client import VLLMClient
@@ -123,24 +124,11 @@ def shared_server_weights_restored(request, tiny_model_dir):
         set_server_weights(request.getfixturevalue("vllm_server").url, tiny_model_dir)
 
 
-def make_args(server, output_dir, **overrides) -> AsyncGRPOConfig:
-    options = dict(
-        output_dir=str(output_dir),
-        vllm_server_base_url=server.url,
-        chat_template_kwargs=NO_THINKING,
-        num_generations=8,
-        max_completion_length=32,
-        token_budget=2048,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        vllm_server_timeout=60,
-        seed=0,
-    )
-    options.update(overrides)
-    return AsyncGRPOConfig(**options)
+# What the agent runs change from the shared test config (conftest.make_config): no thinking block,
+# bigger groups, room for several turns.
+AGENT_RUN = dict(
+    chat_template_kwargs=NO_THINKING, num_generations=8, max_completion_length=32, token_budget=2048
+)
 
 
 TOOL_METRICS = [
@@ -240,9 +228,10 @@ def test_increment_env_trains_on_its_own_reward(vllm_server, tmp_path):
     set_server_weights(vllm_server.url, warm_dir)  # the first rollouts already come from the warm start
     torch.set_num_threads(1)  # the server's CPU engine holds the other core
     steps = GRPO_STEPS
-    args = make_args(
+    args = make_config(
         vllm_server,
         tmp_path / "run",
+        **AGENT_RUN,
         max_steps=steps,
         learning_rate=GRPO_LR,
         # Adam's first steps move every weight by about the learning rate whatever its gradient:
@@ -318,7 +307,9 @@ def test_multi_environment_routing_offers_only_the_rows_environment_tools(
     vllm_server, tiny_model_dir, tmp_path
 ):
     dataset = Dataset.from_dict({"environment": ["coding", "game"] * 500})
-    args = make_args(vllm_server, tmp_path, max_steps=2, num_generations=4, learning_rate=1e-4)
+    args = make_config(
+        vllm_server, tmp_path, **{**AGENT_RUN, "num_generations": 4}, max_steps=2, learning_rate=1e-4
+    )
     trainer = ProbingTrainer(
         model=str(tiny_model_dir),
         args=args,

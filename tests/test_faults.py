@@ -25,11 +25,10 @@ pytest.importorskip(
     "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
 )
 
-from conftest import MAX_MODEL_LEN, free_port  # noqa: E402
+from conftest import MAX_MODEL_LEN, free_port, make_config  # noqa: E402
 from test_trainer_e2e import (
     PROBE,
     hf_greedy,
-    make_config,
     prompts,
     restore_server,
     server_greedy,

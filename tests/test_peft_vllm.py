@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_config
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from test_trainer_e2e import PROBE, make_config, prompts, restore_server, token_parity_reward
+from test_trainer_e2e import PROBE, prompts, restore_server, token_parity_reward
 from test_vllm_weights import greedy_reference
 from transformers import AutoModelForCausalLM, TrainerCallback
 

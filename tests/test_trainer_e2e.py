@@ -17,6 +17,7 @@ pytest.importorskip(
 )
 
 import torch  # noqa: E402
+from conftest import make_config  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from reward_examples import (  # noqa: E402
     MULTI_TASK_DATASET,
@@ -123,25 +124,6 @@ def prompts(n: int = 40) -> Dataset:
     return Dataset.from_dict(
         {"prompt": [[{"role": "user", "content": f"Say something about {i}."}] for i in range(n)]}
     )
-
-
-def make_config(server, output_dir, config_class=AsyncGRPOConfig, **overrides) -> AsyncGRPOConfig:
-    options = dict(
-        output_dir=str(output_dir),
-        vllm_server_base_url=server.url,
-        num_generations=4,
-        max_completion_length=16,
-        token_budget=256,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        vllm_server_timeout=60,
-        seed=0,
-    )
-    options.update(overrides)
-    return config_class(**options)
 
 
 def server_greedy(url: str) -> list[int]:

@@ -293,7 +293,8 @@ def test_trl_example_script_runs_with_only_the_import_changed(vllm_server, tiny_
 
 @pytest.mark.vllm
 def test_trl_attributes_and_trainer_callbacks_during_training(vllm_server, tiny_model_dir, tmp_path):
-    from test_trainer_e2e import make_config, prompts, restore_server, token_parity_reward
+    from conftest import make_config
+    from test_trainer_e2e import prompts, restore_server, token_parity_reward
 
     recorder = Recorder()
     config = make_config(
@@ -343,7 +344,8 @@ def test_fixed_count_rows_train_against_the_server(vllm_server, tiny_model_dir, 
     and row_fill_frac, which divides by the budget, is not logged. The same short run checks two
     TrainingArguments settings of the base Trainer's loop: torch_empty_cache_steps and
     include_num_input_tokens_seen."""
-    from test_trainer_e2e import make_config, prompts, restore_server, token_parity_reward
+    from conftest import make_config
+    from test_trainer_e2e import prompts, restore_server, token_parity_reward
 
     from asyncgrpo.trainer import base_loop_settings
 
