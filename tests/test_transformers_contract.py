@@ -11,7 +11,13 @@ import re
 from pathlib import Path
 
 import pytest
-from transformers import Trainer
+
+# transformers' Trainer imports datasets, which a GPU host may lack (tests/test_gpu_collection.py).
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+from transformers import Trainer  # noqa: E402
 
 TRAINER_PACKAGE = Path(__file__).resolve().parent.parent / "asyncgrpo" / "trainer"
 
