@@ -1,7 +1,7 @@
 """The whole optimizer step at the trainer's default settings on one GPU: MFU, profile, memory.
 
 The step is built by `AsyncGRPOTrainer` itself (its defaults, its model preparation, its
-`_forward_backward_step`: `row_loss` per row, then clipping + AdamW), on random weights
+`_forward_backward` and `_optimizer_step`: `row_loss` per row, then clipping + AdamW), on random weights
 of the Qwen3-1.7B shape held in fp32 (the trainer's `dtype` default) with no vLLM server: only the
 samples are synthetic. Phases (one call, device time is scarce; a short table is printed last):
   1. the card's bf16 matmul peak (8192^3), the ceiling MFU is measured against;
@@ -48,7 +48,6 @@ from asyncgrpo.packing.trie import pack_row  # noqa: E402
 from asyncgrpo.perf import flop_model  # noqa: E402
 from asyncgrpo.sample import Sample  # noqa: E402
 from asyncgrpo.trainer.activation_memory import RowMemoryPlan  # noqa: E402
-from asyncgrpo.trainer.distributed import Processes  # noqa: E402
 from asyncgrpo.trainer.intake import StepBatch  # noqa: E402
 from asyncgrpo.trainer.optimizer_step import takes_device_decisions, torch_optimizer  # noqa: E402
 
@@ -111,10 +110,7 @@ def make_trainer(overrides: dict, smoke: bool, output_dir: str, model=None) -> A
         trainer.model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
         )
-    trainer._processes = Processes(1, 0)
-    trainer._sharded = False  # one process, as _inner_training_loop decides for a single-GPU run
-    trainer._restore_state(args, None)
-    trainer._model = trainer._prepare_model(args, None)
+    trainer._model = trainer._begin_run(args, None, None)  # train()'s set-up; no server is reached
     return trainer
 
 
@@ -174,7 +170,8 @@ def with_top(row, tree):
 def step(trainer: AsyncGRPOTrainer, plans) -> None:
     """What `AsyncGRPOTrainer._train_step` runs on the GPU: forward/backward of every micro-batch,
     then clipping + AdamW (queued on the device with the trainer's fused AdamW)."""
-    trainer._forward_backward_step(trainer._model, StepBatch(plans=list(plans)))
+    queued = trainer._forward_backward(trainer._model, StepBatch(plans=list(plans)))
+    trainer._optimizer_step(trainer._model, queued)
 
 
 def timed_steps(trainer, plans, repeats: int, warmup: int) -> float:
@@ -194,7 +191,7 @@ def timed_steps(trainer, plans, repeats: int, warmup: int) -> float:
 
 def memory_plan(trainer) -> dict:
     """What the row memory plans chose since the last call (a mean over rows; None off CUDA)."""
-    window = trainer._window.summarize()
+    window = trainer._metrics.window.summarize()
     return {
         "checkpointed_layers": window.get("perf/checkpointed_layers"),
         "head_logits_kept": window.get("perf/head_logits_kept"),
@@ -558,7 +555,7 @@ def memory_sweep(args, out_dir, deadline: float) -> list[dict]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        trainer._window = type(trainer._window)()
+        trainer._metrics.window.summarize()  # start with an empty window
         try:
             started = time.perf_counter()
             step(trainer, plans)

@@ -2,9 +2,9 @@
 
 The same step as bench/gpu_step.py: `AsyncGRPOTrainer` built with its defaults around random fp32
 weights of Qwen/Qwen3.5-2B's text shape (bench/gpu_training.QWEN3_5_2B), prepared as `train()` does
-(compiled layers, checkpoint only to fit, fused head, bf16 autocast), then `_forward_backward_step`
-(forward/backward, clipping + AdamW) on 2 micro-batches of one row each; no vLLM server, only the
-samples are synthetic.
+(compiled layers, checkpoint only to fit, fused head, bf16 autocast), then `_forward_backward` and
+`_optimizer_step` (forward/backward, clipping + AdamW) on 2 micro-batches of one row each; no vLLM
+server, only the samples are synthetic.
 The Gated DeltaNet layers run tree-packed through fla-core's varlen kernel (extra `gpu`).
 Phases (one device call; a short table is printed last):
   1. the card's bf16 matmul peak (8192^3), the ceiling MFU is measured against;
@@ -107,7 +107,7 @@ def measure(trainer, plans, flops, peak: float, args, warmup: int) -> dict:
         "mfu": plan_flops(flops, rows) / seconds / peak, "model_flops": plan_flops(flops, rows),
         "unpacked_tok_s": unpacked / seconds, "forwarded_tok_s": forwarded / seconds,
         "packing_ratio": unpacked / forwarded, "peak_memory_gb": peak_memory_gb(),
-        "checkpointed_layers": trainer._window.summarize().get("perf/checkpointed_layers"),
+        "checkpointed_layers": trainer._metrics.window.summarize().get("perf/checkpointed_layers"),
     }  # fmt: skip
 
 

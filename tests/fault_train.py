@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import make_config  # noqa: E402
 from test_trainer_e2e import prompts, token_parity_reward  # noqa: E402
 
-import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
+import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
 from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
 
 
@@ -39,16 +39,6 @@ class MarkSteps(TrainerCallback):
 def main() -> None:
     url, model_dir, output_dir, max_steps, mode = sys.argv[1:6]
     output = Path(output_dir)
-    if mode == "slow-save-at-3":
-        write_rollout_state = trainer_module.AsyncGRPOTrainer._save_rollout_state
-
-        def slow(self, directory):
-            if self.state.global_step == 3:
-                (output / "saving-3").touch()
-                time.sleep(3600)
-            write_rollout_state(self, directory)
-
-        trainer_module.AsyncGRPOTrainer._save_rollout_state = slow
     config = make_config(
         SimpleNamespace(url=url), output_dir, max_steps=int(max_steps), save_strategy="steps", save_steps=1,
         learning_rate=1e-3, vllm_server_timeout=120,
@@ -56,6 +46,16 @@ def main() -> None:
     trainer = AsyncGRPOTrainer(
         model_dir, token_parity_reward, config, train_dataset=prompts(60), callbacks=[MarkSteps(output, mode)]
     )
+    if mode == "slow-save-at-3":
+        write_resume_point = checkpoint_module.save_resume_point
+
+        def slow(directory, resume):
+            if trainer.state.global_step == 3:
+                (output / "saving-3").touch()
+                time.sleep(3600)
+            write_resume_point(directory, resume)
+
+        checkpoint_module.save_resume_point = slow
     trainer.train()
 
 

@@ -96,7 +96,7 @@ def test_a_reward_that_never_returns_stops_the_run_naming_it(
     ):
         trainer.train()
     assert time.time() - float(mark.read_text()) < 3 + 10, "stopped within the timeout plus a few seconds"
-    assert not trainer._worker.process.is_alive()
+    assert not trainer.rollout_worker.process.is_alive()
 
 
 def test_an_inf_reward_is_an_error_and_the_served_weights_stay_finite(vllm_server, tiny_model_dir, tmp_path):

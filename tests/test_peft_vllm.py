@@ -60,8 +60,8 @@ class AtLastStep(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step < args.max_steps:
             return
-        backend = self.trainer._weight_sync
-        newest = policy_adapter_name(backend.prefix, self.trainer._model_version)
+        backend = self.trainer.weight_transfer
+        newest = policy_adapter_name(backend.prefix, self.trainer.model_version)
         self.seen = dict(
             newest=newest,
             models=served_models(args.vllm_server_base_url[0]),
@@ -93,13 +93,13 @@ def test_adapter_only_sync_trains_and_the_server_runs_the_newest_adapter(
     trainer.add_callback(probe)
     trainer.train()
 
-    assert isinstance(trainer._weight_sync, LoraAdapterSync)
+    assert isinstance(trainer.weight_transfer, LoraAdapterSync)
     seen = probe.seen
     # Only the newest version (max_staleness + 1 = 1) is loaded; older ones and their folders are gone.
-    assert [name for name in seen["models"] if name.startswith(trainer._weight_sync.prefix)] == [
+    assert [name for name in seen["models"] if name.startswith(trainer.weight_transfer.prefix)] == [
         seen["newest"]
     ]
-    assert seen["folders"] == [f"v{trainer._model_version}"] and trainer._model_version == 3
+    assert seen["folders"] == [f"v{trainer.model_version}"] and trainer.model_version == 3
     expected_tokens, expected_logprobs = seen["reference"]
     assert seen["completion"].token_ids.tolist() == expected_tokens
     np.testing.assert_allclose(seen["completion"].logprobs, expected_logprobs, atol=1e-4)
@@ -114,7 +114,7 @@ def test_adapter_only_sync_trains_and_the_server_runs_the_newest_adapter(
     assert len(gaps) == 3 and max(gaps) < 1e-3, gaps
     # The base model is untouched and the run's adapters are unloaded at the end.
     assert served(lora_server.url).token_ids.tolist() == base_before.token_ids.tolist()
-    assert not any(name.startswith(trainer._weight_sync.prefix) for name in served_models(lora_server.url))
+    assert not any(name.startswith(trainer.weight_transfer.prefix) for name in served_models(lora_server.url))
     assert not (tmp_path / ".vllm_lora").exists()
     adapter_bytes = sum(p.numel() * 4 for name, p in trainer.model.named_parameters() if "lora_" in name)
     logged = [

@@ -204,7 +204,7 @@ def test_multi_process_limits_are_said_at_start():
 def test_the_tokenizer_loads_the_revision_of_model_init_kwargs(tiny_model_dir, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    import asyncgrpo.trainer.async_grpo_trainer as trainer_module
+    import asyncgrpo.trainer.policy_model as policy_model
 
     seen = []
     load = AutoTokenizer.from_pretrained
@@ -213,7 +213,7 @@ def test_the_tokenizer_loads_the_revision_of_model_init_kwargs(tiny_model_dir, t
         seen.append(kwargs.get("revision"))
         return load(name, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module.AutoTokenizer, "from_pretrained", recording)
+    monkeypatch.setattr(policy_model.AutoTokenizer, "from_pretrained", recording)
     args = config(tmp_path, model_init_kwargs={"revision": "main"})
     AsyncGRPOTrainer(str(tiny_model_dir), some_reward, args, train_dataset=conversational())
     assert seen == ["main"]
@@ -265,7 +265,7 @@ def test_resuming_an_iterable_dataset_warns_that_it_restarts_from_the_first_prom
         str(tiny_model_dir), some_reward, args, train_dataset=conversational().to_iterable_dataset()
     )
     with caplog.at_level("WARNING"):
-        state = trainer._restore_state(trainer.args, str(checkpoint))
+        state = trainer._restore_state(trainer.args, str(checkpoint)).rollout
     assert "cannot be repositioned" in caplog.text
     assert (state.first_untrained_index, state.consumed_after, state.model_version) == (0, [], 3)
 
@@ -273,8 +273,10 @@ def test_resuming_an_iterable_dataset_warns_that_it_restarts_from_the_first_prom
 def test_weight_sync_barrier_is_the_wait_for_the_other_processes(monkeypatch):
     """perf/weight_sync_barrier_s is the time every process takes to reach the sync (the gather
     before it), and perf/weight_sync_s adds it to the pause and the transfer."""
-    import asyncgrpo.trainer.async_grpo_trainer as trainer_module
+    import asyncgrpo.trainer.generation_session as session_module
     from asyncgrpo.metrics import MetricsWindow
+    from asyncgrpo.trainer.checkpoint import ResumePoint
+    from asyncgrpo.trainer.prompt_ledger import RolloutState
     from asyncgrpo.weight_sync.base import SyncTimings
 
     def slow_gather(value):
@@ -282,18 +284,14 @@ def test_weight_sync_barrier_is_the_wait_for_the_other_processes(monkeypatch):
         return [value, value]
 
     monkeypatch.setattr(
-        trainer_module, "sync_policy", lambda backend, model, version: (SyncTimings(0.25, 0.5), 1000)
+        session_module, "sync_policy", lambda backend, model, version: (SyncTimings(0.25, 0.5), 1000)
     )
-    fake = SimpleNamespace(
-        accelerator=SimpleNamespace(unwrap_model=lambda model: model),
-        _processes=SimpleNamespace(gather=slow_gather),
-        _weight_sync=None,
-        _model_version=1,
-        _worker=None,
-        _window=MetricsWindow(),
+    window = MetricsWindow()
+    session = session_module.GenerationSession(
+        SimpleNamespace(gather=slow_gather), window, ResumePoint(RolloutState(model_version=1))
     )
-    AsyncGRPOTrainer._sync_weights(fake, torch.nn.Linear(2, 2))
-    logged = fake._window.summarize()
+    session.sync_weights(torch.nn.Linear(2, 2))
+    logged = window.summarize()
     assert 0.05 <= logged["perf/weight_sync_barrier_s"] < 1.0
     assert logged["perf/weight_sync_s"] == pytest.approx(0.75 + logged["perf/weight_sync_barrier_s"])
     assert (logged["perf/weight_sync_pause_s"], logged["perf/weight_sync_transfer_s"]) == (0.25, 0.5)

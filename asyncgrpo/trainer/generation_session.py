@@ -1,0 +1,253 @@
+"""The generation session: what a training run opens to get samples, and closes at its end.
+
+Rank 0 reaches the vLLM servers, sizes the rows from them and starts the weight-sync backend, the
+rollout worker and the sample intake; the other processes learn the row size and the backend from
+it. The session pushes each new policy to the servers and notices servers that lost it; `close`
+shuts down whatever was opened, even after a set-up that failed half-way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from asyncgrpo.generation.background import BackgroundLoop
+from asyncgrpo.generation.client import VLLMClient, policy_label
+from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
+from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.rollout.chat import render_prompt_ids
+from asyncgrpo.rollout.environments import EnvironmentOwnedData
+from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
+from asyncgrpo.sample import Sample
+from asyncgrpo.trainer.checkpoint import ResumePoint
+from asyncgrpo.trainer.checks import check_prompt_lengths
+from asyncgrpo.trainer.distributed import Processes
+from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
+from asyncgrpo.trainer.nonfinite import NonFiniteTrainingError, weights_are_finite
+from asyncgrpo.trainer.prompt_ledger import PromptLedger
+from asyncgrpo.weight_sync import LoraAdapterSync, make_sender, make_weight_sync
+from asyncgrpo.weight_sync.merged import sync_policy
+
+if TYPE_CHECKING:
+    from asyncgrpo.trainer.async_grpo_trainer import AsyncGRPOTrainer
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationSession:
+    def __init__(self, processes: Processes, window: MetricsWindow, resume: ResumePoint):
+        self.processes = processes
+        self.window = window  # where the weight syncs' metrics go
+        self.resume = resume  # where the rollout worker starts, and the samples the intake holds first
+        self.model_version = resume.rollout.model_version  # the policy version the servers run
+        self.token_budget: int | None = None  # tokens of one row: known once the servers answer
+        # What `close` shuts down, once opened. Rank 0 holds all of it, the other ranks a weight-sync
+        # receiver only.
+        self.http: BackgroundLoop | None = None
+        self.client: VLLMClient | None = None
+        self.weight_sync = None
+        self.worker: RolloutWorker | None = None
+        self.intake: SampleIntake | None = None
+
+    def open(
+        self, trainer: AsyncGRPOTrainer, ledger: PromptLedger, stop_condition: Callable[[], bool]
+    ) -> None:
+        """Reach the servers, size the rows, start the weight-sync backend and build the rollout
+        worker and the intake (rank 0); the other processes learn the row size and the backend from
+        it. The worker starts later (`start_rollouts`), once the servers run the starting weights."""
+        args = trainer.args
+        if not self.processes.is_main:
+            self.token_budget, backend = self.processes.broadcast(None)
+            self.weight_sync = make_weight_sync(backend, is_sender=False)
+            return
+        # Before anything slow: a lambda fails here.
+        check_worker_payload(
+            trainer.reward_funcs, trainer.loop_cls, trainer.tools, trainer.environment_factory
+        )
+        self.http = BackgroundLoop(
+            default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60
+        )
+        self.client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
+        logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))
+        self.http.run(self.client.wait_until_ready())
+        max_model_len = self.http.run(self.client.max_model_len())
+        served_name = self.http.run(self.client.model_name())
+        server_info = self.http.run(self.client.server_info())
+        check_logprobs_mode(server_info, args.vllm_server_urls[0])
+        warn_on_dtype_mismatch(server_info, trainer.model)
+        # token_budget <= 0: rows of per_device_train_batch_size samples, no token cap (TRL's fixed count)
+        self.token_budget = max_model_len if args.token_budget is None else args.token_budget
+
+        def prompt_length(prompt) -> int:
+            # The trainer's tools only: an environment's tools depend on the instance a rollout gets.
+            tokenizer = trainer.processing_class
+            return len(render_prompt_ids(tokenizer, prompt, trainer.tools, args.chat_template_kwargs))
+
+        check_prompt_lengths(trainer.train_dataset, prompt_length, max_model_len)
+        self.weight_sync = make_sender(
+            args.weight_sync_backend,
+            trainer.model,
+            server_info,
+            self.client,
+            self.http,
+            args.output_dir,
+            args.weight_sync_timeout,
+            args.max_staleness,
+            trainer_on_gpu=args.device.type == "cuda",
+        )
+        adapter_sync = self.weight_sync if isinstance(self.weight_sync, LoraAdapterSync) else None
+        rollout = self.resume.rollout
+        self.worker = RolloutWorker(
+            trainer.loop_cls,
+            dict(
+                config=args,
+                model_name=served_name,
+                dataset=trainer.train_dataset,
+                reward_funcs=trainer.reward_funcs,
+                processing_class=trainer.processing_class,
+                eos_token_ids=eos_token_ids(trainer.model, trainer.processing_class),
+                tools=trainer.tools,
+                environment_factory=trainer.environment_factory,
+                dataset_start_index=rollout.first_untrained_index,
+                skip_stream_indices=frozenset(rollout.consumed_after)
+                | {sample.stream_index for sample in self.resume.held_samples},
+                lora_name=adapter_sync.prefix if adapter_sync is not None else None,
+            ),
+            initial_allowance=0.0,  # SampleIntake publishes the allowance
+            worker_timeout=args.rollout_worker_timeout,
+        )
+        self.intake = SampleIntake(
+            self.worker,
+            ledger,
+            args.max_staleness,
+            self.token_budget,
+            num_rows=self.processes.world_size,
+            rows_per_step=args.gradient_accumulation_steps * self.processes.world_size,
+            samples_per_row=args.per_device_train_batch_size,
+            max_sample_tokens=max_model_len,
+            # Environment-owned data has no pass over prompts (its length is not a pass: one degenerate
+            # group is not a dead dataset); the intake then counts a fixed number of prompts as one.
+            prompts_per_epoch=None
+            if trainer.streaming or isinstance(trainer.train_dataset, EnvironmentOwnedData)
+            else len(trainer.train_dataset),
+            stop_condition=stop_condition,
+            check_servers=self.check_servers,
+        )
+        self.intake.restore(self.resume.held_samples)
+        self.worker.publish_model_version(self.model_version)
+        self.processes.broadcast((self.token_budget, self.weight_sync.name))
+
+    def start_rollouts(self, ready_timeout: float) -> None:
+        """Rank 0, once the servers run the starting weights: spawn the rollout worker."""
+        if self.worker is not None:
+            self.worker.start(ready_timeout=ready_timeout)
+
+    def next_batch(self, gradient_accumulation_steps: int) -> StepBatch | ServersLostWeights | None:
+        """Rank 0: the step's samples, planned into rows for every process; ServersLostWeights for
+        servers to push the policy to again first; None once training is complete (the last prompts
+        were consumed while waiting)."""
+        try:
+            self.check_servers()
+            return self.intake.next_step(gradient_accumulation_steps, self.window, self.model_version)
+        except TrainingComplete:
+            return None
+        except ServersLostWeights as lost:  # every rank learns it, and helps push the weights again
+            return lost
+
+    def check_servers(self) -> None:
+        """Rank 0: raise ServersLostWeights for servers that no longer run the current policy (a
+        restarted server reports vLLM's own label, not ours). A server that does not answer is
+        waited for up to vllm_server_timeout, then the error names it."""
+        expected = policy_label(self.model_version)
+        labels = self.http.run(self.client.weight_labels())
+        lost = [url for url, label in zip(self.client.base_urls, labels) if label != expected]
+        if lost:
+            raise ServersLostWeights(lost)
+
+    def restore_server_weights(self, model: torch.nn.Module, lost: ServersLostWeights) -> None:
+        """Servers restarted with their original checkpoint: push the current policy again (a new
+        NCCL group for the NCCL backend). Rollouts sampled meanwhile are regenerated by the worker."""
+        logger.warning("%s: pushing policy version %d to them again", lost, self.model_version)
+        self.window.record("rollout/server_restarts", len(lost.urls), Reduce.SUM)
+        self.weight_sync.reconnect()
+        self.sync_weights(model)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push `model` (unwrapped) to the servers as the current policy version; every process
+        takes part. Weights that are not finite are never sent."""
+        waiting = time.perf_counter()
+        finite = self.processes.gather(weights_are_finite(model))  # every process reaches the sync
+        barrier_s = time.perf_counter() - waiting
+        if not all(finite):
+            raise NonFiniteTrainingError(
+                f"the weights of policy version {self.model_version} hold inf or NaN: they were not sent to "
+                "the vLLM server. The optimizer produced them from finite gradients: lower learning_rate."
+            )
+        timings, sent_bytes = sync_policy(self.weight_sync, model, self.model_version)
+        self.window.record("perf/weight_sync_bytes", sent_bytes)
+        if self.worker is not None:
+            self.worker.publish_model_version(self.model_version)
+        self.window.record("perf/weight_sync_s", barrier_s + timings.total_s)
+        self.window.record("perf/weight_sync_pause_s", timings.pause_s)
+        self.window.record("perf/weight_sync_barrier_s", barrier_s)
+        self.window.record("perf/weight_sync_transfer_s", timings.transfer_s)
+
+    def collect_worker_metrics(self) -> None:
+        """Rank 0: what the rollout worker recorded since the last call, into the window."""
+        if self.worker is not None:
+            for stats in self.worker.drain_metrics():
+                self.window.merge(stats)
+
+    def held_samples(self) -> list[Sample]:
+        """Samples taken from the worker and not trained yet (rank 0; none elsewhere)."""
+        return self.intake.held_samples() if self.intake is not None else []
+
+    def close(self) -> None:
+        """Close what `open` got to open, even when it failed half-way."""
+        closers = []
+        if self.worker is not None:
+            closers.append(self.worker.stop)
+        if self.weight_sync is not None:
+            closers.append(self.weight_sync.close)
+        if self.http is not None:
+            closers += [lambda: self.http.run(self.client.close(), timeout=10), self.http.close]
+        for closer in closers:
+            try:
+                closer()
+            except Exception as error:  # shutting down: report, keep closing the rest
+                logger.warning("while shutting down: %s", error)
+
+
+def eos_token_ids(model: torch.nn.Module, processing_class) -> list[int]:
+    ids = {processing_class.eos_token_id}
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    elif generation_eos:
+        ids.update(generation_eos)
+    return sorted(token for token in ids if token is not None)
+
+
+def warn_on_dtype_mismatch(server_info: ServerInfo | None, model: torch.nn.Module) -> None:
+    served = server_info.dtype if server_info is not None else None
+    trained = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if served and served != trained:
+        # vLLM-CPU runs Gated DeltaNet layers in bfloat16 only (docs/models.md): no flag fixes that.
+        text_config = model.config.get_text_config()
+        hybrid = "linear_attention" in (getattr(text_config, "layer_types", None) or [])
+        remedy = (
+            "vLLM-CPU serves Gated DeltaNet models in bfloat16 only; on a GPU serve them in the "
+            "trainer's dtype."
+            if hybrid
+            else f"Serve with `--dtype {trained}`."
+        )
+        logger.warning(
+            "the vLLM server runs %s weights but the trainer holds %s: expect a larger train/inference "
+            "mismatch (sampling/importance_sampling_ratio far from 1). %s",
+            served,
+            trained,
+            remedy,
+        )
