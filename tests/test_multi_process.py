@@ -3,6 +3,7 @@ row per process, gradients reduced, weights gathered for the sync."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -19,6 +20,10 @@ import torch  # noqa: E402
 from conftest import free_port  # noqa: E402
 from test_trainer_e2e import restore_server, server_greedy  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
+
+from asyncgrpo.cli.run_config import parse_overrides  # noqa: E402
+from asyncgrpo.config import AsyncGRPOConfig  # noqa: E402
+from asyncgrpo.generation.client import VLLMClient, parse_policy_label  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -38,32 +43,82 @@ def test_fsdp2_loss_and_gradients_match_one_process():
     assert result.stdout.count("max grad diff") == 2
 
 
-@pytest.mark.vllm
-def test_two_processes_train_checkpoint_and_resume_against_the_server(vllm_server, tiny_model_dir, tmp_path):
-    before = server_greedy(vllm_server.url)
-    try:
-        first = torchrun(
-            "multi_process_train.py", vllm_server.url, str(tiny_model_dir), str(tmp_path), "2", timeout=600
+def torchrun_two_nodes(script: str, *args: str, timeout: float) -> list[subprocess.CompletedProcess]:
+    """Two `torchrun --nnodes 2` launches, one process each, meeting through torch's c10d rendezvous
+    on localhost: what a two-node job runs, one launch per node (docs/scaling.md)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    launches = []
+    for node_rank in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+        command += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+        command += ["--rdzv-id", "two-nodes", str(HERE / script), *args]
+        launches.append(
+            subprocess.Popen(
+                command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
         )
-        after = server_greedy(vllm_server.url)
-        assert first.returncode == 0, first.stderr[-5000:]
+    results = []
+    try:
+        for launch in launches:
+            stdout, stderr = launch.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(launch.args, launch.returncode, stdout, stderr))
+    finally:
+        for launch in launches:
+            launch.kill()
+    return results
+
+
+def server_labels(urls: list[str]) -> list[str]:
+    async def run():
+        async with VLLMClient(urls, timeout=60) as client:
+            return await client.weight_labels()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.vllm
+def test_two_nodes_train_checkpoint_and_resume_against_two_servers(
+    vllm_server, lora_server, tiny_model_dir, tmp_path
+):
+    """Two "nodes" on localhost (two torchrun launches, gloo, one rank each, FSDP2 across them) train
+    against two vLLM servers: every server runs every pushed version, and a checkpoint resumes."""
+    servers = [vllm_server.url, lora_server.url]
+    before = [server_greedy(url) for url in servers]
+    try:
+        first = torchrun_two_nodes(
+            "multi_process_train.py", ",".join(servers), str(tiny_model_dir), str(tmp_path), "2", timeout=600
+        )
+        assert [launch.returncode for launch in first] == [0, 0], (
+            first[0].stderr[-5000:] + first[1].stderr[-3000:]
+        )
+        after = [server_greedy(url) for url in servers]
+        labels_after_first = server_labels(servers)
         checkpoint = tmp_path / "checkpoint-2"
-        second = torchrun(
+        second = torchrun_two_nodes(
             "multi_process_train.py",
-            vllm_server.url,
+            ",".join(servers),
             str(tiny_model_dir),
             str(tmp_path),
             "4",
             str(checkpoint),
             timeout=600,
         )
-        assert second.returncode == 0, second.stderr[-5000:]
+        assert [launch.returncode for launch in second] == [0, 0], second[0].stderr[-5000:]
+        labels_after_second = server_labels(servers)
     finally:
-        restore_server(vllm_server.url, tiny_model_dir)
+        for url in servers:
+            restore_server(url, tiny_model_dir)
+    # Both servers hold the same, newest weights after each run: the sync reached every server.
+    assert after[0] == after[1] and after != before, (before, after)
+    assert len(set(labels_after_first)) == 1 and len(set(labels_after_second)) == 1
+    first_version, second_version = (
+        parse_policy_label(labels[0]) for labels in (labels_after_first, labels_after_second)
+    )
+    assert first_version is not None and second_version is not None and second_version > first_version
     steps = [entry for entry in json.loads((tmp_path / "history-2.json").read_text()) if "loss" in entry]
     assert [entry["step"] for entry in steps] == [1, 2]
     assert all(entry["batch/samples_per_step"] > 0 and entry["grad_norm"] > 0 for entry in steps)
-    assert after != before, "the server must run the weights gathered from the sharded model"
     # The checkpoint holds the whole (gathered) model, loadable by a single process.
     saved = AutoModelForCausalLM.from_pretrained(checkpoint)
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -78,3 +133,21 @@ def test_two_processes_train_checkpoint_and_resume_against_the_server(vllm_serve
     state_4 = json.loads((tmp_path / "checkpoint-4" / "rollout_state.json").read_text())
     assert state_4["epoch_prompts"] > state_2["epoch_prompts"] > 0
     assert state_4["model_version"] > state_2["model_version"]
+    # The servers run the version the last checkpoint recorded: the resumed run pushed on from there.
+    assert second_version == state_4["model_version"]
+
+
+def test_slurm_example_is_valid_bash_and_its_overrides_parse():
+    """The SLURM example parses as bash, and the overrides it hands `asyncgrpo train` are ones the
+    command line accepts."""
+    script = HERE.parent / "examples" / "slurm" / "train.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    assert "-m asyncgrpo.cli train" in text and "--rdzv-backend c10d" in text
+    overrides = parse_overrides(
+        ["--vllm_server_base_url", "http://a:8000,http://b:8000", "--output_dir", "/x"]
+    )
+    config = AsyncGRPOConfig(
+        output_dir=overrides["output_dir"], vllm_server_base_url=overrides["vllm_server_base_url"]
+    )
+    assert config.vllm_server_base_url == ["http://a:8000", "http://b:8000"]
