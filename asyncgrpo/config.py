@@ -331,6 +331,16 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
             "1: the freshest samples; raise it when a sync costs much against a step."
         },
     )
+    num_rollout_workers: int = field(
+        default=1,
+        metadata={
+            "help": "Rollout worker processes. Each takes every K-th prompt of the stream and a share of "
+            "the servers (server i goes to worker i mod K; with fewer servers than workers, workers share "
+            "them), and all of them draw on one staleness budget. 1 is enough for a few servers: one worker "
+            "runs a few hundred completions per second on one core; raise it when the servers outrun it "
+            "(rollout/generated_tokens_per_s flat while the servers idle)."
+        },
+    )
     rollout_worker_timeout: float = field(
         default=300.0,
         metadata={
@@ -465,6 +475,8 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
             fail(f"max_staleness={self.max_staleness} must be >= 0")
         if self.weight_sync_steps < 1:
             fail(f"weight_sync_steps={self.weight_sync_steps} must be >= 1")
+        if self.num_rollout_workers < 1:
+            fail(f"num_rollout_workers={self.num_rollout_workers} must be >= 1")
         if self.rollout_worker_timeout <= 0:
             fail(f"rollout_worker_timeout={self.rollout_worker_timeout} must be > 0")
         if self.reward_timeout <= 0:

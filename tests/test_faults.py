@@ -96,7 +96,7 @@ def test_a_reward_that_never_returns_stops_the_run_naming_it(
     ):
         trainer.train()
     assert time.time() - float(mark.read_text()) < 3 + 10, "stopped within the timeout plus a few seconds"
-    assert not trainer.rollout_worker.process.is_alive()
+    assert not any(process.is_alive() for process in trainer.rollout_worker.processes)
 
 
 def test_an_inf_reward_is_an_error_and_the_served_weights_stay_finite(vllm_server, tiny_model_dir, tmp_path):
@@ -228,28 +228,30 @@ def test_a_relative_output_dir_works(vllm_server, tiny_model_dir, tmp_path, monk
     assert server_greedy(vllm_server.url) == hf_greedy(trainer.model.eval())
 
 
-def record_trained(monkeypatch) -> list[tuple[int, str]]:
-    """(stream_index, rollout_id) of every sample the trainer takes into a step."""
-    trained: list[tuple[int, str]] = []
+def record_trained(monkeypatch) -> list[tuple[int, str, int]]:
+    """(stream_index, rollout_id, group_id) of every sample the trainer takes into a step."""
+    trained: list[tuple[int, str, int]] = []
     original = SampleIntake.next_step
 
     def recording(self, *args, **kwargs):
         batch = original(self, *args, **kwargs)
-        trained.extend((sample.stream_index, sample.rollout_id) for sample in batch.samples)
+        trained.extend((sample.stream_index, sample.rollout_id, sample.group_id) for sample in batch.samples)
         return batch
 
     monkeypatch.setattr(SampleIntake, "next_step", recording)
     return trained
 
 
+@pytest.mark.parametrize("num_rollout_workers", [1, 2])
 def test_resume_across_a_split_group_trains_each_sample_once(
-    vllm_server, tiny_model_dir, tmp_path, monkeypatch
+    vllm_server, tiny_model_dir, tmp_path, monkeypatch, num_rollout_workers
 ):
     # token_budget=64 holds a prompt and two or three completions: every group straddles steps.
     # max_staleness=8: a held sample of version 0 is not dropped as stale before step 6 trains it.
     options = dict(
-        max_steps=3, save_strategy="steps", save_steps=3, token_budget=64, num_generations=4, max_staleness=8
-    )
+        max_steps=3, save_strategy="steps", save_steps=3, token_budget=64, num_generations=4, max_staleness=8,
+        num_rollout_workers=num_rollout_workers,
+    )  # fmt: skip
     first_run = record_trained(monkeypatch)
     AsyncGRPOTrainer(
         str(tiny_model_dir),
@@ -271,15 +273,17 @@ def test_resume_across_a_split_group_trains_each_sample_once(
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     assert resumed.state.global_step == 6
     everything = first_run + second_run
-    assert len({rollout for _, rollout in everything}) == len(everything), "a sample was trained twice"
+    assert len({rollout for _, rollout, _ in everything}) == len(everything), "a sample was trained twice"
+    if num_rollout_workers == 2:  # both fed the trainer (worker k numbers its groups k, k + 2, ...)
+        assert {group_id % 2 for *_, group_id in everything} == {0, 1}
     # The checkpoint holds everything the trainer had drained from the worker, which can be more than
     # three steps take: what the second run did not train travels on with checkpoint 6.
     held_at_six = {sample.rollout_id for sample in load_held_samples(tmp_path / "checkpoint-6")}
-    trained_second = {rollout for _, rollout in second_run}
+    trained_second = {rollout for _, rollout, _ in second_run}
     assert {sample.rollout_id for sample in held} <= trained_second | held_at_six, "a held sample was lost"
     assert second_run[0][1] in {sample.rollout_id for sample in held}, "the held samples are trained first"
     per_prompt: dict[int, set[str]] = {}
-    for stream_index, rollout in everything:
+    for stream_index, rollout, _ in everything:
         per_prompt.setdefault(stream_index, set()).add(rollout)
     assert max(len(rollouts) for rollouts in per_prompt.values()) <= 4, "a split prompt was regenerated"
 

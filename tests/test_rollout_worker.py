@@ -28,7 +28,7 @@ from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.metrics import MetricsWindow  # noqa: E402
 from asyncgrpo.rollout.loop import AsyncRolloutLoop  # noqa: E402
 from asyncgrpo.rollout.scoring import group_advantages  # noqa: E402
-from asyncgrpo.rollout.worker import RolloutWorker, RolloutWorkerError  # noqa: E402
+from asyncgrpo.rollout.worker import RolloutWorker, RolloutWorkerError, RolloutWorkerPool  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -67,8 +67,17 @@ def label_server(url: str, version: int = 0) -> None:
 
 
 def make_worker(
-    server_url, model_dir, reward_funcs, allowance=1e9, loop_cls=AsyncRolloutLoop, **config_overrides
+    server_url,
+    model_dir,
+    reward_funcs,
+    allowance=1e9,
+    loop_cls=AsyncRolloutLoop,
+    num_workers=None,
+    resume=(0, frozenset()),
+    **config_overrides,
 ):
+    """A RolloutWorker; with `num_workers`, a RolloutWorkerPool of that many, starting the prompt
+    stream at `resume` (the first untrained index, the indices resolved after it)."""
     label_server(server_url)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     options = dict(
@@ -81,19 +90,21 @@ def make_worker(
     )
     options.update(config_overrides)
     config = AsyncGRPOConfig(**options)
-    return RolloutWorker(
-        loop_cls,
-        dict(
-            config=config,
-            model_name=str(model_dir),
-            dataset=prompts_dataset(),
-            reward_funcs=reward_funcs,
-            processing_class=tokenizer,
-            eos_token_ids=[tokenizer.eos_token_id],
-        ),
-        initial_allowance=allowance,
-        worker_timeout=60,
+    loop_kwargs = dict(
+        config=config,
+        model_name=str(model_dir),
+        dataset=prompts_dataset(),
+        reward_funcs=reward_funcs,
+        processing_class=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        dataset_start_index=resume[0],
+        skip_stream_indices=resume[1],
     )
+    if num_workers is not None:
+        return RolloutWorkerPool(
+            loop_cls, loop_kwargs, num_workers, initial_allowance=allowance, worker_timeout=60
+        )
+    return RolloutWorker(loop_cls, loop_kwargs, initial_allowance=allowance, worker_timeout=60)
 
 
 def collect(worker, count: int, timeout: float = 120):
@@ -204,6 +215,46 @@ def test_backpressure_holds_queued_and_in_flight_tokens_within_the_allowance(vll
     assert not stalled
     assert metrics.get("rollout/backpressure_s", 0) > 0
     assert resumed
+
+
+def test_two_workers_split_the_prompts_share_the_budget_and_resume_exactly(vllm_server, tiny_model_dir):
+    allowance = 1500.0
+    pool = make_worker(
+        vllm_server.url, tiny_model_dir, [even_token_reward], allowance=allowance, num_workers=2
+    )
+    pool.start(ready_timeout=120)
+    try:
+        first = collect(pool, 100, timeout=25)  # nobody trains: generation must stall
+        metrics = merged_metrics(pool)
+    finally:
+        pool.stop()
+    assert not any(process.is_alive() for process in pool.processes)
+    # Worker k takes the prompts k, k + 2, ... and numbers its groups the same way.
+    indices = [result.stream_index for result in first]
+    assert len(set(indices)) == len(indices), "a prompt was generated twice"
+    assert {result.group_id % 2 for result in first} == {0, 1}, "both workers generated"
+    assert all(result.group_id % 2 == result.stream_index % 2 for result in first)
+    # One budget for both: the overshoot is at most the last group each worker started.
+    largest_group = max(result.num_tokens for result in first)
+    assert sum(result.num_tokens for result in first) <= allowance + 3 * largest_group
+    assert metrics.get("rollout/backpressure_s", 0) > 0
+    # Resume as the trainer would after a crash: from the first index not generated, skipping those
+    # generated after it. Each new worker generates the prompts of its share not yet seen, in order.
+    generated = set(indices)
+    watermark = min(set(range(max(indices) + 2)) - generated)
+    resume = (watermark, frozenset(index for index in generated if index > watermark))
+    pool = make_worker(vllm_server.url, tiny_model_dir, [even_token_reward], num_workers=2, resume=resume)
+    pool.start(ready_timeout=120)
+    try:
+        second = collect(pool, 8, timeout=60)
+    finally:
+        pool.stop()
+    resumed = [result.stream_index for result in second]
+    assert len(second) == 8 and not generated & set(resumed), (sorted(generated), resumed)
+    for share in (0, 1):
+        mine = sorted(index for index in resumed if index % 2 == share)
+        unseen = [i for i in range(watermark, watermark + 64) if i % 2 == share and i not in generated]
+        assert mine == unseen[: len(mine)], (share, mine, unseen)
 
 
 class FastPollLoop(AsyncRolloutLoop):

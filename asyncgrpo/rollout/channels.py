@@ -27,11 +27,23 @@ class WorkerChannels:
     token_allowance: Any  # Value("d"): cumulative tokens the worker may have generated (staleness)
     heartbeat_value: Any  # Value("d"): time.time() of the worker's last beat
     parent_pid: int  # the trainer's pid: the worker exits as soon as it is gone
+    # Several workers (num_rollout_workers): which one this is, and the tokens each has committed
+    # against the shared staleness budget (Array("d"), one slot per worker; rollout/worker_shares.py).
+    worker_index: int = 0
+    num_workers: int = 1
+    committed_tokens: Any = None
 
     @classmethod
-    def create(cls, context, initial_allowance: float = 0.0) -> WorkerChannels:
+    def create(
+        cls,
+        context,
+        initial_allowance: float = 0.0,
+        worker_index: int = 0,
+        num_workers: int = 1,
+        committed_tokens: Any = None,
+    ) -> WorkerChannels:
         """New channels from a multiprocessing context (the trainer's "spawn" context), owned by
-        this process."""
+        this process. Workers of one run share `committed_tokens`."""
         return cls(
             rollout_buffer=context.Queue(),
             metrics_queue=context.Queue(),
@@ -42,7 +54,20 @@ class WorkerChannels:
             token_allowance=context.Value("d", float(initial_allowance)),
             heartbeat_value=context.Value("d", 0.0),
             parent_pid=os.getpid(),
+            worker_index=worker_index,
+            num_workers=num_workers,
+            committed_tokens=committed_tokens
+            if committed_tokens is not None
+            else context.Array("d", num_workers, lock=False),
         )
+
+    def others_committed_tokens(self) -> float:
+        """Tokens the other workers have committed against the staleness budget."""
+        slots = self.committed_tokens
+        return sum(slots[k] for k in range(self.num_workers) if k != self.worker_index)
+
+    def publish_committed_tokens(self, tokens: float) -> None:
+        self.committed_tokens[self.worker_index] = float(tokens)
 
     def report_failure(self, error: BaseException) -> None:
         """Worker side: send the error that stops the worker, then raise the failure flag (the

@@ -66,11 +66,18 @@ class TokenAllowance:
             return None
         return self._rollout_tokens / self._rollouts * self.num_generations
 
-    def may_start_group(self, limit: float) -> bool:
+    @property
+    def committed_tokens(self) -> float:
+        """Queued tokens plus the estimate of the groups in flight: what this worker holds against
+        the budget (other workers read it to share one budget)."""
         estimate = self.tokens_per_group_estimate
-        if estimate is None:
+        return self.produced_tokens + self.groups_in_flight * (estimate or 0.0)
+
+    def may_start_group(self, limit: float, others_committed: float = 0.0) -> bool:
+        """`others_committed`: what other rollout workers hold against the same `limit`."""
+        if self.tokens_per_group_estimate is None:
             return self.groups_in_flight == 0
-        return self.produced_tokens + self.groups_in_flight * estimate < limit
+        return self.committed_tokens + others_committed < limit
 
     def group_started(self) -> None:
         self.groups_in_flight += 1

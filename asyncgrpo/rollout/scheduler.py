@@ -38,6 +38,7 @@ from asyncgrpo.rollout.scoring import (
 )
 from asyncgrpo.rollout.sequences import build_training_sequences
 from asyncgrpo.rollout.types import Rollout, RolloutGroup
+from asyncgrpo.rollout.worker_shares import owns_stream_index, share_of_range, worker_servers
 from asyncgrpo.sample import Sample
 
 if TYPE_CHECKING:
@@ -106,8 +107,9 @@ class RolloutScheduler:
             self.environments = EnvironmentPool(
                 loop.environment_factory, self._tool_executor, lambda: loop.metrics
             )
+        channels = self.channels
         self.client = loop.client = VLLMClient(
-            config.vllm_server_urls,
+            worker_servers(config.vllm_server_urls, channels.worker_index, channels.num_workers),
             timeout=config.vllm_server_timeout,
             model=loop.model_name,
             request_timeout=config.request_timeout,
@@ -175,7 +177,7 @@ class RolloutScheduler:
         self._last_flush = time.monotonic()
         self._last_preemptions = load.preemptions if load else 0
         self._reported_retries = 0
-        self._next_group_id = 0
+        self._next_group_id = self.channels.worker_index  # then every num_workers-th (worker_shares.py)
         self._warned_skip = False
 
     def _fail(self, error: BaseException) -> None:
@@ -199,10 +201,18 @@ class RolloutScheduler:
         order = PromptOrder.of(self.config)  # data_seed (or seed) and train_sampling_strategy
         stream = prompt_stream(dataset, order.seed, self.dataset_start_index, self.skip_stream_indices)
         num_rows = len(dataset) if hasattr(dataset, "__len__") else None
+        worker, num_workers = self.channels.worker_index, self.channels.num_workers
         for item in stream:
+            if not owns_stream_index(item.stream_index, worker, num_workers):
+                continue  # another rollout worker's prompt
             if not self.loop.filter_prompt(item.row_index, item.row, item.epoch):
                 rejected_in_epoch[item.epoch] = rejected_in_epoch.get(item.epoch, 0) + 1
-                if num_rows is not None and rejected_in_epoch[item.epoch] >= num_rows:
+                owned = (
+                    share_of_range(item.epoch * num_rows, (item.epoch + 1) * num_rows, worker, num_workers)
+                    if num_rows is not None
+                    else None
+                )
+                if owned is not None and rejected_in_epoch[item.epoch] >= owned:
                     raise RuntimeError(
                         f"filter_prompt rejected every prompt of epoch {item.epoch}: no sample can reach the "
                         "trainer"
@@ -216,8 +226,9 @@ class RolloutScheduler:
             await self._wait_for_allowance()
             await self.slots.wait_for_room()
             group_id = self._next_group_id
-            self._next_group_id += 1
+            self._next_group_id += self.channels.num_workers
             self.allowance.group_started()
+            self.channels.publish_committed_tokens(self.allowance.committed_tokens)
             self.slots.reserve(self.config.num_generations)
             self._watch(asyncio.create_task(self._run_group(item, group_id)))
 
@@ -261,12 +272,12 @@ class RolloutScheduler:
         step. Each of its waits is bounded by vllm_server_timeout, so a trainer that has not moved the
         budget for several times that (a step may hold a few such waits, a checkpoint, long compute)
         is stuck, and the worker says so instead of waiting forever."""
-        if self.allowance.may_start_group(self.channels.token_allowance.value):
+        if self._may_start_group():
             return
         started = moved = time.monotonic()
         limit = self.channels.token_allowance.value
         bound = ALLOWANCE_STALL_FACTOR * self.config.vllm_server_timeout
-        while not self.allowance.may_start_group(self.channels.token_allowance.value):
+        while not self._may_start_group():
             await asyncio.sleep(0.01)
             if self.channels.token_allowance.value != limit:
                 limit, moved = self.channels.token_allowance.value, time.monotonic()
@@ -277,6 +288,12 @@ class RolloutScheduler:
                     "is stuck"
                 )
         self.loop.metrics.record("rollout/backpressure_s", time.monotonic() - started)
+
+    def _may_start_group(self) -> bool:
+        """The budget is shared by every rollout worker of the run: what the others hold counts."""
+        return self.allowance.may_start_group(
+            self.channels.token_allowance.value, self.channels.others_committed_tokens()
+        )
 
     async def _run_group(self, item: PromptItem, group_id: int) -> None:
         if "prompt" not in item.row and self.environments is None:
@@ -427,6 +444,7 @@ class RolloutScheduler:
                 [int(sum(len(s.token_ids) for s in seqs)) for seqs in group.completions_sequences],
                 sum(sample.num_tokens for sample in samples),
             )
+            self.channels.publish_committed_tokens(self.allowance.committed_tokens)
             # The group's metrics leave before its samples, so the step that trains them logs them.
             self._flush_metrics()
             scored = group.rewards[~np.isnan(group.rewards)]
@@ -532,7 +550,13 @@ class RolloutScheduler:
         The loop's `metrics` is replaced by the fresh window: hooks record into whichever is current."""
         metrics = self.loop.metrics
         now = time.monotonic()
-        metrics.record_rate("rollout/generated_tokens_per_s", self._generated_tokens, now - self._last_flush)
+        # The trainer merges the workers' windows as sum(tokens) / sum(seconds); dividing each worker's
+        # seconds by the number of workers makes that the run's total rate, not one worker's.
+        metrics.record_rate(
+            "rollout/generated_tokens_per_s",
+            self._generated_tokens,
+            (now - self._last_flush) / self.channels.num_workers,
+        )
         self._generated_tokens, self._last_flush = 0, now
         metrics.record("rollout/concurrency", self.slots.running)
         metrics.record("rollout/concurrency_cap", self.concurrency_cap)

@@ -93,9 +93,9 @@ class _QueueReader:
     """Moves a multiprocessing queue's messages into a local queue from a daemon thread, so that
     no trainer thread that matters ever blocks inside a half-written message."""
 
-    def __init__(self, source, name: str):
+    def __init__(self, source, name: str, local: queue.Queue | None = None):
         self.source = source
-        self.local: queue.Queue = queue.Queue()
+        self.local: queue.Queue = local if local is not None else queue.Queue()  # may be shared
         self._thread = threading.Thread(target=self._pump, name=name, daemon=True)
         self._thread.start()
 
@@ -133,23 +133,38 @@ def _child_environment(**variables: str):
 
 
 class RolloutWorker:
-    """Trainer-side handle of the rollout process."""
+    """Trainer-side handle of one rollout process (RolloutWorkerPool runs several)."""
 
     def __init__(
-        self, loop_cls, loop_kwargs: dict[str, Any], initial_allowance: float, worker_timeout: float
+        self,
+        loop_cls,
+        loop_kwargs: dict[str, Any],
+        initial_allowance: float,
+        worker_timeout: float,
+        worker_index: int = 0,
+        num_workers: int = 1,
+        committed_tokens: Any = None,
+        results: queue.Queue | None = None,
     ):
         self.loop_cls = loop_cls
         self.worker_timeout = worker_timeout
         self._context = multiprocessing.get_context("spawn")
         self.loop_kwargs = loop_kwargs  # the loop's constructor arguments, but for `channels`
-        self.channels = WorkerChannels.create(self._context, initial_allowance)
+        self.channels = WorkerChannels.create(
+            self._context, initial_allowance, worker_index, num_workers, committed_tokens
+        )
+        self.name = "asyncgrpo-rollout" if num_workers == 1 else f"asyncgrpo-rollout-{worker_index}"
         self.process: multiprocessing.Process | None = None
-        self._results = _QueueReader(self.channels.rollout_buffer, "asyncgrpo-results")
-        self._metrics = _QueueReader(self.channels.metrics_queue, "asyncgrpo-metrics")
-        self._errors = _QueueReader(self.channels.exception_info_queue, "asyncgrpo-errors")
+        self._results = _QueueReader(self.channels.rollout_buffer, f"{self.name}-results", results)
+        self._metrics = _QueueReader(self.channels.metrics_queue, f"{self.name}-metrics")
+        self._errors = _QueueReader(self.channels.exception_info_queue, f"{self.name}-errors")
 
     def start(self, ready_timeout: float) -> None:
         """Spawn the process and wait until it has reached the server and run `setup()`."""
+        self.spawn()
+        self.wait_ready(time.monotonic() + ready_timeout, ready_timeout)
+
+    def spawn(self) -> None:
         check_worker_payload(
             self.loop_kwargs.get("reward_funcs"),
             self.loop_cls,
@@ -159,7 +174,7 @@ class RolloutWorker:
         self.process = self._context.Process(
             target=_worker_main,
             args=(self.loop_cls, self.loop_kwargs, self.channels),
-            name="asyncgrpo-rollout",
+            name=self.name,
             # Not a daemon: reward code may start processes of its own (accuracy_reward's verifier
             # pool), which daemons may not. The trainer stops it in every case, and it exits by
             # itself if the trainer dies.
@@ -167,7 +182,8 @@ class RolloutWorker:
         )
         with _child_environment(CUDA_VISIBLE_DEVICES=""):
             self.process.start()
-        deadline = time.monotonic() + ready_timeout
+
+    def wait_ready(self, deadline: float, ready_timeout: float) -> None:
         while not self.channels.ready_event.wait(0.2):
             self.check_alive()
             if time.monotonic() > deadline:
@@ -235,3 +251,89 @@ class RolloutWorker:
                 process.kill()
                 process.join(5)
         self.channels.close_trainer_side()
+
+
+class RolloutWorkerPool:
+    """Trainer-side handle of the run's rollout processes (`num_rollout_workers`): one result stream,
+    one staleness budget, and any worker's failure is the pool's. How the work is shared:
+    rollout/worker_shares.py."""
+
+    def __init__(
+        self,
+        loop_cls,
+        loop_kwargs: dict[str, Any],
+        num_workers: int,
+        initial_allowance: float,
+        worker_timeout: float,
+    ):
+        context = multiprocessing.get_context("spawn")
+        committed_tokens = context.Array("d", num_workers, lock=False)
+        self._results: queue.Queue = queue.Queue()
+        self.workers = [
+            RolloutWorker(
+                loop_cls,
+                loop_kwargs,
+                initial_allowance,
+                worker_timeout,
+                worker_index=index,
+                num_workers=num_workers,
+                committed_tokens=committed_tokens,
+                results=self._results,
+            )
+            for index in range(num_workers)
+        ]
+
+    @property
+    def processes(self) -> list[multiprocessing.Process | None]:
+        return [worker.process for worker in self.workers]
+
+    def start(self, ready_timeout: float) -> None:
+        """Spawn every process, then wait until all have reached their servers and run `setup()`
+        (they start side by side)."""
+        deadline = time.monotonic() + ready_timeout
+        try:
+            for worker in self.workers:
+                worker.spawn()
+            for worker in self.workers:
+                worker.wait_ready(deadline, ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def check_alive(self) -> None:
+        try:
+            for worker in self.workers:
+                worker.check_alive()
+        except RolloutWorkerError:
+            self.stop()  # the others cannot go on alone: their shares of the prompts would never come
+            raise
+
+    def next_result(self, timeout: float) -> GroupResult | None:
+        """The next group result from any worker, or None if none arrived within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._results.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                self.check_alive()
+                if time.monotonic() >= deadline:
+                    return None
+
+    def publish_allowance(self, cumulative_tokens: float) -> None:
+        for worker in self.workers:
+            worker.publish_allowance(cumulative_tokens)
+
+    def publish_model_version(self, version: int) -> None:
+        for worker in self.workers:
+            worker.publish_model_version(version)
+
+    def drain_metrics(self) -> list[dict]:
+        return [window for worker in self.workers for window in worker.drain_metrics()]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM to every process at once, then SIGKILL after `timeout`; none is left behind."""
+        for worker in self.workers:
+            if worker.process is not None and worker.process.is_alive():
+                worker.process.terminate()
+        for worker in self.workers:
+            worker.stop(timeout)

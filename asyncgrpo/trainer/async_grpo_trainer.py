@@ -33,7 +33,7 @@ from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
-from asyncgrpo.rollout.worker import RolloutWorker
+from asyncgrpo.rollout.worker import RolloutWorkerPool
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
 from asyncgrpo.trainer.base_loop_settings import EmptyDeviceCache, input_tokens_seen
 from asyncgrpo.trainer.checkpoint import (
@@ -185,7 +185,7 @@ class AsyncGRPOTrainer(Trainer):
         return self._session.model_version if self._session is not None else 0
 
     @property
-    def rollout_worker(self) -> RolloutWorker | None:
+    def rollout_worker(self) -> RolloutWorkerPool | None:
         return self._session.worker if self._session is not None else None
 
     @property

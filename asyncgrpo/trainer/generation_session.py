@@ -20,7 +20,7 @@ from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
-from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
+from asyncgrpo.rollout.worker import RolloutWorkerPool, check_worker_payload
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.checkpoint import ResumePoint
 from asyncgrpo.trainer.checks import check_prompt_lengths
@@ -49,7 +49,7 @@ class GenerationSession:
         self.http: BackgroundLoop | None = None
         self.client: VLLMClient | None = None
         self.weight_sync = None
-        self.worker: RolloutWorker | None = None
+        self.worker: RolloutWorkerPool | None = None
         self.intake: SampleIntake | None = None
 
     def open(
@@ -100,7 +100,7 @@ class GenerationSession:
         )
         adapter_sync = self.weight_sync if isinstance(self.weight_sync, LoraAdapterSync) else None
         rollout = self.resume.rollout
-        self.worker = RolloutWorker(
+        self.worker = RolloutWorkerPool(
             trainer.loop_cls,
             dict(
                 config=args,
@@ -116,6 +116,7 @@ class GenerationSession:
                 | {sample.stream_index for sample in self.resume.held_samples},
                 lora_name=adapter_sync.prefix if adapter_sync is not None else None,
             ),
+            num_workers=args.num_rollout_workers,
             initial_allowance=0.0,  # SampleIntake publishes the allowance
             worker_timeout=args.rollout_worker_timeout,
         )
@@ -141,7 +142,7 @@ class GenerationSession:
         self.processes.broadcast((self.token_budget, self.weight_sync.name))
 
     def start_rollouts(self, ready_timeout: float) -> None:
-        """Rank 0, once the servers run the starting weights: spawn the rollout worker."""
+        """Rank 0, once the servers run the starting weights: spawn the rollout workers."""
         if self.worker is not None:
             self.worker.start(ready_timeout=ready_timeout)
 

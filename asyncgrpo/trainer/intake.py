@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.packing.planner import MIN_SHARED_TOKENS, MicroBatchPlan, Placement, TokenBudgetBatcher
-from asyncgrpo.rollout.worker import RolloutWorker
+from asyncgrpo.rollout.worker import RolloutWorkerPool
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.prompt_ledger import PromptLedger
 
@@ -99,7 +99,7 @@ class SampleIntake:
 
     def __init__(
         self,
-        worker: RolloutWorker,
+        worker: RolloutWorkerPool,
         ledger: PromptLedger,
         max_staleness: int,
         token_budget: int,
