@@ -38,6 +38,7 @@ class PackedRow:
     candidate_ids: np.ndarray | None  # (sum of set sizes,) int64
     num_samples: int
     num_unpacked_tokens: int  # sum of the samples' lengths: what padding-free packing would forward
+    sample_versions: np.ndarray  # (S,) int64: each sample's policy version, for metrics by staleness
     # (P,) int64: how many of the row's samples contain each packed token (shared prefixes > 1); what
     # per-token losses over all forwarded tokens (the MoE load-balancing loss) weigh each token by.
     token_multiplicity: np.ndarray | None = None

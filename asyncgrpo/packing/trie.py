@@ -240,6 +240,7 @@ def _loss_entries(samples: list[Sample]) -> dict:
         sampler_logprobs=_concat([s.sampler_logprobs for s in samples], np.float32),
         entry_sample=np.repeat(np.arange(len(samples), dtype=np.int32), num_trained),
         num_samples=len(samples),
+        sample_versions=np.array([s.model_version for s in samples], dtype=np.int64),
         top_ids=None,
         top_logprobs=None,
         candidate_offsets=None,

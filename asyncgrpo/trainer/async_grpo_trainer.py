@@ -404,7 +404,9 @@ class AsyncGRPOTrainer(Trainer):
                 keep_logits = memory_plan.keep_logits
             started = clock.mark()
             with self.compute_loss_context_manager():
-                loss, stats = row_loss(model, row, entries_global, args, self._loss_fn, keep_logits)
+                loss, stats = row_loss(
+                    model, row, entries_global, args, self._loss_fn, keep_logits, batch.model_version
+                )
             forward_done = clock.mark()
             # FSDP2 averages gradients over processes; the loss is already normalized globally.
             self.accelerator.backward(loss * (world * weight))
