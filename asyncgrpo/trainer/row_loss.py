@@ -56,7 +56,8 @@ def correction_settings(args: AsyncGRPOConfig) -> CorrectionSettings:
     return CorrectionSettings(
         enabled=args.vllm_importance_sampling_correction,
         mode=args.vllm_importance_sampling_mode,
-        correction=correction_settings(args),
+        clip_min=args.vllm_importance_sampling_clip_min,
+        clip_max=args.vllm_importance_sampling_clip_max,
         off_policy_mask_threshold=args.off_policy_mask_threshold,
     )
 
