@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
         "models",
         "perf",
         "off_policy",
+        "routing_replay",
     },
     {"config", "peft_adapters", "loss", "kernels", "packing", "generation"},
     {"logprobs"},
