@@ -4,6 +4,7 @@ replayed token and the log-prob mismatch against the recording model falls."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 
@@ -18,6 +19,7 @@ from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.routing_replay import moe_routers, replay_routing, replayed_routing
 from asyncgrpo.sample import Sample
+from asyncgrpo.trainer.row_loss import replayed_routing_of
 
 
 def test_replayed_routing_by_hand():
@@ -68,16 +70,20 @@ def moe_pair(tmp_path_factory):
 SHARED = 23
 
 
-def group_row(vocab: int):
-    """Two samples sharing a 24-token prompt, 12 generated tokens each: the prompt's first 23 tokens
-    are forwarded once (the last predicts each sample's own first token, so it is not shared)."""
+def group_samples(vocab: int) -> list[Sample]:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, 24)
     samples = []
     for _ in range(2):
         tokens = np.concatenate([prompt, rng.integers(0, vocab, 12)])
         samples.append(Sample(tokens, np.arange(36) >= 24, np.zeros(12, np.float32), 1.0, 0))
-    row = pack_row(samples)
+    return samples
+
+
+def group_row(vocab: int):
+    """Two samples sharing a 24-token prompt, 12 generated tokens each: the prompt's first 23 tokens
+    are forwarded once (the last predicts each sample's own first token, so it is not shared)."""
+    row = pack_row(group_samples(vocab))
     assert row.num_tokens == SHARED + 2 * 13
     return row
 
@@ -135,3 +141,45 @@ def test_replay_refuses_a_routing_of_another_model(moe_pair):
             trainer, torch.zeros(99, 4, 2, dtype=torch.long), torch.ones(4, dtype=torch.bool)
         ):
             pass
+
+
+def test_packing_maps_each_samples_routing_to_its_packed_tokens():
+    """A = [1, 2, 3, 4] and B = [1, 2, 5, 6] share token 1 (token 2 predicts a different trained token
+    in each, so it is not shared): the layout is [1, 2, 3, 4, 2, 5, 6]. Routings (1 layer, top-1) are
+    recorded for all but the last token (as vLLM returns them): A [10, 11, 12], B [20, 21, 22]. The
+    shared token takes A's (the first sample's) routing; the last tokens have none."""
+
+    def sample(tokens, experts):
+        routing = np.array(experts, dtype=np.uint8)[:, None, None]
+        trained = np.array([False, False, True, True])
+        return Sample(np.array(tokens), trained, np.zeros(2, np.float32), 1.0, 0, routed_experts=routing)
+
+    row = pack_row([sample([1, 2, 3, 4], [10, 11, 12]), sample([1, 2, 5, 6], [20, 21, 22])])
+    assert row.input_ids.tolist() == [1, 2, 3, 4, 2, 5, 6]
+    assert row.routed.tolist() == [True, True, True, False, True, True, False]
+    assert row.routed_experts[0, :, 0].tolist() == [10, 11, 12, 0, 21, 22, 0]
+    assert (
+        pack_row([Sample(np.array([1, 2]), np.array([False, True]), np.zeros(1, np.float32), 1.0, 0)]).routed
+        is None
+    )
+
+
+def test_samples_that_carry_routings_are_trained_on_them(moe_pair):
+    """The trainer's row context (`replayed_routing_of`, around forward and backward): each sample's
+    routing, recorded on the sampler alone and stored compactly with it, forces the trainer's experts
+    on every routed token of the packed row."""
+    sampler, trainer = moe_pair
+    samples = []
+    for s in group_samples(min(sampler.config.vocab_size, 900)):
+        with torch.no_grad(), recording(sampler) as alone:
+            row_logprobs(sampler, pack_row([s]))
+        routing = torch.stack(alone)[:, : s.num_tokens - 1].permute(1, 0, 2).numpy().astype(np.uint8)
+        samples.append(dataclasses.replace(s, routed_experts=routing))
+    packed = pack_row(samples)
+    assert packed.routed.sum() == packed.num_tokens - 2  # each sample's last token has no routing
+    with replayed_routing_of(trainer, packed), recording(trainer) as replayed:
+        loss = -row_logprobs(trainer, packed).logprobs.sum()
+        loss.backward()
+    got = torch.stack(replayed[: len(moe_routers(trainer))])[:, : packed.num_tokens]
+    known = torch.from_numpy(packed.routed)
+    assert torch.equal(got[:, known], torch.from_numpy(packed.routed_experts)[:, known])

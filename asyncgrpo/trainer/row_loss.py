@@ -8,6 +8,7 @@ so the host never waits for the GPU between two rows.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ from asyncgrpo.logprobs import row_logprobs, to_device
 from asyncgrpo.loss import LossInputs
 from asyncgrpo.metrics import Reduce, Stat
 from asyncgrpo.off_policy import CorrectionSettings, mismatch_kl
+from asyncgrpo.routing_replay import replay_routing
 from asyncgrpo.trainer.device_clock import DeviceClock
 
 
@@ -50,6 +52,15 @@ def values_on_host(row_losses: list[torch.Tensor], row_stats: list[dict[str, Sta
         {name: Stat(s.reduce, read(s.value), read(s.weight)) for name, s in row.items()} for row in row_stats
     ]
     return loss_total, stats
+
+
+def replayed_routing_of(model, row) -> contextlib.AbstractContextManager:
+    """Forward and backward of `row` inside it: its MoE tokens go to the experts the sampler used,
+    where its samples carry them (the backward too: a checkpointed layer routes again when it
+    recomputes). A row without routings changes nothing."""
+    if row.routed_experts is None:
+        return contextlib.nullcontext()
+    return replay_routing(model, torch.from_numpy(row.routed_experts), torch.from_numpy(row.routed))
 
 
 def correction_settings(args: AsyncGRPOConfig) -> CorrectionSettings:
