@@ -100,8 +100,7 @@ def score_centered_loss(
     valid = x.top_logprobs > float("-inf")
     centering = (coefficients * x.top_logprobs.masked_fill(~valid, 0.0)).sum(-1)
     per_token = -x.advantages * (x.logprobs - centering)
-    factor = None if c.weight is None else c.weight
-    loss = _normalize(per_token, c.keep, factor, num_trained_tokens_global, gradient_accumulation_steps)
+    loss = _normalize(per_token, c.keep, c.weight, num_trained_tokens_global, gradient_accumulation_steps)
 
     metrics = _shared_metrics(x, c, epsilon, epsilon_high)
     if len(c.rho):

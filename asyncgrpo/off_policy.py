@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-# The default: today's two-sided token masking, without reweighting (the losses carry their own
-# ratio, or none). IcePop's published band is the defaults' [0.5, 5].
+# The default: two-sided token masking, as IcePop masks, without a weight of its own (the clipped
+# loss already carries the ratio, score centering needs none).
 ICEPOP = "icepop"
 TOKEN_TRUNCATE = "token_truncate"
 TOKEN_MASK = "token_mask"
