@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from asyncgrpo.off_policy import MODES as IS_MODES
 from asyncgrpo.trl_compat import TrlCompatFields
 
 WEIGHT_SYNC_BACKENDS = ("auto", "filesystem", "nccl")
@@ -271,20 +272,47 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
             "sampler's expected score removes the pull toward the sampler that importance weighting leaves."
         },
     )
-    vllm_importance_sampling_clip_min: float = field(
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Correct for the sampler being off-policy (stale weights, other kernels) with "
+            "vllm_importance_sampling_mode. True: TRL's default; False: no token is masked or reweighted."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="icepop",
+        metadata={
+            "help": "How the trainer/sampler ratio exp(logp - sampler logp) corrects the loss: 'icepop' "
+            "(a trained token whose ratio leaves [clip_min, clip_max] leaves the loss, no reweighting), "
+            "TRL's 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask' (the ratio, of "
+            "the token or the whole sequence, clipped or masked, weights the token), or "
+            "'sequence_geometric_mask' (a sequence whose geometric-mean ratio leaves the band leaves the "
+            "loss). docs/algorithm.md gives each formula. 'icepop': masking alone keeps a rare huge "
+            "ratio from dominating a step and adds no variance."
+        },
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
         default=0.5,
         metadata={
-            "help": "Lower bound of the trainer/sampler ratio exp(logp - sampler logp); a trained token "
-            "below it leaves the loss (masked, not reweighted). 0.5: tolerate a 2x drop, mask what is "
+            "help": "Lower bound C_min of the ratio: masking modes drop what falls below it, truncating "
+            "modes raise it to C_min. None: no lower bound. 0.5: tolerate a 2x drop, mask what is "
             "likely a mismatch."
         },
     )
-    vllm_importance_sampling_clip_max: float = field(
+    vllm_importance_sampling_clip_max: float | None = field(
         default=5.0,
         metadata={
-            "help": "Upper bound of that ratio; a trained token above it leaves the loss. 5.0: a ratio can "
-            "fall only to 0 but rise without bound; far above 1 it is more likely a mismatch than signal, "
-            "and would dominate."
+            "help": "Upper bound C_max of the ratio: masking modes drop what rises above it, truncating "
+            "modes lower it to C_max. None: no upper bound. 5.0: a ratio can fall only to 0 but rise "
+            "without bound; far above 1 it is more likely a mismatch than signal, and would dominate."
+        },
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Off-policy sequence masking (DeepSeek-V3.2, TRL's name): a sequence with a negative "
+            "advantage whose mean per-token log q - log p (sampler minus trainer) exceeds it leaves the "
+            "loss. None: off. TRL suggests values around 0.5."
         },
     )
     num_sampler_logprobs: int = field(
@@ -444,10 +472,21 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
                 fail(f"{name}={getattr(self, name)} must be > 0")
         if self.repetition_penalty <= 0:
             fail(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
-        if not 0 < self.vllm_importance_sampling_clip_min <= 1 <= self.vllm_importance_sampling_clip_max:
+        clip_min, clip_max = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if not 0 < (1 if clip_min is None else clip_min) <= 1 <= (1 if clip_max is None else clip_max):
             fail(
-                "need 0 < vllm_importance_sampling_clip_min <= 1 <= vllm_importance_sampling_clip_max, got "
-                f"{self.vllm_importance_sampling_clip_min} and {self.vllm_importance_sampling_clip_max}"
+                "need 0 < vllm_importance_sampling_clip_min <= 1 <= vllm_importance_sampling_clip_max "
+                f"(None: unbounded), got {clip_min} and {clip_max}"
+            )
+        if self.vllm_importance_sampling_mode not in IS_MODES:
+            fail(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not a mode: pick "
+                f"one of {', '.join(IS_MODES)}"
+            )
+        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold < 0:
+            fail(
+                f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be >= 0 (a KL), or None "
+                "to turn off-policy sequence masking off"
             )
         if self.epsilon < 0 or self.epsilon_high < 0:
             fail("epsilon and epsilon_high must be >= 0")

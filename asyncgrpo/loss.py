@@ -1,6 +1,7 @@
 """The policy losses: pure tensor functions returning `(loss, metrics)`.
 
-Both losses use masked importance sampling against the sampler's (vLLM's processed) log-probs, and
+Both losses correct for the sampler being off-policy (vLLM's processed log-probs, a stale or differently
+computed policy) with the mode of `asyncgrpo.off_policy` (masking by default, or importance weights), and
 divide the micro-batch's sum by its trained tokens counted over all processes (masked ones included,
 known from the plan) and by `gradient_accumulation_steps`. DDP and FSDP average gradients, so the
 caller multiplies the loss by the world size before backward: this module never sees
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncgrpo.metrics import Reduce, Stat
+from asyncgrpo.off_policy import Correction, CorrectionSettings, correct, mismatch_kl, per_sequence_sum
 
 # Floor of the trainer's tail mass 1 - P_H in alpha = (1 - Q_H) / (1 - P_H). In float32 P_H can
 # round to 1 (or above); and a huge alpha is numerically poor: the gradient is then the difference
@@ -41,13 +43,13 @@ class LossInputs:
     # device-to-host read (a GPU sync mid-step). None: read from entry_sample.
     num_samples: int | None = None
 
+    def sample_count(self) -> int:
+        return self.num_samples if self.num_samples is not None else int(self.entry_sample.max()) + 1
 
-def importance_ratio(
-    logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, clip_min: float, clip_max: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rho (E,) without gradient, and mask (E,) bool: clip_min <= rho <= clip_max."""
-    rho = torch.exp(logprobs.detach() - sampler_logprobs)
-    return rho, (rho >= clip_min) & (rho <= clip_max)
+
+def _correction(x: LossInputs, settings: CorrectionSettings) -> Correction:
+    num_samples = x.sample_count() if len(x.logprobs) else 0
+    return correct(x.logprobs, x.sampler_logprobs, x.advantages, x.entry_sample, num_samples, settings)
 
 
 def centering_coefficients(top_logprobs: torch.Tensor, sampler_top_logprobs: torch.Tensor) -> torch.Tensor:
@@ -68,8 +70,7 @@ def centering_coefficients(top_logprobs: torch.Tensor, sampler_top_logprobs: tor
 def score_centered_loss(
     x: LossInputs,
     *,
-    clip_min: float,
-    clip_max: float,
+    correction: CorrectionSettings,
     epsilon: float,
     epsilon_high: float,
     num_trained_tokens_global: float,
@@ -80,7 +81,8 @@ def score_centered_loss(
     whose gradient w.r.t. the logits z is `-m_t * A_t * (e_y - qhat) / temperature`: the score of
     y minus its expectation under the sampler, so a constant advantage does not pull the policy
     toward the sampler. Unlike the clipped surrogate it carries no ratio and no clipping; epsilon
-    and epsilon_high only define the clip_ratio/* metrics (tokens outside the trust region).
+    and epsilon_high only define the clip_ratio/* metrics (tokens outside the trust region). m_t is
+    the correction's keep mask; a reweighting mode also multiplies the term by its weight w_t.
     """
     if x.top_logprobs is None or x.sampler_top_logprobs is None:
         raise ValueError(
@@ -92,50 +94,56 @@ def score_centered_loss(
             f"trainer top log-probs {tuple(x.top_logprobs.shape)} and sampler top log-probs "
             f"{tuple(x.sampler_top_logprobs.shape)} must be gathered at the same ids"
         )
-    rho, mask = importance_ratio(x.logprobs, x.sampler_logprobs, clip_min, clip_max)
+    c = _correction(x, correction)
     coefficients = centering_coefficients(x.top_logprobs, x.sampler_top_logprobs)  # (E, N)
     # Padded ids (and ids outside the candidate set) have log p = -inf and coefficient 0.
     valid = x.top_logprobs > float("-inf")
     centering = (coefficients * x.top_logprobs.masked_fill(~valid, 0.0)).sum(-1)
     per_token = -x.advantages * (x.logprobs - centering)
-    loss = _normalize(per_token, mask, num_trained_tokens_global, gradient_accumulation_steps)
+    loss = _normalize(per_token, c.keep, c.weight, num_trained_tokens_global, gradient_accumulation_steps)
 
-    metrics = _shared_metrics(x, rho, mask, epsilon, epsilon_high)
-    if len(rho):
+    metrics = _shared_metrics(x, c, epsilon, epsilon_high)
+    if len(c.rho):
         sampler_mass = x.sampler_top_logprobs.detach().exp().sum(-1)  # Q_H (E,)
-        metrics["sampling/sampler_mass"] = Stat(Reduce.MEAN, sampler_mass.sum(), float(len(rho)))
+        metrics["sampling/sampler_mass"] = Stat(Reduce.MEAN, sampler_mass.sum(), float(len(c.rho)))
     return loss, metrics
 
 
 def clipped_surrogate_loss(
     x: LossInputs,
     *,
-    clip_min: float,
-    clip_max: float,
+    correction: CorrectionSettings,
     epsilon: float,
     epsilon_high: float,
     num_trained_tokens_global: float,
     gradient_accumulation_steps: int,
 ) -> tuple[torch.Tensor, dict[str, Stat]]:
-    """GRPO's clipped surrogate with the masked ratio (score_centering=False): per entry
-    `loss_t = -m_t * min(rho_t * A_t, clip(rho_t, 1 - epsilon, 1 + epsilon_high) * A_t)`."""
-    rho_sg, mask = importance_ratio(x.logprobs, x.sampler_logprobs, clip_min, clip_max)
+    """GRPO's clipped surrogate with the sampler as the old policy (score_centering=False): per entry
+    `loss_t = -m_t * min(rho_t * A_t, clip(rho_t, 1 - epsilon, 1 + epsilon_high) * A_t)`. rho_t is
+    already the whole importance ratio; a reweighting mode swaps it for its weight w_t inside the
+    trust region by the factor sg(w_t / rho_t), so the gradient there is w_t * A_t * grad log p."""
+    c = _correction(x, correction)
     # Recomputed with gradient: exp of -inf (a target outside the candidate set) is a finite 0.
     rho = torch.exp(x.logprobs - x.sampler_logprobs)
     advantages = x.advantages
     clipped = torch.clamp(rho, 1.0 - epsilon, 1.0 + epsilon_high)
     per_token = -torch.minimum(rho * advantages, clipped * advantages)
-    loss = _normalize(per_token, mask, num_trained_tokens_global, gradient_accumulation_steps)
-    return loss, _shared_metrics(x, rho_sg, mask, epsilon, epsilon_high)
+    factor = None
+    if c.weight is not None:  # a zero ratio has no gradient to reweight: its factor is 0, not w / 0
+        factor = torch.where(c.rho > 0, c.weight / c.rho.clamp(min=torch.finfo(c.rho.dtype).tiny), 0.0)
+    loss = _normalize(per_token, c.keep, factor, num_trained_tokens_global, gradient_accumulation_steps)
+    return loss, _shared_metrics(x, c, epsilon, epsilon_high)
 
 
 def _normalize(
     per_token: torch.Tensor,
     mask: torch.Tensor,
+    factor: torch.Tensor | None,
     num_trained_tokens_global: float,
     gradient_accumulation_steps: int,
 ) -> torch.Tensor:
-    """sum_t m_t * loss_t / num_trained_tokens_global / gradient_accumulation_steps."""
+    """sum_t m_t * f_t * loss_t / num_trained_tokens_global / gradient_accumulation_steps (f_t = 1
+    when `factor` is None)."""
     if not num_trained_tokens_global > 0:
         raise ValueError(
             f"num_trained_tokens_global must be > 0 (the micro-batch's trained tokens summed over all "
@@ -144,38 +152,73 @@ def _normalize(
     if gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
     # where, not multiply: a masked token's term may be inf (log p = -inf) and 0 * inf is NaN.
+    if factor is not None:
+        per_token = per_token * factor.detach()
     kept = torch.where(mask, per_token, torch.zeros_like(per_token))
     return kept.sum() / (float(num_trained_tokens_global) * gradient_accumulation_steps)
 
 
-def _shared_metrics(
-    x: LossInputs, rho: torch.Tensor, mask: torch.Tensor, epsilon: float, epsilon_high: float
-) -> dict[str, Stat]:
+def _shared_metrics(x: LossInputs, c: Correction, epsilon: float, epsilon_high: float) -> dict[str, Stat]:
     """The sampling/*, entropy and clip_ratio/* metrics, over the trained tokens (masked or not)."""
+    rho = c.rho
     count = float(len(rho))
     if count == 0:  # nothing to report; an empty extreme (max of nothing) would be wrong
         return {}
     advantages = x.advantages.detach()
     logp_diff = (x.logprobs.detach() - x.sampler_logprobs).abs()
+    kl = mismatch_kl(x.logprobs, x.sampler_logprobs)
     low = (rho < 1.0 - epsilon) & (advantages < 0)
     high = (rho > 1.0 + epsilon_high) & (advantages > 0)
     low_per_sample, high_per_sample = _per_sample_fractions(x.entry_sample, low, high, x.num_samples)
     metrics = {
         "sampling/sampling_logp_difference/mean": Stat(Reduce.MEAN, logp_diff.sum(), count),
         "sampling/sampling_logp_difference/max": Stat(Reduce.MAX, logp_diff.max()),
+        "sampling/mismatch_kl/mean": Stat(Reduce.MEAN, kl.sum(), count),
+        "sampling/mismatch_kl/max": Stat(Reduce.MAX, kl.max()),
         "sampling/importance_sampling_ratio/min": Stat(Reduce.MIN, rho.min()),
         "sampling/importance_sampling_ratio/mean": Stat(Reduce.MEAN, rho.sum(), count),
         "sampling/importance_sampling_ratio/max": Stat(Reduce.MAX, rho.max()),
-        "sampling/masked_mean": Stat(Reduce.MEAN, (~mask).sum().float(), count),
+        "sampling/masked_mean": Stat(Reduce.MEAN, (~c.keep).sum().float(), count),
         "clip_ratio/region_mean": Stat(Reduce.MEAN, (low | high).sum().float(), count),
         "clip_ratio/low_mean": Stat(Reduce.MEAN, low.sum().float(), count),
         "clip_ratio/low_min": Stat(Reduce.MIN, low_per_sample),
         "clip_ratio/high_mean": Stat(Reduce.MEAN, high.sum().float(), count),
         "clip_ratio/high_max": Stat(Reduce.MAX, high_per_sample),
     }
+    metrics.update(_correction_metrics(x, c))
     if x.entropy is not None:
         metrics["entropy"] = Stat(Reduce.MEAN, x.entropy.detach().sum(), count)
     return metrics
+
+
+def _correction_metrics(x: LossInputs, c: Correction) -> dict[str, Stat]:
+    """The share of trained tokens, and of sequences (those with at least one such token), that the
+    correction masked or truncated, by reason; `sampling/masked_sequences/any` for any mask."""
+    num_samples = x.sample_count()
+    present = per_sequence_sum(torch.ones_like(c.rho), x.entry_sample, num_samples) > 0
+    count = float(len(c.rho))
+
+    def tokens(flag: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return flag.sum().float(), count
+
+    def sequences(flag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hit = per_sequence_sum(flag.to(c.rho.dtype), x.entry_sample, num_samples) > 0
+        return (hit & present).sum().float(), present.sum().float()
+
+    mean = Reduce.MEAN
+    return {
+        "sampling/masked_tokens/ratio_low": Stat(mean, *tokens(c.masked_low)),
+        "sampling/masked_tokens/ratio_high": Stat(mean, *tokens(c.masked_high)),
+        "sampling/masked_tokens/off_policy": Stat(mean, *tokens(c.masked_off_policy)),
+        "sampling/truncated_tokens/low": Stat(mean, *tokens(c.truncated_low)),
+        "sampling/truncated_tokens/high": Stat(mean, *tokens(c.truncated_high)),
+        "sampling/masked_sequences/any": Stat(mean, *sequences(~c.keep)),
+        "sampling/masked_sequences/ratio_low": Stat(mean, *sequences(c.masked_low)),
+        "sampling/masked_sequences/ratio_high": Stat(mean, *sequences(c.masked_high)),
+        "sampling/masked_sequences/off_policy": Stat(mean, *sequences(c.masked_off_policy)),
+        "sampling/truncated_sequences/low": Stat(mean, *sequences(c.truncated_low)),
+        "sampling/truncated_sequences/high": Stat(mean, *sequences(c.truncated_high)),
+    }
 
 
 def _per_sample_fractions(

@@ -27,6 +27,10 @@ class Sample:
     # top-k / top-p: the candidate set each trained token was drawn from; None = full vocabulary.
     candidate_sets: list[np.ndarray] | None = None  # T arrays of token ids
     model_version: int = 0  # policy version that generated it (the oldest turn's)
+    # MoE routing replay: the experts the sampler routed each of the first R <= L tokens to, per MoE
+    # layer, (R, layers, top_k), in the narrowest integer type that holds the expert count (uint8 up
+    # to 256 experts: a routing can outweigh the rest of a sample). None: not recorded.
+    routed_experts: np.ndarray | None = None
     row_index: int = -1  # dataset row of its prompt
     stream_index: int = -1  # the prompt's place in the stream of prompts (epoch * len(dataset) + k)
     epoch: int = 0
@@ -68,4 +72,8 @@ class Sample:
                 return "one top-N row per trained token"
         if self.candidate_sets is not None and len(self.candidate_sets) != trained:
             return "one candidate set per trained token"
+        if self.routed_experts is not None and (
+            self.routed_experts.ndim != 3 or len(self.routed_experts) > length
+        ):
+            return "routed_experts must be (tokens, MoE layers, top_k) for at most the sample's tokens"
         return None

@@ -46,4 +46,5 @@ def plain_row(samples: list[Sample]) -> PackedRow:
         candidate_ids=None,
         num_samples=len(samples),
         num_unpacked_tokens=int(lengths.sum()),
+        sample_versions=packed.sample_versions,
     )

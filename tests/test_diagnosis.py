@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from asyncgrpo.report.diagnosis import diagnose_bottleneck, diagnose_duplicates, diagnose_saturation
+from asyncgrpo.report.diagnosis import (
+    diagnose_bottleneck,
+    diagnose_duplicates,
+    diagnose_mismatch,
+    diagnose_saturation,
+)
 from asyncgrpo.report.history import History, load_run
 
 STEPS = 30
@@ -180,3 +185,38 @@ def test_generation_bound_at_max_concurrent_rollouts_says_to_raise_it():
     )
     assert kv_full.verdict == below.verdict == "generation-bound"
     assert not kv_full.action.startswith("Raise") and not below.action.startswith("Raise")
+
+
+# -- mismatch: sampling/mismatch_kl, split by staleness ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fresh", "stale", "verdict", "numerics"),
+    [
+        (1e-3, ramp(1e-3, 0.05), "growing", False),  # only old samples disagree more: staleness
+        (ramp(1e-3, 0.05), ramp(1e-3, 0.05), "growing", True),  # the numerics drift
+        (2e-4, 3e-4, "steady", False),
+        (ramp(1e-5, 5e-4), ramp(1e-5, 5e-4), "steady", False),  # grows, but below the bf16 floor
+    ],
+)
+def test_mismatch_readings(fresh, stale, verdict, numerics):
+    def mean(step):
+        return ((fresh(step) if callable(fresh) else fresh) + (stale(step) if callable(stale) else stale)) / 2
+
+    finding = diagnose_mismatch(
+        history(
+            sampling__mismatch_kl__mean=mean,
+            sampling__mismatch_kl__fresh_mean=fresh,
+            sampling__mismatch_kl__stale_mean=stale,
+            sampling__masked_mean=0.01,
+        )
+    )
+    assert finding.verdict == verdict
+    assert finding.evidence[0].startswith("sampling/mismatch_kl/mean")
+    assert finding.action.startswith("Samples of the trainer's own policy version") == numerics
+
+
+def test_mismatch_falls_back_to_the_log_prob_difference_and_else_is_unknown():
+    finding = diagnose_mismatch(history(sampling__sampling_logp_difference__mean=ramp(0.01, 0.5)))
+    assert finding.verdict == "growing"
+    assert diagnose_mismatch(history(reward=0.5)).verdict == "unknown"

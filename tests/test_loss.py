@@ -10,8 +10,16 @@ import torch
 from asyncgrpo.logprobs import token_logprobs
 from asyncgrpo.loss import LossInputs, clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import MetricsWindow, Stat
+from asyncgrpo.off_policy import CorrectionSettings
 
-SETTINGS = {"clip_min": 0.5, "clip_max": 5.0, "epsilon": 0.2, "epsilon_high": 0.28}
+
+def icepop(clip_min: float, clip_max: float) -> CorrectionSettings:
+    """Today's token masking in the band, the default mode."""
+    return CorrectionSettings(True, "icepop", clip_min, clip_max, None)
+
+
+SETTINGS = {"correction": icepop(0.5, 5.0), "epsilon": 0.2, "epsilon_high": 0.28}
+UNMASKED = dict(SETTINGS, correction=icepop(0.0, math.inf))  # nothing masked
 
 
 def centering_case(seed, top_n, vocab=7, entries=5, temperature=0.7):
@@ -52,9 +60,8 @@ def expected_centered_gradient(logits, q, targets, top_ids, advantages, temperat
 @pytest.mark.parametrize("top_n", [1, 3, 6])
 def test_score_centered_gradient_matches_formula(top_n):
     logits, q, targets, top_ids, advantages, x = centering_case(seed=top_n, top_n=top_n)
-    settings = dict(SETTINGS, clip_min=0.0, clip_max=math.inf)  # nothing masked here
     loss, metrics = score_centered_loss(
-        x, **settings, num_trained_tokens_global=10, gradient_accumulation_steps=2
+        x, **UNMASKED, num_trained_tokens_global=10, gradient_accumulation_steps=2
     )
     loss.backward()
     want = expected_centered_gradient(logits, q, targets, top_ids, advantages, 0.7, scale=1 / 20)
@@ -66,8 +73,7 @@ def test_score_centered_gradient_matches_formula(top_n):
 def test_full_vocabulary_is_exact_centering():
     """H = the whole vocabulary: qhat = q, gradient = -A * (e_y - q) / T (scaled)."""
     logits, q, targets, _, advantages, x = centering_case(seed=0, top_n=7)
-    settings = dict(SETTINGS, clip_min=0.0, clip_max=math.inf)
-    loss, _ = score_centered_loss(x, **settings, num_trained_tokens_global=5, gradient_accumulation_steps=1)
+    loss, _ = score_centered_loss(x, **UNMASKED, num_trained_tokens_global=5, gradient_accumulation_steps=1)
     loss.backward()
     one_hot = torch.nn.functional.one_hot(targets, 7).double()
     torch.testing.assert_close(logits.grad, -advantages[:, None] * (one_hot - q) / 0.7 / 5)
@@ -76,8 +82,7 @@ def test_full_vocabulary_is_exact_centering():
 def test_score_centering_differs_from_plain_policy_gradient():
     """With a sampler that differs from the trainer the centering term is not zero."""
     logits, _, targets, _, advantages, x = centering_case(seed=9, top_n=3)
-    settings = dict(SETTINGS, clip_min=0.0, clip_max=math.inf)
-    score_centered_loss(x, **settings, num_trained_tokens_global=5, gradient_accumulation_steps=1)[
+    score_centered_loss(x, **UNMASKED, num_trained_tokens_global=5, gradient_accumulation_steps=1)[
         0
     ].backward()
     p = torch.softmax(logits.detach() / 0.7, -1)
@@ -193,8 +198,7 @@ def test_mask_bounds_are_inclusive():
     logprobs, x = surrogate_inputs([0.5, below, 5.0], [1.0, 1.0, -1.0])
     settings = dict(
         SETTINGS,
-        clip_min=float(torch.exp(x.logprobs.detach()[0])),
-        clip_max=float(torch.exp(x.logprobs.detach()[2])),
+        correction=icepop(float(torch.exp(x.logprobs.detach()[0])), float(torch.exp(x.logprobs.detach()[2]))),
     )
     loss, metrics = clipped_surrogate_loss(
         x, **settings, num_trained_tokens_global=3, gradient_accumulation_steps=1
@@ -246,6 +250,20 @@ def test_metrics_by_hand():
         "sampling/importance_sampling_ratio/mean": (1 + 2 + 0.25 + 0.7) / 4,
         "sampling/importance_sampling_ratio/max": 2.0,
         "sampling/masked_mean": 1 / 4,  # rho = 0.25 < 0.5
+        # k3 = rho - 1 - log rho per token
+        "sampling/mismatch_kl/mean": sum(r - 1 - math.log(r) for r in (1.0, 2.0, 0.25, 0.7)) / 4,
+        "sampling/mismatch_kl/max": 0.25 - 1 - math.log(0.25),
+        "sampling/masked_tokens/ratio_low": 1 / 4,
+        "sampling/masked_tokens/ratio_high": 0.0,
+        "sampling/masked_tokens/off_policy": 0.0,
+        "sampling/truncated_tokens/low": 0.0,
+        "sampling/truncated_tokens/high": 0.0,
+        "sampling/masked_sequences/any": 1 / 2,  # sample 1
+        "sampling/masked_sequences/ratio_low": 1 / 2,
+        "sampling/masked_sequences/ratio_high": 0.0,
+        "sampling/masked_sequences/off_policy": 0.0,
+        "sampling/truncated_sequences/low": 0.0,
+        "sampling/truncated_sequences/high": 0.0,
         "sampling/sampler_mass": 0.8,
         "entropy": 2.5,
         "clip_ratio/low_mean": 2 / 4,  # entries 2, 3
@@ -299,6 +317,6 @@ def test_metrics_merge_exactly_across_micro_batches():
         )
         window.merge({k: Stat(s.reduce, float(s.value), s.weight) for k, s in m.items()})
     for name, stat in m_whole.items():
-        if name in ("clip_ratio/low_min", "clip_ratio/high_max"):
-            continue  # per-sample fractions: a sample cut across micro-batches is two samples
+        if name in ("clip_ratio/low_min", "clip_ratio/high_max") or "_sequences/" in name:
+            continue  # per-sample: a sample cut across micro-batches is two samples (never in training)
         assert window.stats()[name].result() == pytest.approx(float(stat.result())), name

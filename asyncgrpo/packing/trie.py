@@ -208,6 +208,7 @@ class PrefixTrie:
             predict_index=_concat(predict_index, np.int64),
             num_unpacked_tokens=self.num_unpacked_tokens,
             token_multiplicity=np.bincount(_concat(paths, np.int64), minlength=num_tokens),
+            **_routings(self.samples, paths, num_tokens),
             **_loss_entries(self.samples),
         )
 
@@ -229,6 +230,29 @@ def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
 
 
+def _routings(samples: list[Sample], paths: list[np.ndarray], num_tokens: int) -> dict:
+    """PackedRow's routed_experts and routed: each sample's recorded experts at its packed positions;
+    where samples share a token the first one's routing stands."""
+    recorded = [(s.routed_experts, path) for s, path in zip(samples, paths) if s.routed_experts is not None]
+    if not recorded:
+        return {}
+    shapes = {routing.shape[1:] for routing, _ in recorded}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"samples of one row carry routings of different shapes (MoE layers, top_k) {sorted(shapes)}: "
+            "they must come from servers running the same model"
+        )
+    layers, top_k = shapes.pop()
+    routed_experts = np.zeros((layers, num_tokens, top_k), dtype=np.int64)
+    routed = np.zeros(num_tokens, dtype=bool)
+    for routing, path in recorded:
+        positions = path[: len(routing)]
+        new = ~routed[positions]
+        routed_experts[:, positions[new]] = routing[new].transpose(1, 0, 2)
+        routed[positions[new]] = True
+    return {"routed_experts": routed_experts, "routed": routed}
+
+
 def _loss_entries(samples: list[Sample]) -> dict:
     """The per-entry fields of PackedRow (all but predict_index), in sample then token order."""
     num_trained = np.array([s.num_trained for s in samples], dtype=np.int64)  # (S,)
@@ -240,6 +264,7 @@ def _loss_entries(samples: list[Sample]) -> dict:
         sampler_logprobs=_concat([s.sampler_logprobs for s in samples], np.float32),
         entry_sample=np.repeat(np.arange(len(samples), dtype=np.int32), num_trained),
         num_samples=len(samples),
+        sample_versions=np.array([s.model_version for s in samples], dtype=np.int64),
         top_ids=None,
         top_logprobs=None,
         candidate_offsets=None,

@@ -32,6 +32,11 @@ BOTTOM, TOP = 0.25, 0.75
 REWARD_TREND = 0.05
 # Duplicates: "near (G-1)/G" from 80% of it; "rising" by 0.1; entropy "falling" when it loses 20%.
 DUPLICATE_JUMP, DUPLICATE_RISE, ENTROPY_FALL = 0.8, 0.1, 0.2
+# Mismatch "grows" when the last third's mean is at least twice the first third's and above a floor
+# below which the two agree to bf16 precision whatever its trend: a k3 of 1e-3 nats (a per-token
+# log-prob gap of about 0.045), or that gap itself where an older run logged only the difference.
+MISMATCH_GROWTH = 2.0
+MISMATCH_FLOOR = {"sampling/mismatch_kl/mean": 1e-3, "sampling/sampling_logp_difference/mean": 0.045}
 
 
 @dataclass
@@ -333,9 +338,62 @@ def diagnose_duplicates(history: History) -> Finding:
     )
 
 
+# -- trainer/sampler mismatch ----------------------------------------------------------------------
+
+
+def diagnose_mismatch(history: History) -> Finding:
+    """Does the sampler/trainer disagreement grow? With the split by staleness, says which part."""
+    metric = next((name for name in MISMATCH_FLOOR if history.has(name)), None)
+    if metric is None:
+        return Finding("mismatch", "unknown", "sampling/mismatch_kl/mean was not logged.", "Log every step.")
+    first, last, first_span, last_span = _thirds(history, metric)
+    evidence = [f"{metric} {first:.3g} ({first_span}) -> {last:.3g} ({last_span})"]
+    for part in ("sampling/mismatch_kl/fresh_mean", "sampling/mismatch_kl/stale_mean"):
+        if history.has(part):
+            part_first, part_last, _, _ = _thirds(history, part)
+            evidence.append(f"{part} {part_first:.3g} -> {part_last:.3g}")
+    if history.has("sampling/masked_mean"):
+        evidence.append(
+            f"sampling/masked_mean averages {_mean(history.series('sampling/masked_mean')[1]):.3g}"
+        )
+    if not (last >= MISMATCH_GROWTH * first and last > MISMATCH_FLOOR[metric]):
+        return Finding(
+            "mismatch",
+            "steady",
+            "The sampler and the trainer disagree no more at the end than at the start.",
+            "Nothing to change.",
+            evidence,
+        )
+    fresh_grows = False
+    if history.has("sampling/mismatch_kl/fresh_mean"):
+        fresh_first, fresh_last, _, _ = _thirds(history, "sampling/mismatch_kl/fresh_mean")
+        fresh_grows = fresh_last >= MISMATCH_GROWTH * fresh_first and fresh_last > MISMATCH_FLOOR[metric]
+    if fresh_grows:
+        action = (
+            "Samples of the trainer's own policy version disagree more and more: numerics, not staleness. "
+            "Check that the server runs the trainer's dtype, and for MoE models the routing; a sequence "
+            "mode or off_policy_mask_threshold bounds the damage meanwhile."
+        )
+    else:
+        action = (
+            "Compare sample/staleness_mean with the split by staleness: if only old samples disagree more, "
+            "lower max_staleness or the learning rate; a sequence mode or off_policy_mask_threshold masks "
+            "the worst sequences (watch sampling/masked_sequences/any)."
+        )
+    return Finding(
+        "mismatch",
+        "growing",
+        "The sampler and the trainer disagree more and more: the correction has more to mask every step, "
+        "and long asynchronous runs destabilize this way.",
+        action,
+        evidence,
+    )
+
+
 def diagnose(history: History, reward_range: tuple[float, float] = (0.0, 1.0)) -> list[Finding]:
     return [
         diagnose_bottleneck(history),
         diagnose_saturation(history, reward_range),
         diagnose_duplicates(history),
+        diagnose_mismatch(history),
     ]

@@ -17,6 +17,7 @@ QUESTIONS = {
     "bottleneck": "Which side is the bottleneck?",
     "saturation": "Do the groups still carry signal?",
     "duplicates": "Are the rollouts of a group still different?",
+    "mismatch": "Do the sampler and the trainer disagree more and more?",
 }
 _STYLE = """
 body { font-family: sans-serif; margin: 2em auto; max-width: 1500px; color: #222; }

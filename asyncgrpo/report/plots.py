@@ -68,6 +68,20 @@ PLOTS = (
         limit_of="max_staleness",
     ),
     PlotSpec(
+        "mismatch",
+        "Sampler/trainer mismatch and what the correction masks",
+        (
+            Curve("sampling/mismatch_kl/mean"),
+            Curve("sampling/mismatch_kl/fresh_mean"),
+            Curve("sampling/mismatch_kl/stale_mean"),
+            Curve("sampling/masked_mean", True),
+            Curve("sampling/masked_sequences/any", True),
+            Curve("sampling/truncated_tokens/high", True),
+        ),
+        "KL (k3, nats)",
+        "fraction masked or truncated",
+    ),
+    PlotSpec(
         "queue",
         "Queue size against waits on either side",
         (

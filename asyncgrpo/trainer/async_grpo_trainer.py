@@ -66,7 +66,7 @@ from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_de
 from asyncgrpo.trainer.policy_model import load_policy_model, prepare_policy_model, prepare_tokenizer
 from asyncgrpo.trainer.progress import AsyncProgressCallback
 from asyncgrpo.trainer.prompt_ledger import PromptLedger
-from asyncgrpo.trainer.row_loss import QueuedRows, row_loss, values_on_host
+from asyncgrpo.trainer.row_loss import QueuedRows, replayed_routing_of, row_loss, values_on_host
 from asyncgrpo.trainer.run_directory import RunDirectoryCallback
 from asyncgrpo.trainer.step_metrics import StepMetrics, StepResult
 
@@ -403,11 +403,14 @@ class AsyncGRPOTrainer(Trainer):
                 window.record("perf/head_logits_kept", float(memory_plan.keep_logits))
                 keep_logits = memory_plan.keep_logits
             started = clock.mark()
-            with self.compute_loss_context_manager():
-                loss, stats = row_loss(model, row, entries_global, args, self._loss_fn, keep_logits)
-            forward_done = clock.mark()
-            # FSDP2 averages gradients over processes; the loss is already normalized globally.
-            self.accelerator.backward(loss * (world * weight))
+            with replayed_routing_of(model, row):
+                with self.compute_loss_context_manager():
+                    loss, stats = row_loss(
+                        model, row, entries_global, args, self._loss_fn, keep_logits, batch.model_version
+                    )
+                forward_done = clock.mark()
+                # FSDP2 averages gradients over processes; the loss is already normalized globally.
+                self.accelerator.backward(loss * (world * weight))
             row_marks.append((started, forward_done, clock.mark()))
             if weight:
                 row_losses.append(loss.detach())

@@ -85,6 +85,7 @@ class StepBatch:
     plans: list[MicroBatchPlan]
     wait_s: float = 0.0  # time the step waited on an empty queue
     samples: list[Sample] = field(default_factory=list)
+    model_version: int = 0  # the trainer's policy version when the samples were taken
 
 
 class SampleIntake:
@@ -247,7 +248,7 @@ class SampleIntake:
         self, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int
     ) -> StepBatch:
         """Plan one optimizer step's micro-batches from the queue."""
-        batch = StepBatch(plans=[])
+        batch = StepBatch(plans=[], model_version=model_version)
         self._drain(0.0)  # what the worker queued joins the buffer, so the size counts samples only
         metrics.record("rollout/queue_size", len(self.buffer))
         try:
