@@ -228,14 +228,14 @@ def test_a_relative_output_dir_works(vllm_server, tiny_model_dir, tmp_path, monk
     assert server_greedy(vllm_server.url) == hf_greedy(trainer.model.eval())
 
 
-def record_trained(monkeypatch) -> list[tuple[int, str, int]]:
-    """(stream_index, rollout_id, group_id) of every sample the trainer takes into a step."""
-    trained: list[tuple[int, str, int]] = []
+def record_trained(monkeypatch) -> list[tuple[int, str]]:
+    """(stream_index, rollout_id) of every sample the trainer takes into a step."""
+    trained: list[tuple[int, str]] = []
     original = SampleIntake.next_step
 
     def recording(self, *args, **kwargs):
         batch = original(self, *args, **kwargs)
-        trained.extend((sample.stream_index, sample.rollout_id, sample.group_id) for sample in batch.samples)
+        trained.extend((sample.stream_index, sample.rollout_id) for sample in batch.samples)
         return batch
 
     monkeypatch.setattr(SampleIntake, "next_step", recording)
@@ -273,17 +273,15 @@ def test_resume_across_a_split_group_trains_each_sample_once(
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     assert resumed.state.global_step == 6
     everything = first_run + second_run
-    assert len({rollout for _, rollout, _ in everything}) == len(everything), "a sample was trained twice"
-    if num_rollout_workers == 2:  # both fed the trainer (worker k numbers its groups k, k + 2, ...)
-        assert {group_id % 2 for *_, group_id in everything} == {0, 1}
+    assert len({rollout for _, rollout in everything}) == len(everything), "a sample was trained twice"
     # The checkpoint holds everything the trainer had drained from the worker, which can be more than
     # three steps take: what the second run did not train travels on with checkpoint 6.
     held_at_six = {sample.rollout_id for sample in load_held_samples(tmp_path / "checkpoint-6")}
-    trained_second = {rollout for _, rollout, _ in second_run}
+    trained_second = {rollout for _, rollout in second_run}
     assert {sample.rollout_id for sample in held} <= trained_second | held_at_six, "a held sample was lost"
     assert second_run[0][1] in {sample.rollout_id for sample in held}, "the held samples are trained first"
     per_prompt: dict[int, set[str]] = {}
-    for stream_index, rollout, _ in everything:
+    for stream_index, rollout in everything:
         per_prompt.setdefault(stream_index, set()).add(rollout)
     assert max(len(rollouts) for rollouts in per_prompt.values()) <= 4, "a split prompt was regenerated"
 
