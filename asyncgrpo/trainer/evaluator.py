@@ -94,7 +94,7 @@ class Evaluator:
         if not self._opened:
             self.http.run(self.runner.open())
             self._opened = True
-        self.pending = PendingEval(step, self.http.submit(self._evaluate(datasets, version)))
+        self.pending = PendingEval(step, self.http.submit(self._measure(datasets, version)))
 
     def join(self) -> tuple[int, dict[str, float]] | None:
         """Wait for the running evaluation: (its step, its figures), or None when none runs or it was
@@ -117,7 +117,7 @@ class Evaluator:
             self.http.run(self.runner.close())
             self._opened = False
 
-    async def _evaluate(self, datasets: dict[str, list[dict[str, Any]]], version: int) -> dict[str, float]:
+    async def _measure(self, datasets: dict[str, list[dict[str, Any]]], version: int) -> dict[str, float]:
         figures: dict[str, float] = {}
         for prefix, rows in datasets.items():
             started = time.perf_counter()
