@@ -176,6 +176,8 @@ class AsyncGRPOTrainer(Trainer):
         # there is no generation session (the attributes below read None).
         self._session: GenerationSession | None = None
         self._evaluator: Evaluator | None = None  # rank 0, while train() runs with an eval dataset
+        # The eval rows, read (and checked) now: a dataset without a length fails here, not mid-run.
+        self._eval_rows = self._eval_datasets(None, "eval") if eval_dataset is not None else None
 
     # -- TRL's public attributes (rank 0 holds the client, worker and sync; other ranks see None) ---------
 
@@ -242,10 +244,12 @@ class AsyncGRPOTrainer(Trainer):
             self._join_eval(trial)
             self._end_with_served_weights(trial)
         finally:
-            if self._evaluator is not None:
-                self._evaluator.close()
+            try:
+                if self._evaluator is not None:
+                    self._evaluator.close()
+            finally:
                 self._evaluator = None
-            self._session.close()
+                self._session.close()
         runtime = time.time() - started
         steps = self.state.global_step - first_step
         train_loss = self._metrics.train_loss_sum / max(steps, 1)
@@ -609,8 +613,7 @@ class AsyncGRPOTrainer(Trainer):
 
     def _open_evaluator(self) -> None:
         """Rank 0, when the run has an eval dataset: the evaluator, on the session's HTTP loop."""
-        if self._processes.is_main and self.eval_dataset is not None:
-            self._eval_rows = self._eval_datasets(None, "eval")
+        if self._processes.is_main and self._eval_rows is not None:
             session = self._session
             self._evaluator = Evaluator(
                 self, session.http, session.client, session.served_name, session.lora_name
@@ -668,7 +671,7 @@ class AsyncGRPOTrainer(Trainer):
     def _end_with_served_weights(self, trial) -> None:
         """With an eval dataset, train() leaves the servers running the weights it ends with (the best
         checkpoint's with load_best_model_at_end), so an evaluate() after it measures them."""
-        if self.eval_dataset is None:
+        if self._eval_rows is None:
             return
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
