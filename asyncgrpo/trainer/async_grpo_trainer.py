@@ -102,7 +102,6 @@ class AsyncGRPOTrainer(Trainer):
         reward_funcs: Callable | list[Callable] | None = None,
         args: AsyncGRPOConfig | None = None,
         train_dataset=None,
-        eval_dataset=None,
         processing_class=None,
         callbacks=None,
         optimizers=(None, None),
@@ -111,6 +110,9 @@ class AsyncGRPOTrainer(Trainer):
         environment_factory=None,
         rollout_worker=None,
         weight_transfer=None,
+        *,
+        # Last and by name only: the parameters before it keep TRL's positional order.
+        eval_dataset=None,
     ):
         check_transformers_version()
         model_id = model if isinstance(model, str) else model.config._name_or_path
