@@ -75,6 +75,73 @@ def test_eval_settings_default_to_the_training_ones(tmp_path):
         AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", temperature_eval=-1.0)
 
 
+class LabelledServers:
+    """Stands for the servers' client: the weight labels they report, one answer per call."""
+
+    def __init__(self, *answers: list[str]):
+        self.answers = list(answers)
+
+    async def weight_labels(self) -> list[str]:
+        return self.answers.pop(0)
+
+
+class SampledWith:
+    """Stands for the EvalRunner: every prompt's rollouts pass, sampled by weights `labels`."""
+
+    def __init__(self, *labels: str):
+        self.labels = set(labels)
+        self.versions: list[int] = []
+
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def run(self, rows, version):
+        self.versions.append(version)
+        outcome = PromptOutcome(np.array([1.0, 1.0]), {"f": [1.0, 1.0]}, [3, 3], [False, False])
+        return [outcome] * len(rows), set(self.labels)
+
+
+def evaluate_with(servers: LabelledServers, runner: SampledWith):
+    from asyncgrpo.generation.background import BackgroundLoop
+    from asyncgrpo.trainer.evaluator import Evaluator
+
+    http = BackgroundLoop()
+    try:
+        evaluator = Evaluator(http, servers, runner, pass_threshold=1.0)
+        evaluator.start({"eval": [{}] * 3, "eval_b": [{}]}, step=7, version=3)
+        joined = evaluator.join()
+        evaluator.close()
+        return joined
+    finally:
+        http.close()
+
+
+def test_an_evaluation_on_one_policy_is_logged_under_each_prefix_at_its_step():
+    policy = "asyncgrpo-policy-3"
+    runner = SampledWith(policy)
+    step, figures = evaluate_with(LabelledServers([policy], [policy], [policy], [policy]), runner)
+    assert step == 7 and runner.versions == [3, 3]
+    assert figures["eval_pass@2"] == 1.0 and figures["eval_b_reward"] == 1.0
+    assert figures["eval_model_version"] == 3.0 and figures["eval_samples_per_second"] > 0
+
+
+@pytest.mark.parametrize(
+    ("labels", "sampled"),
+    [
+        ([["p-3", "p-4"]], ["p-3"]),  # two servers on different weights
+        ([["p-3"], ["p-4"]], ["p-3"]),  # a sync landed while it ran
+        ([["p-3"], ["p-3"]], ["p-3", "p-4"]),  # tokens from other weights
+    ],
+)
+def test_an_evaluation_that_saw_other_weights_is_discarded(labels, sampled, caplog):
+    with caplog.at_level("WARNING"):
+        assert evaluate_with(LabelledServers(*labels), SampledWith(*sampled)) is None
+    assert "evaluation of step 7 is discarded" in caplog.text
+
+
 # -- against the real server -----------------------------------------------------------------------------
 
 pytest.importorskip("datasets", reason="datasets is not installed (a GPU host may lack it)")

@@ -583,7 +583,7 @@ class AsyncGRPOTrainer(Trainer):
         evaluator = None
         try:
             http.run(client.wait_until_ready())
-            evaluator = Evaluator(self, http, client, http.run(client.model_name()))
+            evaluator = Evaluator.for_trainer(self, http, client, http.run(client.model_name()))
             if self._session is not None and self._served_step != self.state.global_step:
                 logger.warning(
                     "evaluate(): the servers run the weights of step %d, the trainer holds step %d's",
@@ -617,7 +617,7 @@ class AsyncGRPOTrainer(Trainer):
         """Rank 0, when the run has an eval dataset: the evaluator, on the session's HTTP loop."""
         if self._processes.is_main and self._eval_rows is not None:
             session = self._session
-            self._evaluator = Evaluator(
+            self._evaluator = Evaluator.for_trainer(
                 self, session.http, session.client, session.served_name, session.lora_name
             )
 

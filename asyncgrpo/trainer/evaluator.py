@@ -62,12 +62,22 @@ class PendingEval:
 class Evaluator:
     """Rank 0's evaluations on `http`'s event loop with `client`; one in flight at a time."""
 
-    def __init__(self, trainer, http: BackgroundLoop, client: VLLMClient, model_name: str, lora_name=None):
-        args = trainer.args
+    def __init__(self, http: BackgroundLoop, client: VLLMClient, runner: EvalRunner, pass_threshold: float):
         self.http = http
         self.client = client
-        self.threshold = args.eval_pass_threshold
-        self.runner = EvalRunner(
+        self.runner = runner
+        self.threshold = pass_threshold
+        self._opened = False
+        self.pending: PendingEval | None = None
+
+    @classmethod
+    def for_trainer(
+        cls, trainer, http: BackgroundLoop, client: VLLMClient, model_name: str, lora_name: str | None = None
+    ) -> Evaluator:
+        """The trainer's evaluator: its rollout loop class, reward functions, tools and environments,
+        with the eval settings; `lora_name`: the policy adapters' prefix (adapter-only weight sync)."""
+        args = trainer.args
+        runner = EvalRunner(
             trainer.loop_cls,
             dict(
                 config=eval_config(args),
@@ -84,8 +94,7 @@ class Evaluator:
             trainer.reward_funcs,
             seed=args.seed,
         )
-        self._opened = False
-        self.pending: PendingEval | None = None
+        return cls(http, client, runner, args.eval_pass_threshold)
 
     def start(self, datasets: dict[str, list[dict[str, Any]]], step: int, version: int) -> None:
         """Start evaluating `datasets` ({metric prefix: rows}) under policy `version` (the step's),
