@@ -278,8 +278,11 @@ def test_build_trainer_wires_what_the_config_names(tiny_model_dir, tmp_path):
         "loop_class": "examples.functions:CurriculumRolloutLoop",
         "tools": ["examples.functions:multiply"],
         "dataset": {"data_files": "examples/data/addition.jsonl", "columns": {"answer": "solution"}},
+        "eval_dataset": {"held_out": {"data_files": "examples/data/addition.jsonl"}},
+        "eval_strategy": "steps",
     }
     trainer = build_trainer(build_run_config(raw))
+    assert trainer.eval_dataset["held_out"].num_rows == 100 and trainer.args.eval_strategy == "steps"
     assert trainer.loop_cls is CurriculumRolloutLoop
     assert trainer.reward_funcs == [correct_sum] and trainer.tools == [multiply]
     assert trainer.train_dataset.num_rows == 100 and "solution" in trainer.train_dataset.column_names
