@@ -395,6 +395,31 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
         },
     )
 
+    # -- evaluation (eval_strategy, eval_steps, eval_on_start, eval_delay: TrainingArguments') ------------
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rollouts sampled per eval prompt, the n of pass@k (TRL's name). None: num_generations. "
+            "More rollouts give a steadier pass@1 and a larger k, at that many times the eval's generation."
+        },
+    )
+    temperature_eval: float | None = field(
+        default=None,
+        metadata={
+            "help": "Sampling temperature of the eval rollouts (>= 0; 0: greedy decoding, as nothing "
+            "sampled for evaluation is trained on). None: temperature, so the eval measures the policy "
+            "training samples from."
+        },
+    )
+    eval_pass_threshold: float = field(
+        default=1.0,
+        metadata={
+            "help": "An eval rollout passes (pass@k) when its summed reward is at least this. 1.0: the top "
+            "score of a 0/1 correctness reward, such as accuracy_reward; the highest reward a function "
+            "can give is not known in general, so set it for other scales."
+        },
+    )
+
     # -- logging --------------------------------------------------------------------------------------
     log_completions: bool = field(
         default=False,
@@ -430,6 +455,16 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
             self.request_timeout = self.vllm_server_timeout
         if self.weight_sync_timeout is None:
             self.weight_sync_timeout = self.vllm_server_timeout
+        if self.num_generations_eval is None:
+            self.num_generations_eval = self.num_generations
+        if self.temperature_eval is None:
+            self.temperature_eval = self.temperature
+        if (
+            self.load_best_model_at_end or self.save_strategy == "best"
+        ) and self.metric_for_best_model is None:
+            # TrainingArguments would pick "loss", which an RL evaluation has none of: the held-out reward
+            # is what "best" means here.
+            self.metric_for_best_model = "reward"
         self._apply_trl_compat(_DEFAULTS["max_concurrent_rollouts"], _DEFAULTS["rollout_worker_timeout"])
         self._validate()
         super().__post_init__()
@@ -540,6 +575,15 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
             fail("use_liger_kernel=True is not supported: the loss needs its own log-prob computation")
         if self.deepspeed:
             fail("DeepSpeed is not supported: use FSDP2 for sharded training")
+        if self.num_generations_eval < 1:
+            fail(f"num_generations_eval={self.num_generations_eval} must be >= 1 (None: num_generations)")
+        if self.temperature_eval < 0:
+            fail(f"temperature_eval={self.temperature_eval} must be >= 0 (0: greedy; None: temperature)")
+        if self.metric_for_best_model in ("loss", "eval_loss"):
+            fail(
+                f"metric_for_best_model={self.metric_for_best_model!r}: an evaluation here logs no loss; use "
+                "an eval figure such as 'reward' or 'pass@1' (docs/metrics.md, \"Evaluation\")"
+            )
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             fail("num_completions_to_print must be >= 1 or None")
         self._validate_schedule(fail)

@@ -7,8 +7,10 @@ import json
 import pytest
 
 from asyncgrpo.report.diagnosis import (
+    diagnose,
     diagnose_bottleneck,
     diagnose_duplicates,
+    diagnose_held_out,
     diagnose_mismatch,
     diagnose_saturation,
 )
@@ -220,3 +222,60 @@ def test_mismatch_falls_back_to_the_log_prob_difference_and_else_is_unknown():
     finding = diagnose_mismatch(history(sampling__sampling_logp_difference__mean=ramp(0.01, 0.5)))
     assert finding.verdict == "growing"
     assert diagnose_mismatch(history(reward=0.5)).verdict == "unknown"
+
+
+# -- held-out reward against training reward --------------------------------------------------------------
+
+
+def evaluated(train, evals: dict[str, object], every: int = 5) -> History:
+    """A run logging `reward` = train(step) every step and, in lines of their own (as the trainer logs
+    them), each eval metric = value(step) at step 0 and every `every` steps."""
+    records = [{"step": step, "reward": train(step)} for step in range(1, STEPS + 1)]
+    for step in range(0, STEPS + 1, every):
+        records.append({"step": step, **{name: value(step) for name, value in evals.items()}})
+    return History.from_records(records, {"num_generations": 8})
+
+
+def test_training_reward_rising_while_eval_reward_falls_is_flagged_with_the_best_step():
+    run = evaluated(ramp(0.2, 0.8), {"eval_reward": lambda step: 0.6 if step == 10 else 0.5 - step / 100})
+    finding = diagnose_held_out(run)
+    assert finding.verdict == "overfitting or reward hacking"
+    assert "step 10" in finding.action and "load_best_model_at_end" in finding.action
+    # Means of the first and last thirds of the seven evaluations (two each), and the peak.
+    assert "eval_reward 0.475 (steps 0-5) -> 0.225 (steps 25-30); highest 0.6 at step 10" in finding.evidence
+    # The evaluation's lines were merged into the windows of their steps; step 0 has an evaluation alone.
+    assert run.series("eval_reward")[0] == [0, 5, 10, 15, 20, 25, 30]
+    assert run.records[5]["reward"] == ramp(0.2, 0.8)(5) and "eval_reward" in run.records[5]
+
+
+@pytest.mark.parametrize(
+    ("train", "held_out", "verdict"),
+    [
+        (ramp(0.2, 0.8), ramp(0.3, 0.7), "healthy"),
+        (ramp(0.5, 0.5), ramp(0.6, 0.2), "held-out reward falls"),
+        (ramp(0.2, 0.8), ramp(0.5, 0.49), "healthy"),  # a change under 5% of the range is no trend
+    ],
+)
+def test_held_out_readings(train, held_out, verdict):
+    assert diagnose_held_out(evaluated(train, {"eval_reward": held_out})).verdict == verdict
+
+
+def test_each_named_eval_dataset_is_read_and_one_evaluation_is_no_trend():
+    run = evaluated(ramp(0.2, 0.8), {"eval_math_reward": ramp(0.3, 0.8), "eval_code_reward": ramp(0.8, 0.2)})
+    assert run.eval_prefixes() == ["eval_code", "eval_math"]
+    finding = diagnose_held_out(run)
+    assert finding.verdict == "overfitting or reward hacking" and "eval_code_reward" in finding.explanation
+    once = evaluated(ramp(0.2, 0.8), {"eval_reward": ramp(0.5, 0.5)}, every=STEPS + 1)
+    assert diagnose_held_out(once).verdict == "unknown"
+
+
+def test_the_held_out_question_is_asked_only_of_runs_that_evaluated():
+    plain = history(reward=0.5)
+    assert [finding.question for finding in diagnose(plain)] == [
+        "bottleneck",
+        "saturation",
+        "duplicates",
+        "mismatch",
+    ]
+    run = evaluated(ramp(0.2, 0.8), {"eval_reward": ramp(0.3, 0.7)})
+    assert diagnose(run)[-1].question == "held_out"

@@ -111,6 +111,35 @@ def recorded_metric_names() -> dict[str, str]:
                 name = _text(key) if key is not None else None
                 if name:
                     names.setdefault(name, f"{where}:{key.lineno}")
+    names.update(evaluation_figure_names())
+    return names
+
+
+# Where an evaluation's figures are named, unprefixed: the trainer logs each as `eval_` + the name.
+EVALUATION_SOURCES = ("asyncgrpo/rollout/eval_metrics.py", "asyncgrpo/trainer/evaluator.py")
+
+
+def evaluation_figure_names() -> dict[str, str]:
+    """`eval_` + every key given to a `figures` or `measured` dict in the evaluation's modules
+    (`figures = {...}`, `measured["runtime"] = ...`), with where."""
+    names: dict[str, str] = {}
+    for source in EVALUATION_SOURCES:
+        for node in ast.walk(ast.parse((ROOT / source).read_text())):
+            if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+                continue
+            target = node.targets[0]
+            keys: list[ast.AST] = []
+            if isinstance(target, ast.Name) and target.id == "figures" and isinstance(node.value, ast.Dict):
+                keys = list(node.value.keys)
+            elif isinstance(target, ast.Subscript) and getattr(target.value, "id", None) in (
+                "figures",
+                "measured",
+            ):
+                keys = [target.slice]
+            for key in keys:
+                name = _text(key)
+                if name:
+                    names.setdefault(f"eval_{name}", f"{source}:{key.lineno}")
     return names
 
 
@@ -150,6 +179,7 @@ def test_every_recorded_metric_is_in_the_metric_reference():
     recorded = {_placeholders_blank(name): where for name, where in recorded_metric_names().items()}
     # The extraction reaches every way the code logs: record(), a dict of Stats, a subscript, self.log.
     reached = {"loss", "entropy", "aux_loss", "train_runtime", "tools/{}/latency_s", "rewards/{}/mean"}
+    reached |= {"eval_reward", "eval_pass@{}", "eval_rewards/{}/mean", "eval_runtime"}
     assert reached <= set(recorded), sorted(reached - set(recorded))
     mentioned, defined = documented_metric_names()
     undocumented = sorted(f"{name} ({where})" for name, where in recorded.items() if name not in mentioned)

@@ -14,7 +14,7 @@ import pytest
 from asyncgrpo.cli import main
 from asyncgrpo.report.diagnosis import diagnose
 from asyncgrpo.report.history import load_run
-from asyncgrpo.report.plots import PLOTS
+from asyncgrpo.report.plots import EVAL_PLOT, PLOTS, plots_for
 
 RUNS = Path(__file__).parent / "data" / "report_runs"
 # case -> (bottleneck, saturation) the report must name. The tiny model on CPU trains slower than
@@ -26,7 +26,10 @@ EXPECTED = {
     "low_concurrency": ("generation-bound", "healthy"),
     "saturating": (None, "saturated at the top"),
     "never_varies": (None, "stuck at the bottom"),
+    "reward_hacking": (None, None),
 }
+# case -> the held-out reading, for the runs that evaluated.
+HELD_OUT = {"reward_hacking": "overfitting or reward hacking"}
 
 
 @pytest.fixture
@@ -42,17 +45,24 @@ def test_report_renders_every_plot_and_names_the_planted_case(case, run_copy, ca
     run_dir = run_copy(case)
     assert main(["report", str(run_dir)]) == 0
     assert "report.html" in capsys.readouterr().out
-    for spec in PLOTS:
+    specs = plots_for(load_run(run_dir))
+    assert (EVAL_PLOT in specs) == (case in HELD_OUT), "the evaluation plot is drawn for runs that evaluated"
+    for spec in specs:
         png = run_dir / "plots" / f"{spec.name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", spec.name
     html = (run_dir / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == len(PLOTS)
+    assert html.count("data:image/png;base64,") == len(specs)
     assert "not logged in this run" not in html, "a recorded run logs every plotted question"
     findings = {finding.question: finding for finding in diagnose(load_run(run_dir))}
     bottleneck, saturation = EXPECTED[case]
     if bottleneck is not None:
         assert findings["bottleneck"].verdict == bottleneck, findings["bottleneck"].evidence
-    assert findings["saturation"].verdict == saturation, findings["saturation"].evidence
+    if saturation is not None:
+        assert findings["saturation"].verdict == saturation, findings["saturation"].evidence
+    assert ("held_out" in findings) == (case in HELD_OUT)
+    if case in HELD_OUT:
+        assert findings["held_out"].verdict == HELD_OUT[case], findings["held_out"].evidence
+        assert "eval_reward" in html and "step" in findings["held_out"].action
     assert findings["duplicates"].verdict == "healthy"
     if case == "low_concurrency":
         assert findings["bottleneck"].action.startswith("Raise max_concurrent_rollouts")
@@ -73,6 +83,7 @@ PLOTTED = {
     "concurrency": ["rollout/concurrency", "rollout/concurrency_cap", "rollout/vllm_kv_cache_usage_frac"],
     "throughput": ["perf/wall_clock_trained_tokens_per_s", "perf/wall_clock_mfu"],
     "weight_sync": ["perf/weight_sync_s"],
+    "evaluation": ["reward", "eval_reward", "eval_pass@1"],
 }
 
 
@@ -82,15 +93,28 @@ def test_each_plot_draws_every_metric_it_is_about(tmp_path):
     from asyncgrpo.report.history import History
     from asyncgrpo.report.plots import render_plot
 
-    metrics = {curve.metric for spec in PLOTS for curve in spec.curves}
+    metrics = {curve.metric for spec in PLOTS + (EVAL_PLOT,) for curve in spec.curves}
     history = History.from_records(
         [{"step": step, **{name: 0.1 * step for name in metrics}} for step in range(1, 6)],
         {"max_staleness": 2, "max_concurrent_rollouts": 8},
     )
-    drawn = {spec.name: render_plot(spec, history, tmp_path / f"{spec.name}.png") for spec in PLOTS}
+    drawn = {
+        spec.name: render_plot(spec, history, tmp_path / f"{spec.name}.png") for spec in plots_for(history)
+    }
     assert set(drawn) == set(PLOTTED)
     for name, wanted in PLOTTED.items():
         assert set(wanted) <= set(drawn[name]), name
+
+
+def test_the_evaluation_plot_draws_each_named_eval_dataset(tmp_path):
+    from asyncgrpo.report.history import History
+    from asyncgrpo.report.plots import render_plot
+
+    records = [{"step": step, "reward": 0.1 * step} for step in range(1, 6)]
+    records += [{"step": step, "eval_math_reward": 0.5, "eval_code_reward": 0.4} for step in (0, 5)]
+    history = History.from_records(records)
+    drawn = render_plot(EVAL_PLOT, history, tmp_path / "evaluation.png")
+    assert drawn == ["reward", "eval_code_reward", "eval_math_reward"]
 
 
 def test_report_names_a_missing_run(tmp_path, capsys):

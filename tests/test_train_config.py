@@ -17,6 +17,7 @@ from asyncgrpo.cli import main
 from asyncgrpo.cli.run_config import (
     ConfigError,
     build_run_config,
+    load_eval_dataset,
     load_training_dataset,
     parse_overrides,
     read_config,
@@ -188,6 +189,23 @@ def test_local_files_load_through_datasets_with_a_split_and_column_renames(tmp_p
         load_training_dataset({"data_files": str(train), "columns": {"problem": "prompt"}})
 
 
+def test_eval_dataset_is_one_dataset_or_named_ones(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(3)]
+    held_out = write_rows(tmp_path / "held_out.jsonl", rows[:2])
+    one = build(eval_dataset={"data_files": str(held_out)}, eval_strategy="steps", max_steps=4)
+    assert one.args.eval_strategy == "steps"
+    assert load_eval_dataset(one.eval_dataset).num_rows == 2
+    named = build(eval_dataset={"easy": {"data_files": str(held_out)}, "all": {"data_files": str(held_out)}})
+    loaded = load_eval_dataset(named.eval_dataset)
+    assert sorted(loaded) == ["all", "easy"] and loaded["easy"].num_rows == 2
+    with pytest.raises(ConfigError, match="eval_dataset.easy: give exactly one of `name`"):
+        build(eval_dataset={"easy": {"split": "test"}})
+    with pytest.raises(ConfigError, match="unknown key eval_dataset.spilt"):
+        build(eval_dataset={"data_files": str(held_out), "spilt": "test"})
+    with pytest.raises(ConfigError, match="set eval_dataset.format"):
+        load_eval_dataset({"data_files": str(tmp_path / "rows.data")})
+
+
 def test_a_dataset_name_goes_to_load_dataset_with_its_split(tmp_path):
     # `name` is what load_dataset takes: a Hub id, or (offline here) a directory laid out like one.
     rows = [{"prompt": f"p{i}"} for i in range(4)]
@@ -260,8 +278,11 @@ def test_build_trainer_wires_what_the_config_names(tiny_model_dir, tmp_path):
         "loop_class": "examples.functions:CurriculumRolloutLoop",
         "tools": ["examples.functions:multiply"],
         "dataset": {"data_files": "examples/data/addition.jsonl", "columns": {"answer": "solution"}},
+        "eval_dataset": {"held_out": {"data_files": "examples/data/addition.jsonl"}},
+        "eval_strategy": "steps",
     }
     trainer = build_trainer(build_run_config(raw))
+    assert trainer.eval_dataset["held_out"].num_rows == 100 and trainer.args.eval_strategy == "steps"
     assert trainer.loop_cls is CurriculumRolloutLoop
     assert trainer.reward_funcs == [correct_sum] and trainer.tools == [multiply]
     assert trainer.train_dataset.num_rows == 100 and "solution" in trainer.train_dataset.column_names

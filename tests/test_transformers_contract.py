@@ -32,6 +32,8 @@ PRIVATE_METHODS = {
     "_save_rng_state": ["output_dir"],
     "_load_callback_state": [],
     "_push_from_checkpoint": ["checkpoint_folder"],
+    "_determine_best_metric": ["metrics", "trial"],
+    "_load_best_model": [],
 }
 
 

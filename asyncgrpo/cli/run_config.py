@@ -23,6 +23,7 @@ from typing import Any
 RUN_KEYS = {
     "model": "a Hub id or a local model directory",
     "dataset": "the training prompts: a mapping (see DATASET_KEYS)",
+    "eval_dataset": "held-out prompts evaluated during training: a mapping like `dataset`, or name -> one",
     "reward_funcs": "one import path or a list of them",
     "tools": "a list of import paths of tool functions",
     "environment_factory": "an import path, or a mapping name -> import path",
@@ -55,6 +56,7 @@ class RunConfig:
     args: Any  # AsyncGRPOConfig
     reward_funcs: list[Callable] = field(default_factory=list)
     dataset: dict | None = None
+    eval_dataset: dict | None = None  # one dataset mapping, or name -> dataset mapping
     tools: list[Callable] = field(default_factory=list)
     environment_factory: Any = None
     loop_class: type | None = None
@@ -145,12 +147,15 @@ def build_run_config(raw: dict) -> RunConfig:
 
     dataset = raw.get("dataset")
     if dataset is not None:
-        _expect(dataset, dict, "dataset")
-        _reject_unknown(dataset, set(DATASET_KEYS), "dataset.")
-        if ("name" in dataset) == ("data_files" in dataset):
-            raise ConfigError("dataset: give exactly one of `name` (a Hub id) or `data_files` (local files)")
-        if "columns" in dataset:
-            _expect(dataset["columns"], dict, "dataset.columns")
+        _check_dataset_spec(dataset, "dataset")
+    eval_dataset = raw.get("eval_dataset")
+    if eval_dataset is not None:
+        _expect(eval_dataset, dict, "eval_dataset")
+        if _is_named_datasets(eval_dataset):
+            for name, spec in eval_dataset.items():
+                _check_dataset_spec(spec, f"eval_dataset.{name}")
+        else:
+            _check_dataset_spec(eval_dataset, "eval_dataset")
     environment = raw.get("environment_factory")
     if isinstance(environment, dict):
         environment = {
@@ -186,6 +191,7 @@ def build_run_config(raw: dict) -> RunConfig:
             resolve(path, f"reward_funcs[{i}]") for i, path in enumerate(_as_list(raw.get("reward_funcs")))
         ],
         dataset=dataset,
+        eval_dataset=eval_dataset,
         tools=[resolve(path, f"tools[{i}]") for i, path in enumerate(_as_list(raw.get("tools")))],
         environment_factory=environment,
         loop_class=loop_class,
@@ -193,6 +199,22 @@ def build_run_config(raw: dict) -> RunConfig:
         warm_start=warm_start,
         raw=raw,
     )
+
+
+def _is_named_datasets(spec: dict) -> bool:
+    """A mapping name -> dataset mapping (each evaluated under its name) rather than one dataset."""
+    return (
+        bool(spec) and not set(spec) & set(DATASET_KEYS) and all(isinstance(v, dict) for v in spec.values())
+    )
+
+
+def _check_dataset_spec(spec: Any, where: str) -> None:
+    _expect(spec, dict, where)
+    _reject_unknown(spec, set(DATASET_KEYS), f"{where}.")
+    if ("name" in spec) == ("data_files" in spec):
+        raise ConfigError(f"{where}: give exactly one of `name` (a Hub id) or `data_files` (local files)")
+    if "columns" in spec:
+        _expect(spec["columns"], dict, f"{where}.columns")
 
 
 def resolve(path: Any, where: str) -> Any:
@@ -292,7 +314,8 @@ def _type_name(hint: Any) -> str:
 # -- building ---------------------------------------------------------------------------------------
 
 
-def load_training_dataset(spec: dict):
+def load_training_dataset(spec: dict, where: str = "dataset"):
+    """The dataset a `dataset` mapping (or an `eval_dataset` one, named by `where`) describes."""
     from datasets import load_dataset
 
     split = spec.get("split", "train")
@@ -308,15 +331,23 @@ def load_training_dataset(spec: dict):
         first = first[0] if isinstance(first, list) else first
         builder = spec.get("format") or _FORMATS.get(Path(first).suffix)
         if builder is None:
-            raise ConfigError(f"dataset.data_files: cannot tell the format of {first!r}; set dataset.format")
+            raise ConfigError(f"{where}.data_files: cannot tell the format of {first!r}; set {where}.format")
         dataset = load_dataset(builder, data_files=files, split=split)
     columns = spec.get("columns") or {}
     missing = [name for name in columns if name not in dataset.column_names]
     if missing:
         raise ConfigError(
-            f"dataset.columns: {missing} not among the dataset's columns {dataset.column_names}"
+            f"{where}.columns: {missing} not among the dataset's columns {dataset.column_names}"
         )
     return dataset.rename_columns(columns) if columns else dataset
+
+
+def load_eval_dataset(spec: dict):
+    """The `eval_dataset` a config gives: one dataset, or a dict of named ones (the split defaults to
+    train, as for `dataset`: name the held-out split, e.g. `split: test`)."""
+    if _is_named_datasets(spec):
+        return {name: load_training_dataset(part, f"eval_dataset.{name}") for name, part in spec.items()}
+    return load_training_dataset(spec, "eval_dataset")
 
 
 def build_trainer(run: RunConfig):
@@ -344,6 +375,7 @@ def build_trainer(run: RunConfig):
         reward_funcs=run.reward_funcs or None,
         args=run.args,
         train_dataset=load_training_dataset(run.dataset) if run.dataset is not None else None,
+        eval_dataset=load_eval_dataset(run.eval_dataset) if run.eval_dataset is not None else None,
         peft_config=peft_config,
         tools=run.tools or None,
         environment_factory=run.environment_factory,

@@ -1,9 +1,10 @@
 """Reading a run's metrics (docs/front-door.md#the-diagnosis), as pure functions of its history.
 
-Two questions, each answered with a verdict, the evidence (metric, values, steps) and what to do:
+Questions, each answered with a verdict, the evidence (metric, values, steps) and what to do:
 which side is the bottleneck (the trainer waiting for samples against generation held back by
-max_staleness), and is the run still learning (groups without signal, rewards, duplicates and
-entropy, read as trends against the reward range). The thresholds are named constants below; they
+max_staleness), is the run still learning (groups without signal, rewards, duplicates and entropy,
+read as trends against the reward range), and, when the run evaluated, does the held-out reward
+follow the training reward. The thresholds are named constants below; they
 are judgement calls, stated so a reader can disagree.
 """
 
@@ -41,7 +42,7 @@ MISMATCH_FLOOR = {"sampling/mismatch_kl/mean": 1e-3, "sampling/sampling_logp_dif
 
 @dataclass
 class Finding:
-    question: str  # "bottleneck", "saturation" or "duplicates"
+    question: str  # "bottleneck", "saturation", "duplicates" or "held_out"
     verdict: str  # a short name, e.g. "generation-bound"
     explanation: str
     action: str
@@ -390,10 +391,83 @@ def diagnose_mismatch(history: History) -> Finding:
     )
 
 
+# -- held-out reward against training reward ----------------------------------------------------------
+
+
+def diagnose_held_out(history: History, reward_range: tuple[float, float] = (0.0, 1.0)) -> Finding:
+    """Training reward against each eval dataset's `eval_reward`, as trends (first third of the
+    evaluations against the last, a change of REWARD_TREND of the range)."""
+    low, high = reward_range
+    width = high - low
+    evidence, falling = [], []
+    if history.has("reward"):
+        train_first, train_last, first_span, last_span = _thirds(history, "reward")
+        train_change = (train_last - train_first) / width
+        evidence.append(f"reward {train_first:.3g} ({first_span}) -> {train_last:.3g} ({last_span})")
+    else:
+        train_change = 0.0
+    evaluated = 0
+    for prefix in history.eval_prefixes():
+        name = f"{prefix}_reward"
+        steps, values = history.series(name)
+        if len(values) < 2:
+            continue
+        evaluated += 1
+        first, last, first_span, last_span = _thirds(history, name)
+        best = max(range(len(values)), key=values.__getitem__)
+        evidence.append(
+            f"{name} {first:.3g} ({first_span}) -> {last:.3g} ({last_span}); highest {values[best]:.3g} "
+            f"at step {steps[best]}"
+        )
+        if (last - first) / width <= -REWARD_TREND:
+            falling.append((name, steps[best]))
+    if not evaluated:
+        return Finding(
+            "held_out",
+            "unknown",
+            "Fewer than two evaluations were logged: no trend to read.",
+            "Evaluate more often (eval_steps).",
+            evidence,
+        )
+    if falling and train_change >= REWARD_TREND:
+        name, best_step = falling[0]
+        return Finding(
+            "held_out",
+            "overfitting or reward hacking",
+            f"The training reward rises while {name} falls: the policy learns what scores on the training "
+            "prompts (or what the reward function can be fooled by), not the task.",
+            f"Keep the weights of step {best_step}, where {name} peaked (load_best_model_at_end=True with "
+            "metric_for_best_model keeps the best checkpoint); read high-reward training completions for an "
+            "exploit of the reward function; train on more, or more varied, prompts.",
+            evidence,
+        )
+    if falling:
+        name, best_step = falling[0]
+        return Finding(
+            "held_out",
+            "held-out reward falls",
+            f"{name} falls while the training reward does not rise: the run is getting worse.",
+            f"Check completions/duplicate_frac and entropy for a collapse; consider the checkpoint of step "
+            f"{best_step}.",
+            evidence,
+        )
+    return Finding(
+        "held_out",
+        "healthy",
+        "The held-out reward does not fall.",
+        "Nothing to change.",
+        evidence,
+    )
+
+
 def diagnose(history: History, reward_range: tuple[float, float] = (0.0, 1.0)) -> list[Finding]:
-    return [
+    """The three readings of every run, and the held-out one when the run evaluated."""
+    findings = [
         diagnose_bottleneck(history),
         diagnose_saturation(history, reward_range),
         diagnose_duplicates(history),
         diagnose_mismatch(history),
     ]
+    if history.eval_prefixes():
+        findings.append(diagnose_held_out(history, reward_range))
+    return findings

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,11 +21,17 @@ class History:
 
     @classmethod
     def from_records(cls, records: list[dict], config: dict | None = None) -> History:
-        by_step: dict[int, dict] = {}
+        """An evaluation logs its own line at the step it measured, beside that step's window: the
+        last window and the last evaluation of a step are merged into one record."""
+        windows: dict[int, dict] = {}
+        evaluations: dict[int, dict] = {}
         for record in records:
             if "step" in record and not _is_summary(record):
-                by_step[int(record["step"])] = record
-        return cls([by_step[step] for step in sorted(by_step)], dict(config or {}))
+                kept = evaluations if _is_evaluation(record) else windows
+                kept[int(record["step"])] = record
+        steps = sorted(set(windows) | set(evaluations))
+        merged = [{**evaluations.get(step, {}), **windows.get(step, {})} for step in steps]
+        return cls(merged, dict(config or {}))
 
     def series(self, name: str) -> tuple[list[int], list[float]]:
         """(steps, values) of the windows that logged `name` with a finite value."""
@@ -39,9 +46,22 @@ class History:
     def has(self, name: str) -> bool:
         return bool(self.series(name)[0])
 
+    def eval_prefixes(self) -> list[str]:
+        """The prefixes of the evaluations logged: `eval`, or `eval_{name}` per named eval dataset."""
+        names = {name for record in self.records for name in record if _EVAL_REWARD.fullmatch(name)}
+        return sorted(name.removesuffix("_reward") for name in names)
+
     @property
     def steps(self) -> list[int]:
         return [int(record["step"]) for record in self.records]
+
+
+# An evaluation's headline figure: `eval_reward`, or `eval_{name}_reward` for a named eval dataset.
+_EVAL_REWARD = re.compile(r"eval(_[^/]+)?_reward")
+
+
+def _is_evaluation(record: dict) -> bool:
+    return any(name.startswith("eval_") for name in record)
 
 
 def _is_summary(record: dict) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from asyncgrpo.report.diagnosis import Finding, diagnose
 from asyncgrpo.report.history import History, load_run
-from asyncgrpo.report.plots import PLOTS, render_plot
+from asyncgrpo.report.plots import plots_for, render_plot
 
 REPORT_FILE = "report.html"
 PLOTS_DIR = "plots"
@@ -18,6 +18,7 @@ QUESTIONS = {
     "saturation": "Do the groups still carry signal?",
     "duplicates": "Are the rollouts of a group still different?",
     "mismatch": "Do the sampler and the trainer disagree more and more?",
+    "held_out": "Does the policy improve on prompts it never trains on?",
 }
 _STYLE = """
 body { font-family: sans-serif; margin: 2em auto; max-width: 1500px; color: #222; }
@@ -39,7 +40,7 @@ def write_report(run_dir: str | Path, reward_range: tuple[float, float] = (0.0, 
     plot_dir = run_dir / PLOTS_DIR
     plot_dir.mkdir(exist_ok=True)
     figures = []
-    for spec in PLOTS:
+    for spec in plots_for(history):
         path = plot_dir / f"{spec.name}.png"
         drawn = render_plot(spec, history, path)
         figures.append((spec, path, drawn))

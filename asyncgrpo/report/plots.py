@@ -128,6 +128,33 @@ PLOTS = (
 )
 
 
+# Drawn when the run evaluated (eval_dataset): one curve per eval dataset of each `eval_` metric.
+EVAL_PLOT = PlotSpec(
+    "evaluation",
+    "Held-out reward beside the training reward",
+    (Curve("reward"), Curve("eval_reward"), Curve("eval_pass@1", True)),
+    "reward",
+    "pass@1",
+)
+
+
+def plots_for(history: History) -> tuple[PlotSpec, ...]:
+    """The report's plots for this run: PLOTS, and the evaluation's when it evaluated."""
+    return PLOTS + (EVAL_PLOT,) if history.eval_prefixes() else PLOTS
+
+
+def _curves(spec: PlotSpec, history: History) -> list[Curve]:
+    """The spec's curves, an `eval_` curve repeated for each eval dataset the run logged."""
+    curves = []
+    for curve in spec.curves:
+        if curve.metric.startswith("eval_"):
+            figure = curve.metric.removeprefix("eval_")
+            curves += [Curve(f"{prefix}_{figure}", curve.right_axis) for prefix in history.eval_prefixes()]
+        else:
+            curves.append(curve)
+    return curves
+
+
 def render_plot(spec: PlotSpec, history: History, path: Path) -> list[str]:
     """Draw `spec` into `path`; returns the metrics it found."""
     try:
@@ -144,7 +171,7 @@ def render_plot(spec: PlotSpec, history: History, path: Path) -> list[str]:
     right = None
     drawn, lines = [], []
     colors = iter(pyplot.rcParams["axes.prop_cycle"].by_key()["color"])
-    for curve in spec.curves:
+    for curve in _curves(spec, history):
         color = next(colors)
         steps, values = history.series(curve.metric)
         if not steps:

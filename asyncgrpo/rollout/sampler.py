@@ -73,15 +73,7 @@ class PolicySampler:
         """One sampled response as a TurnRecord, labelled with the policy version that sampled it."""
         seed = self._request_seeds.getrandbits(62)
         completion, version = await self.sample(prompt_ids, sampling, seed)
-        if completion.weight_labels:  # which weights sampled the tokens (see VLLMClient.complete)
-            versions = [parse_policy_label(label) for label in completion.weight_labels]
-            if None in versions:
-                raise ServerLostWeightsError(
-                    f"tokens sampled by weights labelled {completion.weight_labels}: a server restarted and "
-                    "runs weights the trainer did not push"
-                )
-            if not self.lora_name:  # with adapters, the adapter the request named sampled every token
-                version = min(versions)
+        version = self.sampled_version(completion.weight_labels, version)
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=completion.token_ids.tolist(),
@@ -94,6 +86,20 @@ class PolicySampler:
             finish_reason=completion.finish_reason,
             model_version=version,
         )
+
+    def sampled_version(self, weight_labels: tuple[str, ...], version: int) -> int:
+        """The policy version that sampled a response sent under `version`, from the weight labels
+        the server reported for its tokens (see VLLMClient.complete; none: `version`)."""
+        if not weight_labels:
+            return version
+        versions = [parse_policy_label(label) for label in weight_labels]
+        if None in versions:
+            raise ServerLostWeightsError(
+                f"tokens sampled by weights labelled {weight_labels}: a server restarted and runs weights "
+                "the trainer did not push"
+            )
+        # With adapters, the adapter the request named sampled every token.
+        return version if self.lora_name else min(versions)
 
     async def sample(self, prompt_ids: list[int], sampling: SamplingParams, seed: int):
         """One request under the current policy version; returns (completion, version). With

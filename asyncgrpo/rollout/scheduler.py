@@ -24,14 +24,14 @@ from asyncgrpo.rollout.agent import record_tool_rollout_metrics
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.chat import RewriteDetector
 from asyncgrpo.rollout.concurrency import RolloutSlots, TokenAllowance, initial_cap, next_cap
-from asyncgrpo.rollout.environments import EnvironmentPool, environment_reward_sources
+from asyncgrpo.rollout.environments import EnvironmentPool
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompts import PromptItem, PromptOrder, prompt_stream
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
 from asyncgrpo.rollout.sampler import PolicySampler, ServerLostWeightsError, wants_candidate_sets
 from asyncgrpo.rollout.scoring import (
     call_reward_functions,
-    finite_reward,
+    checked_extra_sources,
     is_degenerate_group,
     reward_function_name,
     sum_rewards,
@@ -407,20 +407,9 @@ class RolloutScheduler:
                 timeout_s=self.config.reward_timeout,
                 where=f" (dataset row {group.row_index})",
             )
-            env_names, env_sources = environment_reward_sources(group.env_rewards)
-            env_sources = [
-                [
-                    None if value is None else finite_reward(value, "an environment's get_reward()")
-                    for value in source
-                ]
-                for source in env_sources
-            ]
-            rollout_rewards = [
-                None
-                if reward is None
-                else finite_reward(float(reward), "a Rollout.reward set by generate_one")
-                for reward in group.rollout_rewards
-            ]
+            env_names, env_sources, rollout_rewards = checked_extra_sources(
+                group.env_rewards, group.rollout_rewards
+            )
             group.rewards = sum_rewards([*per_function, *env_sources, rollout_rewards], len(group.prompts))
             advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
             if advantages.shape != (len(group.prompts),):

@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from asyncgrpo.rollout.environments import environment_reward_sources
+
 ADVANTAGE_EPSILON = 1e-4
 
 
@@ -107,6 +109,23 @@ def finite_reward(value: float, source: str) -> float:
             "advantages, the loss and then the weights NaN). Return None for a completion it does not score."
         )
     return value
+
+
+def checked_extra_sources(
+    env_rewards: list[tuple[type, float] | None], rollout_rewards: list[float | None]
+) -> tuple[list[str], list[list[float | None]], list[float | None]]:
+    """The reward sources beside the reward functions, checked finite: (each environment class's
+    name, its values per rollout, the Rollout.reward values a `generate_one` set)."""
+    env_names, env_sources = environment_reward_sources(env_rewards)
+    env_sources = [
+        [None if value is None else finite_reward(value, "an environment's get_reward()") for value in source]
+        for source in env_sources
+    ]
+    checked = [
+        None if reward is None else finite_reward(float(reward), "a Rollout.reward set by generate_one")
+        for reward in rollout_rewards
+    ]
+    return env_names, env_sources, checked
 
 
 def sum_rewards(sources: list[list[float | None]], num_rollouts: int) -> np.ndarray:

@@ -22,9 +22,10 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel, Trainer, TrainerState
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import SaveStrategy, TrainOutput
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.loss import clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import Reduce
@@ -57,6 +58,7 @@ from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.device_clock import DeviceClock
 from asyncgrpo.trainer.distributed import Processes, local_value, shard_model
 from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
+from asyncgrpo.trainer.evaluator import Evaluator, dataset_rows
 from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
 from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
 from asyncgrpo.trainer.generation_session import GenerationSession
@@ -108,6 +110,9 @@ class AsyncGRPOTrainer(Trainer):
         environment_factory=None,
         rollout_worker=None,
         weight_transfer=None,
+        *,
+        # Last and by name only: the parameters before it keep TRL's positional order.
+        eval_dataset=None,
     ):
         check_transformers_version()
         model_id = model if isinstance(model, str) else model.config._name_or_path
@@ -158,6 +163,7 @@ class AsyncGRPOTrainer(Trainer):
             model=model,
             args=args,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=processing_class,
             callbacks=list(callbacks or []) + [self._progress, RunDirectoryCallback(), EmptyDeviceCache()],
             optimizers=optimizers,
@@ -171,6 +177,9 @@ class AsyncGRPOTrainer(Trainer):
         # What a run trains with and counts: `_begin_run` creates all of it when train() starts. Until then
         # there is no generation session (the attributes below read None).
         self._session: GenerationSession | None = None
+        self._evaluator: Evaluator | None = None  # rank 0, while train() runs with an eval dataset
+        # The eval rows, read (and checked) now: a dataset without a length fails here, not mid-run.
+        self._eval_rows = self._eval_datasets(None, "eval") if eval_dataset is not None else None
 
     # -- TRL's public attributes (rank 0 holds the client, worker and sync; other ranks see None) ---------
 
@@ -218,7 +227,11 @@ class AsyncGRPOTrainer(Trainer):
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             # The servers run exactly the weights training starts from.
             self._session.sync_weights(self.accelerator.unwrap_model(model))
+            self._served_step = self.state.global_step
             self._session.start_rollouts(ready_timeout=args.vllm_server_timeout + 300)
+            self._open_evaluator()
+            if args.eval_on_start:  # as the base Trainer: at the start of every train() call
+                self._start_eval(trial)
             epochs = EpochCallbacks(self.callback_handler)
             while not self._processes.broadcast(self._should_stop(args) if self._processes.is_main else None):
                 try:
@@ -230,8 +243,15 @@ class AsyncGRPOTrainer(Trainer):
             self.control.should_log = self.control.should_save = False  # the last step's are done
             self.control = epochs.finish(args, self.state, self.control)
             self._log_and_save(model, trial)  # what on_epoch_end asked for (epoch strategies)
+            self._join_eval(trial)
+            self._end_with_served_weights(trial)
         finally:
-            self._session.close()
+            try:
+                if self._evaluator is not None:
+                    self._evaluator.close()
+            finally:
+                self._evaluator = None
+                self._session.close()
         runtime = time.time() - started
         steps = self.state.global_step - first_step
         train_loss = self._metrics.train_loss_sum / max(steps, 1)
@@ -291,6 +311,7 @@ class AsyncGRPOTrainer(Trainer):
             rollout.first_untrained_index, rollout.consumed_after, rollout.epoch_prompts
         )
         self._nonfinite_streak = 0  # steps skipped in a row for a non-finite loss or gradient norm
+        self._served_step = -1  # the global step whose weights the servers run (-1: not pushed yet)
         self._metrics = StepMetrics.for_model(self.model, args, num_tokens=rollout.num_tokens)
         self._session = GenerationSession(self._processes, self._metrics.window, resume)
         return model
@@ -371,6 +392,7 @@ class AsyncGRPOTrainer(Trainer):
         on_main = self._processes.is_main
         batch = self._processes.broadcast(self._session.next_batch(accumulation) if on_main else None)
         while isinstance(batch, ServersLostWeights):
+            self._join_eval(None)  # it ran on the lost server: it is discarded, not logged
             self._session.restore_server_weights(self.accelerator.unwrap_model(model), batch)
             batch = self._processes.broadcast(self._session.next_batch(accumulation) if on_main else None)
         if batch is None:
@@ -505,8 +527,8 @@ class AsyncGRPOTrainer(Trainer):
     def _sync_weights_if_due(self, model, result: StepResult) -> None:
         """Every `weight_sync_steps` steps that changed the weights: a new policy version, pushed."""
         if result.stepped and (self.state.global_step + 1) % self.args.weight_sync_steps == 0:
-            self._session.model_version += 1
-            self._session.sync_weights(self.accelerator.unwrap_model(model))
+            self._join_eval(None)  # an evaluation measures one policy: the sync waits for it
+            self._push_weights(self.state.global_step + 1)
 
     def _record_metrics(self, batch: StepBatch, result: StepResult, step_s: float) -> None:
         learning_rate = self.lr_scheduler.get_last_lr()[0]
@@ -534,9 +556,133 @@ class AsyncGRPOTrainer(Trainer):
                     self.processing_class, self.state.global_step, self.args.num_completions_to_print
                 )
             self.log(logs)
+        if self.control.should_evaluate:
+            self._start_eval(trial)
+            if self.control.should_save or self.args.save_strategy == SaveStrategy.BEST:
+                self._join_eval(trial)  # the checkpoint's "best" needs this step's figures
         if self.control.should_save:
             self._save_checkpoint(model, trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    # -- evaluation (docs/architecture.md, "Evaluation") ---------------------------------------------------
+
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Held-out figures of the policy the servers run (`Trainer.evaluate`'s arguments; a dict of
+        datasets prefixes each name, `eval_{name}_reward`). During train() the servers are first given
+        the current weights; outside it they are sampled as they are: before train() they run the
+        checkpoint they were started with, after it the final weights (train() ends with them pushed
+        when the run has an eval dataset). `ignore_keys` has no meaning here (no model outputs)."""
+        datasets = self._eval_datasets(eval_dataset, metric_key_prefix)
+        if self._evaluator is not None:  # inside train(), on rank 0
+            self._join_eval(None)
+            self._catch_up_server_weights()
+            self._evaluator.start(datasets, self.state.global_step, self._session.model_version)
+            figures = self._evaluator.join()
+            return self._report_eval(*figures, None) if figures else {}
+        http = BackgroundLoop(default_timeout_s=self.args.vllm_server_timeout + 60)
+        client = VLLMClient(self.args.vllm_server_urls, timeout=self.args.vllm_server_timeout)
+        evaluator = None
+        try:
+            http.run(client.wait_until_ready())
+            evaluator = Evaluator.for_trainer(self, http, client, http.run(client.model_name()))
+            if self._session is not None and self._served_step != self.state.global_step:
+                logger.warning(
+                    "evaluate(): the servers run the weights of step %d, the trainer holds step %d's",
+                    self._served_step,
+                    self.state.global_step,
+                )
+            evaluator.start(datasets, self.state.global_step, self.model_version)
+            figures = evaluator.join()
+        finally:
+            if evaluator is not None:
+                evaluator.close()
+            http.run(client.close(), timeout=10)
+            http.close()
+        return self._report_eval(*figures, None) if figures else {}
+
+    def _eval_datasets(self, eval_dataset, prefix: str) -> dict[str, list[dict]]:
+        """{metric prefix: rows} as the base Trainer names them: one dataset under `prefix`, a dict
+        under `prefix_name`, a name picks one dataset of the trainer's dict."""
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError(
+                "evaluate() needs an eval dataset: pass eval_dataset= to AsyncGRPOTrainer or to evaluate()"
+            )
+        if isinstance(dataset, dict):
+            return {f"{prefix}_{name}": dataset_rows(part) for name, part in dataset.items()}
+        return {prefix: dataset_rows(dataset)}
+
+    def _open_evaluator(self) -> None:
+        """Rank 0, when the run has an eval dataset: the evaluator, on the session's HTTP loop."""
+        if self._processes.is_main and self._eval_rows is not None:
+            session = self._session
+            self._evaluator = Evaluator.for_trainer(
+                self, session.http, session.client, session.served_name, session.lora_name
+            )
+
+    def _start_eval(self, trial) -> None:
+        """Every rank: the servers get this step's weights if they lack them, then rank 0 starts
+        evaluating them in the background (joined later, `_join_eval`)."""
+        self.control.should_evaluate = False
+        self._join_eval(trial)
+        self._catch_up_server_weights()
+        if self._evaluator is not None:
+            self._evaluator.start(self._eval_rows, self.state.global_step, self._session.model_version)
+
+    def _join_eval(self, trial) -> None:
+        """Every rank: wait for the running evaluation (the wait counts as `perf/eval_wait_s`) and log
+        its figures at the step they measure."""
+        waiting = time.perf_counter()
+        joined = self._evaluator.join() if self._evaluator is not None else None
+        joined = self._processes.broadcast(joined if self._processes.is_main else None)
+        if joined is not None:
+            self._metrics.window.record("perf/eval_wait_s", time.perf_counter() - waiting)
+            self._report_eval(*joined, trial)
+
+    def _report_eval(self, step: int, figures: dict[str, float], trial) -> dict[str, float]:
+        """Log `figures` at `step` (the base Trainer's log and on_evaluate), and track the best one
+        (`metric_for_best_model`); a new best at the current step asks for its checkpoint when
+        save_strategy is "best"."""
+        current = self.state.global_step
+        # The figures may be joined a step or more after the one they measure: log_history, metrics.jsonl
+        # and report_to take the step from the state, so it reads the measured step while they log.
+        self.state.global_step = step
+        try:
+            self.log(dict(figures))
+            new_best = self._determine_best_metric(metrics=figures, trial=trial)
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, figures)
+        finally:
+            self.state.global_step = current
+        if new_best and step == current and self.args.save_strategy == SaveStrategy.BEST:
+            self.control.should_save = True
+        return figures
+
+    def _push_weights(self, step: int) -> None:
+        """A new policy version, pushed to the servers: the weights of global step `step`."""
+        self._session.model_version += 1
+        self._session.sync_weights(self.accelerator.unwrap_model(self.model_wrapped))
+        self._served_step = step
+
+    def _catch_up_server_weights(self) -> None:
+        """The servers get the current weights if the last sync left them behind (weight_sync_steps >
+        1, skipped steps): an evaluation reports the step it is logged at."""
+        if self._served_step != self.state.global_step:
+            self._push_weights(self.state.global_step)
+
+    def _end_with_served_weights(self, trial) -> None:
+        """With an eval dataset, train() leaves the servers running the weights it ends with (the best
+        checkpoint's with load_best_model_at_end), so an evaluate() after it measures them."""
+        if self._eval_rows is None:
+            return
+        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self._load_best_model()
+            self._push_weights(self.state.best_global_step)
+        else:
+            self._catch_up_server_weights()
 
     # -- helpers --------------------------------------------------------------------------------------------
 

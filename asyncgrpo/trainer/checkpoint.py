@@ -20,7 +20,7 @@ from transformers.trainer import OPTIMIZER_NAME as OPTIMIZER_FILE
 from transformers.trainer import SCHEDULER_NAME as SCHEDULER_FILE
 from transformers.trainer import TRAINER_STATE_NAME as TRAINER_STATE_FILE
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.sample import Sample
@@ -69,6 +69,7 @@ def save_checkpoint(
     run_directory = Path(trainer._get_output_dir(trial=trial))
     final = run_directory / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
     staging = run_directory / f".{final.name}.partial"  # not a name get_last_checkpoint matches
+    note_best_checkpoint(trainer, run_directory)
     gathered = full_state(model, trainer.optimizer) if sharded else None
     if processes.is_main:
         shutil.rmtree(staging, ignore_errors=True)
@@ -85,6 +86,22 @@ def save_checkpoint(
         if trainer.args.push_to_hub:
             trainer._push_from_checkpoint(str(final))
     processes.gather(None)  # no rank runs ahead of a checkpoint being written
+
+
+def note_best_checkpoint(trainer: Trainer, run_directory: Path) -> None:
+    """As the base Trainer does when it saves: the checkpoint of the best evaluation so far
+    (`best_global_step`, set from `metric_for_best_model`) becomes `best_model_checkpoint`, which
+    rotation keeps and load_best_model_at_end loads. The one being written counts as there."""
+    best = trainer.state.best_global_step
+    if not best or trainer.args.save_strategy not in (
+        SaveStrategy.STEPS,
+        SaveStrategy.EPOCH,
+        SaveStrategy.BEST,
+    ):
+        return
+    directory = run_directory / f"{PREFIX_CHECKPOINT_DIR}-{best}"
+    if best == trainer.state.global_step or directory.exists():
+        trainer.state.best_model_checkpoint = str(directory)
 
 
 def write_checkpoint(

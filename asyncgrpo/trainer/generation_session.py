@@ -51,6 +51,10 @@ class GenerationSession:
         self.weight_sync = None
         self.worker: RolloutWorkerPool | None = None
         self.intake: SampleIntake | None = None
+        # Rank 0, once open: the name the servers serve the model under, and the prefix of the policy
+        # adapters with adapter-only weight sync (None otherwise); an evaluation samples with both.
+        self.served_name: str | None = None
+        self.lora_name: str | None = None
 
     def open(
         self, trainer: AsyncGRPOTrainer, ledger: PromptLedger, stop_condition: Callable[[], bool]
@@ -74,7 +78,7 @@ class GenerationSession:
         logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))
         self.http.run(self.client.wait_until_ready())
         max_model_len = self.http.run(self.client.max_model_len())
-        served_name = self.http.run(self.client.model_name())
+        served_name = self.served_name = self.http.run(self.client.model_name())
         server_info = self.http.run(self.client.server_info())
         check_logprobs_mode(server_info, args.vllm_server_urls[0])
         warn_on_dtype_mismatch(server_info, trainer.model)
@@ -99,6 +103,7 @@ class GenerationSession:
             trainer_on_gpu=args.device.type == "cuda",
         )
         adapter_sync = self.weight_sync if isinstance(self.weight_sync, LoraAdapterSync) else None
+        self.lora_name = adapter_sync.prefix if adapter_sync is not None else None
         rollout = self.resume.rollout
         self.worker = RolloutWorkerPool(
             trainer.loop_cls,
@@ -114,7 +119,7 @@ class GenerationSession:
                 dataset_start_index=rollout.first_untrained_index,
                 skip_stream_indices=frozenset(rollout.consumed_after)
                 | {sample.stream_index for sample in self.resume.held_samples},
-                lora_name=adapter_sync.prefix if adapter_sync is not None else None,
+                lora_name=self.lora_name,
             ),
             num_workers=args.num_rollout_workers,
             initial_allowance=0.0,  # SampleIntake publishes the allowance

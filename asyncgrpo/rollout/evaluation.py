@@ -1,0 +1,149 @@
+"""EvalRunner: held-out prompts sampled on the vLLM servers and scored, outside the training stream.
+
+It runs in the trainer's process, on the trainer's HTTP event loop, and shares nothing with the
+rollout worker: eval prompts never enter the prompt stream, the staleness budget, the intake or the
+resume state. Rollouts come from the run's own rollout loop class (its `generate_one`, so tools,
+environments and custom loops behave as in training) with the eval settings in its config
+(`num_generations_eval`, `temperature_eval`), and are scored by the run's reward functions, summed
+as in training. The weights that sampled each response are recorded from the servers' labels, so the
+trainer can refuse an evaluation that saw more than one policy (docs/architecture.md, "Evaluation").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.rollout.environments import EnvironmentPool
+from asyncgrpo.rollout.eval_metrics import PromptOutcome
+from asyncgrpo.rollout.sampler import PolicySampler
+from asyncgrpo.rollout.scoring import (
+    call_reward_functions,
+    checked_extra_sources,
+    reward_function_name,
+    sum_rewards,
+)
+from asyncgrpo.rollout.types import Rollout
+
+
+class EvalSampler(PolicySampler):
+    """A PolicySampler that records the weight labels the servers report instead of requiring the
+    trainer's: before train() the servers run their own checkpoint, under vLLM's label."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.labels_seen: set[str] = set()
+
+    def sampled_version(self, weight_labels: tuple[str, ...], version: int) -> int:
+        self.labels_seen.update(weight_labels)
+        return version
+
+
+class EvalRunner:
+    """Open once (`open`, on the event loop that runs it), `run` any number of evaluations, `close`."""
+
+    def __init__(
+        self,
+        loop_cls,
+        loop_kwargs: dict[str, Any],
+        client: VLLMClient,
+        reward_funcs: list[Callable],
+        seed: int,
+    ):
+        self.config = loop_kwargs["config"]  # the eval settings already applied (trainer/evaluator.py)
+        self.loop = loop_cls(**loop_kwargs, channels=None)
+        self.client = client
+        self.reward_funcs = list(reward_funcs)
+        self.seed = seed
+        self.version = SimpleNamespace(value=0)  # the policy version requests are labelled with
+        size = self.config.max_concurrent_rollouts
+        # Tools and reward functions get pools of their own, as in the rollout worker: a slow judge must
+        # not take the threads the tools of running rollouts wait for.
+        self._tool_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="eval-tool")
+        self._reward_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="eval-reward")
+        self.environments: EnvironmentPool | None = None
+        self.sampler: EvalSampler | None = None
+
+    async def open(self) -> None:
+        loop = self.loop
+        loop.client = self.client
+        loop.max_model_len = await self.client.max_model_len()
+        loop._tool_executor = self._tool_executor
+        # Token ids in and out where the server offers it: that route also reports which weights
+        # sampled each token. No candidate sets: nothing here is trained on.
+        token_route = await self.client.supports_token_generate()
+        self.sampler = loop._sampler = EvalSampler(
+            self.client, self.version, loop.lora_name, self.seed, token_route, candidate_sets=False
+        )
+        if loop.environment_factory is not None:
+            self.environments = EnvironmentPool(
+                loop.environment_factory, self._tool_executor, lambda: loop.metrics
+            )
+        await loop.setup()
+
+    async def run(self, rows: list[dict[str, Any]], version: int) -> tuple[list[PromptOutcome], set[str]]:
+        """Every row's `num_generations_eval` rollouts, scored: (one outcome per row, the weight
+        labels the servers reported for the sampled tokens)."""
+        self.version.value = version
+        self.sampler.labels_seen = set()
+        slots = asyncio.Semaphore(self.config.max_concurrent_rollouts)
+        outcomes = await asyncio.gather(*(self._prompt(index, row, slots) for index, row in enumerate(rows)))
+        return list(outcomes), set(self.sampler.labels_seen)
+
+    async def close(self) -> None:
+        try:
+            await self.loop.close()
+        finally:
+            self._tool_executor.shutdown(wait=False, cancel_futures=True)
+            self._reward_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _prompt(self, index: int, row: dict[str, Any], slots: asyncio.Semaphore) -> PromptOutcome:
+        if "prompt" not in row and self.environments is None:
+            raise KeyError(f"eval dataset row {index} has no 'prompt' column")
+        size = self.config.num_generations
+        group_id = -1 - index  # apart from any training group id, for the loop's rendered-prompt cache
+        results = await asyncio.gather(*(self._rollout(row, group_id, slots) for _ in range(size)))
+        self.loop._rendered.pop(group_id, None)
+        rollouts = [rollout for rollout, _, _ in results]
+        columns = {key: [value] * size for key, value in row.items() if key != "prompt"}
+        per_function = await call_reward_functions(
+            self.reward_funcs,
+            self._reward_executor,
+            [prompt for _, prompt, _ in results],
+            [rollout.completion for rollout in rollouts],
+            [rollout.completion_ids for rollout in rollouts],
+            columns,
+            timeout_s=self.config.reward_timeout,
+            where=f" (eval dataset row {index})",
+        )
+        env_names, env_sources, rollout_rewards = checked_extra_sources(
+            [env_reward for *_, env_reward in results], [rollout.reward for rollout in rollouts]
+        )
+        sources = [*per_function, *env_sources]
+        names = [reward_function_name(function) for function in self.reward_funcs] + env_names
+        eos = set(self.loop.eos_token_ids)
+        return PromptOutcome(
+            rewards=sum_rewards([*sources, rollout_rewards], size),
+            per_source=dict(zip(names, sources)),
+            lengths=[sum(len(turn.output_ids) for turn in rollout.turns) for rollout in rollouts],
+            clipped=[not _terminated(rollout, eos) for rollout in rollouts],
+        )
+
+    async def _rollout(self, row: dict[str, Any], group_id: int, slots: asyncio.Semaphore):
+        """(the rollout, its prompt, its environment's reward or None), as the rollout worker makes it."""
+        loop = self.loop
+        async with slots:
+            if self.environments is None:
+                return await loop.generate_one(row["prompt"], loop.tools, group_id), row["prompt"], None
+            async with self.environments.episode(row) as episode:
+                rollout = await loop.generate_one(episode.prompt, loop.tools + episode.tools, group_id)
+                return rollout, episode.prompt, await self.environments.reward(episode.instance)
+
+
+def _terminated(rollout: Rollout, eos_token_ids: set[int]) -> bool:
+    """Whether the last turn ended on an end-of-sequence token (not clipped at the length limit)."""
+    last = rollout.turns[-1].output_ids if rollout.turns else []
+    return bool(last) and last[-1] in eos_token_ids
