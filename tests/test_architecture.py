@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "asyncgrpo"
 # A part is a subpackage or a module at the package's root; "asyncgrpo" is the root `__init__` (the
 # public API). A part may import parts of lower layers only (and itself).
 LAYERS: list[set[str]] = [
-    {"sample", "metrics", "trl_compat", "run_files", "sharded", "parent_watch", "models", "perf"},
+    {"sample", "metrics", "trl_compat", "run_files", "sharded", "parent_watch", "models", "perf", "timeline"},
     {"config", "peft_adapters", "loss", "kernels", "packing", "generation"},
     {"logprobs"},
     {"rollout", "weight_sync"},

@@ -117,6 +117,15 @@ class _QueueReader:
         return self.local.qsize()
 
 
+def _drain(reader: _QueueReader) -> list:
+    drained = []
+    while True:
+        try:
+            drained.append(reader.get(timeout=0))
+        except queue.Empty:
+            return drained
+
+
 @contextmanager
 def _child_environment(**variables: str):
     """Spawned children inherit os.environ at start(): set what the child needs around it."""
@@ -146,6 +155,7 @@ class RolloutWorker:
         self.process: multiprocessing.Process | None = None
         self._results = _QueueReader(self.channels.rollout_buffer, "asyncgrpo-results")
         self._metrics = _QueueReader(self.channels.metrics_queue, "asyncgrpo-metrics")
+        self._timeline = _QueueReader(self.channels.timeline_queue, "asyncgrpo-timeline")
         self._errors = _QueueReader(self.channels.exception_info_queue, "asyncgrpo-errors")
 
     def start(self, ready_timeout: float) -> None:
@@ -216,12 +226,14 @@ class RolloutWorker:
         self.channels.model_version_value.value = int(version)
 
     def drain_metrics(self) -> list[dict]:
-        drained = []
-        while True:
-            try:
-                drained.append(self._metrics.get(timeout=0))
-            except queue.Empty:
-                return drained
+        return _drain(self._metrics)
+
+    def drain_timeline(self) -> list[tuple[list[dict], int]]:
+        """The worker's timeline events sent since the last call: (events, events it dropped)."""
+        return _drain(self._timeline)
+
+    def requests_running(self) -> int:
+        return int(self.channels.requests_running.value)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout`; never leaves the process behind."""

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from asyncgrpo import timeline
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, policy_label
 from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
-from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.worker import RolloutWorker, check_worker_payload
@@ -178,15 +179,25 @@ class GenerationSession:
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Push `model` (unwrapped) to the servers as the current policy version; every process
         takes part. Weights that are not finite are never sent."""
-        waiting = time.perf_counter()
-        finite = self.processes.gather(weights_are_finite(model))  # every process reaches the sync
-        barrier_s = time.perf_counter() - waiting
-        if not all(finite):
-            raise NonFiniteTrainingError(
-                f"the weights of policy version {self.model_version} hold inf or NaN: they were not sent to "
-                "the vLLM server. The optimizer produced them from finite gradients: lower learning_rate."
-            )
-        timings, sent_bytes = sync_policy(self.weight_sync, model, self.model_version)
+        with timeline.span("weight sync", version=self.model_version):
+            # Requests frozen by the pause make it generation's idle time; with none in flight the
+            # worker counts that time as idle already.
+            frozen = self.worker is not None and self.worker.requests_running() > 0
+            waiting = time.perf_counter()
+            with timeline.span("barrier"):
+                finite = self.processes.gather(weights_are_finite(model))  # every process reaches the sync
+            barrier_s = time.perf_counter() - waiting
+            if not all(finite):
+                raise NonFiniteTrainingError(
+                    f"the weights of policy version {self.model_version} hold inf or NaN: they were not "
+                    "sent to the vLLM server. The optimizer produced them from finite gradients: lower "
+                    "learning_rate."
+                )
+            timings, sent_bytes = sync_policy(self.weight_sync, model, self.model_version)
+        if self.processes.is_main:
+            self.window.record("perf/sync_pause_s", timings.paused_s)
+        if frozen:  # the seconds join the worker's idle seconds, over the worker's elapsed ones
+            self.window.add("perf/generation_idle_frac", Stat(Reduce.RATE, timings.paused_s, 0.0))
         self.window.record("perf/weight_sync_bytes", sent_bytes)
         if self.worker is not None:
             self.worker.publish_model_version(self.model_version)
@@ -200,6 +211,10 @@ class GenerationSession:
         if self.worker is not None:
             for stats in self.worker.drain_metrics():
                 self.window.merge(stats)
+            recorder = timeline.active()
+            for events, dropped in self.worker.drain_timeline():
+                if isinstance(recorder, timeline.TimelineRecorder):
+                    recorder.add_worker_events(events, dropped)
 
     def held_samples(self) -> list[Sample]:
         """Samples taken from the worker and not trained yet (rank 0; none elsewhere)."""
