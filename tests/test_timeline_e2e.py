@@ -95,7 +95,8 @@ def test_slow_trainer_shows_generation_idle_and_the_timeline_holds_every_phase(
     assert {"rollout", "score", "backpressure"} <= names["rollout worker"]
     assert names["vLLM servers"] == {"paused"}
     assert trace["otherData"]["steps_kept"] == list(range(STEPS + 1))
-    assert {"start rollout worker"} <= names["trainer"]
+    assert "wait for rollout worker" in names["trainer"]
+    assert "wait for the starting weights" in names["rollout worker"]
 
 
 def test_slow_reward_shows_the_trainer_waiting(vllm_server, tiny_model_dir, tmp_path):

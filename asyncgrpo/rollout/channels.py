@@ -26,6 +26,9 @@ class WorkerChannels:
     exception_info_queue: Any  # Queue of (name, message, traceback) of the error that stopped the worker
     failed_event: Any  # Event the worker sets once it has put its error on exception_info_queue
     ready_event: Any  # Event the worker sets once it reached the servers and ran setup()
+    # Event the trainer sets once the servers run the starting weights: the worker starts up while
+    # the trainer syncs them, and generates only after
+    start_event: Any
     model_version_value: Any  # Value("q"): the policy version the servers run, trainer -> worker
     token_allowance: Any  # Value("d"): cumulative tokens the worker may have generated (staleness)
     heartbeat_value: Any  # Value("d"): time.time() of the worker's last beat
@@ -43,6 +46,7 @@ class WorkerChannels:
             exception_info_queue=context.Queue(),
             failed_event=context.Event(),
             ready_event=context.Event(),
+            start_event=context.Event(),
             model_version_value=context.Value("q", 0),
             token_allowance=context.Value("d", float(initial_allowance)),
             heartbeat_value=context.Value("d", 0.0),

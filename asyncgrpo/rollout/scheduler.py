@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+# How often a worker that is ready checks whether the trainer lets it generate: small against the
+# start-up it follows (seconds), cheap for an event loop with nothing else to do.
+START_POLL_INTERVAL_S = 0.01
 METRICS_FLUSH_INTERVAL_S = 1.0
 # Groups scored at once. Scoring is mostly waiting (threads, async judges, the event loop running
 # generation callbacks between them), so many groups in flight keep it off the critical path.
@@ -138,9 +141,12 @@ class RolloutScheduler:
             await self._start_state()
             self.channels.ready_event.set()
             self._fatal: asyncio.Future = asyncio.get_running_loop().create_future()
+            self._watch(asyncio.create_task(self._heartbeat_loop()))
+            with timeline.span("wait for the starting weights", lane="generate loop"):
+                while not self.channels.start_event.is_set():
+                    await asyncio.sleep(START_POLL_INTERVAL_S)
             loops = [
                 self._generate_loop(),
-                self._heartbeat_loop(),
                 self._load_loop(),
                 self._metrics_loop(),
                 *(self._score_loop(index) for index in range(SCORE_CONCURRENCY)),

@@ -159,7 +159,14 @@ class RolloutWorker:
         self._errors = _QueueReader(self.channels.exception_info_queue, "asyncgrpo-errors")
 
     def start(self, ready_timeout: float) -> None:
-        """Spawn the process and wait until it has reached the server and run `setup()`."""
+        """Spawn the process, wait until it has reached the server and run `setup()`, and let it
+        generate."""
+        self.spawn()
+        self.start_generating(ready_timeout)
+
+    def spawn(self) -> None:
+        """Start the process; it starts up (imports, the servers, `setup()`) and then waits for
+        `start_generating`, so its start-up can overlap the trainer's (the first weight sync)."""
         check_worker_payload(
             self.loop_kwargs.get("reward_funcs"),
             self.loop_cls,
@@ -177,6 +184,10 @@ class RolloutWorker:
         )
         with _child_environment(CUDA_VISIBLE_DEVICES=""):
             self.process.start()
+
+    def start_generating(self, ready_timeout: float) -> None:
+        """Wait until the spawned worker is ready (at most `ready_timeout` seconds), then let it
+        generate."""
         deadline = time.monotonic() + ready_timeout
         while not self.channels.ready_event.wait(0.2):
             self.check_alive()
@@ -184,6 +195,7 @@ class RolloutWorker:
                 self.stop()
                 raise RolloutWorkerError(f"the rollout worker was not ready after {ready_timeout:.0f} s")
         self.channels.heartbeat_value.value = time.time()
+        self.channels.start_event.set()
 
     def check_alive(self) -> None:
         """Raise if the worker failed, exited or stopped beating."""

@@ -221,7 +221,7 @@ class AsyncGRPOTrainer(Trainer):
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             # The servers run exactly the weights training starts from.
             self._session.sync_weights(self.accelerator.unwrap_model(model))
-            with timeline.span("start rollout worker"):
+            with timeline.span("wait for rollout worker"):
                 self._session.start_rollouts(ready_timeout=args.vllm_server_timeout + 300)
             epochs = EpochCallbacks(self.callback_handler)
             while not self._processes.broadcast(self._should_stop(args) if self._processes.is_main else None):

@@ -58,7 +58,8 @@ class GenerationSession:
     ) -> None:
         """Reach the servers, size the rows, start the weight-sync backend and build the rollout
         worker and the intake (rank 0); the other processes learn the row size and the backend from
-        it. The worker starts later (`start_rollouts`), once the servers run the starting weights."""
+        it. The worker is spawned here and starts up while the trainer syncs the starting weights;
+        it generates once `start_rollouts` lets it."""
         args = trainer.args
         if not self.processes.is_main:
             self.token_budget, backend = self.processes.broadcast(None)
@@ -87,7 +88,6 @@ class GenerationSession:
             tokenizer = trainer.processing_class
             return len(render_prompt_ids(tokenizer, prompt, trainer.tools, args.chat_template_kwargs))
 
-        check_prompt_lengths(trainer.train_dataset, prompt_length, max_model_len)
         self.weight_sync = make_sender(
             args.weight_sync_backend,
             trainer.model,
@@ -120,6 +120,10 @@ class GenerationSession:
             initial_allowance=0.0,  # SampleIntake publishes the allowance
             worker_timeout=args.rollout_worker_timeout,
         )
+        # Spawned now: its start-up (a fresh interpreter's imports, the servers, setup()) overlaps the
+        # trainer's remaining set-up and the first weight sync (bench/RESULTS.md, "startup").
+        self.worker.spawn()
+        check_prompt_lengths(trainer.train_dataset, prompt_length, max_model_len)
         self.intake = SampleIntake(
             self.worker,
             ledger,
@@ -142,9 +146,10 @@ class GenerationSession:
         self.processes.broadcast((self.token_budget, self.weight_sync.name))
 
     def start_rollouts(self, ready_timeout: float) -> None:
-        """Rank 0, once the servers run the starting weights: spawn the rollout worker."""
+        """Rank 0, once the servers run the starting weights: wait for the rollout worker to be
+        ready and let it generate."""
         if self.worker is not None:
-            self.worker.start(ready_timeout=ready_timeout)
+            self.worker.start_generating(ready_timeout=ready_timeout)
 
     def next_batch(self, gradient_accumulation_steps: int) -> StepBatch | ServersLostWeights | None:
         """Rank 0: the step's samples, planned into rows for every process; ServersLostWeights for
