@@ -1,5 +1,6 @@
-"""The timeline recorder, the step selection that bounds it, the worker's idle clock and the overlap
-figures, without a server (tests/test_timeline_e2e.py runs them against one)."""
+"""The timeline recorder, the step selection that bounds it, the worker's idle clock, the overlap
+figures and the weight check the timeline showed to be a sync's largest part, without a server
+(tests/test_timeline_e2e.py runs them against one)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import json
 import math
 
 import pytest
+import torch
 from timeline_checks import assert_nested, complete_events, names_by_process
 
 from asyncgrpo import timeline
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.idle_clock import IdleClock
+from asyncgrpo.trainer.nonfinite import weights_are_finite
 from asyncgrpo.trainer.overlap import overlap_figures
 from asyncgrpo.trainer.step_metrics import record_window_overlap
 
@@ -177,3 +180,16 @@ def test_a_window_without_the_workers_share_records_no_overlap():
     window.record("perf/fwd_bwd_s", 1.0)
     record_window_overlap(window)
     assert "perf/overlap_efficiency" not in window.summarize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_weight_check_finds_an_inf_or_a_nan_in_any_parameter(dtype):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(dtype)
+    with torch.no_grad():
+        model[0].weight.fill_(60000.0 if dtype is torch.float16 else 1e6)  # large, finite: no overflow
+    assert weights_are_finite(model)
+    for value in (math.inf, -math.inf, math.nan):
+        with torch.no_grad():
+            model[1].bias[1] = value
+        assert not weights_are_finite(model), value
+    assert weights_are_finite(torch.nn.Module())  # no parameters
