@@ -51,11 +51,13 @@ def child(model_dir: str, url: str, out: str) -> None:
     dataset = Dataset.from_dict(
         {"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(40)]}
     )
-    AsyncGRPOTrainer(model_dir, length_reward, args, train_dataset=dataset).train()
+    AsyncGRPOTrainer(model_dir, even_token_share, args, train_dataset=dataset).train()
 
 
-def length_reward(completion_ids, **kwargs):
-    return [len(ids) / 16 for ids in completion_ids]
+def even_token_share(completion_ids, **kwargs):
+    """Varies between the completions of a group (the tiny model's completions all run to the
+    length limit, so a length reward would not)."""
+    return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
 def start_up(timeline_path: Path) -> dict[str, float]:
