@@ -88,6 +88,7 @@ class GenerationSession:
             tokenizer = trainer.processing_class
             return len(render_prompt_ids(tokenizer, prompt, trainer.tools, args.chat_template_kwargs))
 
+        check_prompt_lengths(trainer.train_dataset, prompt_length, max_model_len)  # before the worker starts
         self.weight_sync = make_sender(
             args.weight_sync_backend,
             trainer.model,
@@ -121,9 +122,8 @@ class GenerationSession:
             worker_timeout=args.rollout_worker_timeout,
         )
         # Spawned now: its start-up (a fresh interpreter's imports, the servers, setup()) overlaps the
-        # trainer's remaining set-up and the first weight sync (bench/RESULTS.md, "startup").
+        # trainer's remaining set-up and the first weight sync (bench/RESULTS.md, "timeline").
         self.worker.spawn()
-        check_prompt_lengths(trainer.train_dataset, prompt_length, max_model_len)
         self.intake = SampleIntake(
             self.worker,
             ledger,

@@ -21,7 +21,7 @@ def weights_are_finite(model: torch.nn.Module) -> bool:
     """Whether every (local shard of every) parameter is finite: one device sync. One fused call
     takes every tensor's norm in float32 (an inf or NaN makes its norm so), rather than two
     operations per parameter, whose launches cost more than the check itself and made it the
-    largest part of a weight sync (bench/RESULTS.md, "startup"). A finite weight beyond about 1e19
+    largest part of a weight sync (bench/RESULTS.md, "timeline"). A finite weight beyond about 1e19
     overflows its norm and counts as not finite: training has failed long before that."""
     local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in model.parameters()]
     if not local:
