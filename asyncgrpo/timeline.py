@@ -29,9 +29,11 @@ from typing import Iterator
 FIRST_STEPS_KEPT = 10
 EVERY_KTH_STEP_KEPT = 50
 LAST_STEPS_KEPT = 10
-# Events kept per step, whatever the step holds: hundreds of requests in flight or many micro-batches
-# must not make one step's share of the file unbounded. Events beyond it are counted, not kept.
-MAX_EVENTS_PER_STEP = 4000
+# Events kept per step, whatever the step holds. A step records a few events per micro-batch and one
+# per rollout and per scored group, so this covers hundreds of rollouts a step; the file stays under
+# about (10 + 200 + 10) steps x 1000 events x 150 bytes = 33 MB in the worst case. Events beyond it
+# are counted, not kept.
+MAX_EVENTS_PER_STEP = 1000
 # The trainer rewrites the file at most this often (and at the end), so a run that crashes still has
 # a timeline of all but its last seconds.
 WRITE_INTERVAL_S = 30.0
