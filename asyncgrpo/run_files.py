@@ -12,6 +12,7 @@ import os
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 WARNINGS_FILE = "warnings.log"
+TIMELINE_FILE = "timeline.json"  # asyncgrpo/timeline.py writes it
 # The rollout worker is a spawned process: it learns where to write its warnings from this variable,
 # which it inherits at spawn.
 WARNINGS_FILE_ENV = "ASYNCGRPO_WARNINGS_FILE"

@@ -14,6 +14,13 @@ size, learning rate, schedule, completion length and temperature:
   transformers in the training process (no vLLM), with as many samples per optimizer step as the
   default arm took on average.
 
+A second task, `long`, is one where generation matters: completions of 48-64 tokens, from the tiny
+model as built (random weights), rewarded by the share of even token ids over the whole completion
+(a completion shorter than 48 tokens counts its missing tokens as odd), so every token counts and
+generating is most of a synchronous step, as in real RL. Its start is the start model's mean reward,
+estimated from sampled completions. Rows hold 2,048 tokens there (a group of 16 completions is about
+1,100 tokens).
+
 Reward is the mean reward of the completions each logged step generated (both trainers log it as
 `reward`), recorded against optimizer steps and against wall-clock time from the start of training.
 The start is the warm-started model's exact expected accuracy; "steps/minutes to +d" is the first
@@ -21,7 +28,8 @@ logged step where the mean of the last 10 logged rewards reaches start + d.
 Machine notes: the vLLM server and the asyncgrpo trainer share the CPU cores (trainer: one torch
 thread, as in the demo); TRL has no server and gets the torch threads it wants.
 Run: `.venv/bin/python bench/learning.py [--quick] [--seeds N] [--prompts P] [--arms a,b] [--out DIR]`.
-The last line: `learning minutes_to_plus_0.3 asyncgrpo=X trl=Y`.
+`--tasks demo,long` (the default) runs both tasks; each prints its line:
+`learning minutes_to_plus_0.3 asyncgrpo=X trl=Y` and `learning_long minutes_to_plus_0.3 asyncgrpo=X trl=Y`.
 """
 
 from __future__ import annotations
@@ -51,6 +59,41 @@ DATASET_SIZE = 100  # the demo's prompts: every (a, b) of digits
 SMOOTHING = 10  # logged steps in the moving mean the thresholds are read on
 GAINS = (0.2, 0.3)
 HERE = Path(__file__).resolve().parent
+TASKS = ("demo", "long")
+LONG_MIN_TOKENS = 48
+LONG_MAX_TOKENS = 64
+LONG_TOKEN_BUDGET = 2048
+LONG_START_SAMPLES = (
+    64  # completions sampled to estimate the long task's start (4 groups: about 0.01 of spread)
+)
+
+
+def even_token_share(completion_ids, **kwargs) -> list[float]:
+    """The long task's reward: even token ids over max(completion length, LONG_MIN_TOKENS)."""
+    return [
+        sum(1 for token in ids if token % 2 == 0) / max(len(ids), LONG_MIN_TOKENS) for ids in completion_ids
+    ]
+
+
+def long_dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {
+            "prompt": [
+                [{"role": "user", "content": f"Write a long story about {i}."}] for i in range(DATASET_SIZE)
+            ]
+        }
+    )
+
+
+def task_setup(task: str):
+    """(dataset, reward function, max_completion_length, token_budget) of a task."""
+    if task == "long":
+        return long_dataset(), even_token_share, LONG_MAX_TOKENS, LONG_TOKEN_BUDGET
+    from asyncgrpo.cli.demo import addition_dataset, correct_sum
+
+    return addition_dataset(), correct_sum, MAX_COMPLETION_LENGTH, TOKEN_BUDGET
 
 
 def ensure_trl() -> None:
@@ -90,27 +133,29 @@ class RewardLog:
         self.callback = Callback()
 
 
-def run_asyncgrpo(arm: str, seed: int, model_dir: str, url: str, prompts: int, out: Path) -> list[dict]:
+def run_asyncgrpo(
+    task: str, arm: str, seed: int, model_dir: str, url: str, prompts: int, out: Path
+) -> list[dict]:
     import torch
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.cli.demo import addition_dataset, correct_sum
 
     sys.path.insert(0, str(HERE))
     from overlap import SynchronousTrainer
 
     torch.set_num_threads(1)  # the server generates on the same cores (asyncgrpo/cli/demo.py says why)
+    dataset, reward, completion_length, token_budget = task_setup(task)
     args = AsyncGRPOConfig(
-        output_dir=str(out / f"{arm}-{seed}"),
+        output_dir=str(out / f"{run_name(task, arm, seed)}"),
         vllm_server_base_url=url,
         num_train_epochs=prompts / DATASET_SIZE,  # epochs count prompts consumed
         num_generations=GROUP_SIZE,
-        max_completion_length=MAX_COMPLETION_LENGTH,
+        max_completion_length=completion_length,
         temperature=1.0,
         learning_rate=LEARNING_RATE,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=WARMUP_STEPS,
-        token_budget=TOKEN_BUDGET,
+        token_budget=token_budget,
         max_staleness=0 if arm == "asyncgrpo_sync" else 1,  # the demo's 1
         score_centering=arm != "asyncgrpo_no_centering",
         gradient_checkpointing=False,
@@ -123,25 +168,24 @@ def run_asyncgrpo(arm: str, seed: int, model_dir: str, url: str, prompts: int, o
     )
     trainer_class = SynchronousTrainer if arm == "asyncgrpo_sync" else AsyncGRPOTrainer
     log = RewardLog()
-    trainer = trainer_class(
-        model_dir, correct_sum, args, train_dataset=addition_dataset(), callbacks=[log.callback]
-    )
+    trainer = trainer_class(model_dir, reward, args, train_dataset=dataset, callbacks=[log.callback])
     trainer.train()
     return log.records
 
 
-def run_trl(seed: int, model_dir: str, prompts: int, samples_per_step: int, out: Path) -> list[dict]:
+def run_trl(
+    task: str, seed: int, model_dir: str, prompts: int, samples_per_step: int, out: Path
+) -> list[dict]:
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncgrpo.cli.demo import addition_dataset, correct_sum
-
+    dataset, reward, completion_length, _ = task_setup(task)
     prompts_per_step = max(samples_per_step // GROUP_SIZE, 1)
     args = GRPOConfig(
-        output_dir=str(out / f"trl-{seed}"),
+        output_dir=str(out / run_name(task, "trl", seed)),
         max_steps=math.ceil(prompts / prompts_per_step),
         per_device_train_batch_size=prompts_per_step * GROUP_SIZE,
         num_generations=GROUP_SIZE,
-        max_completion_length=MAX_COMPLETION_LENGTH,
+        max_completion_length=completion_length,
         temperature=1.0,
         learning_rate=LEARNING_RATE,
         lr_scheduler_type="constant_with_warmup",
@@ -159,23 +203,28 @@ def run_trl(seed: int, model_dir: str, prompts: int, samples_per_step: int, out:
     log = RewardLog()
     trainer = GRPOTrainer(
         model=model_dir,
-        reward_funcs=correct_sum,
+        reward_funcs=reward,
         args=args,
-        train_dataset=addition_dataset(),
+        train_dataset=dataset,
         callbacks=[log.callback],
     )
     trainer.train()
     return log.records
 
 
+def run_name(task: str, arm: str, seed: int) -> str:
+    """A run's log and output names: the demo's as they always were, the other tasks' prefixed."""
+    return f"{arm}-{seed}" if task == "demo" else f"{task}-{arm}-{seed}"
+
+
 def child(
-    arm: str, seed: int, model_dir: str, url: str, prompts: int, samples_per_step: int, result: str
+    task: str, arm: str, seed: int, model_dir: str, url: str, prompts: int, samples_per_step: int, result: str
 ) -> None:
     out = Path(result).parent
     if arm == "trl":
-        records = run_trl(seed, model_dir, prompts, samples_per_step, out)
+        records = run_trl(task, seed, model_dir, prompts, samples_per_step, out)
     else:
-        records = run_asyncgrpo(arm, seed, model_dir, url, prompts, out)
+        records = run_asyncgrpo(task, arm, seed, model_dir, url, prompts, out)
     Path(result).write_text(json.dumps(records))
 
 
@@ -224,6 +273,39 @@ def expected_accuracy(model_dir: Path) -> float:
                     sum(logprobs[len(prompt) - 1 + k, token] for k, token in enumerate(answer)).exp()
                 )
     return total / 100
+
+
+def long_task_start(model_dir: Path) -> float:
+    """The long task's start: the mean reward of LONG_START_SAMPLES completions sampled from the
+    start model at temperature 1, as the arms sample."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(model_dir).eval(),
+        AutoTokenizer.from_pretrained(model_dir),
+    )
+    torch.manual_seed(0)
+    prompts = long_dataset()["prompt"]
+    rewards = []
+    per_prompt = GROUP_SIZE
+    with torch.no_grad():
+        for prompt in prompts[: LONG_START_SAMPLES // per_prompt]:
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            generated = model.generate(
+                torch.tensor([ids] * per_prompt),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=LONG_MAX_TOKENS,
+                pad_token_id=tokenizer.eos_token_id,
+            )[:, len(ids) :]
+            for row in generated.tolist():
+                if tokenizer.eos_token_id in row:
+                    row = row[: row.index(tokenizer.eos_token_id) + 1]
+                rewards.extend(even_token_share([row]))
+    return statistics.mean(rewards)
 
 
 def reset_server(url: str, model_dir: Path) -> None:
@@ -278,7 +360,7 @@ def summarize(results: dict[str, list[list[dict]]], start: float) -> list[dict]:
 
 
 def print_table(rows: list[dict], start: float) -> None:
-    print(f"\nstart (warm-started model's expected accuracy): {start:.3f}")
+    print(f"\nstart (the start model's expected reward): {start:.3f}")
     header = f"{'arm':<24}{'seeds':>6}{'steps':>7}{'min':>7}{'final reward':>16}"
     header += "".join(f"{'steps/min to +' + str(g):>24}" for g in GAINS)
     print(header)
@@ -292,7 +374,7 @@ def print_table(rows: list[dict], start: float) -> None:
         print(line)
 
 
-def plot(results: dict[str, list[list[dict]]], start: float, path: Path) -> None:
+def plot(results: dict[str, list[list[dict]]], start: float, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -315,7 +397,7 @@ def plot(results: dict[str, list[list[dict]]], start: float, path: Path) -> None
         axis.set_xlabel(xlabel)
         axis.set_ylabel(f"reward (mean of the last {SMOOTHING} logs)")
         axis.legend()
-    figure.suptitle("demo task (tiny model after its warm start): asyncgrpo vs TRL GRPOTrainer")
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -341,6 +423,7 @@ def main() -> None:
         help="prompts each run consumes (about 11 per asyncgrpo step here)",
     )
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument(
         "--out", default=None, help="where the per-run logs, table and plot go (default: a temp dir)"
     )
@@ -348,9 +431,9 @@ def main() -> None:
         "--model", metavar="DIR", help="start from this warm-started model (skips the warm start)"
     )
     parser.add_argument(
-        "--summarize", metavar="DIR", help="only rebuild the table and plot from DIR's run logs"
+        "--summarize", metavar="DIR", help="only rebuild the demo's table and plot from DIR's run logs"
     )
-    parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=8, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.summarize:
         out = Path(options.summarize).resolve()
@@ -358,6 +441,7 @@ def main() -> None:
             arm: [json.loads(path.read_text()) for path in sorted(out.glob(f"{arm}-*.json"))] for arm in ARMS
         }
         report(
+            "demo",
             {arm: runs for arm, runs in results.items() if runs},
             expected_accuracy(out / "warm-start"),
             out,
@@ -365,56 +449,78 @@ def main() -> None:
         )
         return
     if options.child:
-        arm, seed, model_dir, url, prompts, samples_per_step, result = options.child
-        child(arm, int(seed), model_dir, url, int(prompts), int(samples_per_step), result)
+        task, arm, seed, model_dir, url, prompts, samples_per_step, result = options.child
+        child(task, arm, int(seed), model_dir, url, int(prompts), int(samples_per_step), result)
         return
     if options.quick:
         options.seeds, options.prompts = 1, 1000
     arms = [arm for arm in options.arms.split(",") if arm]
-    unknown = set(arms) - set(ARMS)
+    tasks = [task for task in options.tasks.split(",") if task]
+    unknown = (set(arms) - set(ARMS)) | (set(tasks) - set(TASKS))
     if unknown:
-        raise SystemExit(f"unknown arms {sorted(unknown)}; choose from {ARMS}")
+        raise SystemExit(f"unknown arms or tasks {sorted(unknown)}; choose from {ARMS} and {TASKS}")
     if "trl" in arms:
         ensure_trl()
     out = Path(options.out or tempfile.mkdtemp(prefix="asyncgrpo-learning-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    failures: list[str] = []
+    for task in tasks:
+        model_dir, start = start_model(task, options.model, out)
+        print(f"[learning] {task}: start model in {model_dir}, start reward {start:.3f}", flush=True)
+        results = run_task(task, arms, model_dir, options.seeds, options.prompts, out, failures)
+        report(task, {arm: runs for arm, runs in results.items() if runs}, start, out, failures)
+    if failures:
+        raise SystemExit(1)
 
+
+def start_model(task: str, warm_started: str | None, out: Path) -> tuple[Path, float]:
+    """The model every arm of `task` starts from, and its expected reward."""
+    if task == "long":
+        from asyncgrpo.cli.tiny_model import save_tiny_model
+
+        model_dir = save_tiny_model(out / "tiny-long")
+        return model_dir, long_task_start(model_dir)
+    if warm_started:
+        model_dir = Path(warm_started).resolve()
+        return model_dir, expected_accuracy(model_dir)
+    return warm_started_model(out)
+
+
+def run_task(
+    task: str, arms: list[str], model_dir: Path, seeds: int, prompts: int, out: Path, failures: list[str]
+) -> dict[str, list[list[dict]]]:
     from asyncgrpo.generation.server import ServerOptions, VLLMServer
 
-    if options.model:
-        model_dir = Path(options.model).resolve()
-        start = expected_accuracy(model_dir)
-    else:
-        model_dir, start = warm_started_model(out)
-    print(f"[learning] warm-started model in {model_dir}: expected accuracy {start:.3f}", flush=True)
     server = None
     if any(arm != "trl" for arm in arms):
         options_ = ServerOptions(
             model=str(model_dir), port=free_port(), max_model_len=512, dtype="float32", cpu=True
         )
-        server = VLLMServer(options_, log_path=out / "vllm.log")
+        server = VLLMServer(options_, log_path=out / f"vllm-{task}.log")
         server.start()
     results: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
     samples_per_step = GROUP_SIZE * 4
-    failures: list[str] = []
     try:
-        for seed in range(options.seeds):
+        for seed in range(seeds):
             for arm in arms:
                 if arm != "trl":
                     reset_server(server.options.url, model_dir)
-                result = out / f"{arm}-{seed}.json"
-                command = [sys.executable, __file__, "--child", arm, str(seed), str(model_dir),
-                           server.options.url if server else "-", str(options.prompts), str(samples_per_step),
+                result = out / f"{run_name(task, arm, seed)}.json"
+                command = [sys.executable, __file__, "--child", task, arm, str(seed), str(model_dir),
+                           server.options.url if server else "-", str(prompts), str(samples_per_step),
                            str(result)]  # fmt: skip
                 began = time.time()
                 finished = subprocess.run(command, check=False, env={**os.environ, "PYTHONUNBUFFERED": "1"})
                 if finished.returncode != 0 or not result.exists():
-                    failures.append(f"{arm} seed {seed}")  # the other runs still tell something
-                    print(f"[learning] FAILED: {arm} seed {seed} (exit {finished.returncode})", flush=True)
+                    failures.append(f"{task} {arm} seed {seed}")  # the other runs still tell something
+                    print(
+                        f"[learning] FAILED: {task} {arm} seed {seed} (exit {finished.returncode})",
+                        flush=True,
+                    )
                     continue
                 records = json.loads(result.read_text())
                 results[arm].append(records)
-                print(f"[learning] {arm} seed {seed}: {records[-1]['step']} steps, "
+                print(f"[learning] {task} {arm} seed {seed}: {records[-1]['step']} steps, "
                       f"{(time.time() - began) / 60:.1f} min with start-up, last reward "
                       f"{records[-1]['reward']:.3f}", flush=True)  # fmt: skip
                 if arm == "asyncgrpo" and seed == 0:  # TRL gets the same samples per optimizer step
@@ -428,15 +534,23 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-    report({arm: runs for arm, runs in results.items() if runs}, start, out, failures)
+    return results
 
 
-def report(results: dict[str, list[list[dict]]], start: float, out: Path, failures: list[str]) -> None:
+def report(
+    task: str, results: dict[str, list[list[dict]]], start: float, out: Path, failures: list[str]
+) -> None:
     rows = summarize(results, start)
     print_table(rows, start)
-    plot(results, start, out / "learning.png")
-    (out / "summary.json").write_text(json.dumps({"start": start, "rows": rows}, indent=1))
-    print(f"\n[learning] per-run logs, summary.json and learning.png in {out}")
+    suffix = "" if task == "demo" else f"_{task}"
+    title = (
+        "demo task (tiny model after its warm start)"
+        if task == "demo"
+        else f"long task ({LONG_MIN_TOKENS}-{LONG_MAX_TOKENS} token completions, tiny model as built)"
+    )
+    plot(results, start, out / f"learning{suffix}.png", f"{title}: asyncgrpo vs TRL GRPOTrainer")
+    (out / f"summary{suffix}.json").write_text(json.dumps({"start": start, "rows": rows}, indent=1))
+    print(f"\n[learning] per-run logs, summary{suffix}.json and learning{suffix}.png in {out}")
 
     def minutes(arm: str) -> str:
         row = next((row for row in rows if row["arm"] == arm), None)
@@ -445,9 +559,7 @@ def report(results: dict[str, list[list[dict]]], start: float, out: Path, failur
 
     if failures:
         print(f"[learning] failed runs (left out above): {', '.join(failures)}")
-    print(f"learning minutes_to_plus_0.3 asyncgrpo={minutes('asyncgrpo')} trl={minutes('trl')}")
-    if failures:
-        raise SystemExit(1)
+    print(f"learning{suffix} minutes_to_plus_0.3 asyncgrpo={minutes('asyncgrpo')} trl={minutes('trl')}")
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def main() -> None:
             os.sched_setaffinity(0, {core})
         worker.spawn()
     for worker in pool.workers:
-        worker.wait_ready(deadline, READY_TIMEOUT_S)
+        worker.start_generating(deadline, READY_TIMEOUT_S)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(other_cores))
     try:

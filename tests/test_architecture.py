@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
         "perf",
         "off_policy",
         "routing_replay",
+        "timeline",
     },
     {"config", "peft_adapters", "loss", "kernels", "packing", "generation"},
     {"logprobs"},

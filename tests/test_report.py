@@ -177,3 +177,91 @@ def test_report_opens_in_chromium_without_console_errors_and_shows_the_plots(run
     for color in ((31, 119, 180), (255, 127, 14)):
         matching = np.all(np.abs(pixels - np.array(color)) <= 8, axis=-1).sum()
         assert matching > 2000, f"plot color {color} covers only {matching} pixels of the screenshot"
+
+
+# -- the timeline plot and how a step's time divides ------------------------------------------------
+
+
+def write_synthetic_timeline(path: Path, steps: int = 5) -> None:
+    """A timeline of `steps` one-second steps with every kind of event the plot draws."""
+    from asyncgrpo import timeline
+
+    recorder = timeline.TimelineRecorder(path)
+    second = 1_000_000
+    for step in range(1, steps + 1):
+        recorder.begin_step(step)
+        start = step * second
+        trainer = [
+            ("step", 0.0, 1.0),
+            ("take samples", 0.0, 0.3),
+            ("wait for samples", 0.05, 0.3),
+            ("forward", 0.3, 0.45),
+            ("backward", 0.45, 0.7),
+            ("optimizer", 0.7, 0.75),
+            ("weight sync", 0.75, 0.95),
+            ("prepare", 0.75, 0.85),
+            ("pause", 0.85, 0.86),
+            ("reload", 0.86, 0.94),
+            ("resume", 0.94, 0.95),
+        ]
+        for name, begin, end in trainer:
+            recorder.add(
+                timeline.event(name, start + begin * second, start + end * second, timeline.TRAINER, "main")
+            )
+        worker = [
+            ("rollout", "request 0", 0.0, 0.6),
+            ("rollout", "request 1", 0.1, 0.7),
+            ("score", "scorer 0", 0.6, 0.65),
+            ("backpressure", "generate loop", 0.7, 0.95),
+        ]
+        for name, lane, begin, end in worker:
+            recorder.add(
+                timeline.event(name, start + begin * second, start + end * second, timeline.WORKER, lane)
+            )
+        recorder.add(
+            timeline.event(
+                "paused", start + 0.85 * second, start + 0.95 * second, timeline.SERVERS, "generation"
+            )
+        )
+    recorder.write()
+
+
+def test_report_draws_the_timeline_and_says_how_the_step_divides(run_copy, tmp_path):
+    from asyncgrpo.report.timeline_plot import steps_to_draw
+
+    run_dir = run_copy("healthy")
+    write_synthetic_timeline(run_dir / "timeline.json")
+    assert main(["report", str(run_dir)]) == 0
+    png = run_dir / "plots" / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    html = (run_dir / "report.html").read_text()
+    assert "<h2>Timeline</h2>" in html and "steps 3-5 of timeline.json" in html
+    assert html.count("data:image/png;base64,") == len(PLOTS) + 1
+    assert "How does a step&#x27;s time divide?" in html
+    screenshot = tmp_path / "report.png"
+    assert open_in_chromium(run_dir / "report.html", screenshot) == []
+    trace = {"traceEvents": [{"ph": "X", "name": "step", "args": {"step": s}} for s in (1, 2, 3, 7, 8, 20)]}
+    assert steps_to_draw(trace) == [1, 2, 3]
+    assert steps_to_draw(trace, count=2) == [7, 8]
+
+
+def test_the_time_finding_names_the_largest_part_of_a_step():
+    from asyncgrpo.report.diagnosis import diagnose_time
+    from asyncgrpo.report.history import History
+
+    def history(**parts) -> History:
+        record = {"perf/step_s": 2.0, **parts}
+        return History.from_records([{"step": step, **record} for step in range(1, 6)], {})
+
+    waiting = diagnose_time(
+        history(**{"perf/rollout_wait_s": 1.2, "perf/fwd_bwd_s": 0.5, "perf/optimizer_s": 0.1})
+    )
+    assert waiting.verdict == "mostly waiting for samples"
+    # 2.0 - 1.2 - 0.5 - 0.1 = 0.2 s left for the rest.
+    assert "other (planning, packing, logging, checkpoints) 0.2 s (10%)" in waiting.explanation
+    compute = diagnose_time(history(**{"perf/fwd_bwd_s": 1.5, "perf/optimizer_s": 0.1}))
+    assert compute.verdict == "mostly compute"
+    syncing = diagnose_time(history(**{"perf/fwd_bwd_s": 0.5, "perf/weight_sync_s": 1.0}))
+    assert syncing.verdict == "mostly weight sync"
+    other = diagnose_time(history(**{"perf/fwd_bwd_s": 0.5, "perf/overlap_efficiency": 0.25}))
+    assert other.verdict == "mostly other" and other.evidence[1].startswith("perf/overlap_efficiency")

@@ -460,9 +460,71 @@ def diagnose_held_out(history: History, reward_range: tuple[float, float] = (0.0
     )
 
 
+# -- how a step's time divides ------------------------------------------------------------------------
+
+# The parts of a mean step, as logged (docs/metrics.md); what they leave of perf/step_s is "other":
+# planning, packing, metrics, logging, checkpoints, hops between processes.
+STEP_PARTS = (
+    ("perf/rollout_wait_s", "waiting for samples"),
+    ("perf/fwd_bwd_s", "forward/backward"),
+    ("perf/optimizer_s", "optimizer"),
+    ("perf/weight_sync_s", "weight sync"),
+)
+OTHER_PART = "other (planning, packing, logging, checkpoints)"
+COMPUTE_PARTS = ("forward/backward", "optimizer")
+
+
+def step_time_division(history: History) -> tuple[float, list[tuple[str, float]]]:
+    """The steady windows' mean step and its parts in seconds, largest first (`OTHER_PART` is what the
+    logged parts leave; never below 0). Windows without a weight sync count it as 0."""
+    steady = _steady(history)
+    step_s = _mean(steady.series("perf/step_s")[1])
+    parts = []
+    for metric, label in STEP_PARTS:
+        values = [record.get(metric) or 0.0 for record in steady.records if "perf/step_s" in record]
+        parts.append((label, _mean(values)))
+    parts.append((OTHER_PART, max(0.0, step_s - sum(seconds for _, seconds in parts))))
+    return step_s, sorted(parts, key=lambda part: -part[1])
+
+
+def diagnose_time(history: History) -> Finding:
+    step_s, parts = step_time_division(history)
+    if not step_s > 0:
+        return Finding("time", "unknown", "perf/step_s was not logged.", "Log every step.")
+    span = _step_range(_steady(history).steps)
+    division = ", ".join(f"{label} {seconds:.3g} s ({seconds / step_s:.0%})" for label, seconds in parts)
+    evidence = [f"perf/step_s averages {step_s:.3g} s over {span}: {division}"]
+    steady = _steady(history)
+    efficiency = _mean(steady.series("perf/overlap_efficiency")[1])
+    if not math.isnan(efficiency):
+        fixed = _mean(steady.series("perf/fixed_cost_s")[1])
+        evidence.append(
+            f"perf/overlap_efficiency averages {efficiency:.2f}; perf/fixed_cost_s {fixed:.3g} s per step"
+        )
+    largest, seconds = parts[0]
+    explanation = f"A step of {step_s:.3g} s divides into {division}."
+    if largest in COMPUTE_PARTS:
+        return Finding(
+            "time",
+            "mostly compute",
+            explanation,
+            "Nothing to cut around the compute; speed up the compute itself (bigger rows, a faster device).",
+            evidence,
+        )
+    actions = {
+        "waiting for samples": "The trainer waits for generation or scoring: see the bottleneck finding.",
+        "weight sync": "Sync less often (weight_sync_steps) or use the NCCL backend on GPUs; the timeline "
+        "shows which part of the sync (prepare, pause, reload) takes the time.",
+        OTHER_PART: "Open timeline.json: the trainer's lane shows which phase outside compute takes it "
+        "(checkpoints: save less often; logging: log less often).",
+    }
+    return Finding("time", f"mostly {largest.split(' (')[0]}", explanation, actions[largest], evidence)
+
+
 def diagnose(history: History, reward_range: tuple[float, float] = (0.0, 1.0)) -> list[Finding]:
-    """The three readings of every run, and the held-out one when the run evaluated."""
+    """How the step time divides, the readings of every run, and the held-out one when the run evaluated."""
     findings = [
+        diagnose_time(history),
         diagnose_bottleneck(history),
         diagnose_saturation(history, reward_range),
         diagnose_duplicates(history),

@@ -10,10 +10,13 @@ from pathlib import Path
 from asyncgrpo.report.diagnosis import Finding, diagnose
 from asyncgrpo.report.history import History, load_run
 from asyncgrpo.report.plots import plots_for, render_plot
+from asyncgrpo.report.timeline_plot import load_timeline, render_timeline
 
 REPORT_FILE = "report.html"
 PLOTS_DIR = "plots"
+TIMELINE_PLOT = "timeline.png"
 QUESTIONS = {
+    "time": "How does a step's time divide?",
     "bottleneck": "Which side is the bottleneck?",
     "saturation": "Do the groups still carry signal?",
     "duplicates": "Are the rollouts of a group still different?",
@@ -27,8 +30,9 @@ body { font-family: sans-serif; margin: 2em auto; max-width: 1500px; color: #222
 .verdict { font-weight: bold; font-size: 1.1em; }
 .plots { display: flex; flex-wrap: wrap; gap: 8px; } .plots figure { margin: 0; }
 .plots img { width: 700px; } figcaption { font-size: 0.8em; color: #666; }
+img.timeline { width: 1400px; }
 """
-_OK_VERDICTS = ("healthy", "balanced")
+_OK_VERDICTS = ("healthy", "balanced", "mostly compute")
 
 
 def write_report(run_dir: str | Path, reward_range: tuple[float, float] = (0.0, 1.0)) -> Path:
@@ -44,13 +48,25 @@ def write_report(run_dir: str | Path, reward_range: tuple[float, float] = (0.0, 
         path = plot_dir / f"{spec.name}.png"
         drawn = render_plot(spec, history, path)
         figures.append((spec, path, drawn))
+    timeline = _timeline_figure(run_dir, plot_dir)
     findings = diagnose(history, reward_range)
     report = run_dir / REPORT_FILE
-    report.write_text(_html(run_dir, history, findings, figures), encoding="utf-8")
+    report.write_text(_html(run_dir, history, findings, figures, timeline), encoding="utf-8")
     return report
 
 
-def _html(run_dir: Path, history: History, findings: list[Finding], figures) -> str:
+def _timeline_figure(run_dir: Path, plot_dir: Path) -> tuple[Path, list[int]] | None:
+    """The timeline plot of a few steps, or None for a run without a timeline (or one step short of
+    a whole step)."""
+    trace = load_timeline(run_dir)
+    if trace is None:
+        return None
+    path = plot_dir / TIMELINE_PLOT
+    steps = render_timeline(trace, path)
+    return (path, steps) if steps else None
+
+
+def _html(run_dir: Path, history: History, findings: list[Finding], figures, timeline) -> str:
     escape = html.escape
     steps = history.steps
     parts = [
@@ -78,7 +94,17 @@ def _html(run_dir: Path, history: History, findings: list[Finding], figures) -> 
             f"<figure><img alt='{escape(spec.title)}' src='data:image/png;base64,{data}'>"
             f"<figcaption>{escape(caption)} ({escape(PLOTS_DIR)}/{escape(path.name)})</figcaption></figure>"
         )
-    parts.append("</div></body></html>")
+    parts.append("</div>")
+    if timeline is not None:
+        path, steps = timeline
+        data = base64.b64encode(path.read_bytes()).decode("ascii")
+        parts.append(
+            f"<h2>Timeline</h2><figure><img class='timeline' alt='timeline of steps {steps[0]}-{steps[-1]}' "
+            f"src='data:image/png;base64,{data}'><figcaption>steps {steps[0]}-{steps[-1]} of timeline.json "
+            f"({escape(PLOTS_DIR)}/{escape(path.name)}); open the whole file in Perfetto "
+            "(ui.perfetto.dev) or chrome://tracing</figcaption></figure>"
+        )
+    parts.append("</body></html>")
     return "\n".join(parts)
 
 

@@ -20,12 +20,19 @@ from typing import Any
 class WorkerChannels:
     rollout_buffer: Any  # Queue of GroupResult, worker -> trainer
     metrics_queue: Any  # Queue of metric windows (MetricsWindow.stats()), worker -> trainer
+    timeline_queue: (
+        Any  # Queue of (timeline events, events dropped), worker -> trainer (asyncgrpo/timeline.py)
+    )
     exception_info_queue: Any  # Queue of (name, message, traceback) of the error that stopped the worker
     failed_event: Any  # Event the worker sets once it has put its error on exception_info_queue
     ready_event: Any  # Event the worker sets once it reached the servers and ran setup()
+    # Event the trainer sets once the servers run the starting weights: the worker starts up while
+    # the trainer syncs them, and generates only after
+    start_event: Any
     model_version_value: Any  # Value("q"): the policy version the servers run, trainer -> worker
     token_allowance: Any  # Value("d"): cumulative tokens the worker may have generated (staleness)
     heartbeat_value: Any  # Value("d"): time.time() of the worker's last beat
+    requests_running: Any  # Value("q"): the worker's requests in flight, read by the trainer at a sync
     parent_pid: int  # the trainer's pid: the worker exits as soon as it is gone
     # Several workers (num_rollout_workers): which one this is, and the tokens each has committed
     # against the shared staleness budget (Array("d"), one slot per worker; rollout/worker_shares.py).
@@ -47,12 +54,15 @@ class WorkerChannels:
         return cls(
             rollout_buffer=context.Queue(),
             metrics_queue=context.Queue(),
+            timeline_queue=context.Queue(),
             exception_info_queue=context.Queue(),
             failed_event=context.Event(),
             ready_event=context.Event(),
+            start_event=context.Event(),
             model_version_value=context.Value("q", 0),
             token_allowance=context.Value("d", float(initial_allowance)),
             heartbeat_value=context.Value("d", 0.0),
+            requests_running=context.Value("q", 0, lock=False),
             parent_pid=os.getpid(),
             worker_index=worker_index,
             num_workers=num_workers,
@@ -81,10 +91,16 @@ class WorkerChannels:
         the trainer may no longer read; do wait for the error report, which must reach it."""
         self.rollout_buffer.cancel_join_thread()
         self.metrics_queue.cancel_join_thread()
+        self.timeline_queue.cancel_join_thread()
         self.exception_info_queue.close()
         self.exception_info_queue.join_thread()
 
     def close_trainer_side(self) -> None:
         """Trainer side, once the worker is gone: nothing more is sent through the queues."""
-        for channel in (self.rollout_buffer, self.metrics_queue, self.exception_info_queue):
+        for channel in (
+            self.rollout_buffer,
+            self.metrics_queue,
+            self.timeline_queue,
+            self.exception_info_queue,
+        ):
             channel.cancel_join_thread()

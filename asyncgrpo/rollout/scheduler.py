@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from asyncgrpo import timeline
 from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
-from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.agent import record_tool_rollout_metrics
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.chat import RewriteDetector
 from asyncgrpo.rollout.concurrency import RolloutSlots, TokenAllowance, initial_cap, next_cap
 from asyncgrpo.rollout.environments import EnvironmentPool
+from asyncgrpo.rollout.idle_clock import IdleClock
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompts import PromptItem, PromptOrder, prompt_stream
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
@@ -47,6 +49,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+# How often a worker that is ready checks whether the trainer lets it generate: small against the
+# start-up it follows (seconds), cheap for an event loop with nothing else to do.
+START_POLL_INTERVAL_S = 0.01
 METRICS_FLUSH_INTERVAL_S = 1.0
 # Groups scored at once. Scoring is mostly waiting (threads, async judges, the event loop running
 # generation callbacks between them), so many groups in flight keep it off the critical path.
@@ -82,6 +87,9 @@ class RolloutScheduler:
         self.environments: EnvironmentPool | None = None  # made in _main, with the tool thread pool
         self._rewrites = RewriteDetector()
         self._tasks: set[asyncio.Task] = set()
+        # The worker's side of the run's timeline, sent to the trainer with each metrics flush.
+        self._timeline = timeline.EventBuffer()
+        self._request_lanes = timeline.Lanes("request")
 
     def _make_thread_pools(self) -> None:
         """Sync tools and environments get max_concurrent_rollouts threads, one per running rollout,
@@ -102,6 +110,7 @@ class RolloutScheduler:
         config, loop = self.config, self.loop
         # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        timeline.activate(self._timeline)
         self._make_thread_pools()
         if loop.environment_factory is not None:
             self.environments = EnvironmentPool(
@@ -134,12 +143,15 @@ class RolloutScheduler:
             await self._start_state()
             self.channels.ready_event.set()
             self._fatal: asyncio.Future = asyncio.get_running_loop().create_future()
+            self._watch(asyncio.create_task(self._heartbeat_loop()))
+            with timeline.span("wait for the starting weights", lane="generate loop"):
+                while not self.channels.start_event.is_set():
+                    await asyncio.sleep(START_POLL_INTERVAL_S)
             loops = [
                 self._generate_loop(),
-                self._heartbeat_loop(),
                 self._load_loop(),
                 self._metrics_loop(),
-                *(self._score_loop() for _ in range(SCORE_CONCURRENCY)),
+                *(self._score_loop(index) for index in range(SCORE_CONCURRENCY)),
             ]
             for coroutine in loops:
                 self._watch(asyncio.create_task(coroutine))
@@ -156,6 +168,7 @@ class RolloutScheduler:
                     CLOSE_HOOK_TIMEOUT_S,
                 )
             finally:
+                timeline.activate(None)
                 await self.client.close()
                 self._tool_executor.shutdown(wait=False, cancel_futures=True)
                 self._reward_executor.shutdown(wait=False, cancel_futures=True)
@@ -179,6 +192,7 @@ class RolloutScheduler:
         self._reported_retries = 0
         self._next_group_id = self.channels.worker_index  # then every num_workers-th (worker_shares.py)
         self._warned_skip = False
+        self._idle = IdleClock(time.monotonic())
 
     def _fail(self, error: BaseException) -> None:
         if not self._fatal.done():
@@ -275,6 +289,7 @@ class RolloutScheduler:
         if self._may_start_group():
             return
         started = moved = time.monotonic()
+        held_since = timeline.now_us()
         limit = self.channels.token_allowance.value
         bound = ALLOWANCE_STALL_FACTOR * self.config.vllm_server_timeout
         while not self._may_start_group():
@@ -288,6 +303,7 @@ class RolloutScheduler:
                     "is stuck"
                 )
         self.loop.metrics.record("rollout/backpressure_s", time.monotonic() - started)
+        timeline.interval("backpressure", held_since, timeline.now_us(), lane="generate loop")
 
     def _may_start_group(self) -> bool:
         """The budget is shared by every rollout worker of the run: what the others hold counts."""
@@ -326,6 +342,10 @@ class RolloutScheduler:
         """(the rollout, its duration, its prompt, its environment's reward or None)."""
         await self.slots.acquire()
         started = time.monotonic()
+        self._idle.started(started)
+        self.channels.requests_running.value = self._idle.running
+        lane = self._request_lanes.take()
+        started_us = timeline.now_us()
         try:
             while True:
                 try:
@@ -338,6 +358,10 @@ class RolloutScheduler:
                     self.loop.metrics.record("rollout/regenerated_count", 1, Reduce.SUM)
                     await self.sampler.wait_for_trainer_weights(self.config.vllm_server_timeout)
         finally:
+            timeline.interval("rollout", started_us, timeline.now_us(), lane=lane, group=group_id)
+            self._request_lanes.give_back(lane)
+            self._idle.finished(time.monotonic())
+            self.channels.requests_running.value = self._idle.running
             await self.slots.release()
         duration = time.monotonic() - started
         self._finished_since_raise += 1
@@ -391,12 +415,13 @@ class RolloutScheduler:
 
     # -- scoring --------------------------------------------------------------------------------------------
 
-    async def _score_loop(self) -> None:
+    async def _score_loop(self, index: int) -> None:
         reward_funcs = self.loop.reward_funcs
         while True:
             group = await self.score_queue.get()
             self.loop.metrics.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
             started = time.monotonic()
+            started_us = timeline.now_us()
             per_function = await call_reward_functions(
                 reward_funcs,
                 self._reward_executor,
@@ -429,6 +454,9 @@ class RolloutScheduler:
                 self.loop.metrics, group, [*per_function, *env_sources], names, dropped, len(samples)
             )
             self.loop.metrics.record("rollout/score_s", time.monotonic() - started)
+            timeline.interval(
+                "score", started_us, timeline.now_us(), lane=f"scorer {index}", group=group.group_id
+            )
             self.allowance.group_finished(
                 [int(sum(len(s.token_ids) for s in seqs)) for seqs in group.completions_sequences],
                 sum(sample.num_tokens for sample in samples),
@@ -553,5 +581,10 @@ class RolloutScheduler:
         retries = self.client.retry_count
         metrics.record("rollout/vllm_retry_count", retries - self._reported_retries, Reduce.SUM)
         self._reported_retries = retries
+        idle_s, elapsed_s = self._idle.take(now)
+        metrics.add("perf/generation_idle_frac", Stat(Reduce.RATE, idle_s, elapsed_s))
         self.channels.metrics_queue.put(metrics.stats())
         self.loop.metrics = MetricsWindow()
+        events, dropped = self._timeline.take()
+        if events or dropped:
+            self.channels.timeline_queue.put((events, dropped))

@@ -117,6 +117,15 @@ class _QueueReader:
         return self.local.qsize()
 
 
+def _drain(reader: _QueueReader) -> list:
+    drained = []
+    while True:
+        try:
+            drained.append(reader.get(timeout=0))
+        except queue.Empty:
+            return drained
+
+
 @contextmanager
 def _child_environment(**variables: str):
     """Spawned children inherit os.environ at start(): set what the child needs around it."""
@@ -157,14 +166,18 @@ class RolloutWorker:
         self.process: multiprocessing.Process | None = None
         self._results = _QueueReader(self.channels.rollout_buffer, f"{self.name}-results", results)
         self._metrics = _QueueReader(self.channels.metrics_queue, f"{self.name}-metrics")
+        self._timeline = _QueueReader(self.channels.timeline_queue, f"{self.name}-timeline")
         self._errors = _QueueReader(self.channels.exception_info_queue, f"{self.name}-errors")
 
     def start(self, ready_timeout: float) -> None:
-        """Spawn the process and wait until it has reached the server and run `setup()`."""
+        """Spawn the process, wait until it has reached the server and run `setup()`, and let it
+        generate."""
         self.spawn()
-        self.wait_ready(time.monotonic() + ready_timeout, ready_timeout)
+        self.start_generating(time.monotonic() + ready_timeout, ready_timeout)
 
     def spawn(self) -> None:
+        """Start the process; it starts up (imports, the servers, `setup()`) and then waits for
+        `start_generating`, so its start-up can overlap the trainer's (the first weight sync)."""
         check_worker_payload(
             self.loop_kwargs.get("reward_funcs"),
             self.loop_cls,
@@ -183,13 +196,16 @@ class RolloutWorker:
         with _child_environment(CUDA_VISIBLE_DEVICES=""):
             self.process.start()
 
-    def wait_ready(self, deadline: float, ready_timeout: float) -> None:
+    def start_generating(self, deadline: float, ready_timeout: float) -> None:
+        """Wait until the spawned worker is ready (until `deadline`, `ready_timeout` seconds after the
+        wait began), then let it generate."""
         while not self.channels.ready_event.wait(0.2):
             self.check_alive()
             if time.monotonic() > deadline:
                 self.stop()
                 raise RolloutWorkerError(f"the rollout worker was not ready after {ready_timeout:.0f} s")
         self.channels.heartbeat_value.value = time.time()
+        self.channels.start_event.set()
 
     def check_alive(self) -> None:
         """Raise if the worker failed, exited or stopped beating."""
@@ -232,12 +248,14 @@ class RolloutWorker:
         self.channels.model_version_value.value = int(version)
 
     def drain_metrics(self) -> list[dict]:
-        drained = []
-        while True:
-            try:
-                drained.append(self._metrics.get(timeout=0))
-            except queue.Empty:
-                return drained
+        return _drain(self._metrics)
+
+    def drain_timeline(self) -> list[tuple[list[dict], int]]:
+        """The worker's timeline events sent since the last call: (events, events it dropped)."""
+        return _drain(self._timeline)
+
+    def requests_running(self) -> int:
+        return int(self.channels.requests_running.value)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout`; never leaves the process behind."""
@@ -289,13 +307,26 @@ class RolloutWorkerPool:
 
     def start(self, ready_timeout: float) -> None:
         """Spawn every process, then wait until all have reached their servers and run `setup()`
-        (they start side by side)."""
-        deadline = time.monotonic() + ready_timeout
+        (they start side by side), and let them generate."""
+        self.spawn()
+        self.start_generating(ready_timeout)
+
+    def spawn(self) -> None:
+        """Start every process; they start up side by side and wait for `start_generating`."""
         try:
             for worker in self.workers:
                 worker.spawn()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_generating(self, ready_timeout: float) -> None:
+        """Wait until every worker is ready (at most `ready_timeout` seconds in all), then let them
+        generate."""
+        deadline = time.monotonic() + ready_timeout
+        try:
             for worker in self.workers:
-                worker.wait_ready(deadline, ready_timeout)
+                worker.start_generating(deadline, ready_timeout)
         except BaseException:
             self.stop()
             raise
@@ -329,6 +360,12 @@ class RolloutWorkerPool:
 
     def drain_metrics(self) -> list[dict]:
         return [window for worker in self.workers for window in worker.drain_metrics()]
+
+    def drain_timeline(self) -> list[tuple[list[dict], int]]:
+        return [batch for worker in self.workers for batch in worker.drain_timeline()]
+
+    def requests_running(self) -> int:
+        return sum(worker.requests_running() for worker in self.workers)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM to every process at once, then SIGKILL after `timeout`; none is left behind."""

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, Trainer, TrainerState
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import SaveStrategy, TrainOutput
 
+from asyncgrpo import timeline
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
@@ -35,6 +36,7 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorkerPool
+from asyncgrpo.run_files import TIMELINE_FILE
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
 from asyncgrpo.trainer.base_loop_settings import EmptyDeviceCache, input_tokens_seen
 from asyncgrpo.trainer.checkpoint import (
@@ -223,12 +225,14 @@ class AsyncGRPOTrainer(Trainer):
         model = self._begin_run(args, resume_from_checkpoint, trial)
         started, first_step = time.time(), self.state.global_step
         try:
-            self._session.open(self, self._ledger, stop_condition=lambda: self._should_stop(args))
+            with timeline.span("open generation session"):
+                self._session.open(self, self._ledger, stop_condition=lambda: self._should_stop(args))
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             # The servers run exactly the weights training starts from.
             self._session.sync_weights(self.accelerator.unwrap_model(model))
             self._served_step = self.state.global_step
-            self._session.start_rollouts(ready_timeout=args.vllm_server_timeout + 300)
+            with timeline.span("wait for rollout worker"):
+                self._session.start_rollouts(ready_timeout=args.vllm_server_timeout + 300)
             self._open_evaluator()
             if args.eval_on_start:  # as the base Trainer: at the start of every train() call
                 self._start_eval(trial)
@@ -252,6 +256,7 @@ class AsyncGRPOTrainer(Trainer):
             finally:
                 self._evaluator = None
                 self._session.close()
+                self._close_timeline()
         runtime = time.time() - started
         steps = self.state.global_step - first_step
         train_loss = self._metrics.train_loss_sum / max(steps, 1)
@@ -314,7 +319,21 @@ class AsyncGRPOTrainer(Trainer):
         self._served_step = -1  # the global step whose weights the servers run (-1: not pushed yet)
         self._metrics = StepMetrics.for_model(self.model, args, num_tokens=rollout.num_tokens)
         self._session = GenerationSession(self._processes, self._metrics.window, resume)
+        # Rank 0 records the run's timeline (its own phases, the worker's and the servers' pauses).
+        self._timeline = None
+        if self._processes.is_main:
+            self._timeline = timeline.TimelineRecorder(Path(args.output_dir) / TIMELINE_FILE)
+            timeline.activate(self._timeline)
         return model
+
+    def _close_timeline(self) -> None:
+        """The timeline's last write (also after a failure: the file shows where the run stopped)."""
+        if self._timeline is not None:
+            timeline.activate(None)
+            try:
+                self._timeline.write()
+            except OSError as error:  # a full disk must not hide the run's own error
+                logger.warning("could not write %s: %s", self._timeline.path, error)
 
     def _restore_state(self, args: AsyncGRPOConfig, checkpoint: str | None) -> ResumePoint:
         """The trainer state, fresh or the checkpoint's, and the checkpoint's resume point."""
@@ -376,14 +395,22 @@ class AsyncGRPOTrainer(Trainer):
         args = self.args
         self.control = epochs.before_step(args, self.state, self.control)
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-        started = time.perf_counter()
-        batch = self._wait_for_samples(model)  # planned into rows, one per process in each micro-batch
-        queued = self._forward_backward(model, batch)
-        result = self._optimizer_step(model, queued)
-        self._sync_weights_if_due(model, result)
-        self._record_metrics(batch, result, time.perf_counter() - started)
-        self._end_step(epochs)
-        self._log_and_save(model, trial)  # the window's metrics and a checkpoint, as the schedule says
+        if self._timeline is not None:
+            self._timeline.begin_step(self.state.global_step + 1)
+        with timeline.span("step"):
+            started = time.perf_counter()
+            with timeline.span("take samples"):
+                batch = self._wait_for_samples(
+                    model
+                )  # planned into rows, one per process in each micro-batch
+            queued = self._forward_backward(model, batch)
+            result = self._optimizer_step(model, queued)
+            self._sync_weights_if_due(model, result)
+            self._record_metrics(batch, result, time.perf_counter() - started)
+            self._end_step(epochs)
+            self._log_and_save(model, trial)  # the window's metrics and a checkpoint, as the schedule says
+        if self._timeline is not None:
+            self._timeline.write_if_due()
 
     def _wait_for_samples(self, model) -> StepBatch:
         """The step's samples, planned into rows: rank 0 takes them from the rollout worker and every
@@ -410,7 +437,8 @@ class AsyncGRPOTrainer(Trainer):
         for index, plan in enumerate(batch.plans):
             if index:  # the base Trainer's point: after each micro-batch but the step's last
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
-            rows = plan.pack()
+            with timeline.span("pack", rows=len(plan.tries)):
+                rows = plan.pack()
             row, weight = rows[rank], 1.0
             entries_global = float(sum(r.num_entries for r in rows))
             if row.num_entries == 0:
@@ -426,13 +454,14 @@ class AsyncGRPOTrainer(Trainer):
                 keep_logits = memory_plan.keep_logits
             started = clock.mark()
             with replayed_routing_of(model, row):
-                with self.compute_loss_context_manager():
+                with self.compute_loss_context_manager(), timeline.span("forward", tokens=row.num_tokens):
                     loss, stats = row_loss(
                         model, row, entries_global, args, self._loss_fn, keep_logits, batch.model_version
                     )
                 forward_done = clock.mark()
                 # FSDP2 averages gradients over processes; the loss is already normalized globally.
-                self.accelerator.backward(loss * (world * weight))
+                with timeline.span("backward", tokens=row.num_tokens):
+                    self.accelerator.backward(loss * (world * weight))
             row_marks.append((started, forward_done, clock.mark()))
             if weight:
                 row_losses.append(loss.detach())
@@ -445,7 +474,8 @@ class AsyncGRPOTrainer(Trainer):
         clock = queued.clock
         fwd_s = sum(clock.seconds(started, forward_done) for started, forward_done, _ in queued.marks)
         fwd_bwd_s = sum(clock.seconds(started, done) for started, _, done in queued.marks)
-        loss_total, row_stats = values_on_host(queued.losses, queued.stats)
+        with timeline.span("read rows"):  # on a GPU: where the host waits for the device
+            loss_total, row_stats = values_on_host(queued.losses, queued.stats)
         gathered = self._processes.gather((loss_total, row_stats))
         for _, stats_of_rank in gathered:
             for stats in stats_of_rank:
@@ -457,10 +487,11 @@ class AsyncGRPOTrainer(Trainer):
         batch must not turn the weights, and then the server's, into NaN. On one process with a
         fused optimizer the device decides (`_device_decided_step`), otherwise the host does; both
         end the same way."""
-        if self._sharded or self._processes.distributed or not takes_device_decisions(self.optimizer):
-            result = self._host_decided_step(model, queued)
-        else:
-            result = self._device_decided_step(model, queued)
+        with timeline.span("optimizer"):
+            if self._sharded or self._processes.distributed or not takes_device_decisions(self.optimizer):
+                result = self._host_decided_step(model, queued)
+            else:
+                result = self._device_decided_step(model, queued)
         window = self._metrics.window
         window.record("train/nonfinite_steps", 0 if result.stepped else 1, Reduce.SUM)
         if result.stepped:
@@ -550,19 +581,21 @@ class AsyncGRPOTrainer(Trainer):
 
     def _log_and_save(self, model, trial) -> None:
         if self.control.should_log:
-            logs = self._metrics.flush()
-            if self.args.log_completions:
-                self._metrics.print_completions(
-                    self.processing_class, self.state.global_step, self.args.num_completions_to_print
-                )
-            self.log(logs)
+            with timeline.span("log"):
+                logs = self._metrics.flush()
+                if self.args.log_completions:
+                    self._metrics.print_completions(
+                        self.processing_class, self.state.global_step, self.args.num_completions_to_print
+                    )
+                self.log(logs)
         if self.control.should_evaluate:
             self._start_eval(trial)
             if self.control.should_save or self.args.save_strategy == SaveStrategy.BEST:
                 self._join_eval(trial)  # the checkpoint's "best" needs this step's figures
         if self.control.should_save:
-            self._save_checkpoint(model, trial)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+            with timeline.span("checkpoint"):
+                self._save_checkpoint(model, trial)
+                self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     # -- evaluation (docs/architecture.md, "Evaluation") ---------------------------------------------------
 

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from asyncgrpo import timeline
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, policy_label
 from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
-from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.worker import RolloutWorkerPool, check_worker_payload
@@ -61,7 +62,8 @@ class GenerationSession:
     ) -> None:
         """Reach the servers, size the rows, start the weight-sync backend and build the rollout
         worker and the intake (rank 0); the other processes learn the row size and the backend from
-        it. The worker starts later (`start_rollouts`), once the servers run the starting weights."""
+        it. The worker is spawned here and starts up while the trainer syncs the starting weights;
+        it generates once `start_rollouts` lets it."""
         args = trainer.args
         if not self.processes.is_main:
             self.token_budget, backend = self.processes.broadcast(None)
@@ -90,7 +92,7 @@ class GenerationSession:
             tokenizer = trainer.processing_class
             return len(render_prompt_ids(tokenizer, prompt, trainer.tools, args.chat_template_kwargs))
 
-        check_prompt_lengths(trainer.train_dataset, prompt_length, max_model_len)
+        check_prompt_lengths(trainer.train_dataset, prompt_length, max_model_len)  # before the worker starts
         self.weight_sync = make_sender(
             args.weight_sync_backend,
             trainer.model,
@@ -125,6 +127,9 @@ class GenerationSession:
             initial_allowance=0.0,  # SampleIntake publishes the allowance
             worker_timeout=args.rollout_worker_timeout,
         )
+        # Spawned now: its start-up (a fresh interpreter's imports, the servers, setup()) overlaps the
+        # trainer's remaining set-up and the first weight sync (bench/RESULTS.md, "timeline").
+        self.worker.spawn()
         self.intake = SampleIntake(
             self.worker,
             ledger,
@@ -147,9 +152,10 @@ class GenerationSession:
         self.processes.broadcast((self.token_budget, self.weight_sync.name))
 
     def start_rollouts(self, ready_timeout: float) -> None:
-        """Rank 0, once the servers run the starting weights: spawn the rollout workers."""
+        """Rank 0, once the servers run the starting weights: wait for the rollout workers to be
+        ready and let them generate."""
         if self.worker is not None:
-            self.worker.start(ready_timeout=ready_timeout)
+            self.worker.start_generating(ready_timeout=ready_timeout)
 
     def next_batch(self, gradient_accumulation_steps: int) -> StepBatch | ServersLostWeights | None:
         """Rank 0: the step's samples, planned into rows for every process; ServersLostWeights for
@@ -184,15 +190,25 @@ class GenerationSession:
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Push `model` (unwrapped) to the servers as the current policy version; every process
         takes part. Weights that are not finite are never sent."""
-        waiting = time.perf_counter()
-        finite = self.processes.gather(weights_are_finite(model))  # every process reaches the sync
-        barrier_s = time.perf_counter() - waiting
-        if not all(finite):
-            raise NonFiniteTrainingError(
-                f"the weights of policy version {self.model_version} hold inf or NaN: they were not sent to "
-                "the vLLM server. The optimizer produced them from finite gradients: lower learning_rate."
-            )
-        timings, sent_bytes = sync_policy(self.weight_sync, model, self.model_version)
+        with timeline.span("weight sync", version=self.model_version):
+            # Requests frozen by the pause make it generation's idle time; with none in flight the
+            # worker counts that time as idle already.
+            frozen = self.worker is not None and self.worker.requests_running() > 0
+            waiting = time.perf_counter()
+            with timeline.span("barrier"):
+                finite = self.processes.gather(weights_are_finite(model))  # every process reaches the sync
+            barrier_s = time.perf_counter() - waiting
+            if not all(finite):
+                raise NonFiniteTrainingError(
+                    f"the weights of policy version {self.model_version} hold inf or NaN: they were not "
+                    "sent to the vLLM server. The optimizer produced them from finite gradients: lower "
+                    "learning_rate."
+                )
+            timings, sent_bytes = sync_policy(self.weight_sync, model, self.model_version)
+        if self.processes.is_main:
+            self.window.record("perf/sync_pause_s", timings.paused_s)
+        if frozen:  # the seconds join the worker's idle seconds, over the worker's elapsed ones
+            self.window.add("perf/generation_idle_frac", Stat(Reduce.RATE, timings.paused_s, 0.0))
         self.window.record("perf/weight_sync_bytes", sent_bytes)
         if self.worker is not None:
             self.worker.publish_model_version(self.model_version)
@@ -206,6 +222,10 @@ class GenerationSession:
         if self.worker is not None:
             for stats in self.worker.drain_metrics():
                 self.window.merge(stats)
+            recorder = timeline.active()
+            for events, dropped in self.worker.drain_timeline():
+                if isinstance(recorder, timeline.TimelineRecorder):
+                    recorder.add_worker_events(events, dropped)
 
     def held_samples(self) -> list[Sample]:
         """Samples taken from the worker and not trained yet (rank 0; none elsewhere)."""

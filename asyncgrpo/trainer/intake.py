@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from asyncgrpo import timeline
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.packing.planner import MIN_SHARED_TOKENS, MicroBatchPlan, Placement, TokenBudgetBatcher
 from asyncgrpo.rollout.worker import RolloutWorkerPool
@@ -168,6 +169,10 @@ class SampleIntake:
         if self.buffer:
             return
         self._publish_allowance(held_tokens=sum(sample.num_tokens for sample in batch.samples))
+        with timeline.span("wait for samples"):
+            self._wait_until_buffered(batch)
+
+    def _wait_until_buffered(self, batch: StepBatch) -> None:
         started = last_note = last_server_check = time.monotonic()
         while not self.buffer:
             self._drain(1.0)

@@ -18,6 +18,13 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 def weights_are_finite(model: torch.nn.Module) -> bool:
-    """Whether every (local shard of every) parameter is finite: one device sync."""
-    checks = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()]
-    return bool(torch.stack(checks).all()) if checks else True
+    """Whether every (local shard of every) parameter is finite: one device sync. One fused call
+    takes every tensor's norm in float32 (an inf or NaN makes its norm so), rather than two
+    operations per parameter, whose launches cost more than the check itself and made it the
+    largest part of a weight sync (bench/RESULTS.md, "timeline"). A finite weight beyond about 1e19
+    overflows its norm and counts as not finite: training has failed long before that."""
+    local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in model.parameters()]
+    if not local:
+        return True
+    norms = torch._foreach_norm(local, 2.0, dtype=torch.float32)
+    return bool(torch.isfinite(torch.stack(norms)).all())

@@ -3,6 +3,7 @@
   config.json      the resolved AsyncGRPOConfig (every field, after defaults)
   metrics.jsonl    one JSON object per logging window: `step`, `time` and every metric logged
   warnings.log     warnings of the trainer and of the rollout worker process
+  timeline.json    what each process did when (written by the trainer: asyncgrpo/timeline.py)
   checkpoint-N/    written by the base Trainer as usual
 
 `asyncgrpo report RUN_DIR` reads this layout. It is written by a callback, beside `report_to`

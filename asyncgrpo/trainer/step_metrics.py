@@ -17,6 +17,7 @@ from asyncgrpo.packing.tree_attention import padded_length
 from asyncgrpo.perf import FlopModel, device_peak_flops, flop_model
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.intake import StepBatch
+from asyncgrpo.trainer.overlap import overlap_figures
 
 # `log_completions`: the newest samples kept for the table printed at each log line.
 RECENT_SAMPLES_KEPT = 64
@@ -96,6 +97,7 @@ class StepMetrics:
         window.record("perf/fwd_s", result.fwd_s)
         window.record("perf/optimizer_s", result.optimizer_s)
         window.record("perf/rollout_wait_s", batch.wait_s)
+        window.add("perf/trainer_idle_frac", Stat(Reduce.RATE, batch.wait_s, step_s))
         window.record_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, result.fwd_bwd_s)
         window.record_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
         window.record_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
@@ -110,6 +112,7 @@ class StepMetrics:
     def flush(self) -> dict[str, float]:
         """The window's values to log (a value with nothing behind it, NaN, is left out); the window
         starts over."""
+        record_window_overlap(self.window)
         logs = self.window.summarize()
         return {
             name: value
@@ -124,3 +127,20 @@ class StepMetrics:
         samples = self.recent_samples
         print_completions(samples[-(count or len(samples)) :], processing_class, step)
         self.recent_samples = []
+
+
+def record_window_overlap(window: MetricsWindow) -> None:
+    """`perf/fixed_cost_s` and `perf/overlap_efficiency` of the window's mean step, from what it
+    holds; nothing when it lacks a step or the worker's idle share (docs/metrics.md, "Overlap")."""
+    stats = window.stats()
+
+    def value(name: str, default: float = math.nan) -> float:
+        return stats[name].result() if name in stats else default
+
+    train_compute_s = value("perf/fwd_bwd_s") + value("perf/optimizer_s", 0.0)
+    fixed_cost_s, efficiency = overlap_figures(
+        value("perf/step_s"), train_compute_s, value("perf/generation_idle_frac")
+    )
+    if not math.isnan(fixed_cost_s):
+        window.record("perf/fixed_cost_s", fixed_cost_s, Reduce.LAST)
+        window.record("perf/overlap_efficiency", efficiency, Reduce.LAST)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from asyncgrpo import timeline
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.models import is_served
@@ -26,6 +27,7 @@ from asyncgrpo.sharded import full_tensor
 class SyncTimings:
     pause_s: float = 0.0  # waiting for vLLM to pause
     transfer_s: float = 0.0  # preparing and sending the weights
+    paused_s: float = 0.0  # the servers stood still: from asking them to pause until they resumed
 
     @property
     def total_s(self) -> float:
@@ -50,23 +52,32 @@ class WeightSyncBackend(abc.ABC):
         Every training process calls it at the same step."""
         timings = SyncTimings()
         started = time.perf_counter()
-        prepared = self.prepare(model, version)
+        with timeline.span("prepare"):
+            prepared = self.prepare(model, version)
         staged = time.perf_counter()
         timings.transfer_s = staged - started
         if not self.is_sender:
             return timings
         paused = staged
+        pause_requested = timeline.now_us()
         try:
             # Frozen requests keep their KV; new ones never reuse older weights' prefixes (policy_cache_salt).
-            self.loop.run(self.client.pause(mode="keep", clear_cache=False, timeout=self.timeout_s))
+            with timeline.span("pause"):
+                self.loop.run(self.client.pause(mode="keep", clear_cache=False, timeout=self.timeout_s))
             paused = time.perf_counter()
-            self.apply(prepared, version)
+            with timeline.span("reload"):
+                self.apply(prepared, version)
         finally:
             # Every server is resumed, also when the pause itself failed on some of them: a server
             # left paused would stall every rollout until the worker's timeout.
-            self.loop.run(self.client.resume(timeout=self.timeout_s))
+            with timeline.span("resume"):
+                self.loop.run(self.client.resume(timeout=self.timeout_s))
+            timeline.interval(
+                "paused", pause_requested, timeline.now_us(), lane="generation", process=timeline.SERVERS
+            )
         timings.pause_s = paused - staged
         timings.transfer_s += time.perf_counter() - paused
+        timings.paused_s = time.perf_counter() - staged
         return timings
 
     def reconnect(self) -> None:

@@ -1,0 +1,285 @@
+"""The run's timeline: what each process did when, as Chrome trace events (docs/timeline.md).
+
+Every process of a run records complete events ('X': a name, a start and a duration in
+microseconds) on named lanes through one call, `span(name)` (or `interval` for an interval measured
+elsewhere); where no recorder is active the call does nothing. The trainer keeps its own events and
+the rollout worker's (which it drains from the worker's queue) per optimizer step, keeps a bounded
+choice of steps, and writes them as `timeline.json`, which Perfetto and chrome://tracing open.
+
+One clock for every process: the wall clock (`time.time_ns`). Python promises nothing about the
+origin of `perf_counter` or `monotonic` across processes, while every process of one host reads the
+same wall clock; a run's timeline spans seconds to days, where the wall clock's rare adjustments
+matter less than a shared origin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+# Steps kept whole: the first ones (start-up: spawning the worker, first requests, compilation, the
+# first syncs), every Kth (the middle of a long run, sampled), and the last ones (where the run ended,
+# or crashed). A run of 10,000 steps keeps 10 + 200 + 10 of them.
+FIRST_STEPS_KEPT = 10
+EVERY_KTH_STEP_KEPT = 50
+LAST_STEPS_KEPT = 10
+# Events kept per step, whatever the step holds. A step records a few events per micro-batch and one
+# per rollout and per scored group, so this covers hundreds of rollouts a step; the file stays under
+# about (10 + 200 + 10) steps x 1000 events x 150 bytes = 33 MB in the worst case. Events beyond it
+# are counted, not kept.
+MAX_EVENTS_PER_STEP = 1000
+# The trainer rewrites the file at most this often (and at the end), so a run that crashes still has
+# a timeline of all but its last seconds.
+WRITE_INTERVAL_S = 30.0
+# The worker sends its events with each metrics flush; at most this many wait between two flushes.
+MAX_PENDING_EVENTS = MAX_EVENTS_PER_STEP
+
+TRAINER = "trainer"
+WORKER = "rollout worker"
+SERVERS = "vLLM servers"
+# Process lanes in the file, in this order (Chrome trace `pid`s are numbers: these are stable ones).
+PROCESSES = (TRAINER, WORKER, SERVERS)
+MAIN_LANE = "main"
+# Before the first optimizer step: start-up, kept whole.
+SETUP_STEP = 0
+
+
+def now_us() -> int:
+    """The shared clock, in microseconds (see the module's docstring)."""
+    return time.time_ns() // 1000
+
+
+def event(name: str, start_us: int, end_us: int, process: str, lane: str, **args) -> dict:
+    """One complete event, before the file's numbering of processes and lanes."""
+    return {
+        "name": name,
+        "ts": int(start_us),
+        "dur": max(0, int(end_us) - int(start_us)),
+        "process": process,
+        "lane": lane,
+        "args": args,
+    }
+
+
+class EventSink:
+    """Where a process's events go; the trainer keeps them (`TimelineRecorder`), the worker sends
+    them on (`EventBuffer`)."""
+
+    process = TRAINER
+
+    def add(self, item: dict) -> None:
+        raise NotImplementedError
+
+
+_sink: EventSink | None = None  # this process's recorder; None: recording is off
+_sink_lock = threading.Lock()  # reward threads and the worker's event loop record side by side
+
+
+def activate(sink: EventSink | None) -> None:
+    """Make `sink` this process's recorder (None: stop recording)."""
+    global _sink
+    _sink = sink
+
+
+def active() -> EventSink | None:
+    """This process's recorder, or None."""
+    return _sink
+
+
+def interval(
+    name: str, start_us: int, end_us: int, lane: str = MAIN_LANE, process: str | None = None, **args
+):
+    """An interval measured by the caller, on `lane` of this process (or of `process`, for the
+    servers' pauses, which the trainer observes)."""
+    sink = _sink
+    if sink is None:
+        return
+    item = event(name, start_us, end_us, process or sink.process, lane, **args)
+    with _sink_lock:
+        sink.add(item)
+
+
+@contextmanager
+def span(name: str, lane: str = MAIN_LANE, **args) -> Iterator[None]:
+    """Record the block as one event. Spans opened inside it on the same lane nest under it."""
+    if _sink is None:
+        yield
+        return
+    started = now_us()
+    try:
+        yield
+    finally:
+        interval(name, started, now_us(), lane, **args)
+
+
+class EventBuffer(EventSink):
+    """The rollout worker's recorder: events wait here until the next metrics flush sends them."""
+
+    process = WORKER
+
+    def __init__(self, limit: int = MAX_PENDING_EVENTS):
+        self.limit = limit
+        self.pending: list[dict] = []
+        self.dropped = 0
+
+    def add(self, item: dict) -> None:
+        if len(self.pending) < self.limit:
+            self.pending.append(item)
+        else:
+            self.dropped += 1
+
+    def take(self) -> tuple[list[dict], int]:
+        """The pending events and how many were dropped since the last take; starts over."""
+        with _sink_lock:
+            taken, dropped = self.pending, self.dropped
+            self.pending, self.dropped = [], 0
+        return taken, dropped
+
+
+class Lanes:
+    """Lanes for concurrent intervals (requests in flight): each takes the lowest free lane, so
+    the timeline shows as many lanes as intervals ever overlapped."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._free: list[int] = []
+        self._next = 0
+
+    def take(self) -> str:
+        if self._free:
+            self._free.sort()
+            index = self._free.pop(0)
+        else:
+            index, self._next = self._next, self._next + 1
+        return f"{self.prefix} {index}"
+
+    def give_back(self, lane: str) -> None:
+        self._free.append(int(lane.rsplit(" ", 1)[1]))
+
+
+class StepSelection:
+    """Which finished steps' events are kept: the first `first`, every `every`-th, and the newest
+    `last - 1` of the others (a ring buffer), so that with the step still running the last `last`
+    steps are always there. Step 0 (start-up) is always kept."""
+
+    def __init__(self, first: int, every: int, last: int):
+        self.first, self.every = first, every
+        self.kept: dict[int, list[dict]] = {}
+        self.recent: deque[tuple[int, list[dict]]] = deque(maxlen=max(0, last - 1))
+
+    def keeps_for_good(self, step: int) -> bool:
+        return step <= self.first or (self.every > 0 and step % self.every == 0)
+
+    def close(self, step: int, events: list[dict]) -> None:
+        if self.keeps_for_good(step):
+            self.kept[step] = events
+        else:
+            self.recent.append((step, events))
+
+    def steps(self) -> list[tuple[int, list[dict]]]:
+        return sorted([*self.kept.items(), *self.recent])
+
+
+class TimelineRecorder(EventSink):
+    """The trainer's recorder: events of the current step, a bounded choice of finished steps, and
+    the file. Events arriving during step N (the worker's included) belong to step N."""
+
+    process = TRAINER
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        first_steps: int = FIRST_STEPS_KEPT,
+        every_kth_step: int = EVERY_KTH_STEP_KEPT,
+        last_steps: int = LAST_STEPS_KEPT,
+        max_events_per_step: int = MAX_EVENTS_PER_STEP,
+        write_interval_s: float = WRITE_INTERVAL_S,
+    ):
+        self.path = Path(path)
+        self.selection = StepSelection(first_steps, every_kth_step, last_steps)
+        self.max_events_per_step = max_events_per_step
+        self.write_interval_s = write_interval_s
+        self.step = SETUP_STEP
+        self.current: list[dict] = []
+        self.dropped = 0  # events beyond max_events_per_step, over the run
+        self._last_write = time.monotonic()
+
+    def add(self, item: dict) -> None:
+        item["args"]["step"] = self.step
+        if len(self.current) < self.max_events_per_step:
+            self.current.append(item)
+        else:
+            self.dropped += 1
+
+    def add_worker_events(self, events: list[dict], dropped: int) -> None:
+        with _sink_lock:
+            for item in events:
+                self.add(item)
+            self.dropped += dropped
+
+    def begin_step(self, step: int) -> None:
+        """Close the current step's events into the selection; what follows belongs to `step`."""
+        with _sink_lock:
+            self.selection.close(self.step, self.current)
+            self.step, self.current = step, []
+
+    def trace(self) -> dict:
+        """The Chrome trace: metadata naming processes and lanes, then the kept events."""
+        with _sink_lock:
+            steps = [*self.selection.steps(), (self.step, list(self.current))]
+        lanes: dict[tuple[str, str], int] = {}
+        events = []
+        for _, step_events in steps:
+            for item in step_events:
+                key = (item["process"], item["lane"])
+                tid = lanes.setdefault(key, len(lanes) + 1)
+                events.append(
+                    {
+                        "name": item["name"],
+                        "ph": "X",
+                        "ts": item["ts"],
+                        "dur": item["dur"],
+                        "pid": PROCESSES.index(item["process"]) + 1,
+                        "tid": tid,
+                        "args": item["args"],
+                    }
+                )
+        metadata = [
+            {"name": "process_name", "ph": "M", "pid": index + 1, "tid": 0, "args": {"name": name}}
+            for index, name in enumerate(PROCESSES)
+        ] + [
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": PROCESSES.index(process) + 1,
+                "tid": tid,
+                "args": {"name": lane},
+            }
+            for (process, lane), tid in lanes.items()
+        ]
+        return {
+            "traceEvents": metadata + events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "steps_kept": [step for step, _ in steps],
+                "events_dropped": self.dropped,
+                "clock": "wall clock, microseconds since the Unix epoch",
+            },
+        }
+
+    def write(self) -> None:
+        """The whole file, atomically: a reader never sees half of it."""
+        staging = self.path.with_name(f".{self.path.name}.partial")
+        staging.write_text(json.dumps(self.trace()), encoding="utf-8")
+        os.replace(staging, self.path)
+        self._last_write = time.monotonic()
+
+    def write_if_due(self) -> None:
+        if time.monotonic() - self._last_write >= self.write_interval_s:
+            self.write()

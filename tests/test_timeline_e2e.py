@@ -1,0 +1,110 @@
+"""The run's timeline and the overlap figures on real runs against the shared vLLM server (tiny
+model): a deliberately slow trainer and a deliberately slow reward each show on their own side."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+from conftest import make_config  # noqa: E402
+from test_trainer_e2e import prompts, restore_server, token_parity_reward  # noqa: E402
+from timeline_checks import assert_nested, names_by_process  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+# Seconds added to each optimizer step, or to each reward call: many times what the tiny model takes
+# to train a step or to generate a group on CPU, so that side dominates whatever the machine's load.
+SLOW_S = 1.5
+STEPS = 3
+
+
+def slow_reward(completion_ids, **kwargs):
+    time.sleep(SLOW_S)
+    return token_parity_reward(completion_ids)
+
+
+class SlowTrainer(TrainerCallback):
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        time.sleep(SLOW_S)
+
+
+# A share of the run a side idles for that the other side's slowness explains: with a slow trainer the
+# trainer waits only for the first samples (under a tenth of the run); with a slow reward it waits for
+# scoring at every step but the one its start-up backlog feeds (about half of the run).
+IDLE_SHARE = 0.3
+# With a slow trainer the servers generate a step's samples in a small part of the step.
+BUSY_SHARE = 0.5
+
+
+def run_window(trainer) -> dict[str, float]:
+    """The run's one logging window (logging_steps = STEPS): every figure over the whole run."""
+    windows = [entry for entry in trainer.state.log_history if "perf/step_s" in entry]
+    assert len(windows) == 1
+    return windows[0]
+
+
+def run(server, model_dir, output_dir, reward, callbacks=(), **overrides) -> AsyncGRPOTrainer:
+    args = make_config(server, output_dir, max_steps=STEPS, logging_steps=STEPS, **overrides)
+    trainer = AsyncGRPOTrainer(
+        str(model_dir), reward, args, train_dataset=prompts(), callbacks=list(callbacks)
+    )
+    try:
+        trainer.train()
+    finally:
+        restore_server(server.url, model_dir)
+    return trainer
+
+
+def test_slow_trainer_shows_generation_idle_and_the_timeline_holds_every_phase(
+    vllm_server, tiny_model_dir, tmp_path
+):
+    trainer = run(
+        vllm_server,
+        tiny_model_dir,
+        tmp_path,
+        token_parity_reward,
+        [SlowTrainer()],
+        save_strategy="steps",
+        save_steps=2,
+    )
+    window = run_window(trainer)
+    # The trainer hardly waits; the servers mostly have nothing to do; the step is mostly compute.
+    assert window["perf/trainer_idle_frac"] < IDLE_SHARE
+    assert window["perf/generation_idle_frac"] > BUSY_SHARE
+    assert window["perf/overlap_efficiency"] > BUSY_SHARE
+    assert window["perf/sync_pause_s"] > 0
+    assert window["perf/fixed_cost_s"] == pytest.approx(
+        window["perf/step_s"] * (1 - window["perf/overlap_efficiency"])
+    )
+
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    assert_nested(trace)
+    names = names_by_process(trace)
+    trainer_phases = {"step", "take samples", "pack", "forward", "backward", "optimizer", "weight sync"}
+    sync_parts = {"barrier", "prepare", "pause", "reload", "resume"}
+    assert trainer_phases | sync_parts | {"log", "checkpoint"} <= names["trainer"]
+    assert {"rollout", "score", "backpressure"} <= names["rollout worker"]
+    assert names["vLLM servers"] == {"paused"}
+    assert trace["otherData"]["steps_kept"] == list(range(STEPS + 1))
+    assert "wait for rollout worker" in names["trainer"]
+    assert "wait for the starting weights" in names["rollout worker"]
+
+
+def test_slow_reward_shows_the_trainer_waiting(vllm_server, tiny_model_dir, tmp_path):
+    # One reward thread scores one group at a time, as slowly as the reward runs; max_staleness=0
+    # keeps generation from queueing more than a step ahead while the first step compiles.
+    trainer = run(
+        vllm_server, tiny_model_dir, tmp_path, slow_reward, max_concurrent_rollouts=1, max_staleness=0
+    )
+    assert run_window(trainer)["perf/trainer_idle_frac"] > IDLE_SHARE
+    names = names_by_process(json.loads((tmp_path / "timeline.json").read_text()))
+    assert {"wait for samples", "score"} <= names["trainer"] | names["rollout worker"]
