@@ -272,6 +272,7 @@ def test_each_named_eval_dataset_is_read_and_one_evaluation_is_no_trend():
 def test_the_held_out_question_is_asked_only_of_runs_that_evaluated():
     plain = history(reward=0.5)
     assert [finding.question for finding in diagnose(plain)] == [
+        "time",
         "bottleneck",
         "saturation",
         "duplicates",
