@@ -29,6 +29,8 @@ TOP_N = 4
 ARGS = SimpleNamespace(
     temperature=0.9, vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0,
     epsilon=0.2, epsilon_high=0.28, gradient_accumulation_steps=1, router_aux_loss_coef=None,
+    vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="icepop",
+    off_policy_mask_threshold=None,
 )  # fmt: skip
 
 

@@ -288,7 +288,7 @@ def test_weight_sync_barrier_is_the_wait_for_the_other_processes(monkeypatch):
     )
     window = MetricsWindow()
     session = session_module.GenerationSession(
-        SimpleNamespace(gather=slow_gather), window, ResumePoint(RolloutState(model_version=1))
+        SimpleNamespace(gather=slow_gather, is_main=True), window, ResumePoint(RolloutState(model_version=1))
     )
     session.sync_weights(torch.nn.Linear(2, 2))
     logged = window.summarize()
