@@ -146,11 +146,22 @@ class ProcessSession(ResourceSession):
             pass
 
 
+def _absolute_if_file(part: str) -> str:
+    """`part` made absolute when it names an existing file (symbolic links kept: a virtualenv's python
+    is one, and resolved it would be another interpreter without the venv's packages)."""
+    try:
+        return str(Path(part).absolute()) if Path(part).is_file() else part
+    except OSError:  # not a path at all (a `-c` program, say)
+        return part
+
+
 class ProcessSessionFactory(ResourceSessionFactory[ProcessSession]):
     """Sessions running `command` in a fresh directory per rollout (docs/harness.md).
 
     `verify(workdir, transcript)` returns the reward (None: the rollout cannot be scored);
-    `timeout_s` bounds each agent's run; `env` adds environment variables. `sampling` (the run's
+    `timeout_s` bounds each agent's run; `env` adds environment variables. An element of `command`
+    that names an existing file (the agent's script, relative to where the trainer runs) is made
+    absolute: the agent runs in its own working directory. `sampling` (the run's
     sampling settings) and `capture` (the trainer's proxy) are given by the trainer:
     `functools.partial(ProcessSessionFactory, command=[...], verify=...)` is a
     `harness_session_factory`."""
@@ -176,7 +187,9 @@ class ProcessSessionFactory(ResourceSessionFactory[ProcessSession]):
             )
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 (seconds an agent may run)")
-        self.command = list(command)
+        # The agent runs in its own directory: a relative path to an existing file (the agent's script,
+        # given from the directory the trainer runs in) would name nothing there.
+        self.command = [_absolute_if_file(part) for part in command]
         self.verify = verify
         self.timeout_s = timeout_s
         self.env = dict(env or {})
