@@ -46,6 +46,11 @@ NO_THINKING = {"enable_thinking": False}
 EXACT_LOGPROB_GAP = 1e-3
 
 
+# The fault run's timeout: what the "hang" agents cost, and the bound on every other agent of that run
+# (an agent took about 5 s to start on a loaded 2-core machine, the `openai` import most of it).
+HANG_TIMEOUT_S = 30
+
+
 def written_length(workdir: Path, transcript) -> float:
     """The reward: the length of what the agent wrote into files, modulo 5: it varies between the
     rollouts of a random tiny model, so groups bring samples."""
@@ -103,18 +108,21 @@ def test_agent_program_trains_on_its_captured_tokens_and_faults_are_counted(
         vllm_server, tmp_path / "run", max_steps=2, max_staleness=0, max_concurrent_rollouts=4
     )
     factory = functools.partial(
-        ProcessSessionFactory, command=[sys.executable, str(AGENT)], verify=written_length, timeout_s=10
+        ProcessSessionFactory,
+        command=[sys.executable, str(AGENT)],
+        verify=written_length,
+        timeout_s=HANG_TIMEOUT_S,
     )
     trainer = HarnessAsyncGRPOTrainer(
         model=str(tiny_model_dir),
         args=args,
-        train_dataset=rows("crash", "hang", "silent", "ok", "ok", "ok"),
+        train_dataset=rows("crash", "hang", "silent", "ok", "ok"),
         harness_session_factory=factory,
     )
     trainer.train()
     history = trainer.state.log_history
     steps = [entry for entry in history if "loss" in entry]
-    assert len(steps) == 2
+    assert len(steps) == 1
     failed = sum(entry.get("rollout/harness_failed_count", 0) for entry in history)
     # The crash, hang and silent groups: 4 unscorable rollouts each (more when the run wrapped to
     # the next epoch and started them again before it stopped).
@@ -123,7 +131,7 @@ def test_agent_program_trains_on_its_captured_tokens_and_faults_are_counted(
     assert max(gaps) < EXACT_LOGPROB_GAP, gaps
     assert any(math.isfinite(entry.get("rewards/harness_reward/mean", math.nan)) for entry in history)
     # The agent's draft and review turns (how they chain into samples: test_harness_units.py).
-    assert [entry["rollout/turns_max"] for entry in steps] == [2.0, 2.0]
+    assert [entry["rollout/turns_max"] for entry in steps] == [2.0]
     assert not agent_processes()
     assert not list(agent_tmp.iterdir()), "every session's directory is removed"
 
