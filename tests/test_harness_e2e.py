@@ -105,7 +105,7 @@ def test_agent_program_trains_on_its_captured_tokens_and_faults_are_counted(
     # One group at a time (num_generations=4): the three fault groups are scored before any sample
     # reaches the trainer, so the first step's window holds their counts.
     args = harness_config(
-        vllm_server, tmp_path / "run", max_steps=2, max_staleness=0, max_concurrent_rollouts=4
+        vllm_server, tmp_path / "run", max_steps=1, max_staleness=0, max_concurrent_rollouts=4
     )
     factory = functools.partial(
         ProcessSessionFactory,
