@@ -13,6 +13,7 @@ _EXPORTS = {
     "AsyncGRPOConfig": "asyncgrpo.config",
     "AsyncGRPOTrainer": "asyncgrpo.trainer.async_grpo_trainer",
     "AsyncRolloutLoop": "asyncgrpo.rollout.loop",
+    "HarnessAsyncGRPOTrainer": "asyncgrpo.trainer.harness_trainer",
     "Rollout": "asyncgrpo.rollout.types",
     "RolloutGroup": "asyncgrpo.rollout.types",
     "TrainingSequence": "asyncgrpo.rollout.types",
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
     from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
     from asyncgrpo.trainer.async_grpo_trainer import AsyncGRPOTrainer
+    from asyncgrpo.trainer.harness_trainer import HarnessAsyncGRPOTrainer
 
 
 def __getattr__(name: str):

@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"config", "peft_adapters", "loss", "kernels", "packing", "generation"},
     {"logprobs"},
     {"rollout", "weight_sync"},
-    {"rewards"},
+    {"rewards", "harness"},
     {"trainer"},
     {"asyncgrpo"},
     {"report"},

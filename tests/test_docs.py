@@ -197,7 +197,7 @@ TRL_ONLY_METRICS = {
     "perf/mfu_fwd_bwd", "perf/mfu_wall_clock", "perf/forwarded_tok_s_fwd_bwd",
     "perf/forwarded_tok_s_wall_clock", "perf/trained_tok_s_wall_clock",
     "rollout/generated_tok_s", "rollout/inflight", "rollout/vllm_retry_total", "rollout/realign_frac",
-    "rollout/correctness_mean", "sample/dropped_stale_total", "sample/rollout_queue_size",
+    "sample/dropped_stale_total", "sample/rollout_queue_size",
     "batch/dropped_oversize_total", "tools/unknown_name_total", "tools/{}/call_total",
     "tools/{}/failure_total",
 }  # fmt: skip

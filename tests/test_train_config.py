@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import harness_openenv  # noqa: F401  (OpenEnv on the path: the harness example config)
 import pytest
 import yaml
 
@@ -349,3 +350,30 @@ def test_demo_config_trains_through_the_cli_and_fills_the_run_directory(
     assert all("reward" in record and "perf/step_s" in record for record in windows)
     assert (out / "warnings.log").exists()
     assert main(["report", str(out)]) == 0 and (out / "report.html").exists()
+
+
+def test_the_harness_example_names_a_local_process_agent_and_its_verify(tmp_path):
+    from asyncgrpo.harness import ProcessSessionFactory
+
+    run = build_run_config(read_config(REPO / "examples" / "harness.yaml"))
+    factory = run.harness_session_factory(sampling={"temperature": 1.0})
+    assert isinstance(factory, ProcessSessionFactory) and factory.timeout_s == 120
+    assert Path(factory.command[1]) == REPO / "examples" / "harness" / "file_agent.py"  # made absolute
+    (tmp_path / "task.json").write_text(json.dumps({"answer": "42"}))
+    assert factory.verify(tmp_path, []) == 0.0
+    (tmp_path / "answer.txt").write_text("42")
+    assert factory.verify(tmp_path, []) == 1.0
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"harness_session_factory": "examples.functions:IncrementEnv", "tools": []}, "remove tools"),
+        ({"rollout_reward_fn": "examples.functions:math_reward_func"}, "needs harness_session_factory"),
+        ({"harness_session_factory": {"command": ["a"], "verify": "x:y", "timeout": 3}}, "timeout"),
+        ({"harness_session_factory": {"command": "python agent.py", "verify": "x:y"}}, "command"),
+    ],
+)
+def test_bad_harness_settings_are_refused(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        build(**changes)

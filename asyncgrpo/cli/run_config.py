@@ -11,6 +11,7 @@ that does not resolve says which part failed.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import sys
 import types
@@ -30,6 +31,15 @@ RUN_KEYS = {
     "loop_class": "import path of an AsyncRolloutLoop subclass that replaces the default loop",
     "peft_config": "LoraConfig keyword arguments (r, lora_alpha, target_modules, ...)",
     "warm_start": "a step run on the loaded model before GRPO: {function: import path, kwargs: {...}}",
+    "harness_session_factory": "train an agent program (HarnessAsyncGRPOTrainer): import path of a callable "
+    "returning an OpenEnv ResourceSessionFactory, or the local-process harness (see HARNESS_PROCESS_KEYS)",
+    "rollout_reward_fn": "with harness_session_factory: import path of f(outcome) -> reward or None",
+}
+HARNESS_PROCESS_KEYS = {
+    "command": "the agent's argv, a list (run in a fresh working directory per rollout)",
+    "verify": "import path of verify(workdir, transcript) -> reward or None",
+    "timeout_s": "seconds an agent may run (default 300)",
+    "env": "environment variables added to the agent's",
 }
 DATASET_KEYS = {
     "name": "a Hub dataset id (load_dataset(name))",
@@ -62,6 +72,8 @@ class RunConfig:
     loop_class: type | None = None
     peft_config: dict | None = None
     warm_start: dict | None = None
+    harness_session_factory: Any = None  # a callable returning a ResourceSessionFactory
+    rollout_reward_fn: Callable | None = None
     raw: dict = field(default_factory=dict)  # the merged mapping, as written to the run directory
 
 
@@ -181,6 +193,7 @@ def build_run_config(raw: dict) -> RunConfig:
             "function": resolve(warm_start.get("function"), "warm_start.function"),
             "kwargs": _expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs"),
         }
+    harness, rollout_reward_fn = _harness(raw)
     peft_config = _expect(raw["peft_config"], dict, "peft_config") if "peft_config" in raw else None
     if peft_config is not None:
         _reject_unknown(peft_config, _lora_config_keys(), "peft_config.")
@@ -197,6 +210,8 @@ def build_run_config(raw: dict) -> RunConfig:
         loop_class=loop_class,
         peft_config=peft_config,
         warm_start=warm_start,
+        harness_session_factory=harness,
+        rollout_reward_fn=rollout_reward_fn,
         raw=raw,
     )
 
@@ -215,6 +230,38 @@ def _check_dataset_spec(spec: Any, where: str) -> None:
         raise ConfigError(f"{where}: give exactly one of `name` (a Hub id) or `data_files` (local files)")
     if "columns" in spec:
         _expect(spec["columns"], dict, f"{where}.columns")
+
+
+def _harness(raw: dict) -> tuple[Any, Callable | None]:
+    """(the harness session factory, the rollout reward function) of the config, or (None, None)."""
+    spec = raw.get("harness_session_factory")
+    if spec is None:
+        if "rollout_reward_fn" in raw:
+            raise ConfigError("rollout_reward_fn needs harness_session_factory (it scores harness rollouts)")
+        return None, None
+    clashing = [key for key in ("tools", "environment_factory", "loop_class") if key in raw]
+    if clashing:
+        raise ConfigError(
+            f"harness_session_factory runs the agent's own loop: remove {', '.join(clashing)} (the agent "
+            "brings its tools and its loop)"
+        )
+    reward_fn = resolve(raw["rollout_reward_fn"], "rollout_reward_fn") if "rollout_reward_fn" in raw else None
+    if not isinstance(spec, dict):
+        return resolve(spec, "harness_session_factory"), reward_fn
+    _reject_unknown(spec, set(HARNESS_PROCESS_KEYS), "harness_session_factory.")
+    command = _expect(spec.get("command"), list, "harness_session_factory.command")
+    if not command or not all(isinstance(part, str) for part in command):
+        raise ConfigError(f"harness_session_factory.command: expected a list of strings, got {command!r}")
+    from asyncgrpo.harness import ProcessSessionFactory
+
+    options = {"command": command, "verify": resolve(spec.get("verify"), "harness_session_factory.verify")}
+    if "timeout_s" in spec:
+        options["timeout_s"] = float(spec["timeout_s"])
+    if "env" in spec:
+        options["env"] = {
+            str(k): str(v) for k, v in _expect(spec["env"], dict, "harness_session_factory.env").items()
+        }
+    return functools.partial(ProcessSessionFactory, **options), reward_fn
 
 
 def resolve(path: Any, where: str) -> Any:
@@ -351,7 +398,8 @@ def load_eval_dataset(spec: dict):
 
 
 def build_trainer(run: RunConfig):
-    """The AsyncGRPOTrainer the config describes (loads the model and the dataset, runs the warm start)."""
+    """The AsyncGRPOTrainer the config describes (loads the model and the dataset, runs the warm start);
+    a HarnessAsyncGRPOTrainer when it names a harness_session_factory."""
     from asyncgrpo import AsyncGRPOTrainer
 
     trainer_class = AsyncGRPOTrainer
@@ -370,6 +418,18 @@ def build_trainer(run: RunConfig):
         from peft import LoraConfig
 
         peft_config = LoraConfig(**run.peft_config)
+    if run.harness_session_factory is not None:
+        from asyncgrpo import HarnessAsyncGRPOTrainer
+
+        return HarnessAsyncGRPOTrainer(
+            model=model,
+            args=run.args,
+            train_dataset=load_training_dataset(run.dataset) if run.dataset is not None else None,
+            harness_session_factory=run.harness_session_factory,
+            rollout_reward_fn=run.rollout_reward_fn,
+            reward_funcs=run.reward_funcs or None,
+            peft_config=peft_config,
+        )
     return trainer_class(
         model=model,
         reward_funcs=run.reward_funcs or None,

@@ -81,14 +81,15 @@ def tool_schema(tool: Callable) -> dict[str, Any]:
 def render_prompt_ids(
     tokenizer,
     messages: list[dict[str, Any]],
-    tools: list[Callable] | None = None,
+    tools: list[Callable | dict[str, Any]] | None = None,
     chat_template_kwargs: dict | None = None,
     add_generation_prompt: bool = True,
 ) -> list[int]:
-    """The conversation's token ids through the chat template, with the tools' schemas."""
+    """The conversation's token ids through the chat template, with the tools' schemas (a tool is a
+    function, or already a schema: an agent's OpenAI-format tools, rollout/harness's capture)."""
     rendered = tokenizer.apply_chat_template(
         messages,
-        tools=[tool_schema(tool) for tool in tools] if tools else None,
+        tools=[tool if isinstance(tool, dict) else tool_schema(tool) for tool in tools] if tools else None,
         add_generation_prompt=add_generation_prompt,
         tokenize=True,
         **(chat_template_kwargs or {}),

@@ -20,6 +20,7 @@ from asyncgrpo.rollout.agent import run_tool_loop
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.concurrency import LOAD_POLL_INTERVAL_S
+from asyncgrpo.rollout.prompts import CURRENT_ROW
 from asyncgrpo.rollout.sampler import PolicySampler
 from asyncgrpo.rollout.scheduler import RolloutScheduler, SchedulingArgs
 from asyncgrpo.rollout.scoring import group_advantages
@@ -122,6 +123,11 @@ class AsyncRolloutLoop:
         ids = render_prompt_ids(self.tokenizer, prompt, tools, self.config.chat_template_kwargs)
         self._rendered[group_id] = (prompt, ids)
         return ids
+
+    def dataset_row(self) -> dict[str, Any]:
+        """The dataset row of the rollout being generated (called from `generate_one`): the prompt and
+        the row's other columns."""
+        return CURRENT_ROW.get()
 
     @property
     def tool_executor(self) -> ThreadPoolExecutor:

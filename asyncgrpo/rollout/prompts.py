@@ -12,12 +12,19 @@ name other prompts.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+# The dataset row of the rollout being generated, set by the scheduler around each `generate_one`
+# (each rollout runs in its own asyncio task, so each sees its own row). `generate_one` gets the prompt
+# alone, as in TRL; a loop whose rollouts need the row's other columns (the harness's task.json) reads it
+# through `AsyncRolloutLoop.dataset_row()`.
+CURRENT_ROW: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("asyncgrpo_current_row")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from asyncgrpo.rollout.concurrency import RolloutSlots, TokenAllowance, initial_
 from asyncgrpo.rollout.environments import EnvironmentPool
 from asyncgrpo.rollout.idle_clock import IdleClock
 from asyncgrpo.rollout.messages import GroupResult
-from asyncgrpo.rollout.prompts import PromptItem, PromptOrder, prompt_stream
+from asyncgrpo.rollout.prompts import CURRENT_ROW, PromptItem, PromptOrder, prompt_stream
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
 from asyncgrpo.rollout.sampler import PolicySampler, ServerLostWeightsError, wants_candidate_sets
 from asyncgrpo.rollout.scoring import (
@@ -374,6 +374,7 @@ class RolloutScheduler:
         """One rollout of a row: (the rollout, its prompt, its environment's reward or None). With
         environments, each attempt is a fresh episode (reset, tools of the routed environment)."""
         tools = self.loop.tools
+        CURRENT_ROW.set(row)  # this rollout's task only: the loop's dataset_row()
         if self.environments is None:
             prompt = row["prompt"]
             return await self.loop.generate_one(prompt, tools, group_id), prompt, None

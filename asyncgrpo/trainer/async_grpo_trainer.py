@@ -96,6 +96,9 @@ def _sigterm_raises_keyboard_interrupt():
 
 class AsyncGRPOTrainer(Trainer):
     loop_cls = AsyncRolloutLoop
+    # The rollout loop runs an agent whose rollouts carry their own reward (Rollout.reward) and whose
+    # prompts carry tools: reward_funcs may be empty, and the tokenizer gets the training template.
+    _agent_loop = False
     _tag_names = ["trl", "async-grpo", "asyncgrpo"]
 
     def __init__(
@@ -129,7 +132,7 @@ class AsyncGRPOTrainer(Trainer):
             reward_funcs = [reward_funcs]
         check_reward_funcs(list(reward_funcs))
         tools = list(tools or [])
-        check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args)
+        check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args, self._agent_loop)
         if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
             train_dataset = EnvironmentOwnedData()
         check_no_injected_protocols(rollout_worker, weight_transfer)
@@ -141,7 +144,7 @@ class AsyncGRPOTrainer(Trainer):
         if isinstance(model, str):
             model = self._load_model(model, args)
         model = prepare_policy_model(model, args, peft_config)
-        agentic = bool(tools) or environment_factory is not None
+        agentic = bool(tools) or environment_factory is not None or self._agent_loop
         processing_class = prepare_tokenizer(processing_class, model_id, args, agentic)
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the

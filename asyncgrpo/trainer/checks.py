@@ -138,12 +138,19 @@ def check_multi_process(deepspeed: bool, has_optimizer: bool) -> None:
         )
 
 
-def check_agent_inputs(reward_funcs: list, train_dataset, tools: list, environment_factory, args) -> None:
-    """Reward sources, data and tools of a run, said before anything starts."""
+def check_agent_inputs(
+    reward_funcs: list, train_dataset, tools: list, environment_factory, args, rollouts_scored: bool = False
+) -> None:
+    """Reward sources, data and tools of a run, said before anything starts. `rollouts_scored`: the
+    rollout loop scores its rollouts itself (the harness trainer), so reward_funcs may be empty."""
     from asyncgrpo.rollout.chat import tool_name
     from asyncgrpo.rollout.environments import check_routing, factory_defines_reward
 
-    if not reward_funcs and (environment_factory is None or not factory_defines_reward(environment_factory)):
+    if (
+        not reward_funcs
+        and not rollouts_scored
+        and (environment_factory is None or not factory_defines_reward(environment_factory))
+    ):
         raise ValueError(
             "reward_funcs is empty: give at least one reward function, or an environment_factory whose "
             "environments define get_reward()"

@@ -1,0 +1,69 @@
+"""HarnessAsyncGRPOTrainer: AsyncGRPOTrainer whose rollouts are OpenEnv sessions (docs/harness.md).
+
+Everything but generation is the base trainer's: the step, the weight syncs, staleness, metrics and
+checkpoints. Generation runs the harness rollout loop (asyncgrpo/harness/loop.py) in the rollout
+worker, given the harness arguments through its constructor.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.harness.loop import HarnessRolloutLoop, HarnessRolloutOutcome, HarnessSettings
+from asyncgrpo.trainer.async_grpo_trainer import AsyncGRPOTrainer
+
+
+class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
+    """Train an agent program as it is.
+
+    `harness_session_factory`: a callable returning an OpenEnv `ResourceSessionFactory`; without an
+    adapter (loop-owning: the agent runs its own loop) it is called with `sampling=` (the run's
+    sampling settings) and, when it accepts it, `capture=` (the trainer's capture proxy). With
+    `harness_adapter` (an OpenEnv `HarnessAdapter`, white-box) it is called without arguments and the
+    adapter asks the trainer for each turn. `rollout_reward_fn(outcome)` turns a
+    `HarnessRolloutOutcome` into the reward (default: the session's `verify()` reward); None leaves the
+    rollout unscored. `reward_funcs` add to it, as in AsyncGRPOTrainer."""
+
+    _agent_loop = True
+
+    def __init__(
+        self,
+        model,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset=None,
+        harness_session_factory: Callable[..., Any] | None = None,
+        harness_adapter=None,
+        rollout_reward_fn: Callable[[HarnessRolloutOutcome], float | None] | None = None,
+        reward_funcs=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
+        if not callable(harness_session_factory):
+            raise ValueError(
+                "harness_session_factory is required: a callable returning an OpenEnv "
+                "ResourceSessionFactory, e.g. functools.partial(asyncgrpo.harness.ProcessSessionFactory, "
+                "command=[...], verify=...)"
+            )
+        if train_dataset is None:
+            raise ValueError(
+                "train_dataset is required: each row's 'prompt' (and columns) is a session's task"
+            )
+        # An instance attribute: the rollout worker builds its loop from this (a picklable partial).
+        self.loop_cls = functools.partial(
+            HarnessRolloutLoop,
+            harness=HarnessSettings(harness_session_factory, harness_adapter, rollout_reward_fn),
+        )
+        super().__init__(
+            model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+        )

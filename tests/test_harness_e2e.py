@@ -1,0 +1,249 @@
+"""HarnessAsyncGRPOTrainer end to end against the real vLLM CPU server: a real agent program
+(examples/harness/file_agent.py, the `openai` package) trained through ProcessSessionFactory and the
+capture proxy, its faults counted, the trainer stopped with agents in flight, and one white-box run
+through an OpenEnv HarnessAdapter."""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness_openenv  # noqa: F401  (OpenEnv on the path first)
+import pytest
+
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+pytest.importorskip("psutil", reason="psutil is not installed")
+import psutil
+from conftest import make_config
+from datasets import Dataset
+from openenv.core.env_server.mcp_types import Tool
+from openenv.core.harness import (
+    HarnessAdapter,
+    HarnessRolloutResult,
+    ResourceSession,
+    ResourceSessionFactory,
+    ToolResult,
+    ToolTraceEntry,
+    VerifyResult,
+)
+from transformers import TrainerCallback
+
+from asyncgrpo import HarnessAsyncGRPOTrainer
+from asyncgrpo.harness import ProcessSessionFactory
+
+pytestmark = pytest.mark.vllm
+
+AGENT = Path(__file__).resolve().parent.parent / "examples" / "harness" / "file_agent.py"
+NO_THINKING = {"enable_thinking": False}
+# The run's own policy at every trained token (max_staleness=0): trainer and sampler log-probs of
+# the captured ids agree up to float32 kernels' differences.
+EXACT_LOGPROB_GAP = 1e-3
+
+
+# The fault run's timeout: what the "hang" agents cost, and the bound on every other agent of that run
+# (an agent took about 5 s to start on a loaded 2-core machine, the `openai` import most of it).
+HANG_TIMEOUT_S = 30
+
+
+def written_length(workdir: Path, transcript) -> float:
+    """The reward: the length of what the agent wrote into files, modulo 5: it varies between the
+    rollouts of a random tiny model, so groups bring samples."""
+    files = [path for path in workdir.iterdir() if path.name != "task.json"]
+    return float(sum(len(path.read_text(errors="replace")) for path in files) % 5)
+
+
+def rows(*modes: str) -> Dataset:
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"Write a short note number {i}."}], "mode": mode}
+            for i, mode in enumerate(modes)
+        ]
+    )
+
+
+def agent_processes() -> list:
+    """Agent processes of this checkout still alive."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if str(AGENT) in (process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
+@pytest.fixture
+def agent_tmp(tmp_path, monkeypatch):
+    """Agents' working directories go under the test's own folder (the worker inherits TMPDIR)."""
+    folder = tmp_path / "agents"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    return folder
+
+
+def harness_config(server, output_dir, **overrides):
+    return make_config(
+        server,
+        output_dir,
+        token_budget=0,  # a step trains one group: 4 samples (the agent's 2 turns chain into 1 each)
+        per_device_train_batch_size=4,
+        train_sampling_strategy="sequential",
+        chat_template_kwargs=NO_THINKING,
+        **overrides,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_agent_program_trains_on_its_captured_tokens_and_faults_are_counted(
+    vllm_server, tiny_model_dir, tmp_path, agent_tmp
+):
+    # One group at a time (num_generations=4): the three fault groups are scored before any sample
+    # reaches the trainer, so the first step's window holds their counts.
+    args = harness_config(
+        vllm_server, tmp_path / "run", max_steps=1, max_staleness=0, max_concurrent_rollouts=4
+    )
+    factory = functools.partial(
+        ProcessSessionFactory,
+        command=[sys.executable, str(AGENT)],
+        verify=written_length,
+        timeout_s=HANG_TIMEOUT_S,
+    )
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        args=args,
+        train_dataset=rows("crash", "hang", "silent", "ok", "ok"),
+        harness_session_factory=factory,
+    )
+    trainer.train()
+    history = trainer.state.log_history
+    steps = [entry for entry in history if "loss" in entry]
+    assert len(steps) == 1
+    failed = sum(entry.get("rollout/harness_failed_count", 0) for entry in history)
+    # The crash, hang and silent groups: 4 unscorable rollouts each (more when the run wrapped to
+    # the next epoch and started them again before it stopped).
+    assert failed >= 12
+    gaps = [entry["sampling/sampling_logp_difference/max"] for entry in steps]
+    assert max(gaps) < EXACT_LOGPROB_GAP, gaps
+    assert any(math.isfinite(entry.get("rewards/harness_reward/mean", math.nan)) for entry in history)
+    # The agent's draft and review turns (how they chain into samples: test_harness_units.py).
+    assert [entry["rollout/turns_max"] for entry in steps] == [2.0]
+    assert not agent_processes()
+    assert not list(agent_tmp.iterdir()), "every session's directory is removed"
+
+
+class WaitForAgentsInFlight(TrainerCallback):
+    """Ends the step only once agent processes are running, so the trainer stops with sessions in
+    flight (not by luck of timing)."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        deadline = time.monotonic() + AGENT_START_BOUND_S
+        while not (running := agent_processes()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.seen = len(running)
+
+
+# How long the step waits for the "hang" sessions' agents to start (they start as soon as the first
+# group is scored); the bound only turns a failure into an error rather than a hang.
+AGENT_START_BOUND_S = 120
+
+
+@pytest.mark.timeout(300)
+def test_stopping_the_trainer_ends_the_agents_in_flight(vllm_server, tiny_model_dir, tmp_path, agent_tmp):
+    # The first group is one at a time (no token estimate yet) and brings the step; the "hang" groups
+    # after it never end by themselves (timeout_s far beyond the run): stopping must end them.
+    args = harness_config(vllm_server, tmp_path / "run", max_steps=1, max_concurrent_rollouts=8)
+    factory = functools.partial(
+        ProcessSessionFactory, command=[sys.executable, str(AGENT)], verify=written_length, timeout_s=3600
+    )
+    waiter = WaitForAgentsInFlight()
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        args=args,
+        train_dataset=rows("ok", "hang", "hang", "hang"),
+        harness_session_factory=factory,
+        callbacks=[waiter],
+    )
+    trainer.train()
+    assert waiter.seen > 0, "the trainer must stop with agents running"
+    assert not agent_processes()
+    assert not list(agent_tmp.iterdir())
+
+
+# -- white-box: an OpenEnv adapter drives the session, the trainer samples each turn -------------------------
+
+
+class NoteSession(ResourceSession):
+    def __init__(self, task):
+        self.task = task
+        self.notes: list[str] = []
+
+    def initial_messages(self):
+        return list(self.task)
+
+    def list_tools(self):
+        schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+        return [Tool(name="write_note", description="Keep a note.", input_schema=schema)]
+
+    def call_tool(self, name, arguments):
+        self.notes.append(str(arguments.get("text", "")))
+        return ToolResult(data="ok")
+
+    def verify(self, transcript, final_state=None):
+        text = "".join(self.notes) + "".join(
+            str(m.get("content") or "") for m in transcript if m["role"] == "assistant"
+        )
+        return VerifyResult(env_reward=min(len(text), 60) / 10, done=True)
+
+    def close(self):
+        self.notes = []
+
+
+class NoteSessionFactory(ResourceSessionFactory[NoteSession]):
+    def create(self, task, seed=None, episode_id=None):
+        return NoteSession(task)
+
+
+class NoteAdapter(HarnessAdapter):
+    """A user's white-box harness: model turn, its tool calls, until a turn calls none."""
+
+    def run_white_box(self, model_step, session, limits=None):
+        messages, trace = session.initial_messages(), []
+        tools = session.list_tools()
+        for _ in range(limits.max_turns):
+            step = model_step(messages, tools, limits.sampling)
+            messages.append(step.response.to_message_dict())
+            if not step.response.tool_calls:
+                break
+            for call in step.response.tool_calls:
+                result = session.call_tool(call.name, call.args)
+                trace.append(ToolTraceEntry(call.name, call.args, result))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": str(result.data)})
+        return HarnessRolloutResult(messages=messages, tool_trace=trace)
+
+    def run_black_box(self, session, limits=None):
+        raise NotImplementedError("this harness is trained white-box only")
+
+
+@pytest.mark.timeout(300)
+def test_white_box_adapter_run_trains_the_turns_the_trainer_sampled(vllm_server, tiny_model_dir, tmp_path):
+    args = harness_config(vllm_server, tmp_path / "run", max_steps=1, max_staleness=0)
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        args=args,
+        train_dataset=rows("ok", "ok", "ok"),
+        harness_session_factory=NoteSessionFactory,
+        harness_adapter=NoteAdapter(),
+    )
+    trainer.train()
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(steps) == 1
+    assert steps[0]["sampling/sampling_logp_difference/max"] < EXACT_LOGPROB_GAP
+    assert any("rewards/harness_reward/mean" in entry for entry in trainer.state.log_history)

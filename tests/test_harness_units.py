@@ -1,0 +1,207 @@
+"""The harness's parts without a server: the capture contract (a captured turn to OpenEnv's
+TrainingTrace and back), turns sampled under several policy versions chained into one sample, and
+ProcessSessionFactory's sessions (task.json, environment, timeout, cleanup of the process group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import harness_openenv  # noqa: F401  (OpenEnv on the path first)
+import numpy as np
+import pytest
+from openenv.core.harness import TrainingTrace
+
+from asyncgrpo.harness import CaptureContractError, ProcessSessionFactory
+from asyncgrpo.harness.openai_chat import template_messages
+from asyncgrpo.harness.trace import training_turn, turns_from_trace
+from asyncgrpo.rollout.sequences import build_training_sequences
+from asyncgrpo.rollout.types import TurnRecord
+
+
+def sampled(prompt, output, version, width=2):
+    logprobs = [-0.5 - 0.1 * i for i in range(len(output))]
+    top_ids = np.array([[token, token + 1][:width] for token in output], dtype=np.int64)
+    top_logprobs = np.array([[lp, lp - 1.0][:width] for lp in logprobs], dtype=np.float32)
+    return TurnRecord(
+        prompt,
+        output,
+        logprobs,
+        output_top_ids=top_ids,
+        output_top_logprobs=top_logprobs,
+        finish_reason="stop",
+        model_version=version,
+    )
+
+
+def test_a_session_spanning_a_weight_sync_keeps_each_turns_version_and_log_probs():
+    first = sampled([1, 2, 3], [10, 11], version=3)
+    second = sampled([1, 2, 3, 10, 11, 4, 5], [12, 13, 14], version=4)  # extends the first turn exactly
+    trace = TrainingTrace(turns=[training_turn(t, f"e-{i}", {}, {}) for i, t in enumerate([first, second])])
+    turns = turns_from_trace(trace, default_version=0, top_n=2)
+    assert [turn.model_version for turn in turns] == [3, 4]
+    assert [turn.output_ids for turn in turns] == [[10, 11], [12, 13, 14]]
+    np.testing.assert_array_equal(turns[1].output_top_ids, second.output_top_ids)
+    (sequence,), stats = build_training_sequences(turns)
+    assert stats.forks == 0
+    assert sequence.token_ids.tolist() == [1, 2, 3, 10, 11, 4, 5, 12, 13, 14]
+    assert sequence.trained.tolist() == [False] * 3 + [True] * 2 + [False] * 2 + [True] * 3
+    # Each token keeps the log-prob of the version that sampled it; the sample counts as the oldest.
+    np.testing.assert_allclose(sequence.sampler_logprobs, first.output_log_probs + second.output_log_probs)
+    assert sequence.model_version == 3
+
+
+def test_a_turn_without_a_recorded_version_counts_as_the_sessions_first():
+    turn = training_turn(sampled([1, 2], [3], version=7), "e-0", {}, {})
+    del turn.metadata["policy_version"]
+    (record,) = turns_from_trace(TrainingTrace(turns=[turn]), default_version=5, top_n=0)
+    assert record.model_version == 5
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        (TurnRecord([1, 2], [3, 4], [-0.1]), "breaks the capture contract"),  # ids and log-probs misaligned
+        (TurnRecord([], [3], [-0.1]), "breaks the capture contract"),  # no prompt ids
+        (TurnRecord([1], [3], [0.5]), "breaks the capture contract"),  # a positive log-prob
+    ],
+)
+def test_a_capture_that_breaks_the_contract_is_refused(broken, message):
+    with pytest.raises(CaptureContractError, match=message):
+        training_turn(broken, "e-0", {}, {})
+
+
+def test_a_trace_without_completion_ids_or_the_top_n_the_loss_needs_is_refused():
+    empty = training_turn(TurnRecord([1, 2], [], []), "e-0", {}, {})
+    with pytest.raises(CaptureContractError, match="0 completion ids"):
+        turns_from_trace(TrainingTrace(turns=[empty]), 0, top_n=0)
+    no_top = training_turn(TurnRecord([1, 2], [3], [-0.2]), "e-1", {}, {})
+    assert turns_from_trace(TrainingTrace(turns=[no_top]), 0, top_n=0)[0].output_top_ids is None
+    with pytest.raises(CaptureContractError, match="top-8"):
+        turns_from_trace(TrainingTrace(turns=[no_top]), 0, top_n=8)
+
+
+def test_the_agents_openai_history_is_made_renderable():
+    messages = [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    converted = template_messages(messages)
+    assert converted[0]["content"] == "" and converted[0]["tool_calls"][0]["function"]["arguments"] == {
+        "x": 1
+    }
+    assert messages[0]["content"] is None, "the agent's own messages are left as they were"
+
+
+class FakeCapture:
+    base_url, model = "http://127.0.0.1:1/v1", "tiny"
+
+    def __init__(self):
+        self.open, self.closed = [], []
+
+    def open_session(self, episode_id):
+        self.open.append(episode_id)
+        return f"key-{episode_id}"
+
+    def close_session(self, key):
+        self.closed.append(key)
+
+    def training_trace(self, key):
+        return TrainingTrace(turns=[])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split(")")[-1].split()[0] == "Z")  # not a zombie
+
+
+AGENT_ECHO = """
+import json, os, pathlib, sys
+task = json.loads(sys.stdin.read())
+pathlib.Path("seen.json").write_text(json.dumps({
+    "stdin": task, "file": json.loads(pathlib.Path("task.json").read_text()),
+    "env": [os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], os.environ["OPENAI_MODEL"]]}))
+"""
+
+
+def test_a_process_session_gets_its_task_and_the_proxys_address_and_is_scored_by_verify(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    seen = {}
+
+    def verify(workdir: Path, transcript) -> float:
+        seen.update(json.loads((workdir / "seen.json").read_text()))
+        return 0.5
+
+    capture = FakeCapture()
+    factory = ProcessSessionFactory(
+        [sys.executable, "-c", AGENT_ECHO], verify, sampling={"temperature": 1.0}, capture=capture
+    )
+    row = {"prompt": [{"role": "user", "content": "hi"}], "answer": "42"}
+    session = factory.create(row, seed=3, episode_id="ep")
+    assert session.wait_for_completion() == 0
+    assert session.verify([]).env_reward == 0.5
+    session.close()
+    expected = {**row, "seed": 3, "episode_id": "ep", "sampling": {"temperature": 1.0}}
+    assert seen["stdin"] == seen["file"] == expected
+    assert seen["env"] == [capture.base_url, "key-ep", "tiny"]
+    assert capture.closed == ["key-ep"] and not list(tmp_path.iterdir())
+
+
+# A bound, not a wait: only a failing test reaches it.
+KILL_DELIVERY_BOUND_S = 10.0
+
+HANGING_PARENT = """
+import subprocess, sys, time, pathlib
+child = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait()"])
+pathlib.Path("child.pid").write_text(str(child.pid))
+import threading; threading.Event().wait()
+"""
+
+
+def test_a_hanging_agent_is_ended_at_its_timeout_with_its_children_and_files(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    factory = ProcessSessionFactory(
+        [sys.executable, "-c", HANGING_PARENT],
+        lambda workdir, transcript: 1.0,
+        timeout_s=0.5,
+        capture=FakeCapture(),
+    )
+    session = factory.create([{"role": "user", "content": "hi"}])
+    pid_file = session.workdir / "child.pid"
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.01)  # the file appears once the child runs
+    child = int(pid_file.read_text())
+    with pytest.raises(TimeoutError, match="timeout_s=0.5"):
+        session.wait_for_completion()
+    session.close()
+    assert not pid_alive(session.process.pid)
+    # The child was killed with the group; it is gone once the kernel has delivered the signal.
+    deadline = time.monotonic() + KILL_DELIVERY_BOUND_S
+    while pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not pid_alive(child)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_factory_needs_a_command_a_verify_and_the_trainers_capture():
+    with pytest.raises(ValueError, match="command must be"):
+        ProcessSessionFactory([], lambda w, t: 0.0)
+    with pytest.raises(ValueError, match="verify must be"):
+        ProcessSessionFactory(["true"], None)
+    with pytest.raises(ValueError, match="no capture endpoint"):
+        ProcessSessionFactory(["true"], lambda w, t: 0.0).create([])
