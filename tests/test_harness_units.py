@@ -10,16 +10,21 @@ import sys
 import time
 from pathlib import Path
 
-import harness_openenv  # noqa: F401  (OpenEnv on the path first)
-import numpy as np
 import pytest
-from openenv.core.harness import TrainingTrace
 
-from asyncgrpo.harness import CaptureContractError, ProcessSessionFactory
-from asyncgrpo.harness.openai_chat import template_messages
-from asyncgrpo.harness.trace import training_turn, turns_from_trace
-from asyncgrpo.rollout.sequences import build_training_sequences
-from asyncgrpo.rollout.types import TurnRecord
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+import harness_openenv  # noqa: E402, F401  (OpenEnv on the path first)
+import numpy as np  # noqa: E402
+from openenv.core.harness import TrainingTrace  # noqa: E402
+
+from asyncgrpo.harness import CaptureContractError, ProcessSessionFactory  # noqa: E402
+from asyncgrpo.harness.openai_chat import template_messages  # noqa: E402
+from asyncgrpo.harness.trace import training_turn, turns_from_trace  # noqa: E402
+from asyncgrpo.rollout.sequences import build_training_sequences  # noqa: E402
+from asyncgrpo.rollout.types import TurnRecord  # noqa: E402
 
 
 def sampled(prompt, output, version, width=2):
