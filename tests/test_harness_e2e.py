@@ -32,6 +32,7 @@ from openenv.core.harness import (
     ToolTraceEntry,
     VerifyResult,
 )
+from test_trainer_e2e import restore_server
 from transformers import TrainerCallback
 
 from asyncgrpo import HarnessAsyncGRPOTrainer
@@ -74,6 +75,14 @@ def agent_processes() -> list:
         if str(AGENT) in (process.info["cmdline"] or []):
             found.append(process)
     return found
+
+
+@pytest.fixture(autouse=True)
+def shared_server_weights_restored(request, tiny_model_dir):
+    """Every run here syncs its weights into the shared server: put the originals back."""
+    yield
+    if "vllm_server" in request.fixturenames:
+        restore_server(request.getfixturevalue("vllm_server").url, tiny_model_dir)
 
 
 @pytest.fixture

@@ -109,7 +109,11 @@ class RolloutScheduler:
     async def _main(self) -> None:
         config, loop = self.config, self.loop
         # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        # Only the first SIGTERM counts: another one must not interrupt the clean-up it started.
+        main_task = asyncio.current_task()
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGTERM, lambda: None if main_task.cancelling() else main_task.cancel()
+        )
         timeline.activate(self._timeline)
         self._make_thread_pools()
         if loop.environment_factory is not None:

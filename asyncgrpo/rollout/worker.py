@@ -368,9 +368,18 @@ class RolloutWorkerPool:
         return sum(worker.requests_running() for worker in self.workers)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM to every process at once, then SIGKILL after `timeout`; none is left behind."""
+        """One SIGTERM to every process at once, then SIGKILL to those still there after `timeout`;
+        none is left behind. (A second SIGTERM would interrupt a worker's clean-up: its close() hook
+        ends the agents and sessions it started.)"""
+        running = [w.process for w in self.workers if w.process is not None and w.process.is_alive()]
+        for process in running:
+            process.terminate()
+        deadline = time.monotonic() + timeout
+        for process in running:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in running:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
         for worker in self.workers:
-            if worker.process is not None and worker.process.is_alive():
-                worker.process.terminate()
-        for worker in self.workers:
-            worker.stop(timeout)
+            worker.channels.close_trainer_side()
