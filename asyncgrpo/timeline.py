@@ -43,8 +43,8 @@ MAX_PENDING_EVENTS = MAX_EVENTS_PER_STEP
 TRAINER = "trainer"
 WORKER = "rollout worker"
 SERVERS = "vLLM servers"
-# Process lanes in the file, in this order (Chrome trace `pid`s are numbers: these are stable ones).
-PROCESSES = (TRAINER, WORKER, SERVERS)
+# Process lanes in the file are numbered in the order trainer, rollout worker(s), servers (Chrome
+# trace `pid`s are numbers: `process_ids` keeps them stable).
 MAIN_LANE = "main"
 # Before the first optimizer step: start-up, kept whole.
 SETUP_STEP = 0
@@ -53,6 +53,19 @@ SETUP_STEP = 0
 def now_us() -> int:
     """The shared clock, in microseconds (see the module's docstring)."""
     return time.time_ns() // 1000
+
+
+def worker_process(index: int, count: int) -> str:
+    """The process lane of rollout worker `index` of `count`: one worker keeps the plain name."""
+    return WORKER if count == 1 else f"{WORKER} {index}"
+
+
+def process_ids(seen: set[str]) -> dict[str, int]:
+    """Chrome trace `pid`s of the processes in `seen`: the trainer, the rollout workers by index, the
+    servers (the fixed ones always, so a file without worker events still names every process)."""
+    workers = sorted((name for name in seen if name.startswith(WORKER)), key=lambda name: (len(name), name))
+    ordered = [TRAINER, *(workers or [WORKER]), SERVERS]
+    return {name: index + 1 for index, name in enumerate(ordered)}
 
 
 def event(name: str, start_us: int, end_us: int, process: str, lane: str, **args) -> dict:
@@ -121,9 +134,8 @@ def span(name: str, lane: str = MAIN_LANE, **args) -> Iterator[None]:
 class EventBuffer(EventSink):
     """The rollout worker's recorder: events wait here until the next metrics flush sends them."""
 
-    process = WORKER
-
-    def __init__(self, limit: int = MAX_PENDING_EVENTS):
+    def __init__(self, limit: int = MAX_PENDING_EVENTS, process: str = WORKER):
+        self.process = process
         self.limit = limit
         self.pending: list[dict] = []
         self.dropped = 0
@@ -233,6 +245,7 @@ class TimelineRecorder(EventSink):
         """The Chrome trace: metadata naming processes and lanes, then the kept events."""
         with _sink_lock:
             steps = [*self.selection.steps(), (self.step, list(self.current))]
+        pids = process_ids({item["process"] for _, step_events in steps for item in step_events})
         lanes: dict[tuple[str, str], int] = {}
         events = []
         for _, step_events in steps:
@@ -245,19 +258,19 @@ class TimelineRecorder(EventSink):
                         "ph": "X",
                         "ts": item["ts"],
                         "dur": item["dur"],
-                        "pid": PROCESSES.index(item["process"]) + 1,
+                        "pid": pids[item["process"]],
                         "tid": tid,
                         "args": item["args"],
                     }
                 )
         metadata = [
-            {"name": "process_name", "ph": "M", "pid": index + 1, "tid": 0, "args": {"name": name}}
-            for index, name in enumerate(PROCESSES)
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
+            for name, pid in pids.items()
         ] + [
             {
                 "name": "thread_name",
                 "ph": "M",
-                "pid": PROCESSES.index(process) + 1,
+                "pid": pids[process],
                 "tid": tid,
                 "args": {"name": lane},
             }

@@ -12,14 +12,12 @@ Run: `.venv/bin/python bench/worker_throughput.py [--workers K]`.
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 COMPLETION_TOKENS = 256
 TOP_N = 8
@@ -33,56 +31,6 @@ def constant_reward(completion_ids, **kwargs):
     return [float(len(ids) % 7) + random.random() for ids in completion_ids]
 
 
-def fake_completion_body(rng: random.Random, vocab: int) -> bytes:
-    token_ids = [rng.randrange(vocab) for _ in range(COMPLETION_TOKENS)]
-    tops = []
-    for token in token_ids:
-        top = {f"token_id:{token}": -rng.random()}
-        while len(top) < TOP_N + rng.randrange(2):
-            top[f"token_id:{rng.randrange(vocab)}"] = -rng.random() * 5
-        tops.append(top)
-    choice = {
-        "index": 0,
-        "text": "",
-        "logprobs": {
-            "text_offset": list(range(COMPLETION_TOKENS)),
-            "token_logprobs": [next(iter(top.values())) for top in tops],
-            "tokens": [f"token_id:{t}" for t in token_ids],
-            "top_logprobs": tops,
-        },
-        "finish_reason": "length",
-        "stop_reason": None,
-        "token_ids": token_ids,
-        "prompt_logprobs": None,
-        "prompt_token_ids": None,
-    }
-    body = {"id": "cmpl", "object": "text_completion", "model": "m", "choices": [choice]}
-    return json.dumps(body, separators=(",", ":")).encode()  # compact, as vLLM writes it
-
-
-def run_fake_server(port: int, vocab: int, core: int) -> None:
-    """An instant vLLM stand-in: /v1/models and /v1/completions; no /metrics (cap = the user's bound)."""
-    from aiohttp import web
-
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {core})
-    rng = random.Random(0)
-    bodies = [fake_completion_body(rng, vocab) for _ in range(32)]
-    counter = iter(range(10**12))
-
-    async def completions(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=bodies[next(counter) % len(bodies)], content_type="application/json")
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "fake", "max_model_len": 4096}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
-
-
 def main() -> None:
     import argparse
 
@@ -92,6 +40,9 @@ def main() -> None:
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
     from asyncgrpo.rollout.worker import RolloutWorkerPool
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from instant_vllm import start_instant_server
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -106,17 +57,11 @@ def main() -> None:
     tokenizer = build_tokenizer()
     urls, servers = [], []
     for index in range(workers):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        server = multiprocessing.get_context("spawn").Process(
-            target=run_fake_server,
-            args=(port, len(tokenizer), other_cores[index % len(other_cores)]),
-            daemon=True,
+        url, server = start_instant_server(
+            len(tokenizer), COMPLETION_TOKENS, TOP_N, core=other_cores[index % len(other_cores)]
         )
-        server.start()
         servers.append(server)
-        urls.append(f"http://127.0.0.1:{port}")
+        urls.append(url)
     dataset = Dataset.from_dict(
         {"prompt": [[{"role": "user", "content": f"Question {i}?"}] for i in range(4096)]}
     )

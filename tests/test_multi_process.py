@@ -58,6 +58,29 @@ def torchrun_two_nodes(script: str, *args: str, timeout: float) -> list[subproce
                 command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
+    return _finish(launches, timeout)
+
+
+def accelerate_two_machines(script: str, *args: str, timeout: float) -> list[subprocess.CompletedProcess]:
+    """Two `accelerate launch --num_machines 2` launches (TRL's FSDP2 config, one process each) on
+    localhost: what a two-node job runs with accelerate, one launch per node (docs/scaling.md)."""
+    port = str(free_port())
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    launches = []
+    for machine_rank in range(2):
+        command = [sys.executable, "-m", "accelerate.commands.launch"]
+        command += ["--config_file", str(HERE / "trl_example" / "fsdp2.yaml"), "--num_machines", "2"]
+        command += ["--num_processes", "2", "--machine_rank", str(machine_rank)]
+        command += ["--main_process_ip", "127.0.0.1", "--main_process_port", port, str(HERE / script), *args]
+        launches.append(
+            subprocess.Popen(
+                command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    return _finish(launches, timeout)
+
+
+def _finish(launches: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:
     results = []
     try:
         for launch in launches:
@@ -135,6 +158,31 @@ def test_two_nodes_train_checkpoint_and_resume_against_two_servers(
     assert state_4["model_version"] > state_2["model_version"]
     # The servers run the version the last checkpoint recorded: the resumed run pushed on from there.
     assert second_version == state_4["model_version"]
+
+
+@pytest.mark.vllm
+def test_two_machines_with_accelerate_launch_train_against_two_servers(
+    vllm_server, lora_server, tiny_model_dir, tmp_path
+):
+    """The same two "nodes" launched the accelerate way (TRL's documented FSDP2 config, with
+    `--num_machines 2`): both processes train together and every server gets the pushed weights."""
+    servers = [vllm_server.url, lora_server.url]
+    try:
+        launches = accelerate_two_machines(
+            "multi_process_train.py", ",".join(servers), str(tiny_model_dir), str(tmp_path), "1", timeout=600
+        )
+        labels = server_labels(servers)
+        greedy = [server_greedy(url) for url in servers]
+    finally:
+        for url in servers:
+            restore_server(url, tiny_model_dir)
+    assert [launch.returncode for launch in launches] == [0, 0], (
+        launches[0].stderr[-5000:] + launches[1].stderr[-3000:]
+    )
+    steps = [entry for entry in json.loads((tmp_path / "history-1.json").read_text()) if "loss" in entry]
+    assert [entry["step"] for entry in steps] == [1] and steps[0]["grad_norm"] > 0
+    assert len(set(labels)) == 1 and parse_policy_label(labels[0]) is not None
+    assert greedy[0] == greedy[1]
 
 
 def test_slurm_example_is_valid_bash_and_its_overrides_parse():

@@ -193,3 +193,26 @@ def test_the_weight_check_finds_an_inf_or_a_nan_in_any_parameter(dtype):
             model[1].bias[1] = value
         assert not weights_are_finite(model), value
     assert weights_are_finite(torch.nn.Module())  # no parameters
+
+
+def test_each_rollout_worker_has_its_own_process_lane_and_plot_rows(recorder, tmp_path):
+    from asyncgrpo.report.timeline_plot import _rows
+
+    assert timeline.worker_process(0, 1) == timeline.WORKER
+    recorder.begin_step(1)
+    start = timeline.now_us()
+    timeline.interval("step", start, start + 100)
+    for worker in [timeline.worker_process(index, 2) for index in (1, 0)]:
+        item = timeline.event("rollout", start + 10, start + 20, worker, "request 0")
+        recorder.add_worker_events([item], dropped=0)
+    timeline.interval("paused", start + 5, start + 9, lane="generation", process=timeline.SERVERS)
+    recorder.begin_step(2)
+    trace = recorder.trace()
+    processes = {
+        item["args"]["name"]: item["pid"] for item in trace["traceEvents"] if item["name"] == "process_name"
+    }
+    assert processes == {"trainer": 1, "rollout worker 0": 2, "rollout worker 1": 3, "vLLM servers": 4}
+    request_pids = sorted(item["pid"] for item in complete_events(trace) if item["name"] == "rollout")
+    assert request_pids == [2, 3]
+    labels = [label for label, events in _rows(trace, [1])[0] if events]
+    assert "rollout worker 0: request 0" in labels and "rollout worker 1: request 0" in labels

@@ -78,12 +78,15 @@ def _rows(trace: dict, steps: list[int]) -> tuple[list[tuple[str, list[dict]]], 
         if len(open_ends) in depth_rows:
             depth_rows[len(open_ends)].append(item)
         open_ends.append(item["ts"] + item["dur"])
-    requests: dict[int, list[dict]] = {}
+    # With several rollout workers, each has its request rows (its process lane's name leads them).
+    several_workers = sum(name.startswith("rollout worker") for name in process.values()) > 1
+    requests: dict[tuple[int, int], list[dict]] = {}
     scoring, held, paused = [], [], []
     for item in shown:
         name = lane[(item["pid"], item["tid"])]
         if name.startswith("request "):
-            requests.setdefault(min(int(name.split()[1]), REQUEST_ROWS - 1), []).append(item)
+            row = (item["pid"], min(int(name.split()[1]), REQUEST_ROWS - 1))
+            requests.setdefault(row, []).append(item)
         elif item["name"] == "score":
             scoring.append(item)
         elif item["name"] == "backpressure":
@@ -91,7 +94,13 @@ def _rows(trace: dict, steps: list[int]) -> tuple[list[tuple[str, list[dict]]], 
         elif item["name"] == "paused":
             paused.append(item)
     rows = [("trainer: phases", depth_rows[1]), ("trainer: inside", depth_rows[2])]
-    rows += [(f"request {index}", requests[index]) for index in sorted(requests)]
+    rows += [
+        (
+            f"{process[pid]}: request {index}" if several_workers else f"request {index}",
+            requests[(pid, index)],
+        )
+        for pid, index in sorted(requests)
+    ]
     rows += [("scoring", scoring), ("back-pressure", held), ("servers paused", paused)]
     return rows, start, end
 

@@ -88,7 +88,9 @@ class RolloutScheduler:
         self._rewrites = RewriteDetector()
         self._tasks: set[asyncio.Task] = set()
         # The worker's side of the run's timeline, sent to the trainer with each metrics flush.
-        self._timeline = timeline.EventBuffer()
+        self._timeline = timeline.EventBuffer(
+            process=timeline.worker_process(self.channels.worker_index, self.channels.num_workers)
+        )
         self._request_lanes = timeline.Lanes("request")
 
     def _make_thread_pools(self) -> None:

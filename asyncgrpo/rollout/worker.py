@@ -117,6 +117,19 @@ class _QueueReader:
         return self.local.qsize()
 
 
+def _next_result(results, check_alive, timeout: float) -> GroupResult | None:
+    """The next message of `results` within `timeout` seconds, else None; the sending processes are
+    checked every half second meanwhile, so a dead worker is an error, never a silent wait."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return results.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        except queue.Empty:
+            check_alive()
+            if time.monotonic() >= deadline:
+                return None
+
+
 def _drain(reader: _QueueReader) -> list:
     drained = []
     while True:
@@ -232,14 +245,7 @@ class RolloutWorker:
 
     def next_result(self, timeout: float) -> GroupResult | None:
         """The next group result, or None if none arrived within `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return self._results.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
-            except queue.Empty:
-                self.check_alive()
-                if time.monotonic() >= deadline:
-                    return None
+        return _next_result(self._results, self.check_alive, timeout)
 
     def publish_allowance(self, cumulative_tokens: float) -> None:
         self.channels.token_allowance.value = float(cumulative_tokens)
@@ -341,14 +347,7 @@ class RolloutWorkerPool:
 
     def next_result(self, timeout: float) -> GroupResult | None:
         """The next group result from any worker, or None if none arrived within `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return self._results.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
-            except queue.Empty:
-                self.check_alive()
-                if time.monotonic() >= deadline:
-                    return None
+        return _next_result(self._results, self.check_alive, timeout)
 
     def publish_allowance(self, cumulative_tokens: float) -> None:
         for worker in self.workers:
