@@ -171,7 +171,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         # What a run trains with and counts: `_begin_run` creates all of it when train() starts. Until then
         # there is no generation session (the attributes below read None).
         self._session: GenerationSession | None = None
-        self._evaluator: Evaluator | None = None  # rank 0, while train() runs with an eval dataset
+        self._evaluator: Evaluator | None = None  # rank 0, while train() runs and has evaluated
+        self._in_run = False  # every rank, while train() runs: an evaluate() call is then collective
         # The eval rows, read (and checked) now: a dataset without a length fails here, not mid-run.
         self._eval_rows = self._eval_datasets(None, "eval") if eval_dataset is not None else None
 
@@ -243,10 +244,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             self._end_with_served_weights(trial)
         finally:
             try:
-                if self._evaluator is not None:
-                    self._evaluator.close()
+                self._close_evaluator()
             finally:
-                self._evaluator = None
                 self._session.close()
                 self._close_timeline()
         runtime = time.time() - started

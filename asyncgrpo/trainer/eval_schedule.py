@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 class TrainerEvaluation:
     """AsyncGRPOTrainer's evaluations; they read the trainer's `args`, `state`, `control`,
-    `eval_dataset`, `_eval_rows`, `_evaluator`, `_session`, `_processes`, `_metrics` and
+    `eval_dataset`, `_eval_rows`, `_evaluator`, `_in_run`, `_session`, `_processes`, `_metrics` and
     `_served_step`, and push weights through its `_push_weights`."""
 
     def evaluate(
@@ -37,12 +37,18 @@ class TrainerEvaluation:
         checkpoint they were started with, after it the final weights (train() ends with them pushed
         when the run has an eval dataset). `ignore_keys` has no meaning here (no model outputs)."""
         datasets = self._eval_datasets(eval_dataset, metric_key_prefix)
-        if self._evaluator is not None:  # inside train(), on rank 0
+        if self._in_run:
+            # Every rank calls it (a callback runs on each): the weight push is collective, rank 0
+            # samples and the figures reach every rank, as with the evaluations the schedule starts.
             self._join_eval(None)
             self._catch_up_server_weights()
-            self._evaluator.start(datasets, self.state.global_step, self._session.model_version)
-            figures = self._evaluator.join()
-            return self._report_eval(*figures, None) if figures else {}
+            joined = None
+            if self._processes.is_main:
+                evaluator = self._run_evaluator()
+                evaluator.start(datasets, self.state.global_step, self._session.model_version)
+                joined = evaluator.join()
+            joined = self._processes.broadcast(joined)
+            return self._report_eval(*joined, None) if joined else {}
         http = BackgroundLoop(default_timeout_s=self.args.vllm_server_timeout + 60)
         client = VLLMClient(self.args.vllm_server_urls, timeout=self.args.vllm_server_timeout)
         evaluator = None
@@ -79,12 +85,28 @@ class TrainerEvaluation:
         return {prefix: dataset_rows(dataset)}
 
     def _open_evaluator(self) -> None:
-        """Rank 0, when the run has an eval dataset: the evaluator, on the session's HTTP loop."""
+        """Every rank, once train()'s session is open: evaluations may run. Rank 0 creates its
+        evaluator now when the run has an eval dataset (a loop class that fails to build fails here),
+        else at the first evaluate() call."""
+        self._in_run = True
         if self._processes.is_main and self._eval_rows is not None:
+            self._run_evaluator()
+
+    def _run_evaluator(self) -> Evaluator:
+        """Rank 0's evaluator of the run, on the session's HTTP loop."""
+        if self._evaluator is None:
             session = self._session
             self._evaluator = Evaluator.for_trainer(
                 self, session.http, session.client, session.served_name, session.lora_name
             )
+        return self._evaluator
+
+    def _close_evaluator(self) -> None:
+        """The end of train(), also on an error: what still runs is dropped, the evaluator closed."""
+        self._in_run = False
+        evaluator, self._evaluator = self._evaluator, None
+        if evaluator is not None:
+            evaluator.close()
 
     def _start_eval(self, trial) -> None:
         """Every rank: the servers get this step's weights if they lack them, then rank 0 starts
@@ -92,8 +114,8 @@ class TrainerEvaluation:
         self.control.should_evaluate = False
         self._join_eval(trial)
         self._catch_up_server_weights()
-        if self._evaluator is not None:
-            self._evaluator.start(self._eval_rows, self.state.global_step, self._session.model_version)
+        if self._processes.is_main and self._eval_rows is not None:
+            self._run_evaluator().start(self._eval_rows, self.state.global_step, self._session.model_version)
 
     def _join_eval(self, trial) -> None:
         """Every rank: wait for the running evaluation (the wait counts as `perf/eval_wait_s`) and log
