@@ -1,8 +1,10 @@
 """One process of `test_two_processes_train_against_the_server`: AsyncGRPOTrainer launched with
 torchrun on two CPU processes (FSDP2 over gloo) for a few steps against a real vLLM server.
 argv: server URL, model dir, output dir, max_steps[, checkpoint to resume from]; a checkpoint every
-2 steps. With ASYNCGRPO_TEST_LORA=1 a LoRA adapter is trained (tests/test_peft_vllm.py). Rank 0
-writes the logged history to output_dir/history-<max_steps>.json."""
+2 steps. With ASYNCGRPO_TEST_LORA=1 a LoRA adapter is trained (tests/test_peft_vllm.py). With
+ASYNCGRPO_TEST_EVAL=1 the run evaluates `eval_prompts()` after every step, and calls evaluate() itself
+(prefix "mid") on the weights of step `MID_EVAL_STEP`. Rank 0 writes the logged history to
+output_dir/history-<max_steps>.json, rank r > 0 to history-<max_steps>-rank<r>.json."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch.distributed as dist
+from datasets import Dataset
+from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -22,13 +26,53 @@ from test_trainer_e2e import prompts, token_parity_reward  # noqa: E402
 
 from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
 
+# Of the 2 rollouts of each eval prompt, how many pass: the eval figures are counted by hand whatever the
+# servers sample (eval_reward 3/6, pass@1 (0 + 1/2 + 1) / 3, pass@2 2/3).
+EVAL_PASSES = [0, 1, 2]
+MID_EVAL_STEP = 3
+
+
+def eval_prompts() -> Dataset:
+    return Dataset.from_dict(
+        {
+            "prompt": [
+                [{"role": "user", "content": f"Name a colour ({i})."}] for i in range(len(EVAL_PASSES))
+            ],
+            "passes": EVAL_PASSES,
+        }
+    )
+
+
+def parity_or_listed_passes(completion_ids, passes=None, **kwargs):
+    """Training rows: token_parity_reward, a signal to train on. Eval rows (their `passes` column): 1.0
+    for the prompt's first `passes` rollouts, 0.0 for the rest."""
+    if passes is None:
+        return token_parity_reward(completion_ids)
+    return [1.0 if index < passes[0] else 0.0 for index in range(len(completion_ids))]
+
+
+class EvaluateAtStep(TrainerCallback):
+    """Calls trainer.evaluate() on every rank, as a user's callback would, on the weights of step `step`
+    (as the next step begins: at a step's end, its log's flag would be reset by the evaluation's log,
+    as in transformers' Trainer)."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.trainer = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.trainer.evaluate(metric_key_prefix="mid")
+
 
 def main() -> None:
     url, model_dir, output_dir, max_steps = sys.argv[1:5]
     resume = sys.argv[5] if len(sys.argv) > 5 else None
+    evaluating = os.environ.get("ASYNCGRPO_TEST_EVAL") == "1"
+    evaluation = dict(eval_strategy="steps", eval_steps=1, num_generations_eval=2) if evaluating else {}
     config = make_config(
         SimpleNamespace(url=url), output_dir, max_steps=int(max_steps), learning_rate=1e-3, use_cpu=True,
-        save_strategy="steps", save_steps=2,
+        save_strategy="steps", save_steps=2, **evaluation,
     )  # fmt: skip
     peft_config = None
     if os.environ.get("ASYNCGRPO_TEST_LORA") == "1":
@@ -38,13 +82,26 @@ def main() -> None:
             r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]
         )
         config.learning_rate = 5e-2
+    reward, eval_dataset, callbacks = token_parity_reward, None, []
+    if evaluating:
+        reward, eval_dataset = parity_or_listed_passes, eval_prompts()
+        callbacks = [EvaluateAtStep(MID_EVAL_STEP)]
     trainer = AsyncGRPOTrainer(
-        model_dir, token_parity_reward, config, train_dataset=prompts(), peft_config=peft_config
+        model_dir,
+        reward,
+        config,
+        train_dataset=prompts(),
+        peft_config=peft_config,
+        callbacks=callbacks,
+        eval_dataset=eval_dataset,
     )
+    for callback in callbacks:
+        callback.trainer = trainer
     assert trainer.accelerator.num_processes == 2, "the trainer must see both processes"
     trainer.train(resume_from_checkpoint=resume)
-    if dist.get_rank() == 0:
-        (Path(output_dir) / f"history-{max_steps}.json").write_text(json.dumps(trainer.state.log_history))
+    rank = dist.get_rank()
+    name = f"history-{max_steps}.json" if rank == 0 else f"history-{max_steps}-rank{rank}.json"
+    (Path(output_dir) / name).write_text(json.dumps(trainer.state.log_history))
 
 
 if __name__ == "__main__":

@@ -142,3 +142,17 @@ def test_the_checks_catch_what_they_guard():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert LAYER_OF["trainer"] > LAYER_OF["weight_sync"] > LAYER_OF["generation"] > LAYER_OF["sample"]
+
+
+# One concept per module keeps a module short enough to read whole: past this many lines, a module holds
+# more than one concept and is split by concern (docs/architecture.md, "Layers").
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_outgrows_one_concept():
+    long = {
+        str(path.relative_to(PACKAGE.parent)): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"

@@ -236,6 +236,78 @@ def test_evaluations_run_at_the_schedule_with_the_weights_of_their_step(
     assert trainer._ledger.epoch_prompts <= 40
 
 
+class EpochEnds(TrainerCallback):
+    """(global step, epoch) at every on_epoch_end: where transformers' "epoch" strategy evaluates."""
+
+    def __init__(self):
+        self.ends: list[tuple[int, float]] = []
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.ends.append((state.global_step, state.epoch))
+
+
+@pytest.mark.vllm
+def test_epoch_evaluations_run_at_epoch_ends_once_eval_delay_epochs_passed(
+    vllm_server, tiny_model_dir, tmp_path
+):
+    ends = EpochEnds()
+    args = make_config(
+        vllm_server,
+        tmp_path,
+        num_train_epochs=2,
+        token_budget=128,  # a step takes one or two prompts: an epoch of 8 lasts several steps
+        learning_rate=0.0,
+        eval_strategy="epoch",
+        eval_delay=2,  # epochs: none at the first epoch's end
+        num_generations_eval=2,
+        temperature_eval=0.0,
+    )
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir),
+        first_token_reward,
+        args,
+        train_dataset=rows(8, "train"),
+        eval_dataset=rows(2, "eval"),
+        callbacks=[ends],
+    )
+    try:
+        trainer.train()
+    finally:
+        restore_server(vllm_server.url, tiny_model_dir)
+    (first_step, first_epoch), (last_step, last_epoch) = ends.ends  # an epoch's end, and training's
+    assert 1 <= first_epoch < 2 <= last_epoch and first_step < last_step == trainer.state.global_step
+    assert sorted(evals(trainer)) == [last_step], "at the epoch ends past eval_delay, not every step"
+    assert evals(trainer)[last_step]["eval_model_version"] == last_step
+
+
+@pytest.mark.vllm
+def test_step_evaluations_wait_for_eval_delay_steps(vllm_server, tiny_model_dir, tmp_path):
+    args = make_config(
+        vllm_server,
+        tmp_path,
+        max_steps=3,
+        learning_rate=0.0,
+        eval_strategy="steps",
+        eval_steps=2,
+        eval_delay=3,  # steps: step 2 is a multiple of eval_steps, but comes before it
+        num_generations_eval=2,
+        temperature_eval=0.0,
+    )
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir),
+        first_token_reward,
+        args,
+        train_dataset=rows(40, "train"),
+        eval_dataset=rows(2, "eval"),
+    )
+    try:
+        trainer.train()
+    finally:
+        restore_server(vllm_server.url, tiny_model_dir)
+    # transformers also evaluates the last step of a "steps" run, once eval_delay has passed.
+    assert sorted(evals(trainer)) == [3]
+
+
 @pytest.mark.vllm
 def test_evaluate_alone_gives_hand_counted_pass_at_k_per_named_dataset(vllm_server, tiny_model_dir, tmp_path):
     args = make_config(vllm_server, tmp_path, num_generations_eval=4, max_completion_length=4)

@@ -101,11 +101,14 @@ def server_labels(urls: list[str]) -> list[str]:
 
 
 @pytest.mark.vllm
-def test_two_nodes_train_checkpoint_and_resume_against_two_servers(
-    vllm_server, lora_server, tiny_model_dir, tmp_path
+def test_two_nodes_train_evaluate_checkpoint_and_resume_against_two_servers(
+    vllm_server, lora_server, tiny_model_dir, tmp_path, monkeypatch
 ):
     """Two "nodes" on localhost (two torchrun launches, gloo, one rank each, FSDP2 across them) train
-    against two vLLM servers: every server runs every pushed version, and a checkpoint resumes."""
+    against two vLLM servers: every server runs every pushed version, and a checkpoint resumes. The
+    run evaluates after every step and calls evaluate() from a callback on both ranks: rank 0 samples,
+    both ranks log the same figures, once, at the steps a single process would."""
+    monkeypatch.setenv("ASYNCGRPO_TEST_EVAL", "1")
     servers = [vllm_server.url, lora_server.url]
     before = [server_greedy(url) for url in servers]
     try:
@@ -158,6 +161,36 @@ def test_two_nodes_train_checkpoint_and_resume_against_two_servers(
     assert state_4["model_version"] > state_2["model_version"]
     # The servers run the version the last checkpoint recorded: the resumed run pushed on from there.
     assert second_version == state_4["model_version"]
+    assert_evaluations_of_two_ranks(tmp_path)
+
+
+def assert_evaluations_of_two_ranks(run: Path) -> None:
+    """The evaluations of the two-node run (tests/multi_process_train.py with ASYNCGRPO_TEST_EVAL=1)."""
+
+    def evaluations(history: str, prefix: str = "eval") -> dict[int, dict]:
+        entries = json.loads((run / history).read_text())
+        return {entry["step"]: entry for entry in entries if f"{prefix}_reward" in entry}
+
+    # After every step, at its own step's weights; the resumed run at steps 3 and 4, as one run would.
+    assert sorted(evaluations("history-2.json")) == [1, 2]
+    measured = evaluations("history-4.json")
+    assert sorted(measured) == [1, 2, 3, 4]
+    for step, entry in measured.items():
+        assert entry["eval_model_version"] == step
+        # The counts by hand (EVAL_PASSES): a single process reports these; an eval set split between
+        # the ranks, or sampled twice, would not.
+        assert entry["eval_reward"] == pytest.approx(3 / 6)
+        assert entry["eval_pass@1"] == pytest.approx((0 + 1 / 2 + 1) / 3)
+        assert entry["eval_pass@2"] == pytest.approx(2 / 3)
+    # Rank 1 logs the figures rank 0 measured (its callbacks and report_to see them too).
+    assert evaluations("history-4-rank1.json") == measured
+    # evaluate() called by a callback on both ranks mid-run: collective, no rank left waiting.
+    called = evaluations("history-4.json", "mid")
+    assert sorted(called) == [3] and called == evaluations("history-4-rank1.json", "mid")
+    assert called[3]["mid_pass@2"] == pytest.approx(2 / 3) and called[3]["mid_model_version"] == 3
+    # metrics.jsonl (rank 0's): each evaluation once, across the first run and the resumed one.
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "eval_reward" in line] == [1, 2, 3, 4]
 
 
 @pytest.mark.vllm

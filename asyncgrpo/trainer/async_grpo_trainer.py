@@ -1,10 +1,11 @@
 """AsyncGRPOTrainer: asynchronous GRPO on top of transformers.Trainer.
 
 A rollout worker (spawned process) generates and scores groups against vLLM while this loop trains.
-This module holds the loop and the optimizer step (`_train_step`, read top to bottom); the generation
-session, checkpoints, step metrics and a row's loss have modules of their own (docs/architecture.md,
-"The trainer's modules"). Logging, checkpointing and callbacks go through the base Trainer's
-machinery, so `report_to`, `save_strategy`, `resume_from_checkpoint` and user callbacks behave as usual.
+This module holds the loop and the optimizer step (`_train_step`, read top to bottom); a run's set-up
+(`RunSetup`), evaluation during training (`TrainerEvaluation`), the generation session, checkpoints,
+step metrics and a row's loss have modules of their own (docs/architecture.md, "The trainer's
+modules"). Logging, checkpointing and callbacks go through the base Trainer's machinery, so
+`report_to`, `save_strategy`, `resume_from_checkpoint` and user callbacks behave as usual.
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import PreTrainedModel, Trainer, TrainerState
+from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import SaveStrategy, TrainOutput
 
 from asyncgrpo import timeline
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.loss import clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import Reduce
@@ -36,32 +36,21 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorkerPool
-from asyncgrpo.run_files import TIMELINE_FILE
-from asyncgrpo.trainer.activation_memory import CheckpointToFit
 from asyncgrpo.trainer.base_loop_settings import EmptyDeviceCache, input_tokens_seen
-from asyncgrpo.trainer.checkpoint import (
-    ResumePoint,
-    load_sharded_optimizer,
-    read_resume_point,
-    restore_trainer_state,
-    save_checkpoint,
-)
+from asyncgrpo.trainer.checkpoint import ResumePoint, save_checkpoint
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,
     check_epochs_can_end,
-    check_launch,
-    check_multi_process,
     check_no_injected_protocols,
     check_reward_funcs,
     check_transformers_version,
 )
-from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.device_clock import DeviceClock
-from asyncgrpo.trainer.distributed import Processes, local_value, shard_model
+from asyncgrpo.trainer.distributed import local_value
 from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
-from asyncgrpo.trainer.evaluator import Evaluator, dataset_rows
-from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
+from asyncgrpo.trainer.eval_schedule import TrainerEvaluation
+from asyncgrpo.trainer.evaluator import Evaluator
 from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
 from asyncgrpo.trainer.generation_session import GenerationSession
 from asyncgrpo.trainer.intake import ServersLostWeights, StepBatch, TrainingComplete
@@ -69,10 +58,10 @@ from asyncgrpo.trainer.nonfinite import MAX_NONFINITE_STEPS, NonFiniteTrainingEr
 from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_decisions, with_triton_update
 from asyncgrpo.trainer.policy_model import load_policy_model, prepare_policy_model, prepare_tokenizer
 from asyncgrpo.trainer.progress import AsyncProgressCallback
-from asyncgrpo.trainer.prompt_ledger import PromptLedger
 from asyncgrpo.trainer.row_loss import QueuedRows, replayed_routing_of, row_loss, values_on_host
 from asyncgrpo.trainer.run_directory import RunDirectoryCallback
-from asyncgrpo.trainer.step_metrics import StepMetrics, StepResult
+from asyncgrpo.trainer.run_setup import RunSetup
+from asyncgrpo.trainer.step_metrics import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +83,7 @@ def _sigterm_raises_keyboard_interrupt():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-class AsyncGRPOTrainer(Trainer):
+class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
     loop_cls = AsyncRolloutLoop
     # The rollout loop runs an agent whose rollouts carry their own reward (Rollout.reward) and whose
     # prompts carry tools: reward_funcs may be empty, and the tokenizer gets the training template.
@@ -182,7 +171,8 @@ class AsyncGRPOTrainer(Trainer):
         # What a run trains with and counts: `_begin_run` creates all of it when train() starts. Until then
         # there is no generation session (the attributes below read None).
         self._session: GenerationSession | None = None
-        self._evaluator: Evaluator | None = None  # rank 0, while train() runs with an eval dataset
+        self._evaluator: Evaluator | None = None  # rank 0, while train() runs and has evaluated
+        self._in_run = False  # every rank, while train() runs: an evaluate() call is then collective
         # The eval rows, read (and checked) now: a dataset without a length fails here, not mid-run.
         self._eval_rows = self._eval_datasets(None, "eval") if eval_dataset is not None else None
 
@@ -254,10 +244,8 @@ class AsyncGRPOTrainer(Trainer):
             self._end_with_served_weights(trial)
         finally:
             try:
-                if self._evaluator is not None:
-                    self._evaluator.close()
+                self._close_evaluator()
             finally:
-                self._evaluator = None
                 self._session.close()
                 self._close_timeline()
         runtime = time.time() - started
@@ -296,89 +284,7 @@ class AsyncGRPOTrainer(Trainer):
         this, `bf16=True` trained fp32 weights with fp32 matmuls."""
         return self.accelerator.autocast()
 
-    # -- a run's set-up -----------------------------------------------------------------------------------
-
-    def _begin_run(self, args: AsyncGRPOConfig, checkpoint: str | None, trial) -> torch.nn.Module:
-        """Everything one train() call trains with and counts, created here: the processes, the
-        trainer state (fresh or the checkpoint's), the model to train and its optimizer, the ledger,
-        the metrics and the generation session (opened by the loop). Returns the model to train."""
-        check_launch(self.accelerator.num_processes, args.use_cpu)
-        self._processes = Processes(self.accelerator.num_processes, self.accelerator.process_index)
-        self._sharded = self._processes.distributed or self._fsdp_launch is not None
-        if self._processes.distributed:
-            check_multi_process(self.is_deepspeed_enabled, self.optimizer is not None)
-        self.accelerator.free_memory()
-        resume = self._restore_state(args, checkpoint)
-        model = self._prepare_model(args, checkpoint)
-        self.state.init_training_references(self, self.state.max_steps, args.num_train_epochs, trial)
-        self._fit_checkpointing = CheckpointToFit.for_training(
-            self.accelerator.unwrap_model(model), self.optimizer, args, self._sharded
-        )
-        rollout = resume.rollout
-        self._ledger = PromptLedger(
-            rollout.first_untrained_index, rollout.consumed_after, rollout.epoch_prompts
-        )
-        self._nonfinite_streak = 0  # steps skipped in a row for a non-finite loss or gradient norm
-        self._served_step = -1  # the global step whose weights the servers run (-1: not pushed yet)
-        self._metrics = StepMetrics.for_model(self.model, args, num_tokens=rollout.num_tokens)
-        self._session = GenerationSession(self._processes, self._metrics.window, resume)
-        # Rank 0 records the run's timeline (its own phases, the worker's and the servers' pauses).
-        self._timeline = None
-        if self._processes.is_main:
-            self._timeline = timeline.TimelineRecorder(Path(args.output_dir) / TIMELINE_FILE)
-            timeline.activate(self._timeline)
-        return model
-
-    def _close_timeline(self) -> None:
-        """The timeline's last write (also after a failure: the file shows where the run stopped)."""
-        if self._timeline is not None:
-            timeline.activate(None)
-            try:
-                self._timeline.write()
-            except OSError as error:  # a full disk must not hide the run's own error
-                logger.warning("could not write %s: %s", self._timeline.path, error)
-
-    def _restore_state(self, args: AsyncGRPOConfig, checkpoint: str | None) -> ResumePoint:
-        """The trainer state, fresh or the checkpoint's, and the checkpoint's resume point."""
-        max_steps = args.max_steps if args.max_steps > 0 else 2**62  # epochs end training (_should_stop)
-        self.state = TrainerState(
-            stateful_callbacks=[
-                cb for cb in self.callback_handler.callbacks + [self.control] if hasattr(cb, "state")
-            ]
-        )
-        self.state.train_batch_size = self._train_batch_size
-        self.state.max_steps = max_steps
-        self.state.compute_steps(args, max_steps)
-        if checkpoint is None:
-            return ResumePoint()
-        restore_trainer_state(self, checkpoint, max_steps)
-        resume = read_resume_point(checkpoint, self.streaming)
-        if not self.streaming:
-            # The prompt order (data_seed, train_sampling_strategy) must be the checkpoint's.
-            resume.rollout.check_prompt_order(PromptOrder.of(args), checkpoint)
-        return resume
-
-    def _prepare_model(self, args: AsyncGRPOConfig, resume_from_checkpoint: str | None):
-        """The model to train (wrapped, sharded, compiled as configured) and its optimizer."""
-        if self._sharded:
-            # FSDP2 applied here, not by accelerate: the packed forward must be registered with it.
-            reshard = True
-            if self._fsdp_launch is not None:
-                reshard = self._fsdp_launch.reshard_after_forward
-                if self._processes.is_main:
-                    announce_fsdp_launch(self._fsdp_launch)
-            shard_model(
-                self.model, reshard
-            )  # the checkpoint's weights are already in (Trainer.train loads them)
-            self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
-            model = self.model_wrapped = self.model
-            if resume_from_checkpoint:
-                load_sharded_optimizer(self, resume_from_checkpoint)
-        else:
-            model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
-        if self._compile_layers:
-            compile_decoder_layers(self.accelerator.unwrap_model(model))
-        return model
+    # -- how far a run is (its set-up: RunSetup, trainer/run_setup.py) -------------------------------------
 
     def _should_stop(self, args: AsyncGRPOConfig) -> bool:
         if args.max_steps > 0:
@@ -564,6 +470,12 @@ class AsyncGRPOTrainer(Trainer):
             self._join_eval(None)  # an evaluation measures one policy: the sync waits for it
             self._push_weights(self.state.global_step + 1)
 
+    def _push_weights(self, step: int) -> None:
+        """A new policy version, pushed to the servers: the weights of global step `step`."""
+        self._session.model_version += 1
+        self._session.sync_weights(self.accelerator.unwrap_model(self.model_wrapped))
+        self._served_step = step
+
     def _record_metrics(self, batch: StepBatch, result: StepResult, step_s: float) -> None:
         learning_rate = self.lr_scheduler.get_last_lr()[0]
         forwarded, padded = self._metrics.record_step(batch, result, step_s, learning_rate)
@@ -599,126 +511,6 @@ class AsyncGRPOTrainer(Trainer):
             with timeline.span("checkpoint"):
                 self._save_checkpoint(model, trial)
                 self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-
-    # -- evaluation (docs/architecture.md, "Evaluation") ---------------------------------------------------
-
-    def evaluate(
-        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
-    ) -> dict[str, float]:
-        """Held-out figures of the policy the servers run (`Trainer.evaluate`'s arguments; a dict of
-        datasets prefixes each name, `eval_{name}_reward`). During train() the servers are first given
-        the current weights; outside it they are sampled as they are: before train() they run the
-        checkpoint they were started with, after it the final weights (train() ends with them pushed
-        when the run has an eval dataset). `ignore_keys` has no meaning here (no model outputs)."""
-        datasets = self._eval_datasets(eval_dataset, metric_key_prefix)
-        if self._evaluator is not None:  # inside train(), on rank 0
-            self._join_eval(None)
-            self._catch_up_server_weights()
-            self._evaluator.start(datasets, self.state.global_step, self._session.model_version)
-            figures = self._evaluator.join()
-            return self._report_eval(*figures, None) if figures else {}
-        http = BackgroundLoop(default_timeout_s=self.args.vllm_server_timeout + 60)
-        client = VLLMClient(self.args.vllm_server_urls, timeout=self.args.vllm_server_timeout)
-        evaluator = None
-        try:
-            http.run(client.wait_until_ready())
-            evaluator = Evaluator.for_trainer(self, http, client, http.run(client.model_name()))
-            if self._session is not None and self._served_step != self.state.global_step:
-                logger.warning(
-                    "evaluate(): the servers run the weights of step %d, the trainer holds step %d's",
-                    self._served_step,
-                    self.state.global_step,
-                )
-            evaluator.start(datasets, self.state.global_step, self.model_version)
-            figures = evaluator.join()
-        finally:
-            if evaluator is not None:
-                evaluator.close()
-            http.run(client.close(), timeout=10)
-            http.close()
-        return self._report_eval(*figures, None) if figures else {}
-
-    def _eval_datasets(self, eval_dataset, prefix: str) -> dict[str, list[dict]]:
-        """{metric prefix: rows} as the base Trainer names them: one dataset under `prefix`, a dict
-        under `prefix_name`, a name picks one dataset of the trainer's dict."""
-        if isinstance(eval_dataset, str):
-            eval_dataset = self.eval_dataset[eval_dataset]
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError(
-                "evaluate() needs an eval dataset: pass eval_dataset= to AsyncGRPOTrainer or to evaluate()"
-            )
-        if isinstance(dataset, dict):
-            return {f"{prefix}_{name}": dataset_rows(part) for name, part in dataset.items()}
-        return {prefix: dataset_rows(dataset)}
-
-    def _open_evaluator(self) -> None:
-        """Rank 0, when the run has an eval dataset: the evaluator, on the session's HTTP loop."""
-        if self._processes.is_main and self._eval_rows is not None:
-            session = self._session
-            self._evaluator = Evaluator.for_trainer(
-                self, session.http, session.client, session.served_name, session.lora_name
-            )
-
-    def _start_eval(self, trial) -> None:
-        """Every rank: the servers get this step's weights if they lack them, then rank 0 starts
-        evaluating them in the background (joined later, `_join_eval`)."""
-        self.control.should_evaluate = False
-        self._join_eval(trial)
-        self._catch_up_server_weights()
-        if self._evaluator is not None:
-            self._evaluator.start(self._eval_rows, self.state.global_step, self._session.model_version)
-
-    def _join_eval(self, trial) -> None:
-        """Every rank: wait for the running evaluation (the wait counts as `perf/eval_wait_s`) and log
-        its figures at the step they measure."""
-        waiting = time.perf_counter()
-        joined = self._evaluator.join() if self._evaluator is not None else None
-        joined = self._processes.broadcast(joined if self._processes.is_main else None)
-        if joined is not None:
-            self._metrics.window.record("perf/eval_wait_s", time.perf_counter() - waiting)
-            self._report_eval(*joined, trial)
-
-    def _report_eval(self, step: int, figures: dict[str, float], trial) -> dict[str, float]:
-        """Log `figures` at `step` (the base Trainer's log and on_evaluate), and track the best one
-        (`metric_for_best_model`); a new best at the current step asks for its checkpoint when
-        save_strategy is "best"."""
-        current = self.state.global_step
-        # The figures may be joined a step or more after the one they measure: log_history, metrics.jsonl
-        # and report_to take the step from the state, so it reads the measured step while they log.
-        self.state.global_step = step
-        try:
-            self.log(dict(figures))
-            new_best = self._determine_best_metric(metrics=figures, trial=trial)
-            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, figures)
-        finally:
-            self.state.global_step = current
-        if new_best and step == current and self.args.save_strategy == SaveStrategy.BEST:
-            self.control.should_save = True
-        return figures
-
-    def _push_weights(self, step: int) -> None:
-        """A new policy version, pushed to the servers: the weights of global step `step`."""
-        self._session.model_version += 1
-        self._session.sync_weights(self.accelerator.unwrap_model(self.model_wrapped))
-        self._served_step = step
-
-    def _catch_up_server_weights(self) -> None:
-        """The servers get the current weights if the last sync left them behind (weight_sync_steps >
-        1, skipped steps): an evaluation reports the step it is logged at."""
-        if self._served_step != self.state.global_step:
-            self._push_weights(self.state.global_step)
-
-    def _end_with_served_weights(self, trial) -> None:
-        """With an eval dataset, train() leaves the servers running the weights it ends with (the best
-        checkpoint's with load_best_model_at_end), so an evaluate() after it measures them."""
-        if self._eval_rows is None:
-            return
-        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            self._load_best_model()
-            self._push_weights(self.state.best_global_step)
-        else:
-            self._catch_up_server_weights()
 
     # -- helpers --------------------------------------------------------------------------------------------
 

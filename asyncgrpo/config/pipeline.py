@@ -1,0 +1,90 @@
+"""Config fields of the asynchronous pipeline: how far generation runs ahead, weight syncs, the
+rollout workers and their timeouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WEIGHT_SYNC_BACKENDS = ("auto", "filesystem", "nccl")
+
+
+@dataclass
+class PipelineFields:
+    """How generation and training run side by side."""
+
+    max_concurrent_rollouts: int = field(
+        default=512,
+        metadata={
+            "help": "Upper bound on rollouts running at once (each holds a server connection and, with "
+            "tools, a thread). Set it to what environments and tools can take; the server's load may cap it "
+            "lower. 512: high enough that the server's load, not this bound, usually sets the concurrency."
+        },
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "A sample more than this many policy versions (weight syncs) behind the trainer when "
+            "taken is dropped; generation may also hold max(max_staleness, 1) steps' worth of tokens queued "
+            "or in flight. Versions equal steps when weight_sync_steps=1. 4: enough run-ahead for "
+            "generation and training to overlap, while samples stay within a few updates of the policy."
+        },
+    )
+    weight_sync_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Optimizer steps between weight syncs to the server; each sync is one policy version. "
+            "1: the freshest samples; raise it when a sync costs much against a step."
+        },
+    )
+    num_rollout_workers: int = field(
+        default=1,
+        metadata={
+            "help": "Rollout worker processes. Each takes every K-th prompt of the stream and a share of "
+            "the servers (server i goes to worker i mod K; with fewer servers than workers, workers share "
+            "them), and all of them draw on one staleness budget. 1 is enough for a few servers: one worker "
+            "runs a few hundred completions per second on one core; raise it when the servers outrun it "
+            "(rollout/generated_tokens_per_s flat while the servers idle)."
+        },
+    )
+    rollout_worker_timeout: float = field(
+        default=300.0,
+        metadata={
+            "help": "Seconds without a heartbeat from the rollout worker before it is declared hung and "
+            "training stops with an error. The heartbeat beats every second, so 300 only fires on a real "
+            "hang."
+        },
+    )
+    reward_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Seconds one reward-function call (one group) may take. A call past it stops the run "
+            "with an error naming the function and the dataset row, instead of hanging it: a judge that "
+            "never answers must not stall training silently. 600: generous, for remote judges."
+        },
+    )
+    weight_sync_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "'auto': nccl when the trainer has a GPU and the server runs the NCCL engine, filesystem "
+            "otherwise; 'filesystem': safetensors under output_dir reloaded by the server (CPU, shared "
+            "filesystems); 'nccl': GPU-to-GPU broadcast with vLLM's native weight-transfer protocol "
+            '(serve with --weight-transfer-config \'{"backend":"nccl"}\').'
+        },
+    )
+
+    def _validate_pipeline(self, fail) -> None:
+        if self.max_concurrent_rollouts < 1:
+            fail(f"max_concurrent_rollouts={self.max_concurrent_rollouts} must be >= 1")
+        if self.max_staleness < 0:
+            fail(f"max_staleness={self.max_staleness} must be >= 0")
+        if self.weight_sync_steps < 1:
+            fail(f"weight_sync_steps={self.weight_sync_steps} must be >= 1")
+        if self.num_rollout_workers < 1:
+            fail(f"num_rollout_workers={self.num_rollout_workers} must be >= 1")
+        if self.rollout_worker_timeout <= 0:
+            fail(f"rollout_worker_timeout={self.rollout_worker_timeout} must be > 0")
+        if self.reward_timeout <= 0:
+            fail(f"reward_timeout={self.reward_timeout} must be > 0 (seconds one reward call may take)")
+        if self.weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
+            fail(f"weight_sync_backend={self.weight_sync_backend!r} must be one of {WEIGHT_SYNC_BACKENDS}")

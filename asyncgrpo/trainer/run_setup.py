@@ -1,0 +1,124 @@
+"""A train() call's set-up: everything the run trains with and counts, created in one place.
+
+`RunSetup` is a part of AsyncGRPOTrainer (a base class of it, never used alone): `_begin_run` creates
+the processes, the trainer state (fresh, or the checkpoint's: `_restore_state`), the model to train
+and its optimizer (`_prepare_model`), the prompt ledger, the metrics, the generation session and rank
+0's timeline; `_close_timeline` writes the timeline once the run ends, also after a failure
+(docs/architecture.md, "The trainer's modules").
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import TrainerState
+
+from asyncgrpo import timeline
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.rollout.prompts import PromptOrder
+from asyncgrpo.run_files import TIMELINE_FILE
+from asyncgrpo.trainer.activation_memory import CheckpointToFit
+from asyncgrpo.trainer.checkpoint import (
+    ResumePoint,
+    load_sharded_optimizer,
+    read_resume_point,
+    restore_trainer_state,
+)
+from asyncgrpo.trainer.checks import check_launch, check_multi_process
+from asyncgrpo.trainer.compile import compile_decoder_layers
+from asyncgrpo.trainer.distributed import Processes, shard_model
+from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
+from asyncgrpo.trainer.generation_session import GenerationSession
+from asyncgrpo.trainer.prompt_ledger import PromptLedger
+from asyncgrpo.trainer.step_metrics import StepMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class RunSetup:
+    """AsyncGRPOTrainer's set-up of a train() call; it reads the trainer's `accelerator`, `args`,
+    `model`, `optimizer`, `callback_handler`, `streaming`, `_fsdp_launch` and `_compile_layers`."""
+
+    def _begin_run(self, args: AsyncGRPOConfig, checkpoint: str | None, trial) -> torch.nn.Module:
+        """Everything one train() call trains with and counts, created here: the processes, the
+        trainer state (fresh or the checkpoint's), the model to train and its optimizer, the ledger,
+        the metrics and the generation session (opened by the loop). Returns the model to train."""
+        check_launch(self.accelerator.num_processes, args.use_cpu)
+        self._processes = Processes(self.accelerator.num_processes, self.accelerator.process_index)
+        self._sharded = self._processes.distributed or self._fsdp_launch is not None
+        if self._processes.distributed:
+            check_multi_process(self.is_deepspeed_enabled, self.optimizer is not None)
+        self.accelerator.free_memory()
+        resume = self._restore_state(args, checkpoint)
+        model = self._prepare_model(args, checkpoint)
+        self.state.init_training_references(self, self.state.max_steps, args.num_train_epochs, trial)
+        self._fit_checkpointing = CheckpointToFit.for_training(
+            self.accelerator.unwrap_model(model), self.optimizer, args, self._sharded
+        )
+        rollout = resume.rollout
+        self._ledger = PromptLedger(
+            rollout.first_untrained_index, rollout.consumed_after, rollout.epoch_prompts
+        )
+        self._nonfinite_streak = 0  # steps skipped in a row for a non-finite loss or gradient norm
+        self._served_step = -1  # the global step whose weights the servers run (-1: not pushed yet)
+        self._metrics = StepMetrics.for_model(self.model, args, num_tokens=rollout.num_tokens)
+        self._session = GenerationSession(self._processes, self._metrics.window, resume)
+        # Rank 0 records the run's timeline (its own phases, the worker's and the servers' pauses).
+        self._timeline = None
+        if self._processes.is_main:
+            self._timeline = timeline.TimelineRecorder(Path(args.output_dir) / TIMELINE_FILE)
+            timeline.activate(self._timeline)
+        return model
+
+    def _close_timeline(self) -> None:
+        """The timeline's last write (also after a failure: the file shows where the run stopped)."""
+        if self._timeline is not None:
+            timeline.activate(None)
+            try:
+                self._timeline.write()
+            except OSError as error:  # a full disk must not hide the run's own error
+                logger.warning("could not write %s: %s", self._timeline.path, error)
+
+    def _restore_state(self, args: AsyncGRPOConfig, checkpoint: str | None) -> ResumePoint:
+        """The trainer state, fresh or the checkpoint's, and the checkpoint's resume point."""
+        max_steps = args.max_steps if args.max_steps > 0 else 2**62  # epochs end training (_should_stop)
+        self.state = TrainerState(
+            stateful_callbacks=[
+                cb for cb in self.callback_handler.callbacks + [self.control] if hasattr(cb, "state")
+            ]
+        )
+        self.state.train_batch_size = self._train_batch_size
+        self.state.max_steps = max_steps
+        self.state.compute_steps(args, max_steps)
+        if checkpoint is None:
+            return ResumePoint()
+        restore_trainer_state(self, checkpoint, max_steps)
+        resume = read_resume_point(checkpoint, self.streaming)
+        if not self.streaming:
+            # The prompt order (data_seed, train_sampling_strategy) must be the checkpoint's.
+            resume.rollout.check_prompt_order(PromptOrder.of(args), checkpoint)
+        return resume
+
+    def _prepare_model(self, args: AsyncGRPOConfig, resume_from_checkpoint: str | None):
+        """The model to train (wrapped, sharded, compiled as configured) and its optimizer."""
+        if self._sharded:
+            # FSDP2 applied here, not by accelerate: the packed forward must be registered with it.
+            reshard = True
+            if self._fsdp_launch is not None:
+                reshard = self._fsdp_launch.reshard_after_forward
+                if self._processes.is_main:
+                    announce_fsdp_launch(self._fsdp_launch)
+            shard_model(
+                self.model, reshard
+            )  # the checkpoint's weights are already in (Trainer.train loads them)
+            self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
+            model = self.model_wrapped = self.model
+            if resume_from_checkpoint:
+                load_sharded_optimizer(self, resume_from_checkpoint)
+        else:
+            model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
+        if self._compile_layers:
+            compile_decoder_layers(self.accelerator.unwrap_model(model))
+        return model
