@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -210,3 +211,69 @@ def test_a_factory_needs_a_command_a_verify_and_the_trainers_capture():
         ProcessSessionFactory(["true"], None)
     with pytest.raises(ValueError, match="no capture endpoint"):
         ProcessSessionFactory(["true"], lambda w, t: 0.0).create([])
+
+
+# The rollout worker's part, in a stand-in process: a factory, one session started on a pool thread
+# (that thread then exits, as pool threads may), the agent's pid printed, then it blocks until killed.
+STAND_IN_WORKER = """
+import sys, threading
+sys.path[:0] = sys.argv[1:3]
+import harness_openenv
+from asyncgrpo.harness import ProcessSessionFactory
+from test_harness_units import FakeCapture, HANGING_PARENT
+agent = [sys.executable, "-c", HANGING_PARENT]
+factory = ProcessSessionFactory(agent, lambda w, t: 1.0, capture=FakeCapture())
+sessions = []
+task = [{"role": "user", "content": "hi"}]
+starter = threading.Thread(target=lambda: sessions.append(factory.create(task)))
+starter.start()
+starter.join()
+print(sessions[0].process.pid, sessions[0].workdir, flush=True)
+threading.Event().wait()
+"""
+# Bounds, not waits: only a failing test reaches them (a loaded machine starts a Python process in
+# seconds, and the reaper acts once the kernel has closed the dead worker's pipe).
+START_BOUND_S, REAP_BOUND_S = 120.0, 60.0
+
+
+def wait_until(condition, bound_s: float) -> bool:
+    deadline = time.monotonic() + bound_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_worker_killed_outright_takes_its_agents_and_their_children_with_it(tmp_path):
+    tests = str(Path(__file__).resolve().parent)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", STAND_IN_WORKER, tests, str(Path(tests).parent)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        text=True,
+    )
+    try:
+        agent_pid, workdir = worker.stdout.readline().split()
+        agent = int(agent_pid)
+        pid_file = Path(workdir) / "child.pid"
+        assert wait_until(lambda: pid_file.exists() and pid_file.read_text(), START_BOUND_S)
+        child = int(pid_file.read_text())
+        assert pid_alive(agent) and pid_alive(child)
+        worker.kill()  # SIGKILL: no clean-up of the worker's own runs
+        worker.wait()
+        assert wait_until(lambda: not pid_alive(agent) and not pid_alive(child), REAP_BOUND_S), (
+            "the agent and its child outlived their rollout worker"
+        )
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_closed_factory_ends_the_groups_its_sessions_left(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    factory = ProcessSessionFactory(
+        [sys.executable, "-c", HANGING_PARENT], lambda w, t: 1.0, capture=FakeCapture()
+    )
+    session = factory.create([{"role": "user", "content": "hi"}])
+    factory.close()  # the session was never closed: the reaper ends its group
+    assert wait_until(lambda: not pid_alive(session.process.pid), REAP_BOUND_S)
+    session.close()

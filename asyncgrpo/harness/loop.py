@@ -123,6 +123,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         await asyncio.gather(*(asyncio.to_thread(_close_quietly, session) for session in sessions))
         if self._session_pool is not None:
             self._session_pool.shutdown(wait=False, cancel_futures=True)
+        if callable(getattr(self._factory, "close", None)):  # a factory's own processes (a reaper)
+            await asyncio.to_thread(self._factory.close)
         if self._proxy is not None:
             await self._proxy.stop()
 
