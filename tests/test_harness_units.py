@@ -19,11 +19,13 @@ pytest.importorskip(
 
 import harness_openenv  # noqa: E402, F401  (OpenEnv on the path first)
 import numpy as np  # noqa: E402
-from openenv.core.harness import TrainingTrace  # noqa: E402
+from openenv.core.harness import ToolResult, ToolTraceEntry, TrainingTrace  # noqa: E402
 
 from asyncgrpo.harness import CaptureContractError, ProcessSessionFactory  # noqa: E402
 from asyncgrpo.harness.openai_chat import template_messages  # noqa: E402
+from asyncgrpo.harness.tool_metrics import captured_tool_calls, white_box_tool_calls  # noqa: E402
 from asyncgrpo.harness.trace import training_turn, turns_from_trace  # noqa: E402
+from asyncgrpo.metrics import MetricsWindow  # noqa: E402
 from asyncgrpo.rollout.sequences import build_training_sequences  # noqa: E402
 from asyncgrpo.rollout.types import TurnRecord  # noqa: E402
 
@@ -277,3 +279,40 @@ def test_a_closed_factory_ends_the_groups_its_sessions_left(tmp_path, monkeypatc
     factory.close()  # the session was never closed: the reaper ends its group
     assert wait_until(lambda: not pid_alive(session.process.pid), REAP_BOUND_S)
     session.close()
+
+
+def reply(*names):
+    calls = [{"id": f"c{i}", "function": {"name": name, "arguments": "{}"}} for i, name in enumerate(names)]
+    return {"choices": [{"message": {"role": "assistant", "content": "", "tool_calls": calls or None}}]}
+
+
+def test_tool_metrics_of_a_captured_session_count_calls_per_tool_and_unoffered_names():
+    offered = {"tools": [{"type": "function", "function": {"name": "write_file"}}]}
+    entries = [
+        {"request": offered, "response": reply("write_file", "rm")},  # 2 calls, "rm" never offered
+        {"request": offered, "response": reply()},  # a reply without calls
+        {"request": offered, "response": reply("write_file")},
+    ]
+    counts = captured_tool_calls(entries)
+    assert counts.calls == {"write_file": 2, "rm": 1} and counts.total == 3
+    assert counts.per_reply == [2, 1] and counts.unknown_names == 1 and counts.failures is None
+    window = MetricsWindow()
+    counts.record(window)
+    counts.record(window)  # a second rollout, the same
+    logged = window.summarize()
+    assert logged["tools/call_frequency"] == 3.0  # per rollout
+    assert logged["tools/parallel_calls_mean"] == 1.5  # (2 + 1) / 2 replies with calls
+    assert logged["tools/unknown_name_count"] == 2.0
+    assert logged["tools/write_file/call_count"] == 4.0 and logged["tools/rm/call_count"] == 2.0
+    assert not [name for name in logged if "failure" in name], "the agent's tool failures are unknown"
+
+
+def test_tool_metrics_of_a_white_box_session_count_failed_calls():
+    ok, failed = ToolResult(data="ok"), ToolResult(error="no such file")
+    trace = [ToolTraceEntry("read", {}, ok), ToolTraceEntry("read", {}, failed), ToolTraceEntry("ls", {}, ok)]
+    window = MetricsWindow()
+    white_box_tool_calls(trace).record(window)
+    logged = window.summarize()
+    assert logged["tools/read/call_count"] == 2.0 and logged["tools/read/failure_count"] == 1.0
+    assert logged["tools/ls/failure_count"] == 0.0
+    assert logged["tools/failure_frequency"] == pytest.approx(1 / 3)  # 1 failed call of 3
