@@ -5,8 +5,10 @@ through an OpenEnv HarnessAdapter."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
+import random
 import sys
 import tempfile
 import time
@@ -256,3 +258,183 @@ def test_white_box_adapter_run_trains_the_turns_the_trainer_sampled(vllm_server,
     assert len(steps) == 1
     assert steps[0]["sampling/sampling_logp_difference/max"] < EXACT_LOGPROB_GAP
     assert any("rewards/harness_reward/mean" in entry for entry in trainer.state.log_history)
+
+
+# -- a session spanning a weight sync ------------------------------------------------------------------------
+
+SPAN_AGENT = Path(__file__).resolve().parent / "harness_span_agent.py"
+
+
+def noise_reward(workdir: Path, transcript) -> float:
+    """A reward that differs between any two rollouts, so no group is dropped for equal rewards: this
+    run is about which version sampled each turn, not about learning."""
+    return random.random()
+
+
+class SyncBetweenTurns(TrainerCallback):
+    """Step 1 starts only once every "span" agent has made its first call (under version 0); once
+    step 1 has synced version 1 to the server, the agents are let go for their second call. Keeps a
+    copy of each version's weights, to tell afterwards which version sampled a token."""
+
+    def __init__(self, signals: Path, agents: int):
+        self.signals, self.agents = signals, agents
+        self.versions: list[dict] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.versions.append(copy.deepcopy(model.state_dict()))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            firsts = lambda: len(list(self.signals.glob("*.first")))  # noqa: E731
+            deadline = time.monotonic() + AGENT_START_BOUND_S
+            while firsts() < self.agents and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert firsts() == self.agents, "the span agents never made their first call"
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        # weight_sync_steps=1: the step's weights are on the server (version = steps taken) already.
+        self.versions.append(copy.deepcopy(model.state_dict()))
+        (self.signals / "go").write_text("")
+
+
+class RecordingTrainer(HarnessAsyncGRPOTrainer):
+    """Keeps every sample the trainer takes."""
+
+    def _wait_for_samples(self, model):
+        batch = super()._wait_for_samples(model)
+        self.taken = getattr(self, "taken", []) + list(batch.samples)
+        return batch
+
+
+def trained_segments(sample) -> list[tuple[int, int]]:
+    """The [start, end) of each run of trained tokens: one per turn of a chained sample."""
+    trained = sample.trained.tolist() + [False]
+    runs, start = [], None
+    for index, flag in enumerate(trained):
+        if flag and start is None:
+            start = index
+        elif not flag and start is not None:
+            runs.append((start, index))
+            start = None
+    return runs
+
+
+@pytest.mark.timeout(300)
+def test_a_session_spanning_a_weight_sync_trains_each_turn_against_its_own_version(
+    vllm_server, tiny_model_dir, tmp_path, agent_tmp
+):
+    import torch
+    from test_harness_learning import PROMPTS, letter_warm_start
+
+    # The tiny model from random weights rarely ends a turn (16 tokens, cut): a cut turn re-rendered
+    # with its end-of-turn token forks a new sample, and the two turns would never share one. The
+    # learning test's warm start (seconds) makes it answer one letter and end its turn.
+    torch.set_num_threads(1)  # the server's CPU engine holds the other core
+    warm_dir, _, _ = letter_warm_start(tmp_path / "warm")
+    restore_server(vllm_server.url, warm_dir)
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    group = 4
+    waiter = SyncBetweenTurns(signals, agents=group)
+    # The "ok" group comes first, alone (no token estimate yet), and brings step 1; the "span" group's
+    # first calls happen before step 1 starts, their second calls after its sync. max_staleness 2: the
+    # span samples are never dropped, whichever of the next two steps takes them.
+    args = harness_config(
+        vllm_server,
+        tmp_path / "run",
+        max_steps=3,
+        max_staleness=2,
+        max_concurrent_rollouts=8,
+        learning_rate=1e-3,
+    )
+    factory = functools.partial(
+        ProcessSessionFactory,
+        command=[sys.executable, str(SPAN_AGENT)],
+        verify=noise_reward,
+        env={"SPAN_SIGNALS": str(signals)},
+    )
+    trainer = RecordingTrainer(
+        model=str(warm_dir),
+        args=args,
+        train_dataset=Dataset.from_list(
+            [
+                {"prompt": [{"role": "user", "content": PROMPTS[i]}], "mode": m}
+                for i, m in enumerate(["ok", "span"])
+            ]
+        ),
+        harness_session_factory=factory,
+        callbacks=[waiter],
+    )
+    trainer.train()
+    policy = copy.deepcopy(trainer.model).float().eval()
+
+    def logprobs(state, sample) -> torch.Tensor:
+        policy.load_state_dict(state)
+        with torch.no_grad():
+            ids = torch.tensor([sample.token_ids.tolist()])
+            return torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[
+                torch.arange(ids.shape[1] - 1), ids[0, 1:]
+            ]
+
+    spanning = 0
+    for sample in trainer.taken:
+        per_version = [logprobs(state, sample) for state in waiter.versions]
+        sampler = torch.as_tensor(sample.sampler_logprobs, dtype=torch.float32)
+        offset, versions = 0, []
+        for start, end in trained_segments(sample):
+            recorded = sampler[offset : offset + end - start]
+            offset += end - start
+            gaps = [float((lp[start - 1 : end - 1] - recorded).abs().max()) for lp in per_version]
+            best = min(range(len(gaps)), key=gaps.__getitem__)
+            # Each turn's recorded log-probs are its own version's, exactly, and no other version's.
+            assert gaps[best] < EXACT_LOGPROB_GAP, gaps
+            assert sorted(gaps)[1] > EXACT_LOGPROB_GAP, gaps
+            versions.append(best)
+        assert sample.model_version == min(versions), "a sample counts as old as its oldest turn"
+        spanning += versions == [0, 1]
+    assert spanning, "no trained sample had its turns sampled under versions 0 and 1"
+    staleness = [entry.get("sample/staleness_max", 0) for entry in trainer.state.log_history]
+    assert max(staleness) >= 1
+
+
+# -- evaluation through harness sessions ------------------------------------------------------------------
+
+VERIFIED_HERE: list[str] = []  # sessions verified in this process: the trainer's, so evaluation's only
+
+
+def counted_written_length(workdir: Path, transcript) -> float:
+    VERIFIED_HERE.append(workdir.name)
+    return written_length(workdir, transcript)
+
+
+@pytest.mark.timeout(300)
+def test_a_harness_run_evaluates_its_held_out_prompts_through_harness_sessions(
+    vllm_server, tiny_model_dir, tmp_path, agent_tmp
+):
+    VERIFIED_HERE.clear()
+    args = harness_config(
+        vllm_server,
+        tmp_path / "run",
+        max_steps=1,
+        max_concurrent_rollouts=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        num_generations_eval=2,
+    )
+    factory = functools.partial(
+        ProcessSessionFactory, command=[sys.executable, str(AGENT)], verify=counted_written_length
+    )
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        args=args,
+        train_dataset=rows("ok", "ok"),
+        harness_session_factory=factory,
+        eval_dataset=rows("ok", "ok", "ok"),
+    )
+    trainer.train()
+    evals = [entry for entry in trainer.state.log_history if "eval_reward" in entry]
+    assert len(evals) == 1 and math.isfinite(evals[0]["eval_reward"]), trainer.state.log_history
+    # Training sessions are verified in the rollout worker; the 3 rows x 2 held-out sessions here.
+    assert len(VERIFIED_HERE) == 3 * 2
+    assert not agent_processes()
+    assert not list(agent_tmp.iterdir())

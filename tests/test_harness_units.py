@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,11 +19,13 @@ pytest.importorskip(
 
 import harness_openenv  # noqa: E402, F401  (OpenEnv on the path first)
 import numpy as np  # noqa: E402
-from openenv.core.harness import TrainingTrace  # noqa: E402
+from openenv.core.harness import ToolResult, ToolTraceEntry, TrainingTrace  # noqa: E402
 
 from asyncgrpo.harness import CaptureContractError, ProcessSessionFactory  # noqa: E402
 from asyncgrpo.harness.openai_chat import template_messages  # noqa: E402
+from asyncgrpo.harness.tool_metrics import captured_tool_calls, white_box_tool_calls  # noqa: E402
 from asyncgrpo.harness.trace import training_turn, turns_from_trace  # noqa: E402
+from asyncgrpo.metrics import MetricsWindow  # noqa: E402
 from asyncgrpo.rollout.sequences import build_training_sequences  # noqa: E402
 from asyncgrpo.rollout.types import TurnRecord  # noqa: E402
 
@@ -210,3 +213,106 @@ def test_a_factory_needs_a_command_a_verify_and_the_trainers_capture():
         ProcessSessionFactory(["true"], None)
     with pytest.raises(ValueError, match="no capture endpoint"):
         ProcessSessionFactory(["true"], lambda w, t: 0.0).create([])
+
+
+# The rollout worker's part, in a stand-in process: a factory, one session started on a pool thread
+# (that thread then exits, as pool threads may), the agent's pid printed, then it blocks until killed.
+STAND_IN_WORKER = """
+import sys, threading
+sys.path[:0] = sys.argv[1:3]
+import harness_openenv
+from asyncgrpo.harness import ProcessSessionFactory
+from test_harness_units import FakeCapture, HANGING_PARENT
+agent = [sys.executable, "-c", HANGING_PARENT]
+factory = ProcessSessionFactory(agent, lambda w, t: 1.0, capture=FakeCapture())
+sessions = []
+task = [{"role": "user", "content": "hi"}]
+starter = threading.Thread(target=lambda: sessions.append(factory.create(task)))
+starter.start()
+starter.join()
+print(sessions[0].process.pid, sessions[0].workdir, flush=True)
+threading.Event().wait()
+"""
+# Bounds, not waits: only a failing test reaches them (a loaded machine starts a Python process in
+# seconds, and the reaper acts once the kernel has closed the dead worker's pipe).
+START_BOUND_S, REAP_BOUND_S = 120.0, 60.0
+
+
+def wait_until(condition, bound_s: float) -> bool:
+    deadline = time.monotonic() + bound_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_worker_killed_outright_takes_its_agents_and_their_children_with_it(tmp_path):
+    tests = str(Path(__file__).resolve().parent)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", STAND_IN_WORKER, tests, str(Path(tests).parent)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        text=True,
+    )
+    try:
+        agent_pid, workdir = worker.stdout.readline().split()
+        agent = int(agent_pid)
+        pid_file = Path(workdir) / "child.pid"
+        assert wait_until(lambda: pid_file.exists() and pid_file.read_text(), START_BOUND_S)
+        child = int(pid_file.read_text())
+        assert pid_alive(agent) and pid_alive(child)
+        worker.kill()  # SIGKILL: no clean-up of the worker's own runs
+        worker.wait()
+        assert wait_until(lambda: not pid_alive(agent) and not pid_alive(child), REAP_BOUND_S), (
+            "the agent and its child outlived their rollout worker"
+        )
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_closed_factory_ends_the_groups_its_sessions_left(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    factory = ProcessSessionFactory(
+        [sys.executable, "-c", HANGING_PARENT], lambda w, t: 1.0, capture=FakeCapture()
+    )
+    session = factory.create([{"role": "user", "content": "hi"}])
+    factory.close()  # the session was never closed: the reaper ends its group
+    assert wait_until(lambda: not pid_alive(session.process.pid), REAP_BOUND_S)
+    session.close()
+
+
+def reply(*names):
+    calls = [{"id": f"c{i}", "function": {"name": name, "arguments": "{}"}} for i, name in enumerate(names)]
+    return {"choices": [{"message": {"role": "assistant", "content": "", "tool_calls": calls or None}}]}
+
+
+def test_tool_metrics_of_a_captured_session_count_calls_per_tool_and_unoffered_names():
+    offered = {"tools": [{"type": "function", "function": {"name": "write_file"}}]}
+    entries = [
+        {"request": offered, "response": reply("write_file", "rm")},  # 2 calls, "rm" never offered
+        {"request": offered, "response": reply()},  # a reply without calls
+        {"request": offered, "response": reply("write_file")},
+    ]
+    counts = captured_tool_calls(entries)
+    assert counts.calls == {"write_file": 2, "rm": 1} and counts.total == 3
+    assert counts.per_reply == [2, 1] and counts.unknown_names == 1 and counts.failures is None
+    window = MetricsWindow()
+    counts.record(window)
+    counts.record(window)  # a second rollout, the same
+    logged = window.summarize()
+    assert logged["tools/call_frequency"] == 3.0  # per rollout
+    assert logged["tools/parallel_calls_mean"] == 1.5  # (2 + 1) / 2 replies with calls
+    assert logged["tools/unknown_name_count"] == 2.0
+    assert logged["tools/write_file/call_count"] == 4.0 and logged["tools/rm/call_count"] == 2.0
+    assert not [name for name in logged if "failure" in name], "the agent's tool failures are unknown"
+
+
+def test_tool_metrics_of_a_white_box_session_count_failed_calls():
+    ok, failed = ToolResult(data="ok"), ToolResult(error="no such file")
+    trace = [ToolTraceEntry("read", {}, ok), ToolTraceEntry("read", {}, failed), ToolTraceEntry("ls", {}, ok)]
+    window = MetricsWindow()
+    white_box_tool_calls(trace).record(window)
+    logged = window.summarize()
+    assert logged["tools/read/call_count"] == 2.0 and logged["tools/read/failure_count"] == 1.0
+    assert logged["tools/ls/failure_count"] == 0.0
+    assert logged["tools/failure_frequency"] == pytest.approx(1 / 3)  # 1 failed call of 3

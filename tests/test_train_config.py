@@ -377,3 +377,17 @@ def test_the_harness_example_names_a_local_process_agent_and_its_verify(tmp_path
 def test_bad_harness_settings_are_refused(changes, message):
     with pytest.raises(ConfigError, match=message):
         build(**changes)
+
+
+def test_build_trainer_gives_a_harness_run_its_eval_dataset(tiny_model_dir, tmp_path):
+    from asyncgrpo import HarnessAsyncGRPOTrainer
+    from asyncgrpo.cli.run_config import build_trainer
+
+    raw = read_config(
+        REPO / "examples" / "harness.yaml",
+        ["--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"), "--max_steps", "1"],
+    )
+    raw["eval_dataset"] = {"data_files": "examples/harness/notes.jsonl"}
+    trainer = build_trainer(build_run_config(raw))
+    assert isinstance(trainer, HarnessAsyncGRPOTrainer)
+    assert trainer.eval_dataset.num_rows == trainer.train_dataset.num_rows > 0

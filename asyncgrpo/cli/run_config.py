@@ -429,6 +429,7 @@ def build_trainer(run: RunConfig):
             rollout_reward_fn=run.rollout_reward_fn,
             reward_funcs=run.reward_funcs or None,
             peft_config=peft_config,
+            eval_dataset=load_eval_dataset(run.eval_dataset) if run.eval_dataset is not None else None,
         )
     return trainer_class(
         model=model,

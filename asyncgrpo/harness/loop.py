@@ -27,6 +27,7 @@ from typing import Any, Callable
 from openenv.core.harness import HarnessAdapter, HarnessRunLimits, TraceEntry
 
 from asyncgrpo.harness.capture import CaptureProxy
+from asyncgrpo.harness.tool_metrics import ToolCallCounts, captured_tool_calls, white_box_tool_calls
 from asyncgrpo.harness.trace import CaptureContractError, turns_from_trace
 from asyncgrpo.harness.white_box import WhiteBoxSampler
 from asyncgrpo.metrics import Reduce
@@ -72,7 +73,7 @@ class _SessionResult:
     completion: list[dict[str, Any]] = field(default_factory=list)
     reward: float | None = None
     env_reward: float | None = None
-    tool_calls_by_name: dict[str, int] = field(default_factory=dict)
+    tools: ToolCallCounts = field(default_factory=ToolCallCounts)
     failure: str | None = None
 
 
@@ -123,6 +124,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         await asyncio.gather(*(asyncio.to_thread(_close_quietly, session) for session in sessions))
         if self._session_pool is not None:
             self._session_pool.shutdown(wait=False, cancel_futures=True)
+        if callable(getattr(self._factory, "close", None)):  # a factory's own processes (a reaper)
+            await asyncio.to_thread(self._factory.close)
         if self._proxy is not None:
             await self._proxy.stop()
 
@@ -147,8 +150,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             metrics.record("rollout/correctness_mean", result.env_reward)
         if result.reward is not None:
             metrics.record("rewards/harness_reward/mean", result.reward)
-        calls = sum(result.tool_calls_by_name.values())
-        metrics.record("tools/call_frequency", calls)
+        result.tools.record(metrics)
+        calls = result.tools.total
         return Rollout(
             completion=result.completion,
             completion_ids=[token for turn in result.turns for token in turn.output_ids],
@@ -212,8 +215,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             raise SessionFailure(f"the agent exited without calling the model{_output_of(session)}")
         entries = trace.to_trace_entries()
         completion = _transcript(entries)
-        calls = _tool_calls_by_name(entries)
-        return self._score(session, turns, completion, entries, calls)
+        return self._score(session, turns, completion, entries, captured_tool_calls(entries))
 
     def _white_box(self, session, event_loop) -> _SessionResult:
         sampler = WhiteBoxSampler(self, event_loop)
@@ -228,12 +230,10 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         result = self.harness.adapter.run_white_box(sampler, session, limits)
         if not sampler.turns:
             raise SessionFailure("the harness adapter finished without sampling a turn")
-        calls: dict[str, int] = {}
-        for entry in result.tool_trace:
-            calls[entry.tool_name] = calls.get(entry.tool_name, 0) + 1
-        return self._score(session, sampler.turns, list(result.messages), [], calls)
+        tools = white_box_tool_calls(result.tool_trace)
+        return self._score(session, sampler.turns, list(result.messages), [], tools)
 
-    def _score(self, session, turns, completion, entries, calls) -> _SessionResult:
+    def _score(self, session, turns, completion, entries, tools: ToolCallCounts) -> _SessionResult:
         verified = session.verify(completion)
         env_reward = None if verified.env_reward is None else float(verified.env_reward)
         reward = env_reward
@@ -242,12 +242,13 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                 env_reward=env_reward,
                 completion=completion,
                 trace=entries,
-                tool_call_count=sum(calls.values()),
-                tool_failure_count=0,  # the agent runs its tools: their failures are its own business
-                tool_calls_by_name=calls,
+                tool_call_count=tools.total,
+                # Loop-owning, the agent runs its tools: their failures are its own business.
+                tool_failure_count=sum((tools.failures or {}).values()),
+                tool_calls_by_name=dict(tools.calls),
             )
             reward = self.harness.rollout_reward_fn(outcome)
-        return _SessionResult(turns, completion, reward, env_reward, calls)
+        return _SessionResult(turns, completion, reward, env_reward, tools)
 
 
 def _accepts(factory: Callable, name: str) -> bool:
@@ -277,14 +278,3 @@ def _transcript(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     last = entries[-1]
     choices = (last.get("response") or {}).get("choices") or [{}]
     return list((last.get("request") or {}).get("messages") or []) + [dict(choices[0].get("message") or {})]
-
-
-def _tool_calls_by_name(entries: list[dict[str, Any]]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for entry in entries:
-        choices = (entry.get("response") or {}).get("choices") or [{}]
-        for call in (choices[0].get("message") or {}).get("tool_calls") or []:
-            name = (call.get("function") or {}).get("name")
-            if name:
-                counts[name] = counts.get(name, 0) + 1
-    return counts

@@ -6,7 +6,8 @@ run's "sampling"), starts `command` there with the same JSON on stdin and `OPENA
 `OPENAI_API_KEY` (the session's own key) and `OPENAI_MODEL` pointing at the trainer's capture proxy,
 and waits for it to exit. `verify(workdir, transcript)` scores what the agent left behind. The
 process leads its own process group, so closing the session ends the agent and every process it
-started; the directory is removed with it.
+started; the directory is removed with it. The factory's reaper (harness/reaper.py) ends the groups
+of a rollout worker that dies without closing its sessions.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from openenv.core.harness import (
 )
 
 from asyncgrpo.harness.capture import CaptureEndpoint
+from asyncgrpo.harness.reaper import GroupReaper
 
 # How long an agent may run, by default: a few model turns and tool calls of a small agent, with
 # room for a slow, shared server. Longer agents set `timeout_s`.
@@ -52,8 +54,10 @@ class ProcessSession(ResourceSession):
         capture: CaptureEndpoint,
         episode_id: str,
         env: dict[str, str] | None,
+        reaper: GroupReaper,
     ):
         self.task = task
+        self._reaper = reaper
         self._verify = verify
         self.timeout_s = timeout_s
         self._capture = capture
@@ -83,6 +87,7 @@ class ProcessSession(ResourceSession):
         except OSError:
             self.close()
             raise
+        reaper.watch(self.process.pid)  # the group ends with the worker, even a worker killed outright
         try:
             self.process.stdin.write(payload.encode())
             self.process.stdin.close()
@@ -104,7 +109,8 @@ class ProcessSession(ResourceSession):
 
     def output_tail(self) -> str:
         """The end of what the agent wrote to stdout and stderr."""
-        self._output.flush()
+        if not self._output.closed:  # closed when the trainer stopping closed the session first
+            self._output.flush()
         try:
             text = self.output_path.read_bytes()[-OUTPUT_TAIL_CHARS:]
         except FileNotFoundError:
@@ -133,6 +139,7 @@ class ProcessSession(ResourceSession):
         if getattr(self, "process", None) is not None:
             self._kill()
             self.process.wait()
+            self._reaper.forget(self.process.pid)
         self._output.close()
         self._capture.close_session(self._api_key)
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -195,6 +202,7 @@ class ProcessSessionFactory(ResourceSessionFactory[ProcessSession]):
         self.env = dict(env or {})
         self.sampling = dict(sampling or {})
         self.capture = capture
+        self.reaper = GroupReaper()  # started with the first session
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> ProcessSession:
         if self.capture is None:
@@ -205,5 +213,16 @@ class ProcessSessionFactory(ResourceSessionFactory[ProcessSession]):
         row = dict(task) if isinstance(task, dict) else {"prompt": task}
         payload = {**row, "seed": seed, "episode_id": episode_id, "sampling": self.sampling}
         return ProcessSession(
-            self.command, payload, self.verify, self.timeout_s, self.capture, episode_id or "", self.env
+            self.command,
+            payload,
+            self.verify,
+            self.timeout_s,
+            self.capture,
+            episode_id or "",
+            self.env,
+            self.reaper,
         )
+
+    def close(self) -> None:
+        """End the reaper process (the rollout loop calls this after closing every session)."""
+        self.reaper.close()

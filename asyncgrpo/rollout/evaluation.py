@@ -19,6 +19,7 @@ from typing import Any, Callable
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.rollout.environments import EnvironmentPool
 from asyncgrpo.rollout.eval_metrics import PromptOutcome
+from asyncgrpo.rollout.prompts import CURRENT_ROW
 from asyncgrpo.rollout.sampler import PolicySampler
 from asyncgrpo.rollout.scoring import (
     call_reward_functions,
@@ -135,6 +136,7 @@ class EvalRunner:
     async def _rollout(self, row: dict[str, Any], group_id: int, slots: asyncio.Semaphore):
         """(the rollout, its prompt, its environment's reward or None), as the rollout worker makes it."""
         loop = self.loop
+        CURRENT_ROW.set(row)  # this rollout's task only: gather runs each in a context of its own
         async with slots:
             if self.environments is None:
                 return await loop.generate_one(row["prompt"], loop.tools, group_id), row["prompt"], None

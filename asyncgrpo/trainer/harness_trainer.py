@@ -24,7 +24,9 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
     `harness_adapter` (an OpenEnv `HarnessAdapter`, white-box) it is called without arguments and the
     adapter asks the trainer for each turn. `rollout_reward_fn(outcome)` turns a
     `HarnessRolloutOutcome` into the reward (default: the session's `verify()` reward); None leaves the
-    rollout unscored. `reward_funcs` add to it, as in AsyncGRPOTrainer."""
+    rollout unscored. `reward_funcs` add to it, as in AsyncGRPOTrainer. `eval_dataset` (by name, as in
+    AsyncGRPOTrainer) is evaluated through harness sessions too: the same factory and agent, in the
+    trainer's process, on the held-out rows, with the step's weights."""
 
     _agent_loop = True
 
@@ -41,6 +43,8 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
+        *,
+        eval_dataset=None,
     ):
         if not callable(harness_session_factory):
             raise ValueError(
@@ -66,4 +70,5 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
             peft_config=peft_config,
+            eval_dataset=eval_dataset,
         )
