@@ -1,4 +1,5 @@
-"""The client's failure policy, against a tiny local HTTP server that misbehaves on purpose."""
+"""The client's failure policy, against a tiny local HTTP server that misbehaves on purpose, and how it
+asks each server to reload weights."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ pytest.importorskip(
 from aiohttp import web  # noqa: E402
 
 from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMRequestError, VLLMUnavailableError  # noqa: E402
+from asyncgrpo.generation.vllm_worker_extension import RELOAD_METHOD, WORKER_EXTENSION  # noqa: E402
 
 SAMPLING = SamplingParams(max_tokens=2)
 GOOD_BODY = {
@@ -182,3 +184,50 @@ def test_a_dead_engine_fails_at_once_instead_of_retrying_for_the_whole_timeout()
             await runner.cleanup()
 
     assert asyncio.run(scenario()) < 30  # not the 60 s timeout spent retrying
+
+
+def test_a_server_with_the_worker_extension_reloads_through_it():
+    """Each server is asked for /server_info once; the one started with asyncgrpo's worker extension
+    reloads through the extension's method (it repacks fused-MoE weights), the other through vLLM's."""
+
+    def fake_server(extension: str):
+        calls = []
+
+        async def handler(request: web.Request) -> web.Response:
+            if request.path == "/server_info":
+                calls.append("server_info")
+                config = {
+                    "parallel_config": {"worker_extension_cls": extension},
+                    "device_config": {"device": "cpu"},
+                }
+                return web.json_response({"vllm_config": config})
+            if request.path == "/collective_rpc":
+                body = await request.json()
+                calls.append((body["method"], body["kwargs"]["weights_path"]))
+            return web.json_response({})
+
+        return handler, calls
+
+    async def scenario():
+        (with_handler, with_calls), (without_handler, without_calls) = (
+            fake_server(WORKER_EXTENSION),
+            fake_server(""),
+        )
+        runner_a, url_a = await serve(with_handler)
+        runner_b, url_b = await serve(without_handler)
+        try:
+            async with VLLMClient([url_a, url_b], timeout=10, model="m") as client:
+                await client.reload_weights("/weights/v1", version="1")
+                await client.reload_weights("/weights/v2")
+        finally:
+            await runner_a.cleanup()
+            await runner_b.cleanup()
+        return with_calls, without_calls
+
+    with_calls, without_calls = asyncio.run(scenario())
+    assert with_calls == ["server_info", (RELOAD_METHOD, "/weights/v1"), (RELOAD_METHOD, "/weights/v2")]
+    assert without_calls == [
+        "server_info",
+        ("reload_weights", "/weights/v1"),
+        ("reload_weights", "/weights/v2"),
+    ]

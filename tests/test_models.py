@@ -1,6 +1,7 @@
 """Model families: tiny builders, image-text-to-text checkpoints trained on text (frozen, unsynced
 vision tower), the MoE load-balancing loss (hand-derived, and equal to transformers' on an
-unpacked batch), and the server flags picked per family."""
+unpacked batch), the server flags picked per family, and the refusal to reload routed experts into a
+CPU server that would leave them unpacked."""
 
 import copy
 
@@ -15,6 +16,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from asyncgrpo.cli.tiny_model import save_tiny_model
 from asyncgrpo.generation.model_flags import model_flags
+from asyncgrpo.generation.server_info import ServerInfo
+from asyncgrpo.generation.vllm_worker_extension import WORKER_EXTENSION
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.models import (
     freeze_outside_language_model,
@@ -25,6 +28,7 @@ from asyncgrpo.models import (
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 from asyncgrpo.sample import Sample
+from asyncgrpo.weight_sync import check_moe_reload
 from asyncgrpo.weight_sync.base import serving_tensors
 
 
@@ -123,6 +127,22 @@ def test_serve_flags(model_dirs, tmp_path):
         model_flags(str(model_dirs["qwen3_5_vl"]), on_cpu=True, dtype="float32")
     qwen3_5 = save_tiny_model(tmp_path / "q35", arch="qwen3_5")
     assert model_flags(str(qwen3_5), on_cpu=True, dtype="bfloat16")[0] == ["--no-enable-prefix-caching"]
+    # Routed experts on CPU: the worker extension that repacks them at every reload.
+    assert model_flags(str(model_dirs["qwen3_moe"]), on_cpu=True, dtype=None)[0] == [
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+    ]
+    assert model_flags(str(model_dirs["qwen3_moe"]), on_cpu=False, dtype=None)[0] == []
+
+
+def test_a_moe_model_is_not_reloaded_into_a_cpu_server_without_the_worker_extension(model_dirs):
+    moe, dense = (load_model(str(model_dirs[arch])) for arch in ("qwen3_moe", "qwen3"))
+    with pytest.raises(ValueError, match="--worker-extension-cls"):
+        check_moe_reload(ServerInfo(device="cpu"), moe)
+    check_moe_reload(ServerInfo(device="cpu", worker_extension=WORKER_EXTENSION), moe)
+    check_moe_reload(ServerInfo(device="cuda"), moe)  # GPU kernels read the weights as loaded
+    check_moe_reload(ServerInfo(device="cpu"), dense)
+    check_moe_reload(None, moe)  # a server that does not say: nothing to check
 
 
 def test_row_loss_adds_the_weighted_aux_loss(model_dirs, tmp_path):

@@ -112,7 +112,7 @@ def test_the_api_key_is_sent_when_set(monkeypatch):
     assert auth_headers() == {"Authorization": "Bearer k"}
 
 
-def sample(stream_index: int, with_top: bool, with_sets: bool) -> Sample:
+def sample(stream_index: int, with_top: bool, with_sets: bool, with_routing: bool = False) -> Sample:
     rng = np.random.default_rng(stream_index)
     trained = np.array([False, False, True, True, True])
     return Sample(
@@ -124,6 +124,7 @@ def sample(stream_index: int, with_top: bool, with_sets: bool) -> Sample:
         top_ids=rng.integers(0, 100, (3, 4)) if with_top else None,
         top_logprobs=rng.normal(size=(3, 4)).astype(np.float32) if with_top else None,
         candidate_sets=[np.array([1, 2]), np.array([], dtype=np.int64), np.array([5])] if with_sets else None,
+        routed_experts=rng.integers(0, 8, (4, 2, 2)).astype(np.uint8) if with_routing else None,
         model_version=4,
         row_index=9,
         stream_index=stream_index,
@@ -136,12 +137,13 @@ def sample(stream_index: int, with_top: bool, with_sets: bool) -> Sample:
 
 
 def test_held_samples_round_trip_exactly(tmp_path):
-    samples = [sample(0, True, False), sample(1, False, True), sample(2, False, False)]
+    samples = [sample(0, True, False), sample(1, False, True), sample(2, False, False, with_routing=True)]
     save_held_samples(samples, tmp_path)
     loaded = load_held_samples(tmp_path)
     assert len(loaded) == 3
+    assert loaded[2].routed_experts.dtype == np.uint8
     for before, after in zip(samples, loaded):
-        for name in ("token_ids", "trained", "sampler_logprobs", "top_ids", "top_logprobs"):
+        for name in ("token_ids", "trained", "sampler_logprobs", "top_ids", "top_logprobs", "routed_experts"):
             left, right = getattr(before, name), getattr(after, name)
             assert (left is None and right is None) or np.array_equal(left, right)
         if before.candidate_sets is None:

@@ -1,25 +1,44 @@
-"""MoE routing replay on the trainer side: the scores and experts by hand, and on a tiny Hugging Face
-Qwen3-MoE forwarding a tree-packed row, the trainer's routing equals the recorded one on every
-replayed token and the log-prob mismatch against the recording model falls."""
+"""MoE routing replay: the scores and experts by hand; on a tiny Hugging Face Qwen3-MoE forwarding a
+tree-packed row, the trainer's routing equals the recorded one on every replayed token and the
+log-prob mismatch against the recording model falls; and the sampler side, a (fake) server's
+routings carried by the worker's samples into the trainer's forward."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import dataclasses
+import io
 import math
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.cli.tiny_model import save_tiny_model
-from asyncgrpo.logprobs import row_logprobs
-from asyncgrpo.models import load_model
-from asyncgrpo.packing.tree_attention import enable_tree_attention
-from asyncgrpo.packing.trie import pack_row
-from asyncgrpo.routing_replay import moe_routers, replay_routing, replayed_routing
-from asyncgrpo.sample import Sample
-from asyncgrpo.trainer.row_loss import replayed_routing_of
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+from aiohttp import web  # noqa: E402
+from test_client_faults import serve  # noqa: E402
+
+from asyncgrpo.cli.tiny_model import save_tiny_model  # noqa: E402
+from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
+from asyncgrpo.generation.responses import MalformedResponseError, decode_routed_experts  # noqa: E402
+from asyncgrpo.generation.server_info import check_routing_replay, parse_server_info  # noqa: E402
+from asyncgrpo.logprobs import row_logprobs  # noqa: E402
+from asyncgrpo.models import load_model  # noqa: E402
+from asyncgrpo.packing.tree_attention import enable_tree_attention  # noqa: E402
+from asyncgrpo.packing.trie import pack_row  # noqa: E402
+from asyncgrpo.rollout.sampler import PolicySampler, RoutingNotReturnedError  # noqa: E402
+from asyncgrpo.rollout.scheduler import training_samples  # noqa: E402
+from asyncgrpo.rollout.sequences import build_training_sequences  # noqa: E402
+from asyncgrpo.rollout.types import Rollout, RolloutGroup, TurnRecord  # noqa: E402
+from asyncgrpo.routing_replay import moe_routers, replay_routing, replayed_routing  # noqa: E402
+from asyncgrpo.sample import Sample  # noqa: E402
+from asyncgrpo.trainer.row_loss import replayed_routing_of  # noqa: E402
 
 
 def test_replayed_routing_by_hand():
@@ -183,3 +202,122 @@ def test_samples_that_carry_routings_are_trained_on_them(moe_pair):
     got = torch.stack(replayed[: len(moe_routers(trainer))])[:, : packed.num_tokens]
     known = torch.from_numpy(packed.routed)
     assert torch.equal(got[:, known], torch.from_numpy(packed.routed_experts)[:, known])
+
+
+# -- the sampler side: a server's routings through the worker's sample into the trainer's forward ---
+
+
+def fake_generate_server(answers: list[tuple[list[int], np.ndarray | None]]):
+    """A token route (`/inference/v1/generate`) answering each request with the next completion and,
+    when given, its routing as vLLM sends it: base64 of a `.npy` array, int32 here."""
+
+    async def handler(request: web.Request) -> web.Response:
+        tokens, routing = answers.pop(0)
+        choice = {
+            "token_ids": tokens,
+            "logprobs": {"content": [{"token_id": t, "logprob": -1.0, "top_logprobs": []} for t in tokens]},
+            "finish_reason": "length",
+        }
+        if routing is not None:
+            buffer = io.BytesIO()
+            np.save(buffer, routing.astype(np.int32))
+            choice["routed_experts"] = base64.b64encode(buffer.getvalue()).decode()
+        return web.json_response({"choices": [choice]})
+
+    return handler
+
+
+def sample_turns(handler, count: int, prompt: list[int], routing_replay: bool = True) -> list[TurnRecord]:
+    async def run():
+        runner, url = await serve(handler)
+        try:
+            async with VLLMClient(url, timeout=10, model="m") as client:
+                policy = PolicySampler(
+                    client, SimpleNamespace(value=0), None, seed=0, token_route=True, candidate_sets=False,
+                    routing_replay=routing_replay,
+                )  # fmt: skip
+                return [await policy.turn(prompt, SamplingParams(max_tokens=12)) for _ in range(count)]
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(run())
+
+
+def least_likely_experts(model, tokens: np.ndarray) -> np.ndarray:
+    """(len(tokens) - 1, layers, top_k): per token and layer the experts the model's router ranks
+    last, so a forward that kept its own choice could not match them by chance."""
+    routers = moe_routers(model)
+    logits: list[torch.Tensor] = []
+    handles = [r.register_forward_hook(lambda m, i, out: logits.append(out[0].detach())) for r in routers]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.from_numpy(tokens[None]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    top_k = routers[0].top_k
+    last = torch.stack(logits).argsort(-1)[:, : len(tokens) - 1, :top_k]  # (layers, tokens - 1, k)
+    return last.permute(1, 0, 2).numpy()
+
+
+def test_a_servers_routing_travels_with_the_sample_and_is_replayed_in_the_trainers_forward(moe_pair):
+    """Two completions of one prompt from a fake server, each with its routing (prompt and output
+    tokens but the last, int32 as vLLM sends it). The worker's sampler keeps it with the turn, the
+    sequence and the queued sample (as uint8); tree packing gives the shared prompt one routing; and
+    in the trainer's forward every routed token of every layer goes to the recorded experts."""
+    _, trainer = moe_pair
+    samples = group_samples(min(trainer.config.vocab_size, 900))
+    prompt = samples[0].token_ids[:24]
+    recorded = [least_likely_experts(trainer, s.token_ids) for s in samples]
+    handler = fake_generate_server([(s.token_ids[24:].tolist(), r) for s, r in zip(samples, recorded)])
+    turns = sample_turns(handler, len(samples), prompt.tolist())
+    group = RolloutGroup(
+        prompts=[[], []], reward_kwargs={}, completions=[[], []], completions_ids=[[], []],
+        completions_sequences=[build_training_sequences([turn])[0] for turn in turns],
+        tool_call_counts=[0, 0], tool_failure_counts=[0, 0], model_version=0, group_id=0, row_index=0,
+        env_rewards=[None, None], rollout_rewards=[None, None], rewards=np.array([1.0, 0.0]),
+        rollouts=[Rollout([], [], [turn]) for turn in turns],
+    )  # fmt: skip
+    queued = training_samples(group, np.array([1.0, -1.0]))
+    for sample, routing in zip(queued, recorded):
+        sample.validate()
+        assert sample.routed_experts.dtype == np.uint8 and np.array_equal(sample.routed_experts, routing)
+    packed = pack_row(queued)
+    assert packed.routed.sum() == packed.num_tokens - 2  # each sample's last token has no routing
+    with replayed_routing_of(trainer, packed), recording(trainer) as replayed:
+        row_logprobs(trainer, packed)
+    got = torch.stack(replayed[: len(moe_routers(trainer))])[:, : packed.num_tokens]
+    known = torch.from_numpy(packed.routed)
+    assert torch.equal(got[:, known], torch.from_numpy(packed.routed_experts)[:, known])
+
+
+def test_a_server_that_returns_no_routing_is_an_error_that_says_how_to_start_it():
+    handler = fake_generate_server([([5, 6], None)])
+    with pytest.raises(RoutingNotReturnedError, match="--moe-routing-replay"):
+        sample_turns(handler, 1, [1, 2, 3])
+    assert sample_turns(fake_generate_server([([5, 6], None)]), 1, [1, 2, 3], routing_replay=False)
+    with pytest.raises(ValueError, match="--enable-scale-out"):
+        PolicySampler(None, None, None, seed=0, token_route=False, candidate_sets=False, routing_replay=True)
+
+
+def test_a_server_that_does_not_return_routings_is_refused_at_start():
+    def info(enabled: bool):
+        return parse_server_info(
+            {"vllm_config": {"aux_output_config": {"enable_return_routed_experts": enabled}}}
+        )
+
+    check_routing_replay(info(True), "http://server")
+    with pytest.raises(ValueError, match="--moe-routing-replay"):
+        check_routing_replay(info(False), "http://server")
+
+
+def test_routings_are_decoded_into_the_narrowest_type():
+    def encoded(array: np.ndarray) -> str:
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        return base64.b64encode(buffer.getvalue()).decode()
+
+    assert decode_routed_experts(encoded(np.full((3, 2, 2), 255, np.int32))).dtype == np.uint8
+    assert decode_routed_experts(encoded(np.full((3, 2, 2), 256, np.int32))).dtype == np.uint16
+    with pytest.raises(MalformedResponseError, match="expected"):
+        decode_routed_experts(encoded(np.zeros((3, 2), np.int32)))

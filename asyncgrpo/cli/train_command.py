@@ -45,7 +45,8 @@ def write_resolved_config(run: RunConfig) -> Path:
 
 def server_options_for(run: RunConfig, cpu: bool | None = None):
     """The `vllm serve` flags the run needs: its model, dtype, port, LoRA slots and rank, the
-    candidate sets of top-k/top-p, and a max model length (token_budget when set)."""
+    candidate sets of top-k/top-p, the routed experts of MoE routing replay, and a max model length
+    (token_budget when set)."""
     from asyncgrpo.generation.server import ServerOptions
 
     args = run.args
@@ -60,6 +61,7 @@ def server_options_for(run: RunConfig, cpu: bool | None = None):
         max_model_len=args.token_budget if (args.token_budget or 0) > 0 else None,  # <= 0: no budget
         dtype=None if args.dtype == "auto" else args.dtype,
         cpu=cpu,
+        return_routed_experts=args.moe_routing_replay,
         extra_args=extra,
     )
     if run.peft_config is not None:

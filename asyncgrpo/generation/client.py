@@ -27,6 +27,7 @@ import msgspec
 from asyncgrpo.generation.responses import Completion, parse_completion_response, parse_generate_response
 from asyncgrpo.generation.server_info import ServerInfo, parse_server_info
 from asyncgrpo.generation.server_load import ServerLoad, parse_server_load
+from asyncgrpo.generation.vllm_worker_extension import RELOAD_METHOD, WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,16 @@ def policy_cache_salt(version: int) -> str:
     return f"asyncgrpo-policy-{version}"
 
 
+async def _all_finished(calls) -> list[Any]:
+    """Await the calls together; every one runs to its end even when another fails (a failed pause
+    must not leave the other servers un-resumed), and the first error is raised after all finished."""
+    answers = await asyncio.gather(*calls, return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise answer
+    return list(answers)
+
+
 def serve_hint(url: str) -> str:
     port = url.rstrip("/").rsplit(":", 1)[-1] if url.count(":") >= 2 else "8000"
     return (
@@ -163,6 +174,7 @@ class VLLMClient:
         self._in_flight = dict.fromkeys(self.base_urls, 0)
         self._tie_breaker = itertools.count()
         self._session: aiohttp.ClientSession | None = None
+        self._reload_methods: dict[str, str] = {}  # url -> the collective_rpc method that reloads
 
     async def __aenter__(self) -> "VLLMClient":
         return self
@@ -281,14 +293,7 @@ class VLLMClient:
         """The same call on every server at once (pause, reload, metrics...). Every server's call
         runs to its end even when another's fails (a failed pause must not leave the others
         un-resumed); the first error is raised after all have finished."""
-        answers = await asyncio.gather(
-            *(self._json(method, url, path, payload, **kwargs) for url in self.base_urls),
-            return_exceptions=True,
-        )
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                raise answer
-        return list(answers)
+        return await _all_finished(self._json(method, url, path, payload, **kwargs) for url in self.base_urls)
 
     def _least_busy(self) -> str:
         if len(self.base_urls) == 1:
@@ -499,14 +504,36 @@ class VLLMClient:
     ) -> None:
         """Load new weights from a directory of safetensors (HF names) on every server. Prefix-cache
         entries of the old weights stay, under their own `cache_salt`; callers that send no salt
-        must `reset_prefix_cache` (it succeeds only once no request holds blocks)."""
-        payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
-        calls = [self._on_all("POST", "/collective_rpc", payload, retry_server_errors=False, timeout=timeout)]
+        must `reset_prefix_cache` (it succeeds only once no request holds blocks). A server started
+        with asyncgrpo's worker extension reloads through it (`_reload_method`)."""
+
+        async def reload(url: str) -> Any:
+            method = await self._reload_method(url)
+            payload = {"method": method, "kwargs": {"weights_path": str(weights_dir)}}
+            return await self._json(
+                "POST", url, "/collective_rpc", payload, retry_server_errors=False, timeout=timeout
+            )
+
+        calls = [_all_finished(reload(url) for url in self.base_urls)]
         if version is not None:  # only a label: set it alongside, not after, while the servers wait
             calls.append(
                 self._on_all("POST", "/update_weight_version", {"new_version": version}, timeout=timeout)
             )
         await asyncio.gather(*calls)
+
+    async def _reload_method(self, url: str) -> str:
+        """vLLM's `reload_weights`, or the worker extension's reload on a server started with it (it
+        repacks fused-MoE weights that vLLM's own reload leaves unpacked on CPU). Read once per server
+        from `/server_info`: the extension is a start-up flag."""
+        if url not in self._reload_methods:
+            try:
+                answer = await self._json("GET", url, "/server_info", params={"config_format": "json"})
+            except VLLMRequestError:
+                answer = None
+            info = parse_server_info(answer if isinstance(answer, dict) else None)
+            extended = info is not None and info.worker_extension == WORKER_EXTENSION
+            self._reload_methods[url] = RELOAD_METHOD if extended else "reload_weights"
+        return self._reload_methods[url]
 
     # -- native weight transfer (`--weight-transfer-config`): never retried, each call joins a
     # collective or a protocol step that must happen exactly once --------------------------------

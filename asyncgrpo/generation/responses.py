@@ -7,6 +7,8 @@ fields skipped in C) followed by a single pass per token. Benchmark: `bench/clie
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
 from dataclasses import dataclass
 
@@ -36,6 +38,10 @@ class Completion:
     # The weight-version labels of the weights that sampled the tokens, in order (token route only;
     # () when the server does not report them). More than one: a weight sync happened mid-request.
     weight_labels: tuple[str, ...] = ()
+    # MoE routing replay (token route, a server with --enable-return-routed-experts): the experts
+    # each forwarded token (prompt, then every output token but the last) was routed to,
+    # (prompt + n - 1, layers, top_k) in the narrowest unsigned type; None when not returned.
+    routed_experts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +94,7 @@ class _GenerateChoice(msgspec.Struct):
     finish_reason: str | None = None
     sampling_mask: list[list[int]] | None = None
     weight_versions: list[_WeightVersionSpan] | None = None
+    routed_experts: str | None = None  # base64 of a `.npy` array
 
 
 class _GenerateResponse(msgspec.Struct):
@@ -246,4 +253,28 @@ def parse_generate_response(body: bytes, num_top: int) -> Completion:
     if choice.sampling_mask is not None:
         masks = [np.asarray(ids, dtype=np.int64) for ids in choice.sampling_mask]
     labels = tuple(span.version for span in choice.weight_versions or ())
-    return Completion(token_ids, logprobs, choice.finish_reason, top_ids, top_logprobs, masks, labels)
+    routing = None if choice.routed_experts is None else decode_routed_experts(choice.routed_experts)
+    return Completion(
+        token_ids, logprobs, choice.finish_reason, top_ids, top_logprobs, masks, labels, routing
+    )
+
+
+def decode_routed_experts(encoded: str) -> np.ndarray:
+    """vLLM's routed experts (base64 of a `.npy` array, (tokens, layers, top_k)) in the narrowest
+    unsigned type that holds them: a routing is tokens x layers x top_k ids, more than the rest of a
+    sample, and it travels through the queue with it."""
+    try:
+        routing = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    except (ValueError, OSError) as error:
+        raise MalformedResponseError(f"unreadable routed_experts in a generate response: {error}") from error
+    if routing.ndim != 3:
+        raise MalformedResponseError(
+            f"routed_experts of shape {routing.shape}: expected (tokens, layers, experts per token)"
+        )
+    return compact_routing(routing)
+
+
+def compact_routing(routing: np.ndarray) -> np.ndarray:
+    """`routing` as uint8 when every expert id fits (up to 256 experts), else uint16."""
+    largest = int(routing.max()) if routing.size else 0
+    return routing.astype(np.uint8 if largest <= np.iinfo(np.uint8).max else np.uint16, copy=False)

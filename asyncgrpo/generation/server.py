@@ -62,6 +62,8 @@ class ServerOptions:
     cpu: bool | None = None
     # CPU only: GiB of RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE); vLLM's default takes far more.
     cpu_kv_cache_gib: int = 1
+    # MoE routing replay: each response carries the experts its tokens were routed to.
+    return_routed_experts: bool = False
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -133,6 +135,13 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
         if options.max_loras is not None:
             argv += ["--max-loras", str(options.max_loras)]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if options.return_routed_experts:
+        if on_cpu:
+            raise ValueError(
+                "--moe-routing-replay: vLLM-CPU 0.32 cannot return routed experts (its "
+                "--enable-return-routed-experts needs Model Runner V2, which needs Triton); serve on a GPU"
+            )
+        argv += ["--enable-return-routed-experts"]
     argv += options.extra_args
     return argv, env
 

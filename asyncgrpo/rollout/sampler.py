@@ -21,6 +21,7 @@ from asyncgrpo.generation.client import (
     policy_adapter_name,
     policy_cache_salt,
 )
+from asyncgrpo.generation.server_info import ROUTING_REPLAY_HINT
 from asyncgrpo.rollout.types import TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ ADAPTER_MISSING_RETRIES = 30
 
 class ServerLostWeightsError(RuntimeError):
     """A server answered with weights the trainer did not push (it restarted from its checkpoint)."""
+
+
+class RoutingNotReturnedError(RuntimeError):
+    """MoE routing replay is on, but a server answered without the routed experts."""
 
 
 async def wants_candidate_sets(client: VLLMClient, config) -> bool:
@@ -61,12 +66,19 @@ class PolicySampler:
         seed: int,
         token_route: bool,
         candidate_sets: bool,
+        routing_replay: bool = False,
     ):
+        if routing_replay and not token_route:
+            raise ValueError(
+                "moe_routing_replay=True needs vLLM's token route, which returns the routed experts: start "
+                f"the server with --enable-scale-out; {ROUTING_REPLAY_HINT}"
+            )
         self.client = client
         self.model_version_value = model_version_value
         self.lora_name = lora_name
         self.token_route = token_route  # token ids in and out instead of /v1/completions
         self.candidate_sets = candidate_sets
+        self.routing_replay = routing_replay  # samples carry the experts each token was routed to
         self._request_seeds = random.Random(seed)
 
     async def turn(self, prompt_ids: list[int], sampling: SamplingParams) -> TurnRecord:
@@ -74,6 +86,11 @@ class PolicySampler:
         seed = self._request_seeds.getrandbits(62)
         completion, version = await self.sample(prompt_ids, sampling, seed)
         version = self.sampled_version(completion.weight_labels, version)
+        if self.routing_replay and completion.routed_experts is None:
+            raise RoutingNotReturnedError(
+                "moe_routing_replay=True but the vLLM server returned no routed experts: "
+                + ROUTING_REPLAY_HINT
+            )
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=completion.token_ids.tolist(),
@@ -85,6 +102,7 @@ class PolicySampler:
             output_top_logprobs=completion.top_logprobs,
             finish_reason=completion.finish_reason,
             model_version=version,
+            routed_experts=completion.routed_experts if self.routing_replay else None,
         )
 
     def sampled_version(self, weight_labels: tuple[str, ...], version: int) -> int:

@@ -144,6 +144,7 @@ class RolloutScheduler:
                 seed=config.seed,
                 token_route=token_route,
                 candidate_sets=candidate_sets,
+                routing_replay=config.moe_routing_replay,
             )
             await loop.setup()
             await self._start_state()
@@ -455,7 +456,7 @@ class RolloutScheduler:
                     f"{group.row_index}: {advantages}"
                 )
             dropped = is_degenerate_group(group.rewards)
-            samples = [] if dropped else self._samples(group, advantages)
+            samples = [] if dropped else training_samples(group, advantages)
             names = [reward_function_name(function) for function in reward_funcs] + env_names
             record_group_metrics(
                 self.loop.metrics, group, [*per_function, *env_sources], names, dropped, len(samples)
@@ -478,36 +479,6 @@ class RolloutScheduler:
                     group.stream_index, group.epoch, group.row_index, group.group_id, samples, top_reward
                 )
             )
-
-    def _samples(self, group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:
-        """Training samples of a kept group. Unscored rollouts (advantage 0) add no gradient, only
-        forward cost, so they are not queued."""
-        samples = []
-        now = time.time()
-        for index, sequences in enumerate(group.completions_sequences):
-            if np.isnan(group.rewards[index]):
-                continue
-            for sequence in sequences:
-                samples.append(
-                    Sample(
-                        token_ids=sequence.token_ids,
-                        trained=sequence.trained,
-                        sampler_logprobs=sequence.sampler_logprobs,
-                        advantage=float(advantages[index]),
-                        group_id=group.group_id,
-                        top_ids=sequence.top_ids,
-                        top_logprobs=sequence.top_logprobs,
-                        candidate_sets=sequence.candidate_sets,
-                        model_version=sequence.model_version,
-                        row_index=group.row_index,
-                        stream_index=group.stream_index,
-                        epoch=group.epoch,
-                        reward=float(group.rewards[index]),
-                        rollout_id=group.rollouts[index].rollout_id,
-                        queued_at=now,
-                    )
-                )
-        return samples
 
     def _put_result(self, result: GroupResult) -> None:
         self.channels.rollout_buffer.put(result)
@@ -595,3 +566,35 @@ class RolloutScheduler:
         events, dropped = self._timeline.take()
         if events or dropped:
             self.channels.timeline_queue.put((events, dropped))
+
+
+def training_samples(group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:
+    """Training samples of a kept group. Unscored rollouts (advantage 0) add no gradient, only
+    forward cost, so they are not queued."""
+    samples = []
+    now = time.time()
+    for index, sequences in enumerate(group.completions_sequences):
+        if np.isnan(group.rewards[index]):
+            continue
+        for sequence in sequences:
+            samples.append(
+                Sample(
+                    token_ids=sequence.token_ids,
+                    trained=sequence.trained,
+                    sampler_logprobs=sequence.sampler_logprobs,
+                    advantage=float(advantages[index]),
+                    group_id=group.group_id,
+                    top_ids=sequence.top_ids,
+                    top_logprobs=sequence.top_logprobs,
+                    candidate_sets=sequence.candidate_sets,
+                    model_version=sequence.model_version,
+                    routed_experts=sequence.routed_experts,
+                    row_index=group.row_index,
+                    stream_index=group.stream_index,
+                    epoch=group.epoch,
+                    reward=float(group.rewards[index]),
+                    rollout_id=group.rollouts[index].rollout_id,
+                    queued_at=now,
+                )
+            )
+    return samples

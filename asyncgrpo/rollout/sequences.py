@@ -54,6 +54,8 @@ class _SequenceBuilder:
         self.has_top = self.has_candidates = False
         self.length = 0
         self.model_version = model_version
+        # The latest turn's routing: its prompt holds every token kept so far, so it covers them all.
+        self.routed_experts: np.ndarray | None = None
 
     def add_context(self, token_ids: np.ndarray) -> None:
         self.tokens.append(token_ids)
@@ -73,6 +75,8 @@ class _SequenceBuilder:
         self.tokens.append(output)
         self.trained.append(mask)
         self.length += len(output)
+        if turn.routed_experts is not None:
+            self.routed_experts = turn.routed_experts
         if not mask.any():
             return
         if len(turn.output_log_probs) != len(output):
@@ -124,6 +128,7 @@ class _SequenceBuilder:
             top_logprobs=top_logprobs,
             candidate_sets=self._candidate_sets() if self.has_candidates else None,
             model_version=self.model_version,
+            routed_experts=self.routed_experts,
         )
 
     def _candidate_sets(self) -> list[np.ndarray]:

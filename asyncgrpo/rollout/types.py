@@ -30,6 +30,9 @@ class TurnRecord:
     output_top_logprobs: np.ndarray | None = None
     finish_reason: str | None = None
     model_version: int = 0  # policy version when the request was sent
+    # Not in TRL's dataclass. MoE routing replay: the experts the server routed each forwarded token
+    # to, prompt then output but its last token, (len(prompt_ids) + len(output_ids) - 1, layers, top_k).
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -56,6 +59,7 @@ class TrainingSequence:
     top_logprobs: np.ndarray | None = None  # (T, N) float32
     candidate_sets: list[np.ndarray] | None = None
     model_version: int = 0
+    routed_experts: np.ndarray | None = None  # (R <= L, layers, top_k): see Sample.routed_experts
 
 
 @dataclass

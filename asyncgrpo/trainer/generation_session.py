@@ -17,11 +17,12 @@ import torch
 from asyncgrpo import timeline
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, policy_label
-from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode
+from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode, check_routing_replay
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.worker import RolloutWorkerPool, check_worker_payload
+from asyncgrpo.routing_replay import moe_routers
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.checkpoint import ResumePoint
 from asyncgrpo.trainer.checks import check_prompt_lengths
@@ -84,6 +85,9 @@ class GenerationSession:
         server_info = self.http.run(self.client.server_info())
         check_logprobs_mode(server_info, args.vllm_server_urls[0])
         warn_on_dtype_mismatch(server_info, trainer.model)
+        if args.moe_routing_replay:
+            moe_routers(trainer.model)  # a model without top-k routers has nothing to replay
+            check_routing_replay(server_info, args.vllm_server_urls[0])
         # token_budget <= 0: rows of per_device_train_batch_size samples, no token cap (TRL's fixed count)
         self.token_budget = max_model_len if args.token_budget is None else args.token_budget
 

@@ -43,6 +43,8 @@ def save_held_samples(samples: list[Sample], directory: str | os.PathLike) -> No
         if sample.top_ids is not None:
             arrays[f"{index}.top_ids"] = sample.top_ids
             arrays[f"{index}.top_logprobs"] = sample.top_logprobs
+        if sample.routed_experts is not None:
+            arrays[f"{index}.routed_experts"] = sample.routed_experts
         if sample.candidate_sets is not None:
             arrays[f"{index}.candidate_sizes"] = np.array(
                 [len(c) for c in sample.candidate_sets], dtype=np.int64
@@ -82,6 +84,7 @@ def load_held_samples(directory: str | os.PathLike) -> list[Sample]:
                     top_ids=top_ids,
                     top_logprobs=top_logprobs,
                     candidate_sets=candidate_sets,
+                    routed_experts=arrays.get(f"{index}.routed_experts"),
                     **scalars,
                 )
             )

