@@ -77,6 +77,17 @@ class LossFields:
             "loss. None: off. TRL suggests values around 0.5."
         },
     )
+    moe_routing_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "MoE routing replay: the trainer's forward sends each sampled sequence's tokens to the "
+            "experts the server routed them to (a token near an expert tie can otherwise go elsewhere in "
+            "the trainer, a mismatch no importance weight corrects). Needs a server started with "
+            "`asyncgrpo serve --moe-routing-replay` (vLLM's --enable-return-routed-experts: GPU only in "
+            "vLLM 0.32). False: the sample carries no routing, which saves its (tokens x layers x top_k) "
+            "bytes on the queue."
+        },
+    )
     num_sampler_logprobs: int = field(
         default=8,
         metadata={
