@@ -388,12 +388,12 @@ class AsyncGRPOConfig(TrlCompatFields, TrainingArguments):  # TrainingArguments'
     weight_sync_backend: str = field(
         default="auto",
         metadata={
-            "help": "'auto': nccl when the trainer has a GPU and the server runs the NCCL engine, else "
-            "shared_memory when the servers run on this machine and RAM has room, filesystem otherwise; "
-            "'filesystem': safetensors under output_dir reloaded by the server (any server that can "
-            "read output_dir: shared filesystems); 'shared_memory': the same through RAM (/dev/shm), "
-            "for servers on this machine; 'nccl': GPU-to-GPU broadcast with vLLM's native "
-            'weight-transfer protocol (serve with --weight-transfer-config \'{"backend":"nccl"}\').'
+            "help": "'auto': nccl when the trainer has a GPU and the server runs the NCCL engine, "
+            "filesystem otherwise; 'filesystem': safetensors under output_dir reloaded by the server "
+            "(any server that can read output_dir: shared filesystems); 'shared_memory': the same "
+            "through RAM (/dev/shm), for servers on this machine; 'nccl': GPU-to-GPU broadcast with "
+            "vLLM's native weight-transfer protocol "
+            '(serve with --weight-transfer-config \'{"backend":"nccl"}\').'
         },
     )
 

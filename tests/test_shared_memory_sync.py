@@ -49,10 +49,9 @@ def test_why_not_names_the_missing_condition(tmp_path, monkeypatch):
     assert "RAM free" in why_not_shared_memory(local, 4000 // ROOM_IN_MODEL_COPIES + 1, root=tmp_path)
 
 
-def test_auto_picks_shared_memory_only_when_it_can_be_used():
-    assert choose_backend("auto", None, trainer_on_gpu=False, shared_memory_refusal=None) == "shared_memory"
-    assert choose_backend("auto", None, trainer_on_gpu=False, shared_memory_refusal="remote") == "filesystem"
-    assert choose_backend("filesystem", None, False, shared_memory_refusal=None) == "filesystem"
+def test_shared_memory_is_chosen_only_by_name_and_only_where_it_can_be_used():
+    assert choose_backend("auto", None, trainer_on_gpu=False, shared_memory_refusal=None) == "filesystem"
+    assert choose_backend("shared_memory", None, False, shared_memory_refusal=None) == "shared_memory"
     with pytest.raises(ValueError, match="cannot be used: a server is elsewhere"):
         choose_backend("shared_memory", None, False, shared_memory_refusal="a server is elsewhere")
 

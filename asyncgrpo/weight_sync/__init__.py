@@ -22,21 +22,20 @@ logger = logging.getLogger(__name__)
 
 
 def choose_backend(
-    requested: str, info: ServerInfo | None, trainer_on_gpu: bool, shared_memory_refusal: str | None
+    requested: str, info: ServerInfo | None, trainer_on_gpu: bool, shared_memory_refusal: str | None = None
 ) -> str:
-    """'auto' is NCCL when the trainer has a GPU and the server runs the NCCL transfer engine, else
-    shared memory when the servers can use it (`shared_memory_refusal` None: on this machine, with
-    room in RAM), the filesystem otherwise; an explicit 'nccl' needs a server that runs the engine, an
-    explicit 'shared_memory' servers that can use it."""
+    """'auto' is NCCL when the trainer has a GPU and the server runs the NCCL transfer engine, the
+    filesystem otherwise (shared memory is not faster on a loaded CPU machine: bench/RESULTS.md,
+    "cpu_weight_sync"); an explicit 'nccl' needs a server that runs the engine, an explicit
+    'shared_memory' servers that can use it (`shared_memory_refusal` None: on this machine, with room
+    in RAM)."""
     server_has_nccl = info is not None and info.transfer_backend == "nccl"
     if requested == "auto":
-        if server_has_nccl and trainer_on_gpu:
-            return "nccl"
-        return "filesystem" if shared_memory_refusal is not None else SharedMemoryWeightSync.name
+        return "nccl" if server_has_nccl and trainer_on_gpu else "filesystem"
     if requested == SharedMemoryWeightSync.name and shared_memory_refusal is not None:
         raise ValueError(
             f"weight_sync_backend='shared_memory' cannot be used: {shared_memory_refusal}; use "
-            "weight_sync_backend='filesystem' (or 'auto', which picks it in that case)"
+            "weight_sync_backend='filesystem' (or 'auto')"
         )
     if requested == "nccl" and info is not None and not server_has_nccl:
         raise ValueError(
@@ -91,11 +90,9 @@ def make_sender(
         if adapter_sync is not None:
             return adapter_sync
     refusal = None
-    if requested in ("auto", SharedMemoryWeightSync.name):
+    if requested == SharedMemoryWeightSync.name:
         served_bytes = sum(tensor_bytes(tensor.shape, tensor.dtype) for _, tensor in serving_tensors(model))
         refusal = why_not_shared_memory(client.base_urls, served_bytes)
-        if refusal is not None and requested == "auto":
-            logger.info("weight sync: not through shared memory, %s", refusal)
     backend = choose_backend(requested, info, trainer_on_gpu, refusal)
     return make_weight_sync(backend, client, loop, output_dir, timeout_s)
 
