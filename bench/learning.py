@@ -29,7 +29,9 @@ Machine notes: the vLLM server and the asyncgrpo trainer share the CPU cores (tr
 thread, as in the demo); TRL has no server and gets the torch threads it wants.
 Run: `.venv/bin/python bench/learning.py [--quick] [--seeds N] [--prompts P] [--arms a,b] [--out DIR]`.
 `--tasks demo,long` (the default) runs both tasks; each prints its line:
-`learning minutes_to_plus_0.3 asyncgrpo=X trl=Y` and `learning_long minutes_to_plus_0.3 asyncgrpo=X trl=Y`.
+`learning minutes_to_plus_0.3 asyncgrpo=X trl=Y` and `learning_long minutes_to_plus_0.3 asyncgrpo=X trl=Y`
+(the median over the seeds, a seed that never reached +0.3 counting as infinitely slow). Each run's
+line gives the load average at its end and, for asyncgrpo, the share of its step that is fixed cost.
 """
 
 from __future__ import annotations
@@ -57,6 +59,17 @@ MAX_COMPLETION_LENGTH = 8
 TOKEN_BUDGET = 256
 DATASET_SIZE = 100  # the demo's prompts: every (a, b) of digits
 SMOOTHING = 10  # logged steps in the moving mean the thresholds are read on
+# What each asyncgrpo log carries besides the reward: the samples TRL is matched to, and where the
+# step's time goes (docs/metrics.md), for the fixed-cost share the long task is judged on.
+LOGGED_EXTRAS = (
+    "batch/samples_per_step",
+    "perf/step_s",
+    "perf/fixed_cost_s",
+    "perf/overlap_efficiency",
+    "perf/trainer_idle_frac",
+    "perf/generation_idle_frac",
+    "perf/sync_pause_s",
+)
 GAINS = (0.2, 0.3)
 HERE = Path(__file__).resolve().parent
 TASKS = ("demo", "long")
@@ -112,9 +125,10 @@ def ensure_trl() -> None:
 
 
 class RewardLog:
-    """(step, seconds since training began, reward) at every log that carries a reward."""
+    """(step, seconds since training began, reward) at every log that carries a reward; with
+    `stop_level`, training stops at the first log where the moving mean reaches it (`--stop-at-gain`)."""
 
-    def __init__(self):
+    def __init__(self, stop_level: float | None = None):
         from transformers import TrainerCallback
 
         records = self.records = []
@@ -126,15 +140,24 @@ class RewardLog:
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if logs and "reward" in logs:
-                    extra = {key: logs[key] for key in ("batch/samples_per_step",) if key in logs}
+                    extra = {key: logs[key] for key in LOGGED_EXTRAS if key in logs}
                     records.append({"step": state.global_step, "seconds": time.time() - started[0],
                                     "reward": float(logs["reward"]), **extra})  # fmt: skip
+                    if stop_level is not None and threshold(records, stop_level) is not None:
+                        control.should_training_stop = True
 
         self.callback = Callback()
 
 
 def run_asyncgrpo(
-    task: str, arm: str, seed: int, model_dir: str, url: str, prompts: int, out: Path
+    task: str,
+    arm: str,
+    seed: int,
+    model_dir: str,
+    url: str,
+    prompts: int,
+    out: Path,
+    stop_level: float | None,
 ) -> list[dict]:
     import torch
 
@@ -167,14 +190,20 @@ def run_asyncgrpo(
         vllm_server_timeout=300,
     )
     trainer_class = SynchronousTrainer if arm == "asyncgrpo_sync" else AsyncGRPOTrainer
-    log = RewardLog()
+    log = RewardLog(stop_level)
     trainer = trainer_class(model_dir, reward, args, train_dataset=dataset, callbacks=[log.callback])
     trainer.train()
     return log.records
 
 
 def run_trl(
-    task: str, seed: int, model_dir: str, prompts: int, samples_per_step: int, out: Path
+    task: str,
+    seed: int,
+    model_dir: str,
+    prompts: int,
+    samples_per_step: int,
+    out: Path,
+    stop_level: float | None,
 ) -> list[dict]:
     from trl import GRPOConfig, GRPOTrainer
 
@@ -200,7 +229,7 @@ def run_trl(
         disable_tqdm=True,
         seed=seed,
     )
-    log = RewardLog()
+    log = RewardLog(stop_level)
     trainer = GRPOTrainer(
         model=model_dir,
         reward_funcs=reward,
@@ -218,13 +247,21 @@ def run_name(task: str, arm: str, seed: int) -> str:
 
 
 def child(
-    task: str, arm: str, seed: int, model_dir: str, url: str, prompts: int, samples_per_step: int, result: str
+    task: str,
+    arm: str,
+    seed: int,
+    model_dir: str,
+    url: str,
+    prompts: int,
+    samples_per_step: int,
+    result: str,
+    stop_level: float | None,
 ) -> None:
     out = Path(result).parent
     if arm == "trl":
-        records = run_trl(task, seed, model_dir, prompts, samples_per_step, out)
+        records = run_trl(task, seed, model_dir, prompts, samples_per_step, out, stop_level)
     else:
-        records = run_asyncgrpo(task, arm, seed, model_dir, url, prompts, out)
+        records = run_asyncgrpo(task, arm, seed, model_dir, url, prompts, out, stop_level)
     Path(result).write_text(json.dumps(records))
 
 
@@ -332,6 +369,24 @@ def threshold(records: list[dict], level: float) -> tuple[int, float] | None:
     return None
 
 
+def fixed_cost_share(records: list[dict]) -> str:
+    """The text ", fixed cost X of a S s step" for a run's logs that carry the overlap figures (asyncgrpo's):
+    the summed `perf/fixed_cost_s` over the summed `perf/step_s`."""
+    logged = [r for r in records if "perf/fixed_cost_s" in r and "perf/step_s" in r]
+    if not logged:
+        return ""
+    share = sum(r["perf/fixed_cost_s"] for r in logged) / sum(r["perf/step_s"] for r in logged)
+    mean_step = statistics.mean(r["perf/step_s"] for r in logged)
+    return f", fixed cost {share:.3f} of a {mean_step:.2f} s step"
+
+
+def median_minutes(runs: list[list[dict]], level: float) -> float:
+    """The median over seeds of the minutes to `level`, a seed that never reached it counting as
+    infinitely slow (so the median is infinite when most seeds did not reach it)."""
+    hits = [threshold(records, level) for records in runs]
+    return statistics.median(math.inf if hit is None else hit[1] for hit in hits)
+
+
 def summarize(results: dict[str, list[list[dict]]], start: float) -> list[dict]:
     rows = []
     for arm, runs in results.items():
@@ -347,6 +402,7 @@ def summarize(results: dict[str, list[list[dict]]], start: float) -> list[dict]:
             if len(finals) > 1
             else statistics.stdev([r["reward"] for r in runs[0][-SMOOTHING:]]),
         }
+        row["median_minutes_to_+0.3"] = median_minutes(runs, start + 0.3)
         for gain in GAINS:
             hits = [threshold(records, start + gain) for records in runs]
             reached = [hit for hit in hits if hit is not None]
@@ -433,7 +489,14 @@ def main() -> None:
     parser.add_argument(
         "--summarize", metavar="DIR", help="only rebuild the demo's table and plot from DIR's run logs"
     )
-    parser.add_argument("--child", nargs=8, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--stop-at-gain",
+        type=float,
+        default=None,
+        help="end each run once its moving mean reward reaches start + this (the minutes to it are "
+        "what the race reads; the prompts are then only a cap)",
+    )
+    parser.add_argument("--child", nargs=9, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.summarize:
         out = Path(options.summarize).resolve()
@@ -449,8 +512,9 @@ def main() -> None:
         )
         return
     if options.child:
-        task, arm, seed, model_dir, url, prompts, samples_per_step, result = options.child
-        child(task, arm, int(seed), model_dir, url, int(prompts), int(samples_per_step), result)
+        task, arm, seed, model_dir, url, prompts, samples_per_step, result, stop = options.child
+        stop_level = None if stop == "-" else float(stop)
+        child(task, arm, int(seed), model_dir, url, int(prompts), int(samples_per_step), result, stop_level)
         return
     if options.quick:
         options.seeds, options.prompts = 1, 1000
@@ -467,7 +531,9 @@ def main() -> None:
     for task in tasks:
         model_dir, start = start_model(task, options.model, out)
         print(f"[learning] {task}: start model in {model_dir}, start reward {start:.3f}", flush=True)
-        results = run_task(task, arms, model_dir, options.seeds, options.prompts, out, failures)
+        results = run_task(
+            task, arms, model_dir, start, options.seeds, options.prompts, out, failures, options.stop_at_gain
+        )
         report(task, {arm: runs for arm, runs in results.items() if runs}, start, out, failures)
     if failures:
         raise SystemExit(1)
@@ -487,7 +553,15 @@ def start_model(task: str, warm_started: str | None, out: Path) -> tuple[Path, f
 
 
 def run_task(
-    task: str, arms: list[str], model_dir: Path, seeds: int, prompts: int, out: Path, failures: list[str]
+    task: str,
+    arms: list[str],
+    model_dir: Path,
+    start: float,
+    seeds: int,
+    prompts: int,
+    out: Path,
+    failures: list[str],
+    stop_at_gain: float | None = None,
 ) -> dict[str, list[list[dict]]]:
     from asyncgrpo.generation.server import ServerOptions, VLLMServer
 
@@ -506,9 +580,10 @@ def run_task(
                 if arm != "trl":
                     reset_server(server.options.url, model_dir)
                 result = out / f"{run_name(task, arm, seed)}.json"
+                stop = "-" if stop_at_gain is None else str(start + stop_at_gain)
                 command = [sys.executable, __file__, "--child", task, arm, str(seed), str(model_dir),
                            server.options.url if server else "-", str(prompts), str(samples_per_step),
-                           str(result)]  # fmt: skip
+                           str(result), stop]  # fmt: skip
                 began = time.time()
                 finished = subprocess.run(command, check=False, env={**os.environ, "PYTHONUNBUFFERED": "1"})
                 if finished.returncode != 0 or not result.exists():
@@ -520,9 +595,13 @@ def run_task(
                     continue
                 records = json.loads(result.read_text())
                 results[arm].append(records)
+                hit = threshold(records, start + 0.3)
                 print(f"[learning] {task} {arm} seed {seed}: {records[-1]['step']} steps, "
                       f"{(time.time() - began) / 60:.1f} min with start-up, last reward "
-                      f"{records[-1]['reward']:.3f}", flush=True)  # fmt: skip
+                      f"{records[-1]['reward']:.3f}, minutes to +0.3 "
+                      f"{'not_reached' if hit is None else f'{hit[1]:.2f}'}, load average "
+                      f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}{fixed_cost_share(records)}",
+                      flush=True)  # fmt: skip
                 if arm == "asyncgrpo" and seed == 0:  # TRL gets the same samples per optimizer step
                     measured = [r["batch/samples_per_step"] for r in records if "batch/samples_per_step" in r]
                     samples_per_step = max(
@@ -552,10 +631,10 @@ def report(
     (out / f"summary{suffix}.json").write_text(json.dumps({"start": start, "rows": rows}, indent=1))
     print(f"\n[learning] per-run logs, summary{suffix}.json and learning{suffix}.png in {out}")
 
-    def minutes(arm: str) -> str:
+    def minutes(arm: str) -> str:  # the median over the seeds
         row = next((row for row in rows if row["arm"] == arm), None)
-        hit = None if row is None else row["+0.3"]
-        return "not_reached" if hit is None else f"{hit[1]:.2f}"
+        median = math.inf if row is None else row["median_minutes_to_+0.3"]
+        return "not_reached" if math.isinf(median) else f"{median:.2f}"
 
     if failures:
         print(f"[learning] failed runs (left out above): {', '.join(failures)}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-WEIGHT_SYNC_BACKENDS = ("auto", "filesystem", "nccl")
+WEIGHT_SYNC_BACKENDS = ("auto", "filesystem", "shared_memory", "nccl")
 
 
 @dataclass
@@ -66,9 +66,11 @@ class PipelineFields:
     weight_sync_backend: str = field(
         default="auto",
         metadata={
-            "help": "'auto': nccl when the trainer has a GPU and the server runs the NCCL engine, filesystem "
-            "otherwise; 'filesystem': safetensors under output_dir reloaded by the server (CPU, shared "
-            "filesystems); 'nccl': GPU-to-GPU broadcast with vLLM's native weight-transfer protocol "
+            "help": "'auto': nccl when the trainer has a GPU and the server runs the NCCL engine, "
+            "filesystem otherwise; 'filesystem': safetensors under output_dir reloaded by the server "
+            "(any server that can read output_dir: shared filesystems); 'shared_memory': the same "
+            "through RAM (/dev/shm), for servers on this machine; 'nccl': GPU-to-GPU broadcast with "
+            "vLLM's native weight-transfer protocol "
             '(serve with --weight-transfer-config \'{"backend":"nccl"}\').'
         },
     )

@@ -12,21 +12,33 @@ from asyncgrpo.generation.server_info import ServerInfo
 from asyncgrpo.generation.vllm_worker_extension import WORKER_EXTENSION
 from asyncgrpo.models import is_moe
 from asyncgrpo.peft_adapters import is_peft_model
-from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend
+from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, serving_tensors
+from asyncgrpo.weight_sync.buckets import tensor_bytes
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
 from asyncgrpo.weight_sync.lora import LoraAdapterSync, adapter_sync_for
 from asyncgrpo.weight_sync.nccl import NcclWeightSync, vllm_at_least
+from asyncgrpo.weight_sync.shared_memory import SharedMemoryWeightSync, why_not_shared_memory
 from asyncgrpo.weight_sync.transport import NcclTransport
 
 logger = logging.getLogger(__name__)
 
 
-def choose_backend(requested: str, info: ServerInfo | None, trainer_on_gpu: bool) -> str:
+def choose_backend(
+    requested: str, info: ServerInfo | None, trainer_on_gpu: bool, shared_memory_refusal: str | None = None
+) -> str:
     """'auto' is NCCL when the trainer has a GPU and the server runs the NCCL transfer engine, the
-    filesystem otherwise; an explicit 'nccl' needs a server that runs the engine."""
+    filesystem otherwise (shared memory is not faster on a loaded CPU machine: bench/RESULTS.md,
+    "cpu_weight_sync"); an explicit 'nccl' needs a server that runs the engine, an explicit
+    'shared_memory' servers that can use it (`shared_memory_refusal` None: on this machine, with room
+    in RAM)."""
     server_has_nccl = info is not None and info.transfer_backend == "nccl"
     if requested == "auto":
         return "nccl" if server_has_nccl and trainer_on_gpu else "filesystem"
+    if requested == SharedMemoryWeightSync.name and shared_memory_refusal is not None:
+        raise ValueError(
+            f"weight_sync_backend='shared_memory' cannot be used: {shared_memory_refusal}; use "
+            "weight_sync_backend='filesystem' (or 'auto')"
+        )
     if requested == "nccl" and info is not None and not server_has_nccl:
         raise ValueError(
             "weight_sync_backend='nccl' but the vLLM server was not started with the NCCL engine: serve with "
@@ -48,6 +60,8 @@ def make_weight_sync(
     if backend == FilesystemWeightSync.name:
         directory = Path(output_dir).resolve() / ".vllm_weights" if is_sender else None
         return FilesystemWeightSync(client, loop, directory, is_sender=is_sender, timeout_s=timeout_s or None)
+    if backend == SharedMemoryWeightSync.name:
+        return SharedMemoryWeightSync(client, loop, is_sender=is_sender, timeout_s=timeout_s or None)
     if backend == LoraAdapterSync.name and not is_sender:  # the sender's comes from `adapter_sync_for`
         return LoraAdapterSync(None, None, None, keep=1, is_sender=False)
     if backend == NcclWeightSync.name:
@@ -77,8 +91,12 @@ def make_sender(
         adapter_sync = adapter_sync_for(model, info, client, loop, output_dir, max_staleness)
         if adapter_sync is not None:
             return adapter_sync
-    backend = choose_backend(requested, info, trainer_on_gpu)
-    if backend == FilesystemWeightSync.name:
+    refusal = None
+    if requested == SharedMemoryWeightSync.name:
+        served_bytes = sum(tensor_bytes(tensor.shape, tensor.dtype) for _, tensor in serving_tensors(model))
+        refusal = why_not_shared_memory(client.base_urls, served_bytes)
+    backend = choose_backend(requested, info, trainer_on_gpu, refusal)
+    if backend in (FilesystemWeightSync.name, SharedMemoryWeightSync.name):  # both reload from a path
         check_moe_reload(info, model)
     return make_weight_sync(backend, client, loop, output_dir, timeout_s)
 
@@ -105,6 +123,7 @@ __all__ = [
     "FilesystemWeightSync",
     "LoraAdapterSync",
     "NcclWeightSync",
+    "SharedMemoryWeightSync",
     "SyncTimings",
     "WeightSyncBackend",
     "check_moe_reload",
