@@ -57,9 +57,11 @@ class RecurrentLayout:
     inverse: torch.Tensor | None  # (P,) layer-order row of each packed token
     conv_index: torch.Tensor  # (P, K) row of the token K-1-j steps back along the path; P = none
     conv_fix_rows: torch.Tensor  # rows whose K-1 predecessors are not simply the rows before them
-    segment_cu_seqlens: torch.Tensor  # (G + 1,) every segment's row offsets, in layer order
-    segment_cu_seqlens_cpu: torch.Tensor
-    segment_predecessors: torch.Tensor  # (G, K-1) conv_index[segment start, :K-1]: its path's tail
+    # conv_index read the other way, for the convolution kernel's input gradient: the entries
+    # r * K + j with conv_index[r, j] = t are conv_successors[conv_successor_offsets[t]:...[t + 1]]
+    # (a token at a branch point is read by the first rows of every child segment).
+    conv_successor_offsets: torch.Tensor  # (P + 1,)
+    conv_successors: torch.Tensor  # (E,)
     levels: tuple[Level, ...]
 
 
@@ -122,6 +124,9 @@ def recurrent_layout(
     natural = np.arange(num_tokens)[:, None] - np.arange(kernel_size - 1, -1, -1)[None, :]
     natural[natural < 0] = num_tokens  # a plain causal convolution reads zeros before row 0
     identity = bool(np.array_equal(order, np.arange(num_tokens)))
+    flat_conv = conv_index.ravel()
+    read = np.flatnonzero(flat_conv < num_tokens)
+    successor_counts = np.bincount(flat_conv[read], minlength=num_tokens)
 
     def tensor(array) -> torch.Tensor:
         return torch.as_tensor(np.ascontiguousarray(array), device=device)
@@ -149,16 +154,14 @@ def recurrent_layout(
                 unpad=tensor(np.flatnonzero(real)),
             )
         )
-    segment_cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths[by_level])]), dtype=torch.int64)
     return RecurrentLayout(
         num_tokens=num_tokens,
         order=None if identity else tensor(order),
         inverse=None if identity else tensor(inverse),
         conv_index=tensor(conv_index),
         conv_fix_rows=tensor(np.flatnonzero((conv_index != natural).any(axis=1))),
-        segment_cu_seqlens=segment_cu.to(device),
-        segment_cu_seqlens_cpu=segment_cu,
-        segment_predecessors=tensor(conv_index[first_row[by_level], : kernel_size - 1]),
+        conv_successor_offsets=tensor(np.concatenate([[0], np.cumsum(successor_counts)])),
+        conv_successors=tensor(read[np.argsort(flat_conv[read], kind="stable")]),
         levels=tuple(levels),
     )
 
@@ -237,52 +240,27 @@ def _plain_conv_and_activate(mixed, weight, bias, layout: RecurrentLayout, activ
     return ACT2FN[activation](out).to(mixed.dtype)
 
 
-FLA_CONV_ACTIVATIONS = ("silu", "swish")  # the activations fla's convolution kernel applies itself
+TRITON_CONV_ACTIVATIONS = ("silu", "swish")  # the activation the Triton convolution applies itself
 
 
 @functools.cache
-def _fla_causal_conv1d(device: torch.device):
-    """fla's varlen causal convolution (Triton) for `device`, or None off CUDA or without fla-core."""
-    if device.type != "cuda":
+def _triton_tree_conv(device_type: str):
+    """The Triton path convolution + SiLU (`kernels.tree_conv`) on CUDA when Triton is installed (it
+    comes with torch's CUDA builds), else None: `F.conv1d` with the segment starts fixed up."""
+    if device_type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d
-    except ImportError:
-        return None
-    return causal_conv1d
+    from asyncgrpo.kernels.tree_conv import tree_conv_silu  # imports Triton
 
-
-def _fla_conv_and_activate(fla_conv, mixed, weight, bias, layout: RecurrentLayout, activation: str):
-    """act(path convolution) in one fla kernel: every segment a sequence of a varlen convolution whose
-    initial state holds the K-1 tokens before it on its path (its parent's tail). fla computes in fp32
-    from the input's dtype and returns that dtype; backward gives the initial states' gradient, which
-    autograd adds to the parents' tail rows."""
-    num_tokens, channels = mixed.shape
-    predecessors = layout.segment_predecessors  # (G, K-1)
-    taps = mixed.index_select(0, predecessors.clamp(max=num_tokens - 1).flatten())
-    taps = taps.view(*predecessors.shape, channels) * (predecessors < num_tokens)[..., None]
-    # fla's initial state (G, C, K): column K - s holds the token s steps before the segment; column 0
-    # is never read.
-    initial = F.pad(taps.transpose(1, 2), (1, 0))
-    out, _ = fla_conv(
-        mixed[None],
-        weight,
-        bias,
-        initial_state=initial,
-        activation=activation,
-        cu_seqlens=layout.segment_cu_seqlens,
-        cu_seqlens_cpu=layout.segment_cu_seqlens_cpu,
-    )
-    return out[0]
+    return tree_conv_silu
 
 
 def path_conv_and_activate(mixed, weight, bias, layout: RecurrentLayout, activation: str) -> torch.Tensor:
     """act(depthwise causal convolution along trie paths) of mixed (P, C) in layer order -> (P, C) in
-    mixed's dtype: fla's fused kernel on CUDA when fla-core is installed, else `F.conv1d` with the
-    segment starts fixed up."""
-    fla_conv = _fla_causal_conv1d(mixed.device)
-    if fla_conv is not None and activation in FLA_CONV_ACTIVATIONS:
-        return _fla_conv_and_activate(fla_conv, mixed, weight, bias, layout, activation)
+    mixed's dtype: one Triton kernel on CUDA (fp32 inside), else `F.conv1d` with the segment starts
+    fixed up."""
+    triton_conv = _triton_tree_conv(mixed.device.type)
+    if triton_conv is not None and activation in TRITON_CONV_ACTIVATIONS:
+        return triton_conv(mixed, weight, bias, layout)
     return checkpoint(_plain_conv_and_activate, mixed, weight, bias, layout, activation, use_reentrant=False)
 
 
