@@ -5,6 +5,7 @@ convolution, segment parents, levels) are what a hand-drawn trie says."""
 import copy
 import functools
 import importlib.util
+import logging
 import sys
 import types
 
@@ -340,3 +341,47 @@ def test_fla_refusal(monkeypatch, capability, triton_version, tilelang, nvcc, re
     assert (reason is not None) == refused
     if refused:
         assert triton_version in reason and "tilelang" in reason
+
+
+class FakeGatedDeltaNet(torch.nn.Module):
+    """Has what `is_gated_deltanet` looks for, nothing more."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj_qkv = self.conv1d = self.norm = torch.nn.Identity()
+        self.A_log = self.dt_bias = torch.nn.Parameter(torch.zeros(2))
+
+
+@pytest.mark.parametrize("case", ["cpu", "no_fla", "refused"])
+def test_start_up_line_says_which_rule_runs_and_why(monkeypatch, caplog, case):
+    """The trainer's start-up line for a Gated DeltaNet model on the torch fallback: the reason, and
+    on a GPU what to install (a warning there); a model without such layers logs nothing."""
+    find_spec = importlib.util.find_spec
+    if case != "cpu":  # a CUDA device (never run here): fla-core absent, or present but refusing
+        found = {"triton": None, "fla": object() if case == "refused" else None}
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a: found[name] if name in found else find_spec(name, *a),
+        )
+        monkeypatch.setattr(gated_deltanet, "fla_refusal", lambda device: "Triton 3.6.0 on Hopper: X")
+        gated_deltanet._triton_tree_conv.cache_clear()
+    device = torch.device("cpu" if case == "cpu" else "cuda")
+    model = torch.nn.Sequential(FakeGatedDeltaNet())
+    with caplog.at_level(logging.INFO, logger=gated_deltanet.__name__):
+        line = gated_deltanet.log_gated_delta_rule_path(model, device)
+        assert (
+            gated_deltanet.log_gated_delta_rule_path(torch.nn.Sequential(torch.nn.Linear(2, 2)), device)
+            is None
+        )
+    gated_deltanet._triton_tree_conv.cache_clear()
+    assert [record.getMessage() for record in caplog.records] == [line]
+    assert line.startswith("Gated DeltaNet layers run transformers' torch gated delta rule")
+    assert "path convolution: F.conv1d" in line
+    expected = {
+        "cpu": ("fla-core's kernels run on CUDA GPUs only (this device is cpu)", logging.INFO),
+        "no_fla": ("fla-core is not installed: `pip install 'asyncgrpo[gpu]'` brings the fast path",
+                   logging.WARNING),
+        "refused": ("Triton 3.6.0 on Hopper: X", logging.WARNING),
+    }[case]  # fmt: skip
+    assert expected[0] in line and caplog.records[0].levelno == expected[1]

@@ -1,4 +1,4 @@
-"""The Triton path convolution (`asyncgrpo.kernels.tree_conv`) against its per-tap definition
+"""The Triton path convolution (`asyncgrpo.packing.tree_conv`) against its per-tap definition
 (`tree_causal_conv1d` then SiLU, in fp64), values and gradients. Used by tests/test_gated_deltanet.py
 on CPU through Triton's interpreter, where this file runs as a script in a process of its own with
 TRITON_INTERPRET=1 (Triton reads it when the kernels are defined); the GPU test
@@ -39,7 +39,7 @@ def check_case(name: str, dtype, with_bias: bool, strided: bool) -> None:
     import torch.nn.functional as F
     from test_gated_deltanet_gpu import row_arrays
 
-    from asyncgrpo.kernels.tree_conv import tree_conv_silu
+    from asyncgrpo.packing.tree_conv import tree_conv_silu
     from asyncgrpo.packing.gated_deltanet import recurrent_layout, tree_causal_conv1d
 
     layout = recurrent_layout(*row_arrays(*trie(name)), 4)

@@ -245,11 +245,11 @@ TRITON_CONV_ACTIVATIONS = ("silu", "swish")  # the activation the Triton convolu
 
 @functools.cache
 def _triton_tree_conv(device_type: str):
-    """The Triton path convolution + SiLU (`kernels.tree_conv`) on CUDA when Triton is installed (it
+    """The Triton path convolution + SiLU (`packing.tree_conv`) on CUDA when Triton is installed (it
     comes with torch's CUDA builds), else None: `F.conv1d` with the segment starts fixed up."""
     if device_type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
-    from asyncgrpo.kernels.tree_conv import tree_conv_silu  # imports Triton
+    from asyncgrpo.packing.tree_conv import tree_conv_silu  # imports Triton
 
     return tree_conv_silu
 
@@ -289,21 +289,59 @@ def fla_refusal(device: torch.device) -> str | None:
     )
 
 
+FAST_PATH_INSTALL = "pip install 'asyncgrpo[gpu]'"  # fla-core, tilelang and what tilelang loads
+
+
+def torch_rule_reason(device: torch.device) -> str | None:
+    """Why Gated DeltaNet layers on `device` run transformers' torch rule instead of fla-core's
+    kernels, with what to do about it; None when fla-core's kernels run."""
+    if device.type != "cuda":
+        return f"fla-core's kernels run on CUDA GPUs only (this device is {device.type})"
+    if importlib.util.find_spec("fla") is None:
+        return f"fla-core is not installed: `{FAST_PATH_INSTALL}` brings the fast path"
+    return fla_refusal(device)
+
+
 @functools.cache
 def _fla_chunk_rule(device: torch.device):
     """fla's varlen chunked gated delta rule for `device`, or None when fla-core is not installed or
-    cannot train there (then transformers' torch rule runs: exact, much slower; we say why once)."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
+    cannot train there (then transformers' torch rule runs: exact, much slower; the trainer says why
+    at start-up, `log_gated_delta_rule_path`)."""
+    if torch_rule_reason(device) is not None:
         return None
-    reason = fla_refusal(device)
-    if reason is not None:
-        logger.warning(
-            "Gated DeltaNet tree packing runs transformers' torch rule instead of fla-core: %s", reason
-        )
-        return None
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
     return chunk_gated_delta_rule
+
+
+def gated_delta_rule_path(device: torch.device) -> str:
+    """One line: which gated delta rule and convolution tree packing runs on `device` and, on the
+    torch fallback, why and what to install."""
+    conv = "one Triton kernel" if _triton_tree_conv(device.type) else "F.conv1d with segment starts fixed up"
+    reason = torch_rule_reason(device)
+    if reason is None:
+        # fla dispatches some kernels to tilelang where it is installed (on Hopper with Triton < 3.7.1
+        # the rule's backward needs it, `fla_refusal`)
+        tilelang = "with" if importlib.util.find_spec("tilelang") is not None else "without"
+        return (
+            f"Gated DeltaNet layers run fla-core's chunked gated delta rule (Triton, {tilelang} tilelang); "
+            f"path convolution: {conv}"
+        )
+    return (
+        f"Gated DeltaNet layers run transformers' torch gated delta rule (exact, much slower than fla-core's "
+        f"kernels, and it keeps far more activations): {reason}; path convolution: {conv}"
+    )
+
+
+def log_gated_delta_rule_path(model: torch.nn.Module, device: torch.device) -> str | None:
+    """Log at start-up which gated-delta-rule path `model`'s Gated DeltaNet layers run on `device` (a
+    warning on a GPU where the torch fallback runs); the line, or None for a model without them."""
+    if not any(is_gated_deltanet(module) for module in model.modules()):
+        return None
+    line = gated_delta_rule_path(device)
+    fallback = device.type == "cuda" and torch_rule_reason(device) is not None
+    logger.log(logging.WARNING if fallback else logging.INFO, "%s", line)
+    return line
 
 
 def uses_torch_rule(device: torch.device) -> bool:
