@@ -6,6 +6,7 @@ import copy
 import functools
 import importlib.util
 import logging
+import os
 import sys
 import types
 
@@ -353,9 +354,12 @@ class FakeGatedDeltaNet(torch.nn.Module):
 
 
 @pytest.mark.parametrize("case", ["cpu", "no_fla", "refused"])
-def test_start_up_line_says_which_rule_runs_and_why(monkeypatch, caplog, case):
+def test_start_up_line_says_which_rule_runs_and_why(monkeypatch, caplog, tmp_path, case):
     """The trainer's start-up line for a Gated DeltaNet model on the torch fallback: the reason, and
-    on a GPU what to install (a warning there); a model without such layers logs nothing."""
+    on a GPU what to install (a warning there) and where kernel autotuning is kept; a model without
+    such layers logs nothing."""
+    for name, value in (("TRITON_CACHE_DIR", "unused"), ("FLA_CACHE_RESULTS", "1")):
+        monkeypatch.setenv(name, value)  # restored after the test
     find_spec = importlib.util.find_spec
     if case != "cpu":  # a CUDA device (never run here): fla-core absent, or present but refusing
         found = {"triton": None, "fla": object() if case == "refused" else None}
@@ -369,7 +373,7 @@ def test_start_up_line_says_which_rule_runs_and_why(monkeypatch, caplog, case):
     device = torch.device("cpu" if case == "cpu" else "cuda")
     model = torch.nn.Sequential(FakeGatedDeltaNet())
     with caplog.at_level(logging.INFO, logger=gated_deltanet.__name__):
-        line = gated_deltanet.log_gated_delta_rule_path(model, device)
+        line = gated_deltanet.log_gated_delta_rule_path(model, device, tmp_path / "kernels")
         assert (
             gated_deltanet.log_gated_delta_rule_path(torch.nn.Sequential(torch.nn.Linear(2, 2)), device)
             is None
@@ -385,3 +389,8 @@ def test_start_up_line_says_which_rule_runs_and_why(monkeypatch, caplog, case):
         "refused": ("Triton 3.6.0 on Hopper: X", logging.WARNING),
     }[case]  # fmt: skip
     assert expected[0] in line and caplog.records[0].levelno == expected[1]
+    if case == "cpu":  # nothing compiles for a GPU there: Triton's cache is left alone
+        assert "autotuning" not in line and os.environ["TRITON_CACHE_DIR"] == "unused"
+    else:
+        assert line.endswith(f"; kernel autotuning kept in {tmp_path / 'kernels'}")
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "kernels") and (tmp_path / "kernels").is_dir()

@@ -39,8 +39,8 @@ def check_case(name: str, dtype, with_bias: bool, strided: bool) -> None:
     import torch.nn.functional as F
     from test_gated_deltanet_gpu import row_arrays
 
-    from asyncgrpo.packing.tree_conv import tree_conv_silu
     from asyncgrpo.packing.gated_deltanet import recurrent_layout, tree_causal_conv1d
+    from asyncgrpo.packing.tree_conv import tree_conv_silu
 
     layout = recurrent_layout(*row_arrays(*trie(name)), 4)
     gen = torch.Generator().manual_seed(7)

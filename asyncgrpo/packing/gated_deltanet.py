@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
+
+from asyncgrpo.packing.kernel_cache import persist_kernel_autotuning
 
 logger = logging.getLogger(__name__)
 LINEAR_ATTENTION = "linear_attention"  # the layer type of Gated DeltaNet layers in the configs
@@ -333,12 +336,17 @@ def gated_delta_rule_path(device: torch.device) -> str:
     )
 
 
-def log_gated_delta_rule_path(model: torch.nn.Module, device: torch.device) -> str | None:
-    """Log at start-up which gated-delta-rule path `model`'s Gated DeltaNet layers run on `device` (a
-    warning on a GPU where the torch fallback runs); the line, or None for a model without them."""
+def log_gated_delta_rule_path(
+    model: torch.nn.Module, device: torch.device, kernel_cache_dir: str | os.PathLike | None = None
+) -> str | None:
+    """At start-up, for a model with Gated DeltaNet layers training on `device`: on CUDA, keep fla's
+    autotuning results where the next process finds them (`kernel_cache.persist_kernel_autotuning`,
+    `kernel_cache_dir` or Triton's cache folder); then log which gated-delta-rule path runs (a warning
+    on a GPU where the torch fallback runs). The line, or None for a model without such layers."""
     if not any(is_gated_deltanet(module) for module in model.modules()):
         return None
-    line = gated_delta_rule_path(device)
+    kept = persist_kernel_autotuning(kernel_cache_dir) if device.type == "cuda" else None  # before fla loads
+    line = gated_delta_rule_path(device) + (f"; kernel autotuning kept in {kept}" if kept else "")
     fallback = device.type == "cuda" and torch_rule_reason(device) is not None
     logger.log(logging.WARNING if fallback else logging.INFO, "%s", line)
     return line
