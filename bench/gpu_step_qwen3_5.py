@@ -80,7 +80,8 @@ def build_model(smoke: bool) -> Qwen3_5ForCausalLM:
 
 def gdn_path(device: torch.device) -> str:
     """The Gated DeltaNet rule and convolution tree packing runs on `device`."""
-    conv = "fla conv" if gated_deltanet._fla_causal_conv1d(device) else "F.conv1d + fixed-up segment starts"
+    triton_conv = gated_deltanet._triton_tree_conv(device.type)
+    conv = "Triton conv" if triton_conv else "F.conv1d + fixed-up segment starts"
     if device.type != "cuda":
         return f"torch rule, {conv}"
     if gated_deltanet._fla_chunk_rule(device):

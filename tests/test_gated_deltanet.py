@@ -5,6 +5,8 @@ convolution, segment parents, levels) are what a hand-drawn trie says."""
 import copy
 import functools
 import importlib.util
+import logging
+import os
 import sys
 import types
 
@@ -12,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreted import run_interpreted
 from test_gated_deltanet_gpu import random_tree, row_arrays
 from test_logprobs import TEMPERATURE, check_packed_equals_unpacked, completion_sample, random_trie_samples
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-from transformers.activations import ACT2FN
+from tree_conv_check import TREE_CONV_CASES
 
 from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 from asyncgrpo.logprobs import row_logprobs
@@ -73,8 +77,15 @@ def test_layout_of_a_hand_drawn_trie():
     ]  # fmt: skip
     # In layer order b0, b1 (rows 5, 6) and c0 (row 8) do not read the rows just before them.
     assert layout.conv_fix_rows.tolist() == [5, 6, 8]
-    assert layout.segment_cu_seqlens.tolist() == [0, 3, 5, 8, 9]
-    assert layout.segment_predecessors.tolist() == [[none, none], [1, 2], [1, 2], [3, 4]]
+    # Read the other way (entries r * K + j): the prompt's last token (row 2) is read by itself, by
+    # a0 a1 (rows 3, 4) and by b0 b1 (rows 5, 6).
+    successors = np.split(layout.conv_successors.numpy(), layout.conv_successor_offsets.numpy()[1:-1])
+    assert [divmod(successors[2], 3)[0].tolist(), divmod(successors[2], 3)[1].tolist()] == [
+        [2, 3, 4, 5, 6], [2, 1, 0, 1, 0]
+    ]  # fmt: skip
+    for token, entries in enumerate(successors):
+        assert np.all(layout.conv_index.numpy().ravel()[entries] == token)
+    assert sum(map(len, successors)) == int((layout.conv_index < none).sum())
     assert [(level.start, level.stop) for level in layout.levels] == [(0, 3), (3, 8), (8, 9)]
     assert [level.parent_rows.tolist() for level in layout.levels] == [[-1], [0, 0], [0]]
     assert [level.cu_seqlens.tolist() for level in layout.levels] == [[0, 3], [0, 2, 5], [0, 1]]
@@ -92,6 +103,45 @@ def test_layouts_needing_no_gather():
     group = recurrent_layout(np.repeat([0, 1, 2], [5, 3, 4]), np.repeat([12, 8, 12], [5, 3, 4]), 4)
     assert group.order is None and len(group.levels) == 2
     assert group.conv_fix_rows.tolist() == [8, 9, 10]  # the second completion reads the prompt's tail
+
+
+INDEXING_OPS = {"index_select", "gather", "index", "index_put", "index_put_", "index_copy", "index_copy_",
+                "index_add", "index_add_", "scatter", "scatter_add", "take"}  # fmt: skip
+
+
+class IndexingCounter(TorchDispatchMode):
+    """Counts the aten indexing ops (gathers, scatters) that run under it, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in INDEXING_OPS:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shape", ["whole_row", "scattered"])
+def test_gathers_only_where_the_trie_needs_them(shape):
+    """A GDN layer's forward and backward over a row that is one segment (the whole row one level)
+    runs no gather or scatter at all; the counter does see them on a scattered multi-level trie."""
+    model = build_model(build_tokenizer(), arch="qwen3_5")
+    module = next(m for m in model.modules() if gated_deltanet.is_gated_deltanet(m))
+    if shape == "whole_row":
+        parents, lengths = np.array([-1]), np.array([40])
+    else:
+        parents, lengths = random_tree(np.random.default_rng(2), 9, 8)
+    layout = recurrent_layout(*row_arrays(parents, lengths), module.conv1d.weight.shape[-1])
+    hidden = torch.randn(1, layout.num_tokens, model.config.hidden_size, requires_grad=True)
+    with IndexingCounter() as counter:
+        out = gated_deltanet.tree_gdn_forward(module, hidden, layout)
+        out.square().sum().backward()
+    if shape == "whole_row":
+        assert counter.counts == {}
+    else:
+        assert layout.order is not None and counter.counts.get("index_select", 0) > 0, counter.counts
 
 
 def test_row_permutation_and_its_gradient():
@@ -122,25 +172,9 @@ def test_tree_conv_equals_conv1d_on_a_path():
     torch.testing.assert_close(tree_causal_conv1d(x, weight, bias, layout.conv_index), want)
 
 
-def fla_varlen_conv_semantics(x, weight, bias, initial_state, activation, cu_seqlens, cu_seqlens_cpu):
-    """What fla's `causal_conv1d` computes with cu_seqlens and an initial state (N, C, K), written in
-    torch: each sequence convolved as if its initial state's columns 1..K-1 came just before it."""
-    kernel_size = weight.shape[1]
-    outs = []
-    for n, (bos, eos) in enumerate(zip(cu_seqlens_cpu[:-1].tolist(), cu_seqlens_cpu[1:].tolist())):
-        sequence = torch.cat([initial_state[n, :, 1:], x[0, bos:eos].T], dim=1)
-        outs.append(
-            F.conv1d(sequence[None], weight[:, None], bias, groups=weight.shape[0])[0, :, -(eos - bos) :]
-        )
-    assert kernel_size == initial_state.shape[2] and cu_seqlens.device == x.device
-    return ACT2FN[activation](torch.cat(outs, dim=1).T)[None], None
-
-
-@pytest.mark.parametrize("path", ["plain", "fla-style"])
 @pytest.mark.parametrize("shape", ["random", "roots", "chain"])
-def test_path_conv_equals_its_definition(monkeypatch, path, shape):
-    """The layers' convolution (F.conv1d with the segment starts fixed up; or a varlen convolution
-    seeded with each segment's path tail, as fla's kernel is on CUDA, here in torch) equals the
+def test_path_conv_equals_its_definition(shape):
+    """The layers' convolution off CUDA (F.conv1d with the segment starts fixed up) equals the
     per-tap definition on every row, with its gradients, in fp64."""
     rng = np.random.default_rng(1)
     parents, lengths = {
@@ -149,8 +183,6 @@ def test_path_conv_equals_its_definition(monkeypatch, path, shape):
         "chain": (np.arange(-1, 3), np.array([5, 1, 3, 6])),
     }[shape]
     layout = recurrent_layout(*row_arrays(parents, lengths), 4)
-    if path == "fla-style":
-        monkeypatch.setattr(gated_deltanet, "_fla_causal_conv1d", lambda device: fla_varlen_conv_semantics)
     mixed = torch.randn(layout.num_tokens, 6, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     got = path_conv_and_activate(mixed, weight, None, layout, "silu")
@@ -161,6 +193,13 @@ def test_path_conv_equals_its_definition(monkeypatch, path, shape):
     want_grads = torch.autograd.grad((want * cotangent).sum(), (mixed, weight))
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w)
+
+
+def test_tree_conv_kernel_interpreted():
+    """The Triton path convolution (the CUDA path) against the per-tap definition, values and
+    gradients, on several trie shapes, through Triton's interpreter (tests/tree_conv_check.py)."""
+    lines = run_interpreted("tree_conv_check.py").splitlines()
+    assert len([line for line in lines if line.startswith("ok ")]) == 2 * len(TREE_CONV_CASES), lines
 
 
 def test_group_sharing(models):
@@ -303,3 +342,55 @@ def test_fla_refusal(monkeypatch, capability, triton_version, tilelang, nvcc, re
     assert (reason is not None) == refused
     if refused:
         assert triton_version in reason and "tilelang" in reason
+
+
+class FakeGatedDeltaNet(torch.nn.Module):
+    """Has what `is_gated_deltanet` looks for, nothing more."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj_qkv = self.conv1d = self.norm = torch.nn.Identity()
+        self.A_log = self.dt_bias = torch.nn.Parameter(torch.zeros(2))
+
+
+@pytest.mark.parametrize("case", ["cpu", "no_fla", "refused"])
+def test_start_up_line_says_which_rule_runs_and_why(monkeypatch, caplog, tmp_path, case):
+    """The trainer's start-up line for a Gated DeltaNet model on the torch fallback: the reason, and
+    on a GPU what to install (a warning there) and where kernel autotuning is kept; a model without
+    such layers logs nothing."""
+    for name, value in (("TRITON_CACHE_DIR", "unused"), ("FLA_CACHE_RESULTS", "1")):
+        monkeypatch.setenv(name, value)  # restored after the test
+    find_spec = importlib.util.find_spec
+    if case != "cpu":  # a CUDA device (never run here): fla-core absent, or present but refusing
+        found = {"triton": None, "fla": object() if case == "refused" else None}
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a: found[name] if name in found else find_spec(name, *a),
+        )
+        monkeypatch.setattr(gated_deltanet, "fla_refusal", lambda device: "Triton 3.6.0 on Hopper: X")
+        gated_deltanet._triton_tree_conv.cache_clear()
+    device = torch.device("cpu" if case == "cpu" else "cuda")
+    model = torch.nn.Sequential(FakeGatedDeltaNet())
+    with caplog.at_level(logging.INFO, logger=gated_deltanet.__name__):
+        line = gated_deltanet.log_gated_delta_rule_path(model, device, tmp_path / "kernels")
+        assert (
+            gated_deltanet.log_gated_delta_rule_path(torch.nn.Sequential(torch.nn.Linear(2, 2)), device)
+            is None
+        )
+    gated_deltanet._triton_tree_conv.cache_clear()
+    assert [record.getMessage() for record in caplog.records] == [line]
+    assert line.startswith("Gated DeltaNet layers run transformers' torch gated delta rule")
+    assert "path convolution: F.conv1d" in line
+    expected = {
+        "cpu": ("fla-core's kernels run on CUDA GPUs only (this device is cpu)", logging.INFO),
+        "no_fla": ("fla-core is not installed: `pip install 'asyncgrpo[gpu]'` brings the fast path",
+                   logging.WARNING),
+        "refused": ("Triton 3.6.0 on Hopper: X", logging.WARNING),
+    }[case]  # fmt: skip
+    assert expected[0] in line and caplog.records[0].levelno == expected[1]
+    if case == "cpu":  # nothing compiles for a GPU there: Triton's cache is left alone
+        assert "autotuning" not in line and os.environ["TRITON_CACHE_DIR"] == "unused"
+    else:
+        assert line.endswith(f"; kernel autotuning kept in {tmp_path / 'kernels'}")
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "kernels") and (tmp_path / "kernels").is_dir()

@@ -206,17 +206,16 @@ def test_tree_rule_equals_each_sample_alone(device, dtype, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("path", ["fla", "conv1d"])
+@pytest.mark.parametrize("path", ["triton", "conv1d"])
 def test_path_conv_on_this_gpu(monkeypatch, path, dtype):
-    """The layers' path convolution on CUDA (fla's varlen kernel seeded with each segment's path tail,
-    the path where fla-core is installed; F.conv1d with the segment starts fixed up, the path without
-    it), output and gradients against the per-tap definition in fp64: a random trie at the Qwen3.5-2B
-    channel count, its segments shorter and longer than the kernel and than fla's 64-token blocks."""
-    if path == "fla":
-        pytest.importorskip("fla", reason="fla-core is not installed: pip install 'asyncgrpo[gpu]'")
-        assert gated_deltanet._fla_causal_conv1d(torch.device("cuda")) is not None
+    """The layers' path convolution on CUDA (the Triton kernel, the path where Triton is installed;
+    F.conv1d with the segment starts fixed up, the path without it), output and gradients against the
+    per-tap definition in fp64: a random trie at the Qwen3.5-2B channel count, its segments shorter
+    and longer than the kernel and than the Triton kernel's 32-row blocks."""
+    if path == "triton":
+        assert gated_deltanet._triton_tree_conv("cuda") is not None, "Triton is not importable"
     else:
-        monkeypatch.setattr(gated_deltanet, "_fla_causal_conv1d", lambda device: None)
+        monkeypatch.setattr(gated_deltanet, "_triton_tree_conv", lambda device_type: None)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     rng = np.random.default_rng(12)
     parents, lengths = random_tree(rng, 40, 150)

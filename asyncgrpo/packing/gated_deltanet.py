@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
+
+from asyncgrpo.packing.kernel_cache import persist_kernel_autotuning
 
 logger = logging.getLogger(__name__)
 LINEAR_ATTENTION = "linear_attention"  # the layer type of Gated DeltaNet layers in the configs
@@ -57,9 +60,11 @@ class RecurrentLayout:
     inverse: torch.Tensor | None  # (P,) layer-order row of each packed token
     conv_index: torch.Tensor  # (P, K) row of the token K-1-j steps back along the path; P = none
     conv_fix_rows: torch.Tensor  # rows whose K-1 predecessors are not simply the rows before them
-    segment_cu_seqlens: torch.Tensor  # (G + 1,) every segment's row offsets, in layer order
-    segment_cu_seqlens_cpu: torch.Tensor
-    segment_predecessors: torch.Tensor  # (G, K-1) conv_index[segment start, :K-1]: its path's tail
+    # conv_index read the other way, for the convolution kernel's input gradient: the entries
+    # r * K + j with conv_index[r, j] = t are conv_successors[conv_successor_offsets[t]:...[t + 1]]
+    # (a token at a branch point is read by the first rows of every child segment).
+    conv_successor_offsets: torch.Tensor  # (P + 1,)
+    conv_successors: torch.Tensor  # (E,)
     levels: tuple[Level, ...]
 
 
@@ -122,6 +127,9 @@ def recurrent_layout(
     natural = np.arange(num_tokens)[:, None] - np.arange(kernel_size - 1, -1, -1)[None, :]
     natural[natural < 0] = num_tokens  # a plain causal convolution reads zeros before row 0
     identity = bool(np.array_equal(order, np.arange(num_tokens)))
+    flat_conv = conv_index.ravel()
+    read = np.flatnonzero(flat_conv < num_tokens)
+    successor_counts = np.bincount(flat_conv[read], minlength=num_tokens)
 
     def tensor(array) -> torch.Tensor:
         return torch.as_tensor(np.ascontiguousarray(array), device=device)
@@ -149,16 +157,14 @@ def recurrent_layout(
                 unpad=tensor(np.flatnonzero(real)),
             )
         )
-    segment_cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths[by_level])]), dtype=torch.int64)
     return RecurrentLayout(
         num_tokens=num_tokens,
         order=None if identity else tensor(order),
         inverse=None if identity else tensor(inverse),
         conv_index=tensor(conv_index),
         conv_fix_rows=tensor(np.flatnonzero((conv_index != natural).any(axis=1))),
-        segment_cu_seqlens=segment_cu.to(device),
-        segment_cu_seqlens_cpu=segment_cu,
-        segment_predecessors=tensor(conv_index[first_row[by_level], : kernel_size - 1]),
+        conv_successor_offsets=tensor(np.concatenate([[0], np.cumsum(successor_counts)])),
+        conv_successors=tensor(read[np.argsort(flat_conv[read], kind="stable")]),
         levels=tuple(levels),
     )
 
@@ -237,52 +243,27 @@ def _plain_conv_and_activate(mixed, weight, bias, layout: RecurrentLayout, activ
     return ACT2FN[activation](out).to(mixed.dtype)
 
 
-FLA_CONV_ACTIVATIONS = ("silu", "swish")  # the activations fla's convolution kernel applies itself
+TRITON_CONV_ACTIVATIONS = ("silu", "swish")  # the activation the Triton convolution applies itself
 
 
 @functools.cache
-def _fla_causal_conv1d(device: torch.device):
-    """fla's varlen causal convolution (Triton) for `device`, or None off CUDA or without fla-core."""
-    if device.type != "cuda":
+def _triton_tree_conv(device_type: str):
+    """The Triton path convolution + SiLU (`packing.tree_conv`) on CUDA when Triton is installed (it
+    comes with torch's CUDA builds), else None: `F.conv1d` with the segment starts fixed up."""
+    if device_type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d
-    except ImportError:
-        return None
-    return causal_conv1d
+    from asyncgrpo.packing.tree_conv import tree_conv_silu  # imports Triton
 
-
-def _fla_conv_and_activate(fla_conv, mixed, weight, bias, layout: RecurrentLayout, activation: str):
-    """act(path convolution) in one fla kernel: every segment a sequence of a varlen convolution whose
-    initial state holds the K-1 tokens before it on its path (its parent's tail). fla computes in fp32
-    from the input's dtype and returns that dtype; backward gives the initial states' gradient, which
-    autograd adds to the parents' tail rows."""
-    num_tokens, channels = mixed.shape
-    predecessors = layout.segment_predecessors  # (G, K-1)
-    taps = mixed.index_select(0, predecessors.clamp(max=num_tokens - 1).flatten())
-    taps = taps.view(*predecessors.shape, channels) * (predecessors < num_tokens)[..., None]
-    # fla's initial state (G, C, K): column K - s holds the token s steps before the segment; column 0
-    # is never read.
-    initial = F.pad(taps.transpose(1, 2), (1, 0))
-    out, _ = fla_conv(
-        mixed[None],
-        weight,
-        bias,
-        initial_state=initial,
-        activation=activation,
-        cu_seqlens=layout.segment_cu_seqlens,
-        cu_seqlens_cpu=layout.segment_cu_seqlens_cpu,
-    )
-    return out[0]
+    return tree_conv_silu
 
 
 def path_conv_and_activate(mixed, weight, bias, layout: RecurrentLayout, activation: str) -> torch.Tensor:
     """act(depthwise causal convolution along trie paths) of mixed (P, C) in layer order -> (P, C) in
-    mixed's dtype: fla's fused kernel on CUDA when fla-core is installed, else `F.conv1d` with the
-    segment starts fixed up."""
-    fla_conv = _fla_causal_conv1d(mixed.device)
-    if fla_conv is not None and activation in FLA_CONV_ACTIVATIONS:
-        return _fla_conv_and_activate(fla_conv, mixed, weight, bias, layout, activation)
+    mixed's dtype: one Triton kernel on CUDA (fp32 inside), else `F.conv1d` with the segment starts
+    fixed up."""
+    triton_conv = _triton_tree_conv(mixed.device.type)
+    if triton_conv is not None and activation in TRITON_CONV_ACTIVATIONS:
+        return triton_conv(mixed, weight, bias, layout)
     return checkpoint(_plain_conv_and_activate, mixed, weight, bias, layout, activation, use_reentrant=False)
 
 
@@ -311,21 +292,64 @@ def fla_refusal(device: torch.device) -> str | None:
     )
 
 
+FAST_PATH_INSTALL = "pip install 'asyncgrpo[gpu]'"  # fla-core, tilelang and what tilelang loads
+
+
+def torch_rule_reason(device: torch.device) -> str | None:
+    """Why Gated DeltaNet layers on `device` run transformers' torch rule instead of fla-core's
+    kernels, with what to do about it; None when fla-core's kernels run."""
+    if device.type != "cuda":
+        return f"fla-core's kernels run on CUDA GPUs only (this device is {device.type})"
+    if importlib.util.find_spec("fla") is None:
+        return f"fla-core is not installed: `{FAST_PATH_INSTALL}` brings the fast path"
+    return fla_refusal(device)
+
+
 @functools.cache
 def _fla_chunk_rule(device: torch.device):
     """fla's varlen chunked gated delta rule for `device`, or None when fla-core is not installed or
-    cannot train there (then transformers' torch rule runs: exact, much slower; we say why once)."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
+    cannot train there (then transformers' torch rule runs: exact, much slower; the trainer says why
+    at start-up, `log_gated_delta_rule_path`)."""
+    if torch_rule_reason(device) is not None:
         return None
-    reason = fla_refusal(device)
-    if reason is not None:
-        logger.warning(
-            "Gated DeltaNet tree packing runs transformers' torch rule instead of fla-core: %s", reason
-        )
-        return None
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
     return chunk_gated_delta_rule
+
+
+def gated_delta_rule_path(device: torch.device) -> str:
+    """One line: which gated delta rule and convolution tree packing runs on `device` and, on the
+    torch fallback, why and what to install."""
+    conv = "one Triton kernel" if _triton_tree_conv(device.type) else "F.conv1d with segment starts fixed up"
+    reason = torch_rule_reason(device)
+    if reason is None:
+        # fla dispatches some kernels to tilelang where it is installed (on Hopper with Triton < 3.7.1
+        # the rule's backward needs it, `fla_refusal`)
+        tilelang = "with" if importlib.util.find_spec("tilelang") is not None else "without"
+        return (
+            f"Gated DeltaNet layers run fla-core's chunked gated delta rule (Triton, {tilelang} tilelang); "
+            f"path convolution: {conv}"
+        )
+    return (
+        f"Gated DeltaNet layers run transformers' torch gated delta rule (exact, much slower than fla-core's "
+        f"kernels, and it keeps far more activations): {reason}; path convolution: {conv}"
+    )
+
+
+def log_gated_delta_rule_path(
+    model: torch.nn.Module, device: torch.device, kernel_cache_dir: str | os.PathLike | None = None
+) -> str | None:
+    """At start-up, for a model with Gated DeltaNet layers training on `device`: on CUDA, keep fla's
+    autotuning results where the next process finds them (`kernel_cache.persist_kernel_autotuning`,
+    `kernel_cache_dir` or Triton's cache folder); then log which gated-delta-rule path runs (a warning
+    on a GPU where the torch fallback runs). The line, or None for a model without such layers."""
+    if not any(is_gated_deltanet(module) for module in model.modules()):
+        return None
+    kept = persist_kernel_autotuning(kernel_cache_dir) if device.type == "cuda" else None  # before fla loads
+    line = gated_delta_rule_path(device) + (f"; kernel autotuning kept in {kept}" if kept else "")
+    fallback = device.type == "cuda" and torch_rule_reason(device) is not None
+    logger.log(logging.WARNING if fallback else logging.INFO, "%s", line)
+    return line
 
 
 def uses_torch_rule(device: torch.device) -> bool:

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
+from asyncgrpo.packing.gated_deltanet import log_gated_delta_rule_path
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.peft_adapters import wrap_with_peft
 from asyncgrpo.rollout.chat import use_training_template
@@ -42,6 +43,7 @@ def prepare_policy_model(model: PreTrainedModel, args: AsyncGRPOConfig, peft_con
     if peft_config is not None:
         model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
     enable_tree_attention(model)  # refuses attention sinks and layers it cannot pack
+    log_gated_delta_rule_path(model, args.device)  # Gated DeltaNet models: which rule runs, and why
     return model
 
 
