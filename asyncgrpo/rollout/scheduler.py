@@ -88,9 +88,7 @@ class RolloutScheduler:
         self._rewrites = RewriteDetector()
         self._tasks: set[asyncio.Task] = set()
         # The worker's side of the run's timeline, sent to the trainer with each metrics flush.
-        self._timeline = timeline.EventBuffer(
-            process=timeline.worker_process(self.channels.worker_index, self.channels.num_workers)
-        )
+        self._timeline = timeline.EventBuffer()
         self._request_lanes = timeline.Lanes("request")
 
     def _make_thread_pools(self) -> None:
@@ -109,13 +107,14 @@ class RolloutScheduler:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        config, loop = self.config, self.loop
+        config, loop, channels = self.config, self.loop, self.channels
         # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
         # Only the first SIGTERM counts: another one must not interrupt the clean-up it started.
         main_task = asyncio.current_task()
         asyncio.get_running_loop().add_signal_handler(
             signal.SIGTERM, lambda: None if main_task.cancelling() else main_task.cancel()
         )
+        self._timeline.process = timeline.worker_process(channels.worker_index, channels.num_workers)
         timeline.activate(self._timeline)
         self._make_thread_pools()
         if loop.environment_factory is not None:
