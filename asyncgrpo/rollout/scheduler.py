@@ -121,7 +121,6 @@ class RolloutScheduler:
             self.environments = EnvironmentPool(
                 loop.environment_factory, self._tool_executor, lambda: loop.metrics
             )
-        channels = self.channels
         self.client = loop.client = VLLMClient(
             worker_servers(config.vllm_server_urls, channels.worker_index, channels.num_workers),
             timeout=config.vllm_server_timeout,
