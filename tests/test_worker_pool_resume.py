@@ -122,12 +122,14 @@ def test_two_workers_killed_and_resumed_train_every_prompt_once(instant_servers)
     pool.start(ready_timeout=READY_TIMEOUT_S)
     try:
         # Until every prompt up to the last one trained before the kill is trained (the gaps the kill
-        # left are filled), and as many groups again.
+        # left are filled), as many groups again, and groups from both workers.
         after = train_on(
             pool,
             resumed_ledger,
             lambda taken: (
-                resumed_ledger.watermark > max(trained_before) and len(taken) >= TAKEN_BEFORE_THE_KILL
+                resumed_ledger.watermark > max(trained_before)
+                and len(taken) >= TAKEN_BEFORE_THE_KILL
+                and {index % WORKERS for index, _ in taken} == set(range(WORKERS))
             ),
         )
     finally:
@@ -140,4 +142,3 @@ def test_two_workers_killed_and_resumed_train_every_prompt_once(instant_servers)
     # Each worker keeps its share of the prompts and numbers its groups the same way.
     for index, group_id in before + after:
         assert group_id % WORKERS == index % WORKERS
-    assert {index % WORKERS for index in trained_after} == set(range(WORKERS)), "both workers generated"
