@@ -16,6 +16,10 @@ Phases (one device call; a short table is printed last):
      against the checkpoint-to-fit planner's estimate;
   4. the default step on DeepMath-like rows (200-token prompt, 8 completions of 300-1,500 tokens,
      packing ratio ~1.2): MFU, tokens/s, peak memory and a profile by kernel family.
+`--phases start` (run first, alone or with others) measures what a user waits for: seconds from the
+process's start to the end of its first default step (imports, the model, compiling, fla's
+autotuning). Run it twice with the same TRITON_CACHE_DIR: the first is a cold start, the second
+finds the kernels and autotuning results the first kept (asyncgrpo.packing.kernel_cache).
 The report names the Gated DeltaNet path that ran (`gdn_path`): fla's varlen kernel, or transformers'
 torch rule where fla-core is missing or refuses to train (asyncgrpo.packing.gated_deltanet.fla_refusal).
 Model FLOPs: asyncgrpo.perf (matmul weights of every layer, the full-attention layers' pairs, the
@@ -80,8 +84,7 @@ def build_model(smoke: bool) -> Qwen3_5ForCausalLM:
 
 def gdn_path(device: torch.device) -> str:
     """The Gated DeltaNet rule and convolution tree packing runs on `device`."""
-    triton_conv = gated_deltanet._triton_tree_conv(device.type)
-    conv = "Triton conv" if triton_conv else "F.conv1d + fixed-up segment starts"
+    conv = f"conv: {gated_deltanet.path_conv_name(device.type)}"
     if device.type != "cuda":
         return f"torch rule, {conv}"
     if gated_deltanet._fla_chunk_rule(device):
@@ -89,6 +92,14 @@ def gdn_path(device: torch.device) -> str:
     if importlib.util.find_spec("fla") is None:
         return f"torch rule (fla-core is not installed), {conv}"
     return f"torch rule ({gated_deltanet.fla_refusal(device)}), {conv}"
+
+
+def seconds_since_process_start() -> float:
+    """Wall seconds since this process started (Linux: its start time in /proc, so the interpreter's
+    start and every import count, as they do for a user's training script)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+    return float(Path("/proc/uptime").read_text().split()[0]) - started
 
 
 def peak_memory_gb() -> float:
@@ -143,7 +154,8 @@ def main() -> None:
         "--phases", default="3.4,1,2,defaults",
         help="comma-separated: packing ratios of the tree-vs-plain workloads (3.4, 1, 2), 'memory' (the "
         "activations of one unchecked row against the planner's estimate) and/or 'defaults'; "
-        "lets a short device call run part of the measurement",
+        "lets a short device call run part of the measurement; 'start' (measured first): seconds "
+        "from the process's start to the end of its first default step",
     )  # fmt: skip
     args = parser.parse_args()
     require_cuda(args.smoke)
@@ -163,19 +175,30 @@ def main() -> None:
         (out / "gpu_step_qwen3_5.json").write_text(json.dumps(report, indent=1, default=str))
 
     report["gdn_path"] = gdn_path(device)
-    peak = matmul_peak(device)
-    report["matmul_peak_tflops"] = peak / 1e12
-    log(f"{report}")
+    phases = args.phases.split(",")
     trainer = make_trainer(
         {}, args.smoke, tempfile.mkdtemp(prefix="gpu_step_qwen3_5-"), build_model(args.smoke)
     )
-    flops = flop_model(trainer._model)
     vocab = trainer._model.config.vocab_size
+    if "start" in phases:  # first, so that nothing else this process does counts in it
+        plans = deepmath_plans(np.random.default_rng(7), args.budget, 2, vocab, args.smoke)
+        timed_steps(trainer, plans, repeats=1, warmup=0)
+        report["start_to_first_step_s"] = seconds_since_process_start()
+        report["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR")
+        save()
+        log(f"gpu_step_qwen3_5 start_to_first_step_s={report['start_to_first_step_s']:.1f} "
+            f"triton_cache_dir={report['triton_cache_dir']}")  # fmt: skip
+        if phases == ["start"]:
+            return
+    peak = matmul_peak(device)
+    report["matmul_peak_tflops"] = peak / 1e12
+    log(f"{report}")
+    flops = flop_model(trainer._model)
     # The comparison first (ratio 3.4, 1, 2): a call cut short by the device's time keeps the most.
-    phases = args.phases.split(",")
     workloads = {"3.4": SPEED_WORKLOADS[2], "1": SPEED_WORKLOADS[0], "2": SPEED_WORKLOADS[1]}
-    if set(phases) - set(workloads) - {"defaults", "memory"}:
-        parser.error(f"--phases: unknown {sorted(set(phases) - set(workloads) - {'defaults', 'memory'})}")
+    if set(phases) - set(workloads) - {"defaults", "memory", "start"}:
+        unknown = sorted(set(phases) - set(workloads) - {"defaults", "memory", "start"})
+        parser.error(f"--phases: unknown {unknown}")
     report["tree_vs_plain"] = []
     for prompt_len, completion_len, _ in (workloads[p] for p in phases if p in workloads):
         if time.perf_counter() - started > args.seconds:

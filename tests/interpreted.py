@@ -24,15 +24,16 @@ def triton_for_the_interpreter() -> str | None:
     return str(folder) if (folder / "triton").is_dir() else None
 
 
-def run_interpreted(script_name: str) -> str:
-    """Run tests/`script_name` with TRITON_INTERPRET=1; its stdout. Fails the calling test (with
-    what to do) when Triton is missing or the script fails."""
+def run_interpreted(script_name: str, interpret: bool = True) -> str:
+    """Run tests/`script_name` with TRITON_INTERPRET=1 (`interpret=False`: without it, for a script
+    that only compiles kernels, which needs no GPU); its stdout. Fails the calling test (with what to
+    do) when Triton is missing or the script fails."""
     folder = triton_for_the_interpreter()
     assert folder is not None, (
         f"Triton is not importable and {Path(sys.prefix) / 'triton-interpreter'} does not hold it: "
         "run `make venv` (it installs Triton there for the interpreted kernel tests)"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
     if folder:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, env.get("PYTHONPATH")]))
     script = Path(__file__).with_name(script_name)

@@ -202,6 +202,13 @@ def test_tree_conv_kernel_interpreted():
     assert len([line for line in lines if line.startswith("ok ")]) == 2 * len(TREE_CONV_CASES), lines
 
 
+def test_tree_conv_kernels_compile_for_hopper():
+    """The same kernels through Triton's compiler down to sm_90 machine code, with no GPU: the
+    interpreter skips the compiler's passes (tests/tree_conv_compile_check.py)."""
+    lines = run_interpreted("tree_conv_compile_check.py", interpret=False).splitlines()
+    assert len([line for line in lines if line.startswith("compiled ")]) == 3 * 4, lines
+
+
 def test_group_sharing(models):
     """A GRPO group with a long prompt: the prompt's state is computed once for 6 completions."""
     rng = np.random.default_rng(2)

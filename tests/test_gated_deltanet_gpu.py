@@ -206,15 +206,20 @@ def test_tree_rule_equals_each_sample_alone(device, dtype, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("path", ["triton", "conv1d"])
+@pytest.mark.parametrize("path", ["fla", "triton", "conv1d"])
 def test_path_conv_on_this_gpu(monkeypatch, path, dtype):
-    """The layers' path convolution on CUDA (the Triton kernel, the path where Triton is installed;
-    F.conv1d with the segment starts fixed up, the path without it), output and gradients against the
-    per-tap definition in fp64: a random trie at the Qwen3.5-2B channel count, its segments shorter
-    and longer than the kernel and than the Triton kernel's 32-row blocks."""
+    """The layers' path convolution on CUDA (fla's varlen kernel, the path where fla-core is
+    installed; asyncgrpo's Triton kernel, the path without it; F.conv1d with the segment starts fixed
+    up, the path without Triton), output and gradients against the per-tap definition in fp64: a random
+    trie at the Qwen3.5-2B channel count, its segments shorter and longer than the kernel and than the
+    Triton kernel's 32-row blocks."""
+    if path == "fla":
+        assert gated_deltanet._fla_causal_conv1d("cuda") is not None, "fla-core is not installed"
+    else:
+        monkeypatch.setattr(gated_deltanet, "_fla_causal_conv1d", lambda device_type: None)
     if path == "triton":
         assert gated_deltanet._triton_tree_conv("cuda") is not None, "Triton is not importable"
-    else:
+    elif path == "conv1d":
         monkeypatch.setattr(gated_deltanet, "_triton_tree_conv", lambda device_type: None)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     rng = np.random.default_rng(12)

@@ -65,6 +65,9 @@ class RecurrentLayout:
     # (a token at a branch point is read by the first rows of every child segment).
     conv_successor_offsets: torch.Tensor  # (P + 1,)
     conv_successors: torch.Tensor  # (E,)
+    segment_cu_seqlens: torch.Tensor  # (G + 1,) every segment's row offsets, in layer order
+    segment_cu_seqlens_cpu: torch.Tensor
+    segment_predecessors: torch.Tensor  # (G, K-1) conv_index[segment start, :K-1]: its path's tail
     levels: tuple[Level, ...]
 
 
@@ -134,6 +137,7 @@ def recurrent_layout(
     def tensor(array) -> torch.Tensor:
         return torch.as_tensor(np.ascontiguousarray(array), device=device)
 
+    segment_cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths[by_level])]), dtype=torch.int64)
     row_in_level = np.zeros(len(starts), dtype=np.int64)
     levels = []
     for level in range(int(depth.max()) + 1):
@@ -165,6 +169,9 @@ def recurrent_layout(
         conv_fix_rows=tensor(np.flatnonzero((conv_index != natural).any(axis=1))),
         conv_successor_offsets=tensor(np.concatenate([[0], np.cumsum(successor_counts)])),
         conv_successors=tensor(read[np.argsort(flat_conv[read], kind="stable")]),
+        segment_cu_seqlens=segment_cu.to(device),
+        segment_cu_seqlens_cpu=segment_cu,
+        segment_predecessors=tensor(conv_index[first_row[by_level], : kernel_size - 1]),
         levels=tuple(levels),
     )
 
@@ -243,13 +250,49 @@ def _plain_conv_and_activate(mixed, weight, bias, layout: RecurrentLayout, activ
     return ACT2FN[activation](out).to(mixed.dtype)
 
 
-TRITON_CONV_ACTIVATIONS = ("silu", "swish")  # the activation the Triton convolution applies itself
+FUSED_CONV_ACTIVATIONS = ("silu", "swish")  # the activation the fused convolutions apply themselves
+
+
+@functools.cache
+def _fla_causal_conv1d(device_type: str):
+    """fla's varlen causal convolution (Triton) on CUDA when fla-core is installed, else None."""
+    if device_type != "cuda":
+        return None
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except ImportError:
+        return None
+    return causal_conv1d
+
+
+def _fla_conv_and_activate(fla_conv, mixed, weight, bias, layout: RecurrentLayout, activation: str):
+    """act(path convolution) in one fla kernel: every segment a sequence of a varlen convolution whose
+    initial state holds the K-1 tokens before it on its path (its parent's tail). fla computes in fp32
+    from the input's dtype and returns that dtype; backward gives the initial states' gradient, which
+    autograd adds to the parents' tail rows."""
+    num_tokens, channels = mixed.shape
+    predecessors = layout.segment_predecessors  # (G, K-1)
+    taps = mixed.index_select(0, predecessors.clamp(max=num_tokens - 1).flatten())
+    taps = taps.view(*predecessors.shape, channels) * (predecessors < num_tokens)[..., None]
+    # fla's initial state (G, C, K): column K - s holds the token s steps before the segment; column 0
+    # is never read.
+    initial = F.pad(taps.transpose(1, 2), (1, 0))
+    out, _ = fla_conv(
+        mixed[None],
+        weight,
+        bias,
+        initial_state=initial,
+        activation=activation,
+        cu_seqlens=layout.segment_cu_seqlens,
+        cu_seqlens_cpu=layout.segment_cu_seqlens_cpu,
+    )
+    return out[0]
 
 
 @functools.cache
 def _triton_tree_conv(device_type: str):
-    """The Triton path convolution + SiLU (`packing.tree_conv`) on CUDA when Triton is installed (it
-    comes with torch's CUDA builds), else None: `F.conv1d` with the segment starts fixed up."""
+    """asyncgrpo's Triton path convolution + SiLU (`packing.tree_conv`) on CUDA when Triton is
+    installed (it comes with torch's CUDA builds), else None."""
     if device_type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
     from asyncgrpo.packing.tree_conv import tree_conv_silu  # imports Triton
@@ -257,13 +300,27 @@ def _triton_tree_conv(device_type: str):
     return tree_conv_silu
 
 
+def path_conv_name(device_type: str) -> str:
+    """Which path convolution `path_conv_and_activate` runs on a device of this type."""
+    if _fla_causal_conv1d(device_type) is not None:
+        return "fla's varlen causal_conv1d"
+    if _triton_tree_conv(device_type) is not None:
+        return "asyncgrpo's Triton kernel"
+    return "F.conv1d with segment starts fixed up"
+
+
 def path_conv_and_activate(mixed, weight, bias, layout: RecurrentLayout, activation: str) -> torch.Tensor:
     """act(depthwise causal convolution along trie paths) of mixed (P, C) in layer order -> (P, C) in
-    mixed's dtype: one Triton kernel on CUDA (fp32 inside), else `F.conv1d` with the segment starts
-    fixed up."""
-    triton_conv = _triton_tree_conv(mixed.device.type)
-    if triton_conv is not None and activation in TRITON_CONV_ACTIVATIONS:
-        return triton_conv(mixed, weight, bias, layout)
+    mixed's dtype. On CUDA one fused kernel: fla's varlen convolution where fla-core is installed (on
+    an H200 its backward took half the time of asyncgrpo's own kernel, bench/RESULTS.md), else
+    asyncgrpo's Triton kernel; elsewhere `F.conv1d` with the segment starts fixed up."""
+    if activation in FUSED_CONV_ACTIVATIONS:
+        fla_conv = _fla_causal_conv1d(mixed.device.type)
+        if fla_conv is not None:
+            return _fla_conv_and_activate(fla_conv, mixed, weight, bias, layout, activation)
+        triton_conv = _triton_tree_conv(mixed.device.type)
+        if triton_conv is not None:
+            return triton_conv(mixed, weight, bias, layout)
     return checkpoint(_plain_conv_and_activate, mixed, weight, bias, layout, activation, use_reentrant=False)
 
 
@@ -320,7 +377,7 @@ def _fla_chunk_rule(device: torch.device):
 def gated_delta_rule_path(device: torch.device) -> str:
     """One line: which gated delta rule and convolution tree packing runs on `device` and, on the
     torch fallback, why and what to install."""
-    conv = "one Triton kernel" if _triton_tree_conv(device.type) else "F.conv1d with segment starts fixed up"
+    conv = path_conv_name(device.type)
     reason = torch_rule_reason(device)
     if reason is None:
         # fla dispatches some kernels to tilelang where it is installed (on Hopper with Triton < 3.7.1

@@ -9,7 +9,8 @@ pre-activation, writes d pre-activation (fp32) and per-block partial sums of the
 gradients (summed by torch afterwards: deterministic, no atomics), then one pass that gives each token
 its gradient from the rows that read it (`conv_successors`: a token at a branch point is read by
 every child segment's first rows), again without atomics. Tested on CPU through Triton's interpreter
-(tests/tree_conv_check.py) and on the GPU by tests/test_gated_deltanet_gpu.py.
+(tests/tree_conv_check.py), compiled for sm_90 on CPU (tests/tree_conv_compile_check.py), and on the
+GPU by tests/test_gated_deltanet_gpu.py.
 """
 
 from __future__ import annotations
@@ -91,17 +92,19 @@ def _backward_tokens_kernel(w_ptr, grad_pre_ptr, offsets_ptr, successors_ptr, gr
     tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     token_ok, col_ok = tokens < num_rows, cols < channels
-    first = tl.load(offsets_ptr + tokens, mask=token_ok, other=0)
-    count = tl.load(offsets_ptr + tokens + 1, mask=token_ok, other=0) - first
+    # Every per-token value as a (BLOCK_R, BLOCK_C) tile (the same value along a row): Triton 3.6's
+    # layout pass fails to compile this loop when its per-token masks are 1-D (seen on an H200).
+    tile_tokens = tokens[:, None] + tl.zeros((BLOCK_R, BLOCK_C), tl.int32)
+    tile_ok = token_ok[:, None] & col_ok[None, :]
+    first = tl.load(offsets_ptr + tile_tokens, mask=tile_ok, other=0)
+    count = tl.load(offsets_ptr + tile_tokens + 1, mask=tile_ok, other=0) - first
     acc = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
-    for e in range(0, tl.max(count, axis=0)):
+    for e in range(0, tl.max(tl.max(count, axis=1), axis=0)):
         ok = e < count
         entry = tl.load(successors_ptr + first + e, mask=ok, other=0)
         row, tap = entry // K, entry % K
-        both = ok[:, None] & col_ok[None, :]
-        w = tl.load(w_ptr + cols[None, :] * K + tap[:, None], mask=both, other=0.0).to(tl.float32)
-        grad_pre = tl.load(grad_pre_ptr + row.to(tl.int64)[:, None] * channels + cols[None, :], mask=both,
-                           other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + cols[None, :] * K + tap, mask=ok, other=0.0).to(tl.float32)
+        grad_pre = tl.load(grad_pre_ptr + row.to(tl.int64) * channels + cols[None, :], mask=ok, other=0.0)
         acc += w * grad_pre
     mask = token_ok[:, None] & col_ok[None, :]
     offsets = tokens.to(tl.int64)[:, None] * channels + cols[None, :]

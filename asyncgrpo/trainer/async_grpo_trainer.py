@@ -346,7 +346,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         for index, plan in enumerate(batch.plans):
             if index:  # the base Trainer's point: after each micro-batch but the step's last
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
-            with timeline.span("pack", rows=len(plan.tries)):
+            with timeline.span("pack", rows=len(plan.rows)):
                 rows = plan.pack()
             row, weight = rows[rank], 1.0
             entries_global = float(sum(r.num_entries for r in rows))
