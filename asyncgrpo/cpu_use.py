@@ -1,7 +1,8 @@
 """Which process of a run held which core when: CPU counters for the run's timeline (docs/timeline.md).
 
-A daemon thread of the trainer reads `/proc/<pid>/stat` of the run's processes (the trainer, each
-rollout worker, and the vLLM servers that run on this machine with their child processes) every
+A daemon thread of the trainer reads `/proc/<pid>/stat` of the run's processes (the trainer and each
+rollout worker, each with the processes it started, and the vLLM servers that run on this machine
+with their child processes) every
 `SAMPLE_INTERVAL_S` and records, per process, the cores it kept busy over the interval (user and
 system time over wall time: 0 to the number of cores) and the core it last ran on, as Chrome trace
 counter events ('C') on the timeline's clock. Linux only: elsewhere there is no /proc and the
@@ -31,6 +32,10 @@ logger = logging.getLogger(__name__)
 # Four samples a second: enough to tell the phases of a step of a second or more apart, while reading
 # a handful of small files a tick costs well under 1% of a core.
 SAMPLE_INTERVAL_S = 0.25
+# The run's own processes count with the processes they start (the compiler's workers, a reward's
+# subprocesses), looked up again this often: the lookup reads every process's stat. A process started
+# and ended between two lookups is still counted, in its parent's count of ended children.
+DESCENDANT_LOOKUP_INTERVAL_S = 1.0
 # Servers are looked up again this often (and whenever one of their processes ended), so a server
 # restarted during a run is followed; the lookup reads every process's open files, too much per tick.
 SERVER_LOOKUP_INTERVAL_S = 30.0
@@ -50,6 +55,7 @@ class ProcStat:
     parent: int  # field 4, ppid
     cpu_ticks: int  # user + system time in clock ticks (fields 14 and 15), all threads
     core: int  # field 39, `processor`: the core it last ran on
+    children_ticks: int = 0  # fields 16 and 17: the same of its children that ended and were waited for
 
 
 def parse_stat(text: str) -> ProcStat:
@@ -64,6 +70,7 @@ def parse_stat(text: str) -> ProcStat:
         parent=int(fields[4 - 3]),
         cpu_ticks=int(fields[14 - 3]) + int(fields[15 - 3]),
         core=int(fields[39 - 3]),
+        children_ticks=int(fields[16 - 3]) + int(fields[17 - 3]),
     )
 
 
@@ -123,15 +130,16 @@ def socket_owners(inodes: set[str]) -> set[int]:
     return owners
 
 
-def with_descendants(roots: set[int], stats: Iterable[ProcStat]) -> list[int]:
-    """`roots` and every process below them, by parent pid."""
+def with_descendants(roots: set[int], stats: Iterable[ProcStat], apart: set[int] = frozenset()) -> list[int]:
+    """`roots` and every process below them, by parent pid, but for the processes in `apart` and
+    those below them (counted on their own)."""
     children: dict[int, list[int]] = {}
     for stat in stats:
         children.setdefault(stat.parent, []).append(stat.pid)
     found, frontier = set(roots), list(roots)
     while frontier:
         for child in children.get(frontier.pop(), []):
-            if child not in found:
+            if child not in found and child not in apart:
                 found.add(child)
                 frontier.append(child)
     return sorted(found)
@@ -176,6 +184,9 @@ class CpuSampler:
         self._servers: list[int] = []
         self._servers_found_us: int | None = None
         self._last: dict[int, int] = {}  # pid -> cpu ticks at the previous tick
+        self._members: dict[int, list[int]] = {}  # own process -> the processes below it
+        self._members_found_us: int | None = None
+        self._family_seen: dict[int, list[int]] = {}  # own process -> its descendants read last tick
         self._last_us: int | None = None  # the previous tick's time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -213,23 +224,62 @@ class CpuSampler:
             self._servers, self._servers_found_us = server_pids(self.server_urls), now_us
         return [(timeline.SERVERS, "", pid) for pid in self._servers]
 
+    def _own_families(self, own: list[Tracked], servers: list[Tracked], now_us: int) -> dict[int, list[int]]:
+        """Each own process's descendants (not another tracked process's), looked up when due."""
+        due = (
+            self._members_found_us is None
+            or now_us - self._members_found_us >= DESCENDANT_LOOKUP_INTERVAL_S * 1e6
+        )
+        if due:
+            stats = [stat for stat in map(read_stat, all_pids()) if stat is not None]
+            tracked = {pid for _, _, pid in [*own, *servers]}
+            self._members = {
+                pid: [member for member in with_descendants({pid}, stats, tracked - {pid}) if member != pid]
+                for _, _, pid in own
+            }
+            self._members_found_us = now_us
+        return self._members
+
     def sample(self) -> None:
         """One tick: read every process; those read at the previous tick too get their counters, timed
-        at the previous tick (a counter holds its value until the next one: the interval it measured)."""
-        now_us = timeline.now_us()
+        at the previous tick (a counter holds its value until the next one: the interval it measured).
+        An own process's count holds its descendants: their CPU time, their ended children's included,
+        since the previous tick (all of it for one found since)."""
+        looked_up_us = timeline.now_us()
+        own, servers = self.tracked(), self._server_processes(looked_up_us)
+        families = self._own_families(own, servers, looked_up_us)
+        now_us = timeline.now_us()  # after the lookups, which may take a while: the reads follow it
         busy: dict[str, dict[str, float]] = {}
         seen: dict[int, int] = {}
-        for process, label, pid in [*self.tracked(), *self._server_processes(now_us)]:
-            stat = read_stat(pid)
+        stats = {pid: read_stat(pid) for _, _, pid in [*own, *servers]}
+        # An own process that ended was waited for by its parent, whose count of ended children then
+        # holds all of its time, counted already: that parent's count is left out for this tick.
+        ended = any(stats[pid] is None and pid in self._last for _, _, pid in own)
+        for process, label, pid in [*own, *servers]:
+            stat = stats[pid]
             if stat is None:
                 continue
             label = label or f"{stat.name} {pid}"
             seen[pid] = stat.cpu_ticks
+            used = stat.cpu_ticks - self._last.get(pid, stat.cpu_ticks)
+            if pid in families:  # an own process: its ended children count with it
+                seen[-pid] = stat.children_ticks  # (negative keys: the count of ended children)
+                if not ended:
+                    used += stat.children_ticks - self._last.get(-pid, stat.children_ticks)
+            for member in families.get(pid, []):
+                member_stat = read_stat(member)
+                if member_stat is not None:
+                    seen[member] = member_stat.cpu_ticks + member_stat.children_ticks
+                    used += seen[member] - self._last.get(member, 0)
+            # A descendant that ended moved all of its time into its parent's count of ended children,
+            # counted just now: what was counted of it before is taken back.
+            used -= sum(
+                self._last.get(member, 0) for member in self._family_seen.get(pid, ()) if member not in seen
+            )
+            self._family_seen[pid] = [member for member in families.get(pid, []) if member in seen]
             if pid in self._last and self._last_us is not None:
                 seconds = (now_us - self._last_us) / 1e6
-                busy.setdefault(process, {})[label] = cores_busy(
-                    self._last[pid], stat.cpu_ticks, seconds, self.ticks_per_s
-                )
+                busy.setdefault(process, {})[label] = cores_busy(0, used, seconds, self.ticks_per_s)
                 self.add(counter(CORE_PREFIX + label, self._last_us, process, {"core": stat.core}))
         for process, series in busy.items():
             self.add(counter(BUSY_COUNTER, self._last_us, process, series))

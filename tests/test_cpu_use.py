@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -26,7 +27,10 @@ def fake_stat(pid: int, name: str, ppid: int, utime: int, stime: int, processor:
 
 def test_a_stat_line_is_read_by_field_number_whatever_the_name_holds():
     stat = cpu_use.parse_stat(fake_stat(4242, "VLLM::Engine) (x", ppid=17, utime=300, stime=45, processor=1))
-    assert stat == cpu_use.ProcStat(pid=4242, name="VLLM::Engine) (x", parent=17, cpu_ticks=345, core=1)
+    # Fields 16 and 17 (ended children's time) hold their numbers: 1016 + 1017.
+    assert stat == cpu_use.ProcStat(
+        pid=4242, name="VLLM::Engine) (x", parent=17, cpu_ticks=345, core=1, children_ticks=2033
+    )
 
 
 def test_cores_busy_is_cpu_seconds_over_wall_seconds():
@@ -165,3 +169,46 @@ def test_a_timeline_without_counters_has_no_cores_line(tmp_path):
     recorder.begin_step(1)
     recorder.add(timeline.event("step", 0, 10, timeline.TRAINER, "main"))
     assert cores_lines(recorder.trace()) == []
+
+
+BURN = "total = 0\nfor number in range(3_000_000):\n    total += number * number\n"
+
+
+def busy_seconds(recorder, sampler) -> float:
+    """The trainer's CPU seconds over the sampler's last interval, from its last counter."""
+    last = [item for item in recorder.current if item["name"] == "cores busy"][-1]
+    return last["args"]["trainer"] * (sampler._last_us - last["ts"]) / 1e6
+
+
+@linux_only
+def test_an_own_process_counts_with_the_processes_it_starts_once_each(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_use, "DESCENDANT_LOOKUP_INTERVAL_S", 0.0)  # look children up at every tick
+    recorder = timeline.TimelineRecorder(tmp_path / "timeline.json")
+    own = [(timeline.TRAINER, timeline.TRAINER, os.getpid())]
+    sampler = cpu_use.CpuSampler(recorder.add_counter, lambda: own, server_urls=[])
+    sampler.sample()
+    # A child that works, says so and waits: found alive at the next tick, all its time counted.
+    child = subprocess.Popen(
+        [sys.executable, "-c", BURN + "print('done', flush=True)\ninput()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout.readline() == "done\n"
+    child_cpu = cpu_use.read_stat(child.pid).cpu_ticks / os.sysconf("SC_CLK_TCK")
+    sampler.sample()
+    assert busy_seconds(recorder, sampler) >= child_cpu
+    # It ends and is waited for: its time moves to this process's count of ended children, and is
+    # not counted a second time.
+    child.communicate("\n")
+    sampler.sample()
+    assert busy_seconds(recorder, sampler) < child_cpu / 2
+    # A child that starts and ends between two ticks counts through that same count.
+    before = os.times()
+    sampler.sample()
+    subprocess.run([sys.executable, "-c", BURN], check=True)
+    sampler.sample()
+    ended_cpu = (
+        os.times().children_user + os.times().children_system - before.children_user - before.children_system
+    )
+    assert busy_seconds(recorder, sampler) >= ended_cpu * 0.9
