@@ -50,6 +50,7 @@ SERVERS = "vLLM servers"
 # Process lanes in the file are numbered in the order trainer, rollout worker(s), servers (Chrome
 # trace `pid`s are numbers: `process_ids` keeps them stable).
 MAIN_LANE = "main"
+STEP_FRAME = "step"  # the trainer's span around each optimizer step
 # Before the first optimizer step: start-up, kept whole.
 SETUP_STEP = 0
 
@@ -226,6 +227,7 @@ class TimelineRecorder(EventSink):
         self.step = SETUP_STEP
         self.current: list[dict] = []
         self.dropped = 0  # events beyond max_events_per_step, over the run
+        self.events = 0  # events of the current step (counters apart)
         self.counters = 0  # counter samples of the current step
         self.counters_dropped = 0  # beyond max_counters_per_step, over the run
         self.cores = os.cpu_count()  # what the CPU counters' "cores busy" is out of
@@ -233,8 +235,12 @@ class TimelineRecorder(EventSink):
 
     def add(self, item: dict) -> None:
         item["args"]["step"] = self.step
-        if len(self.current) < self.max_events_per_step:
+        # The step's own frame ends last, after everything it holds: kept past the cap, or a step
+        # that filled it (a long start-up's rollouts) would lose the event that marks it.
+        frame = item["name"] == STEP_FRAME and item["process"] == TRAINER and item["lane"] == MAIN_LANE
+        if self.events < self.max_events_per_step or frame:
             self.current.append(item)
+            self.events += 1
         else:
             self.dropped += 1
 
@@ -257,7 +263,7 @@ class TimelineRecorder(EventSink):
         """Close the current step's events into the selection; what follows belongs to `step`."""
         with _sink_lock:
             self.selection.close(self.step, self.current)
-            self.step, self.current, self.counters = step, [], 0
+            self.step, self.current, self.events, self.counters = step, [], 0, 0
 
     def trace(self) -> dict:
         """The Chrome trace: metadata naming processes and lanes, then the kept events."""
