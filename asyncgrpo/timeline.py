@@ -37,6 +37,10 @@ MAX_EVENTS_PER_STEP = 1000
 # The trainer rewrites the file at most this often (and at the end), so a run that crashes still has
 # a timeline of all but its last seconds.
 WRITE_INTERVAL_S = 30.0
+# Counter samples (CPU use: asyncgrpo/cpu_use.py) kept per step, apart from the events so that they
+# never crowd out a step's phases: at four ticks a second and seven samples a tick (three processes,
+# a server of two), a step's first 35 s. A step's counters past them are counted, not kept.
+MAX_COUNTERS_PER_STEP = 1000
 # The worker sends its events with each metrics flush; at most this many wait between two flushes.
 MAX_PENDING_EVENTS = MAX_EVENTS_PER_STEP
 
@@ -46,6 +50,7 @@ SERVERS = "vLLM servers"
 # Process lanes in the file are numbered in the order trainer, rollout worker(s), servers (Chrome
 # trace `pid`s are numbers: `process_ids` keeps them stable).
 MAIN_LANE = "main"
+STEP_FRAME = "step"  # the trainer's span around each optimizer step
 # Before the first optimizer step: start-up, kept whole.
 SETUP_STEP = 0
 
@@ -211,23 +216,42 @@ class TimelineRecorder(EventSink):
         every_kth_step: int = EVERY_KTH_STEP_KEPT,
         last_steps: int = LAST_STEPS_KEPT,
         max_events_per_step: int = MAX_EVENTS_PER_STEP,
+        max_counters_per_step: int = MAX_COUNTERS_PER_STEP,
         write_interval_s: float = WRITE_INTERVAL_S,
     ):
         self.path = Path(path)
         self.selection = StepSelection(first_steps, every_kth_step, last_steps)
         self.max_events_per_step = max_events_per_step
+        self.max_counters_per_step = max_counters_per_step
         self.write_interval_s = write_interval_s
         self.step = SETUP_STEP
         self.current: list[dict] = []
         self.dropped = 0  # events beyond max_events_per_step, over the run
+        self.events = 0  # events of the current step (counters apart)
+        self.counters = 0  # counter samples of the current step
+        self.counters_dropped = 0  # beyond max_counters_per_step, over the run
+        self.cores = os.cpu_count()  # what the CPU counters' "cores busy" is out of
         self._last_write = time.monotonic()
 
     def add(self, item: dict) -> None:
         item["args"]["step"] = self.step
-        if len(self.current) < self.max_events_per_step:
+        # The step's own frame ends last, after everything it holds: kept past the cap, or a step
+        # that filled it (a long start-up's rollouts) would lose the event that marks it.
+        frame = item["name"] == STEP_FRAME and item["process"] == TRAINER and item["lane"] == MAIN_LANE
+        if self.events < self.max_events_per_step or frame:
             self.current.append(item)
+            self.events += 1
         else:
             self.dropped += 1
+
+    def add_counter(self, item: dict) -> None:
+        """A counter sample ('C'); its args are its series, so the step is not added to them."""
+        with _sink_lock:
+            if self.counters < self.max_counters_per_step:
+                self.current.append(item)
+                self.counters += 1
+            else:
+                self.counters_dropped += 1
 
     def add_worker_events(self, events: list[dict], dropped: int) -> None:
         with _sink_lock:
@@ -239,7 +263,7 @@ class TimelineRecorder(EventSink):
         """Close the current step's events into the selection; what follows belongs to `step`."""
         with _sink_lock:
             self.selection.close(self.step, self.current)
-            self.step, self.current = step, []
+            self.step, self.current, self.events, self.counters = step, [], 0, 0
 
     def trace(self) -> dict:
         """The Chrome trace: metadata naming processes and lanes, then the kept events."""
@@ -250,6 +274,18 @@ class TimelineRecorder(EventSink):
         events = []
         for _, step_events in steps:
             for item in step_events:
+                if item.get("ph") == "C":  # a counter: a process's, on no lane
+                    events.append(
+                        {
+                            "name": item["name"],
+                            "ph": "C",
+                            "ts": item["ts"],
+                            "pid": pids[item["process"]],
+                            "tid": 0,
+                            "args": item["args"],
+                        }
+                    )
+                    continue
                 key = (item["process"], item["lane"])
                 tid = lanes.setdefault(key, len(lanes) + 1)
                 events.append(
@@ -282,6 +318,8 @@ class TimelineRecorder(EventSink):
             "otherData": {
                 "steps_kept": [step for step, _ in steps],
                 "events_dropped": self.dropped,
+                "counters_dropped": self.counters_dropped,
+                "cpu_cores": self.cores,
                 "clock": "wall clock, microseconds since the Unix epoch",
             },
         }

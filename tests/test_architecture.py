@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
         "routing_replay",
         "timeline",
     },
-    {"config", "peft_adapters", "loss", "kernels", "packing", "generation"},
+    {"config", "peft_adapters", "loss", "kernels", "packing", "generation", "cpu_use"},
     {"logprobs"},
     {"rollout", "weight_sync"},
     {"rewards", "harness"},

@@ -183,8 +183,10 @@ def test_report_opens_in_chromium_without_console_errors_and_shows_the_plots(run
 
 
 def write_synthetic_timeline(path: Path, steps: int = 5) -> None:
-    """A timeline of `steps` one-second steps with every kind of event the plot draws."""
+    """A timeline of `steps` one-second steps with every kind of event the plot draws, CPU counters
+    included (the trainer on core 0, the server on core 1, each fully busy)."""
     from asyncgrpo import timeline
+    from asyncgrpo.cpu_use import counter
 
     recorder = timeline.TimelineRecorder(path)
     second = 1_000_000
@@ -223,6 +225,11 @@ def write_synthetic_timeline(path: Path, steps: int = 5) -> None:
                 "paused", start + 0.85 * second, start + 0.95 * second, timeline.SERVERS, "generation"
             )
         )
+        for process, label, core in ((timeline.TRAINER, "trainer", 0), (timeline.SERVERS, "vllm 7", 1)):
+            for tick in range(4):
+                ts = start + tick * second // 4
+                recorder.add_counter(counter("cores busy", ts, process, {label: 1.0}))
+                recorder.add_counter(counter(f"core: {label}", ts, process, {"core": core}))
     recorder.write()
 
 
@@ -238,6 +245,7 @@ def test_report_draws_the_timeline_and_says_how_the_step_divides(run_copy, tmp_p
     assert "<h2>Timeline</h2>" in html and "steps 3-5 of timeline.json" in html
     assert html.count("data:image/png;base64,") == len(PLOTS) + 1
     assert "How does a step&#x27;s time divide?" in html
+    assert "cores: trainer 1.00, vLLM servers 1.00 busy on average over steps 1-5" in html
     screenshot = tmp_path / "report.png"
     assert open_in_chromium(run_dir / "report.html", screenshot) == []
     trace = {"traceEvents": [{"ph": "X", "name": "step", "args": {"step": s}} for s in (1, 2, 3, 7, 8, 20)]}

@@ -4,6 +4,7 @@ model): a deliberately slow trainer and a deliberately slow reward each show on 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -17,7 +18,8 @@ from test_trainer_e2e import prompts, restore_server, token_parity_reward  # noq
 from timeline_checks import assert_nested, names_by_process  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo import AsyncGRPOTrainer, cpu_use  # noqa: E402
+from asyncgrpo.report.core_use import core_samples  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -97,6 +99,21 @@ def test_slow_trainer_shows_generation_idle_and_the_timeline_holds_every_phase(
     assert trace["otherData"]["steps_kept"] == list(range(STEPS + 1))
     assert "wait for rollout worker" in names["trainer"]
     assert "wait for the starting weights" in names["rollout worker"]
+    # CPU counters for every process of the run: the trainer, the worker, the local server (found by
+    # its URL), each with the cores it kept busy and the core it ran on.
+    lanes = core_samples(trace)
+    assert set(lanes) == {"trainer", "rollout worker", "vLLM servers"}
+    for name, ticks in lanes.items():
+        assert ticks and all(0 <= sum(tick.busy.values()) <= os.cpu_count() for tick in ticks), name
+        assert all(0 <= core < os.cpu_count() for tick in ticks for core in tick.core.values()), name
+    assert any(tick.busy["trainer"] > 0 for tick in lanes["trainer"])
+    # The server's processes are those this test session started (other servers may run on the
+    # machine), the engine core among them; short-lived helpers of the server may have ended since.
+    stats = {stat.pid: stat for stat in map(cpu_use.read_stat, cpu_use.all_pids()) if stat}
+    started = set(cpu_use.with_descendants({vllm_server.process.pid}, stats.values()))
+    labels = {label for tick in lanes["vLLM servers"] for label in tick.busy}
+    assert {int(label.rsplit(" ", 1)[1]) for label in labels} & set(stats) <= started, labels
+    assert any(label.startswith("VLLM::EngineCor") for label in labels), labels
 
 
 def test_slow_reward_shows_the_trainer_waiting(vllm_server, tiny_model_dir, tmp_path):

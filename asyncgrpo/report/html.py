@@ -7,6 +7,7 @@ import base64
 import html
 from pathlib import Path
 
+from asyncgrpo.report.core_use import cores_lines
 from asyncgrpo.report.diagnosis import Finding, diagnose
 from asyncgrpo.report.history import History, load_run
 from asyncgrpo.report.plots import plots_for, render_plot
@@ -48,17 +49,19 @@ def write_report(run_dir: str | Path, reward_range: tuple[float, float] = (0.0, 
         path = plot_dir / f"{spec.name}.png"
         drawn = render_plot(spec, history, path)
         figures.append((spec, path, drawn))
-    timeline = _timeline_figure(run_dir, plot_dir)
+    trace = load_timeline(run_dir)
+    timeline = _timeline_figure(trace, plot_dir)
     findings = diagnose(history, reward_range)
+    if trace is not None:  # which process kept the cores busy: evidence for how a step divides
+        next(finding for finding in findings if finding.question == "time").evidence += cores_lines(trace)
     report = run_dir / REPORT_FILE
     report.write_text(_html(run_dir, history, findings, figures, timeline), encoding="utf-8")
     return report
 
 
-def _timeline_figure(run_dir: Path, plot_dir: Path) -> tuple[Path, list[int]] | None:
+def _timeline_figure(trace: dict | None, plot_dir: Path) -> tuple[Path, list[int]] | None:
     """The timeline plot of a few steps, or None for a run without a timeline (or one step short of
     a whole step)."""
-    trace = load_timeline(run_dir)
     if trace is None:
         return None
     path = plot_dir / TIMELINE_PLOT

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from asyncgrpo.report.core_use import CoreSample, core_samples
 from asyncgrpo.run_files import TIMELINE_FILE
 
 # Consecutive steps drawn: enough to see a run's rhythm, few enough that each phase stays readable.
@@ -117,18 +118,36 @@ def render_timeline(trace: dict, path: Path) -> list[int]:
     from matplotlib.patches import Patch
 
     rows, start, end = _rows(trace, steps)
+    cpu = core_samples(trace)
+    cores = trace.get("otherData", {}).get("cpu_cores") or 1
+    labels = [label for label, _ in rows] + [f"CPU: {name} (row: {cores} cores)" for name in cpu]
     colors: dict[str, tuple] = {}
     palette = matplotlib.colormaps["tab20"].colors  # 20 distinct colors: more than the kinds of events
-    figure, axis = pyplot.subplots(figsize=(14, 0.45 * len(rows) + 1.6), dpi=100)
+    core_palette = matplotlib.colormaps["Dark2"].colors  # apart from the events' colors
+    figure, axis = pyplot.subplots(figsize=(14, 0.45 * len(labels) + 1.6), dpi=100)
+    for index, samples in enumerate(cpu.values()):
+        y = len(cpu) - 1 - index
+        for tick, following in zip(samples, samples[1:]):
+            if start <= tick.ts < end:
+                _draw_tick(
+                    axis,
+                    tick,
+                    (tick.ts - start) / 1e6,
+                    (following.ts - tick.ts) / 1e6,
+                    y,
+                    cores,
+                    colors,
+                    core_palette,
+                )
     for index, (_, events) in enumerate(rows):
-        y = len(rows) - 1 - index
+        y = len(labels) - 1 - index
         for item in events:
             color = colors.setdefault(item["name"], palette[len(colors) % len(palette)])
             left = (max(item["ts"], start) - start) / 1e6
             width = (min(item["ts"] + item["dur"], end) - max(item["ts"], start)) / 1e6
             axis.broken_barh([(left, width)], (y - 0.4, 0.8), facecolors=color, alpha=0.8)
-    axis.set_yticks(range(len(rows)))
-    axis.set_yticklabels([label for label, _ in reversed(rows)], fontsize=8)
+    axis.set_yticks(range(len(labels)))
+    axis.set_yticklabels(list(reversed(labels)), fontsize=8)
     axis.set_xlim(0, (end - start) / 1e6)
     axis.set_xlabel("seconds")
     axis.set_title(f"Timeline of steps {steps[0]}-{steps[-1]} (timeline.json)", fontsize=10)
@@ -143,3 +162,18 @@ def render_timeline(trace: dict, path: Path) -> list[int]:
     figure.savefig(path)
     pyplot.close(figure)
     return steps
+
+
+def _draw_tick(
+    axis, tick: CoreSample, left: float, width: float, y: int, cores: int, colors, palette
+) -> None:
+    """One tick of a CPU row: the lane's processes stacked, each as tall as its share of the machine's
+    cores and colored by the core it ran on (a full row: every core busy)."""
+    bottom = y - 0.4
+    for label, busy in tick.busy.items():
+        core = tick.core.get(label)
+        name = f"core {core}" if core is not None else "core unknown"
+        color = colors.setdefault(name, palette[(core or 0) % len(palette)])
+        height = 0.8 * busy / cores
+        axis.bar(left, height, width, bottom=bottom, align="edge", color=color, linewidth=0)
+        bottom += height

@@ -306,7 +306,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         if self._timeline is not None:
             self._timeline.begin_step(self.state.global_step + 1)
-        with timeline.span("step"):
+        with timeline.span(timeline.STEP_FRAME):
             started = time.perf_counter()
             with timeline.span("take samples"):
                 batch = self._wait_for_samples(

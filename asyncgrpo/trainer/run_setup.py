@@ -10,6 +10,7 @@ and its optimizer (`_prepare_model`), the prompt ledger, the metrics, the genera
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from transformers import TrainerState
 
 from asyncgrpo import timeline
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.cpu_use import CpuSampler, Tracked
 from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.run_files import TIMELINE_FILE
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
@@ -66,15 +68,32 @@ class RunSetup:
         self._metrics = StepMetrics.for_model(self.model, args, num_tokens=rollout.num_tokens)
         self._session = GenerationSession(self._processes, self._metrics.window, resume)
         # Rank 0 records the run's timeline (its own phases, the worker's and the servers' pauses).
-        self._timeline = None
+        # Its CPU counters: which process held which core when (asyncgrpo/cpu_use.py).
+        self._timeline = self._cpu_sampler = None
         if self._processes.is_main:
             self._timeline = timeline.TimelineRecorder(Path(args.output_dir) / TIMELINE_FILE)
             timeline.activate(self._timeline)
+            self._cpu_sampler = CpuSampler(
+                self._timeline.add_counter, self._own_processes, args.vllm_server_urls
+            )
+            self._cpu_sampler.start()
         return model
+
+    def _own_processes(self) -> list[Tracked]:
+        """The run's processes whose CPU use the timeline shows: this one and the rollout workers."""
+        found = [(timeline.TRAINER, timeline.TRAINER, os.getpid())]
+        pool = self._session.worker
+        processes = pool.processes if pool is not None else []
+        for index, process in enumerate(processes):
+            if process is not None and process.pid is not None:
+                name = timeline.worker_process(index, len(processes))
+                found.append((name, name, process.pid))
+        return found
 
     def _close_timeline(self) -> None:
         """The timeline's last write (also after a failure: the file shows where the run stopped)."""
         if self._timeline is not None:
+            self._cpu_sampler.stop()
             timeline.activate(None)
             try:
                 self._timeline.write()
