@@ -27,6 +27,17 @@ MEASURE_S = 20.0
 READY_TIMEOUT_S = 600.0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # After the command name: utime and stime are the 12th and 13th fields (proc(5)), in clock ticks.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(processes: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in processes.items()}
+
+
 def constant_reward(completion_ids, **kwargs):
     return [float(len(ids) % 7) + random.random() for ids in completion_ids]
 
@@ -103,12 +114,19 @@ def main() -> None:
         warm_until = time.monotonic() + 5.0
         while time.monotonic() < warm_until:
             pool.next_result(timeout=1.0)
+        # Where the CPU goes while measuring: each worker, each fake server and this process (the
+        # "trainer": the threads that receive and unpickle the results, and this loop).
+        processes = {f"worker{k}": worker.process.pid for k, worker in enumerate(pool.workers)}
+        processes.update({f"server{k}": server.pid for k, server in enumerate(servers)})
+        processes["drain"] = os.getpid()
+        cpu_before = cpu_snapshot(processes)
         started = time.monotonic()
         while time.monotonic() - started < MEASURE_S:
             result = pool.next_result(timeout=1.0)
             if result is not None:
                 completions += len(result.samples)
         elapsed = time.monotonic() - started
+        cpu_after = cpu_snapshot(processes)
     finally:
         pool.stop()
         for server in servers:
@@ -119,6 +137,11 @@ def main() -> None:
         f"{completions} completions of {COMPLETION_TOKENS} tokens with top-{TOP_N} in {elapsed:.1f} s "
         f"({rate * COMPLETION_TOKENS:.0f} generated tokens/s)"
     )
+    spent = {name: cpu_after[name] - cpu_before[name] for name in processes}
+    print("cpu_s " + " ".join(f"{name}={seconds:.1f}" for name, seconds in spent.items()))
+    if completions:
+        per_completion = {name: 1e6 * seconds / completions for name, seconds in spent.items()}
+        print("cpu_us_per_completion " + " ".join(f"{n}={us:.0f}" for n, us in per_completion.items()))
     print(f"worker_scaling workers={workers} tokens_per_s={rate * COMPLETION_TOKENS:.0f}")
     if workers == 1:
         print(f"worker completions_per_s={rate:.0f} target={TARGET}")
