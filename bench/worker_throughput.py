@@ -7,6 +7,8 @@ completions per second through the whole worker: HTTP, parsing, sequences, scori
 Target: >= 500 completions/s (128k generated tokens/s) on one core. With `--workers K`, K worker
 processes (num_rollout_workers), each on its own core with its own fake server where there are cores
 enough; targets: >= 1.7x from 1 to 2 workers, >= 1M generated tokens/s with 8 workers on 16 cores.
+It also prints the CPU time each process spent while measuring (`cpu_s`, and per completion
+`cpu_us_per_completion`): the workers, the fake servers and this script (`drain`).
 Run: `.venv/bin/python bench/worker_throughput.py [--workers K]`.
 """
 
@@ -62,9 +64,10 @@ def main() -> None:
     workers = parser.parse_args().workers
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     # A core per worker where there are enough; the fake servers (one per worker, so that the server
-    # side is never the bottleneck) and this script share the cores left, or the last one.
+    # side is never the bottleneck) and this script share the cores left. With no core left they may
+    # run on any: pinned to one, they took all their CPU from the one worker there.
     worker_cores = [cores[k % len(cores)] for k in range(workers)]
-    other_cores = cores[workers:] or cores[-1:]
+    other_cores = cores[workers:] or cores
     tokenizer = build_tokenizer()
     urls, servers = [], []
     for index in range(workers):
