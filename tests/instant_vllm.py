@@ -5,6 +5,8 @@ It has no /metrics, so a worker's concurrency cap stays the user's bound."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -42,27 +44,68 @@ def fake_completion_body(rng: random.Random, vocab: int, completion_tokens: int,
     return json.dumps(body, separators=(",", ":")).encode()  # compact, as vLLM writes it
 
 
+def _http_response(status: str, body: bytes) -> bytes:
+    head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+class _InstantHTTP(asyncio.Protocol):
+    """HTTP/1.1 with keep-alive, just what the client sends (requests with a Content-Length body), and
+    every answer encoded in advance. A real server runs on its own machine; this stand-in shares the
+    benchmark's cores, so its cost per request is kept to parsing one header block (a web framework
+    spent several times the CPU here, bench/RESULTS.md "worker_scaling")."""
+
+    def __init__(self, completions: list[bytes], models: bytes, counter):
+        self.completions, self.models, self.counter = completions, models, counter
+        self.buffer = b""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            head_end = self.buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            head = self.buffer[:head_end].decode("latin-1").split("\r\n")
+            length = 0
+            for line in head[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if len(self.buffer) < head_end + 4 + length:
+                return  # the body is still on its way
+            self.buffer = self.buffer[head_end + 4 + length :]
+            method, path = head[0].split(" ")[:2]
+            if method == "POST" and path == "/v1/completions":
+                self.transport.write(self.completions[next(self.counter) % len(self.completions)])
+            elif method == "GET" and path == "/v1/models":
+                self.transport.write(self.models)
+            else:  # /metrics among them: a worker's concurrency cap stays the user's bound
+                self.transport.write(_http_response("404 Not Found", b'{"detail":"Not Found"}'))
+
+
 def run_instant_server(port: int, vocab: int, completion_tokens: int, top_n: int, core: int | None) -> None:
     """Serve on `port` until killed (pinned to `core` when given)."""
-    from aiohttp import web
-
     if core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
     rng = random.Random(0)
-    bodies = [fake_completion_body(rng, vocab, completion_tokens, top_n) for _ in range(DISTINCT_BODIES)]
-    counter = iter(range(10**12))
+    completions = [
+        _http_response("200 OK", fake_completion_body(rng, vocab, completion_tokens, top_n))
+        for _ in range(DISTINCT_BODIES)
+    ]
+    models = _http_response("200 OK", json.dumps({"data": [{"id": "fake", "max_model_len": 4096}]}).encode())
+    counter = itertools.count()
 
-    async def completions(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=bodies[next(counter) % len(bodies)], content_type="application/json")
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: _InstantHTTP(completions, models, counter), "127.0.0.1", port
+        )
+        await server.serve_forever()
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "fake", "max_model_len": 4096}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    asyncio.run(serve())
 
 
 def start_instant_server(

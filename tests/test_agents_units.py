@@ -536,6 +536,18 @@ def test_a_call_marker_that_is_a_special_token_survives_decoding(tokenizer):
     assert rollout.completion[0]["content"] == "ok"
 
 
+def test_a_marker_added_after_a_first_turn_is_kept_too():
+    # turn_text remembers which markers are special tokens per tokenizer; adding one must not leave
+    # that memory stale.
+    tokenizer = build_tokenizer()
+    reply = 'ok[TOOL_CALLS][{"name": "multiply", "arguments": {"a": 2, "b": 3}}]'
+    assert turn_text(tokenizer, tokenizer.encode(reply, add_special_tokens=False), "mistral") == reply
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=True) != reply  # the marker is special now
+    assert turn_text(tokenizer, ids, "mistral") == reply
+
+
 # -- reconciliation with real templates ----------------------------------------------------------------------
 
 # A Qwen3-style template: earlier assistant turns lose their <think> block once a later user turn exists.

@@ -68,6 +68,27 @@ def test_fast_path_matches_the_general_path_on_random_bodies():
         np.testing.assert_array_equal(fast.top_logprobs, general_values)
 
 
+def test_rows_shorter_or_longer_than_the_top_n_match_the_general_path():
+    # A row may hold fewer than N entries (fewer candidates than asked for) or more than N + 1: the
+    # fast path pads or cuts them as the general one does, with or without such rows in the body.
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        n, top = int(rng.integers(1, 40)), int(rng.integers(2, 9))
+        sampled = rng.integers(0, 500, n).tolist()
+        tops = []
+        for token in sampled:
+            entries = {f"token_id:{token}": float(-rng.random())}
+            while len(entries) < int(rng.integers(1, top + 3)):
+                entries[f"token_id:{int(rng.integers(0, 500))}"] = float(-rng.random() * 9)
+            tops.append(entries)
+        fast = parse_completion_response(completion_body(sampled, tops), top)
+        general_ids, general_values = _top_from_dicts(
+            _top_dicts_decoder.decode(msgspec.json.encode(tops)), sampled, top
+        )
+        np.testing.assert_array_equal(fast.top_ids, general_ids)
+        np.testing.assert_array_equal(fast.top_logprobs, general_values)
+
+
 def test_null_entries_take_the_general_path():
     tops = [{"token_id:7": -0.1, "token_id:3": -2.5}, None]
     completion = parse_completion_response(completion_body([7, 9], tops), num_top=2)

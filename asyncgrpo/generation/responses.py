@@ -170,12 +170,18 @@ def _top_from_raw(raw: bytes, sampled: list[int], num_top: int) -> tuple[np.ndar
     )
     ids = flat[0::2].astype(np.int64)
     values = flat[1::2].astype(np.float32)
-    rows = np.repeat(np.arange(n), counts)
     starts = np.cumsum(counts) - counts
-    columns = np.arange(len(ids)) - starts[rows]
     extra = counts > num_top  # the sampled token sits first in these rows
     if extra.any() and not np.array_equal(ids[starts[extra]], np.asarray(sampled, dtype=np.int64)[extra]):
         return None
+    if np.all((counts == num_top) | (counts == num_top + 1)):
+        # The usual body: with the sampled tokens outside the top N dropped, every row holds exactly N,
+        # so the arrays are a reshape (no padding, no scatter).
+        kept = np.ones(len(ids), dtype=bool)
+        kept[starts[extra]] = False
+        return ids[kept].reshape(n, num_top), values[kept].reshape(n, num_top)
+    rows = np.repeat(np.arange(n), counts)
+    columns = np.arange(len(ids)) - starts[rows]
     shift = extra[rows].astype(np.int64)
     keep = (columns >= shift) & (columns - shift < num_top)
     top_ids = np.full((n, num_top), -1, dtype=np.int64)

@@ -18,6 +18,7 @@ TRL's is: content as generated less the tool-call blocks (its `<think>` block to
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from asyncgrpo.metrics import MetricsWindow, Reduce
@@ -42,16 +43,35 @@ def _format_of(template: str) -> str:
     return tool_call_format(template)
 
 
+# tokenizer -> {(call format, vocabulary size): its kept special ids}. Looking the markers up costs
+# several tokenizer calls per turn; the answer changes only when tokens are added to the tokenizer.
+_kept_special_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _kept_special_ids(tokenizer, fmt: str) -> frozenset[int]:
+    """The ids of the call format's and reasoning markers that are special tokens (which plain
+    `skip_special_tokens` decoding would drop)."""
+    try:
+        by_format = _kept_special_cache.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that takes no weak reference: look the markers up every time
+        by_format = {}
+    key = (fmt, len(tokenizer))
+    if key not in by_format:
+        special = set()
+        for marker in (*FORMAT_MARKERS.get(fmt, ()), *REASONING_MARKERS):
+            ids = tokenizer.convert_tokens_to_ids([marker])
+            if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id:
+                if tokenizer.decode(ids, skip_special_tokens=True) == "":
+                    special.add(ids[0])
+        by_format[key] = frozenset(special)
+    return by_format[key]
+
+
 def turn_text(tokenizer, output_ids: list[int], fmt: str) -> str:
     """The sampled turn's text without special tokens (the end-of-turn token among them), except
     the markers the call format is read by: Mistral's `[TOOL_CALLS]` is a special token, so plain
     `skip_special_tokens` decoding would hide every call."""
-    special = set()
-    for marker in (*FORMAT_MARKERS.get(fmt, ()), *REASONING_MARKERS):
-        ids = tokenizer.convert_tokens_to_ids([marker])
-        if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id:
-            if tokenizer.decode(ids, skip_special_tokens=True) == "":
-                special.add(ids[0])
+    special = _kept_special_ids(tokenizer, fmt)
     if not special.intersection(output_ids):
         return tokenizer.decode(output_ids, skip_special_tokens=True)
     pieces, segment = [], []
