@@ -85,6 +85,9 @@ def main() -> None:
         f"rank {rank}: loss {float(total):.6f} vs {reference_loss:.6f}, max grad diff {worst:.2e}", flush=True
     )
     assert worst < 1e-5, worst
+    # Both ranks past their last collective before either tears gloo down: a rank that exits first
+    # closes its sockets under the other's gloo threads, which then abort (seen once in CI).
+    dist.barrier()
     dist.destroy_process_group()
 
 
