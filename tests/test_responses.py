@@ -37,15 +37,16 @@ def completion_body(token_ids, tops, compact=True) -> bytes:
 
 def test_sampled_token_outside_the_top_n_is_dropped_and_inside_it_is_kept():
     # Position 0: sampled 7 is among the top 2 (dict of 2). Position 1: sampled 9 is not (dict of 3).
+    # -2.5e-06: JSON writes a log-prob near 0 with an exponent.
     tops = [
-        {"token_id:7": -0.1, "token_id:3": -2.5},
+        {"token_id:7": -0.1, "token_id:3": -2.5e-06},
         {"token_id:9": -4.0, "token_id:1": -0.2, "token_id:2": -1.7},
     ]
     for compact in (True, False):
         completion = parse_completion_response(completion_body([7, 9], tops, compact), num_top=2)
         assert completion.token_ids.tolist() == [7, 9]
         assert completion.top_ids.tolist() == [[7, 3], [1, 2]]
-        np.testing.assert_allclose(completion.top_logprobs, [[-0.1, -2.5], [-0.2, -1.7]])
+        np.testing.assert_allclose(completion.top_logprobs, [[-0.1, -2.5e-06], [-0.2, -1.7]])
         np.testing.assert_allclose(completion.logprobs, [-0.1, -4.0])
 
 

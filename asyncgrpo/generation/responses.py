@@ -104,7 +104,9 @@ class _GenerateResponse(msgspec.Struct):
 _completion_decoder = msgspec.json.Decoder(_CompletionResponse)
 _top_dicts_decoder = msgspec.json.Decoder(list[dict[str, float] | None] | None)
 _number_rows_decoder = msgspec.json.Decoder(list[list[float]])
-_TO_NUMBER_LISTS = bytes.maketrans(b"{}:", b"[],")
+# Quotes become spaces rather than being deleted: a translate that deletes bytes is several times slower
+# than a plain one, and JSON allows the spaces.
+_TO_NUMBER_LISTS = bytes.maketrans(b'{}:"', b"[], ")
 _generate_decoder = msgspec.json.Decoder(_GenerateResponse)
 
 
@@ -155,9 +157,9 @@ def _top_from_raw(raw: bytes, sampled: list[int], num_top: int) -> tuple[np.ndar
     key collapses, so a dict holds N entries, else N+1 with the sampled token first (dropped here).
     """
     n = len(sampled)
-    # Turn every {"token_id:ID": lp, ...} into [ID, lp, ...] so that msgspec parses all the numbers in C:
-    # one translate pass ({ -> [, } -> ], : -> ",", quotes dropped), then one replace of the key prefix.
-    text = raw.translate(_TO_NUMBER_LISTS, b'"').replace(b"token_id,", b"")
+    # Turn every {"token_id:ID": lp, ...} into [ ID , lp, ...] so that msgspec parses all the numbers in C:
+    # one replace of the key prefix, then one translate pass ({ -> [, } -> ], : -> ",", quotes -> spaces).
+    text = raw.replace(b'"' + TOKEN_ID_PREFIX.encode(), b" ").translate(_TO_NUMBER_LISTS)
     try:
         number_rows = _number_rows_decoder.decode(text)
     except msgspec.DecodeError:  # null entries, -Infinity...: not this shape
