@@ -56,17 +56,26 @@ def trainer_logprobs(model, completion: list[int]) -> np.ndarray:
 
 
 ARCHS = ["qwen3_5", "qwen3_5_vl"]
+# The families this module serves besides the tiny Qwen3 (the session's default server).
+FAMILIES = [*ARCHS, "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
-def gated_deltanet_servers(vllm_servers, tmp_path_factory):
-    """Both families' servers, started side by side (`asyncgrpo serve` picks bfloat16 and the rest)."""
-    model_dirs = {arch: save_tiny_model(tmp_path_factory.mktemp(arch), arch=arch) for arch in ARCHS}
-    specs = [dict(model_dir=model_dirs[arch], dtype=None) for arch in ARCHS]
+def family_servers(vllm_servers, tmp_path_factory):
+    """Every family's server, started side by side (`asyncgrpo serve` picks bfloat16 and the rest):
+    the module holds them all until its end anyway, and one launch of all of them costs the suite
+    less than a launch of the MoE server after the others."""
+    model_dirs = {arch: save_tiny_model(tmp_path_factory.mktemp(arch), arch=arch) for arch in FAMILIES}
+    specs = [dict(model_dir=model_dirs[arch], dtype=None) for arch in FAMILIES]
     servers = vllm_servers.get_together(*specs)
-    yield {arch: (model_dirs[arch], server) for arch, server in zip(ARCHS, servers)}
+    yield {arch: (model_dirs[arch], server) for arch, server in zip(FAMILIES, servers)}
     for spec in specs:
         vllm_servers.release(**spec)
+
+
+@pytest.fixture(scope="module")
+def gated_deltanet_servers(family_servers):
+    return {arch: family_servers[arch] for arch in ARCHS}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -130,10 +139,8 @@ PARITY_SAMPLES = 4  # one group: the completions share the probe as their prompt
 
 
 @pytest.fixture(scope="module")
-def moe_server(vllm_servers, tmp_path_factory):
-    model_dir = save_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe")
-    yield model_dir, vllm_servers.get(model_dir=model_dir, dtype=None)
-    vllm_servers.release(model_dir=model_dir, dtype=None)
+def moe_server(family_servers):
+    return family_servers["qwen3_moe"]
 
 
 def served_group(url: str) -> list[tuple[list[int], np.ndarray]]:

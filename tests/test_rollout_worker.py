@@ -116,6 +116,24 @@ def collect(worker, count: int, timeout: float = 120):
     return results
 
 
+def collect_until_stalled(worker, allowance: float, timeout: float = 120):
+    """Results until the worker can start no group: every token it holds against the budget (queued
+    plus the estimate of the groups in flight, which it publishes for the other workers) has arrived
+    here, so nothing is in flight, and that reaches `allowance`, so no group may start before the
+    trainer raises it. Waiting for this state, not for a fixed time, proves the stall on any load."""
+    workers = getattr(worker, "workers", [worker])  # a pool's workers share one array of commitments
+    commitments = workers[0].channels.committed_tokens
+    results, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        committed, received = sum(commitments[:]), sum(result.num_tokens for result in results)
+        if committed >= allowance and committed == received:
+            return results
+        result = worker.next_result(timeout=0.2)
+        if result is not None:
+            results.append(result)
+    pytest.fail(f"generation did not stall at the allowance within {timeout} s: {committed} tokens committed")
+
+
 def merged_metrics(worker) -> dict[str, float]:
     window = MetricsWindow()
     for stats in worker.drain_metrics():
@@ -200,7 +218,7 @@ def test_backpressure_holds_queued_and_in_flight_tokens_within_the_allowance(vll
     worker = make_worker(vllm_server.url, tiny_model_dir, [even_token_reward], allowance=allowance)
     worker.start(ready_timeout=120)
     try:
-        results = collect(worker, 100, timeout=25)  # nobody trains: generation must stall
+        results = collect_until_stalled(worker, allowance)  # nobody trains: generation must stall
         queued = sum(r.num_tokens for r in results)
         largest_group = max(r.num_tokens for r in results)
         stalled = collect(worker, 1, timeout=4)
@@ -224,7 +242,7 @@ def test_two_workers_split_the_prompts_share_the_budget_and_resume_exactly(vllm_
     )
     pool.start(ready_timeout=120)
     try:
-        first = collect(pool, 100, timeout=25)  # nobody trains: generation must stall
+        first = collect_until_stalled(pool, allowance)  # nobody trains: generation must stall
         metrics = merged_metrics(pool)
     finally:
         pool.stop()
