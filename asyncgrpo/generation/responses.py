@@ -17,6 +17,7 @@ import numpy as np
 
 TOKEN_ID_PREFIX = "token_id:"
 _PREFIX_LEN = len(TOKEN_ID_PREFIX)
+_QUOTED_KEY_PREFIX = b'"' + TOKEN_ID_PREFIX.encode()  # how each top-N key starts in the raw body
 
 
 @dataclass
@@ -159,7 +160,7 @@ def _top_from_raw(raw: bytes, sampled: list[int], num_top: int) -> tuple[np.ndar
     n = len(sampled)
     # Turn every {"token_id:ID": lp, ...} into [ ID , lp, ...] so that msgspec parses all the numbers in C:
     # one replace of the key prefix, then one translate pass ({ -> [, } -> ], : -> ",", quotes -> spaces).
-    text = raw.replace(b'"' + TOKEN_ID_PREFIX.encode(), b" ").translate(_TO_NUMBER_LISTS)
+    text = raw.replace(_QUOTED_KEY_PREFIX, b" ").translate(_TO_NUMBER_LISTS)
     try:
         number_rows = _number_rows_decoder.decode(text)
     except msgspec.DecodeError:  # null entries, -Infinity...: not this shape
