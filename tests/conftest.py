@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny model, and real `vllm serve` processes shared across the suite.
+"""Shared fixtures: the tiny model and its tokenizer, and real `vllm serve` processes shared across the suite.
 
 A vLLM CPU server takes ~30-45 s and ~3 GB to start, so there is one per distinct set of flags for
 the whole session (`vllm_servers.get(...)`); tests that change a server's weights restore them.
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from asyncgrpo import AsyncGRPOConfig
-from asyncgrpo.cli.tiny_model import save_tiny_model
+from asyncgrpo.cli.tiny_model import build_tokenizer, save_tiny_model
 
 if TYPE_CHECKING:  # the server module needs msgspec, which a GPU host may lack: imported where used
     from asyncgrpo.generation.server import VLLMServer
@@ -53,6 +53,12 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny model's tokenizer (its chat template is the Qwen3 training template), one per module."""
+    return build_tokenizer()
 
 
 class ServerPool:

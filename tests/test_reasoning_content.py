@@ -8,22 +8,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from agent_fakes import ScriptedLoop, call, multiply
 from reward_examples import format_reward_func
-from test_agents_units import ScriptedLoop, call, multiply
 
 from asyncgrpo import AsyncGRPOConfig
-from asyncgrpo.cli.tiny_model import build_tokenizer
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.rollout.agent import assistant_message, run_tool_loop
 from asyncgrpo.rollout.tool_calls import parse_turn
 
 FORMATTED = "<think>3 * 4 = 12.</think><answer>12</answer>"
 HERMES_CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
 
 
 def test_the_default_keeps_the_turn_as_generated():
