@@ -87,6 +87,21 @@ def cores_busy(ticks_before: int, ticks_after: int, seconds: float, ticks_per_s:
     return max(0, ticks_after - ticks_before) / ticks_per_s / seconds if seconds > 0 else 0.0
 
 
+def within_the_machine(busy: dict[str, dict[str, float]], cores: int) -> dict[str, dict[str, float]]:
+    """One tick's figures, every process of every lane, scaled down together when they add up to more
+    than the machine's cores. They can, though no set of processes can use more: a process's CPU time
+    advances in whole clock ticks (one tick over a sampling interval is 0.04 cores at 100 ticks a second
+    and four samples a second, for each process), and the reads follow the clock reading by a moment that
+    a busy machine stretches."""
+    total = sum(value for series in busy.values() for value in series.values())
+    if total <= cores:
+        return busy
+    scale = cores / total
+    return {
+        process: {name: value * scale for name, value in series.items()} for process, series in busy.items()
+    }
+
+
 def local_ports(urls: Iterable[str]) -> list[int]:
     """The ports of the URLs that name this machine."""
     here = {socket.gethostname().lower()}
@@ -281,6 +296,6 @@ class CpuSampler:
                 seconds = (now_us - self._last_us) / 1e6
                 busy.setdefault(process, {})[label] = cores_busy(0, used, seconds, self.ticks_per_s)
                 self.add(counter(CORE_PREFIX + label, self._last_us, process, {"core": stat.core}))
-        for process, series in busy.items():
+        for process, series in within_the_machine(busy, os.cpu_count() or 1).items():
             self.add(counter(BUSY_COUNTER, self._last_us, process, series))
         self._last, self._last_us = seen, now_us

@@ -228,3 +228,12 @@ def test_an_own_process_counts_with_the_processes_it_starts_once_each(tmp_path, 
         os.times().children_user + os.times().children_system - before.children_user - before.children_system
     )
     assert busy_seconds(recorder, sampler) >= ended_cpu * 0.9
+
+
+def test_a_ticks_figures_are_scaled_down_together_to_the_machines_cores():
+    # 1.5 + 0.5 + 0.5 = 2.5 cores measured on 2: every figure times 2 / 2.5 = 0.8.
+    measured = {"trainer": {"trainer": 1.5}, "vLLM servers": {"EngineCore 7": 0.5, "Worker 8": 0.5}}
+    scaled = cpu_use.within_the_machine(measured, cores=2)
+    assert scaled["trainer"] == {"trainer": pytest.approx(1.2)}
+    assert scaled["vLLM servers"] == {"EngineCore 7": pytest.approx(0.4), "Worker 8": pytest.approx(0.4)}
+    assert cpu_use.within_the_machine({"trainer": {"trainer": 2.0}}, cores=2) == {"trainer": {"trainer": 2.0}}
