@@ -95,6 +95,9 @@ def test_null_entries_take_the_general_path():
     completion = parse_completion_response(completion_body([7, 9], tops), num_top=2)
     assert completion.top_ids.tolist() == [[7, 3], [-1, -1]]
     assert np.isneginf(completion.top_logprobs[1]).all()
+    # The second token's log-prob is null in the body: it reads as -inf, never as NaN.
+    assert completion.logprobs[0] == np.float32(-0.1)
+    assert np.isneginf(completion.logprobs[1])
 
 
 def test_missing_logprobs_is_a_clear_error():
