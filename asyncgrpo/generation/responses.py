@@ -18,7 +18,7 @@ import numpy as np
 TOKEN_ID_PREFIX = "token_id:"
 _PREFIX_LEN = len(TOKEN_ID_PREFIX)
 _QUOTED_KEY_PREFIX = b'"' + TOKEN_ID_PREFIX.encode()  # how each top-N key starts in the raw body
-# Blanked rather than deleted: a replace that keeps the length writes in place, a third cheaper.
+# Blanked rather than deleted: a replace that keeps the length copies once and writes in place.
 _KEY_PREFIX_BLANKS = b" " * len(_QUOTED_KEY_PREFIX)
 
 
