@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 
+from asyncgrpo.redaction import RedactingFormatter
+
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 WARNINGS_FILE = "warnings.log"
@@ -39,7 +41,7 @@ def attach_warnings_file(path: str | os.PathLike | None = None) -> logging.Handl
         package_logger.addHandler(console)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setLevel(logging.WARNING)
-    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.setFormatter(RedactingFormatter(_FORMAT))  # a warning quoting a key shows it redacted
     package_logger.addHandler(handler)
     _active_handler = handler
     return handler

@@ -77,8 +77,10 @@ class ServerPool:
         max_loras=None,
         model_dir: Path | None = None,
         dtype: str | None = "float32",
+        api_key: str | None = None,
     ) -> VLLMServer:
-        """`model_dir`: another model than the tiny Qwen3; `dtype=None` lets `asyncgrpo serve` pick."""
+        """`model_dir`: another model than the tiny Qwen3; `dtype=None` lets `asyncgrpo serve` pick;
+        `api_key`: every route but liveness requires it."""
         return self.get_together(
             dict(
                 extra_args=extra_args,
@@ -87,6 +89,7 @@ class ServerPool:
                 max_loras=max_loras,
                 model_dir=model_dir,
                 dtype=dtype,
+                api_key=api_key,
             )
         )[0]
 
@@ -100,7 +103,7 @@ class ServerPool:
         for key in keys:
             if key in self._servers:
                 continue
-            extra_args, enable_lora, max_lora_rank, max_loras, model_dir, dtype = key
+            extra_args, enable_lora, max_lora_rank, max_loras, model_dir, dtype, api_key = key
             options = ServerOptions(
                 model=str(model_dir or self.model_dir),
                 port=free_port(),
@@ -111,6 +114,7 @@ class ServerPool:
                 max_lora_rank=max_lora_rank,
                 max_loras=max_loras,
                 extra_args=list(extra_args),
+                api_key=api_key,
             )
             server = VLLMServer(options, log_path=self.log_dir / f"server-{len(self._servers)}.log")
             server.launch()
@@ -133,8 +137,9 @@ class ServerPool:
         max_loras=None,
         model_dir: Path | None = None,
         dtype: str | None = "float32",
+        api_key: str | None = None,
     ) -> tuple:
-        return (tuple(extra_args), enable_lora, max_lora_rank, max_loras, model_dir, dtype)
+        return (tuple(extra_args), enable_lora, max_lora_rank, max_loras, model_dir, dtype, api_key)
 
     def release(self, *extra_args: str, **kwargs) -> None:
         """Stop a server with unusual flags once its tests are done, to free its ~3 GB."""
@@ -170,6 +175,18 @@ def lora_server(vllm_servers) -> VLLMServer:
     of several modules. Those tests change adapters; the one that syncs merged weights into it puts the
     base weights back (restore_server)."""
     return vllm_servers.get(enable_lora=True, max_lora_rank=8, max_loras=2)
+
+
+# The key of the suite's keyed server (tests send it as VLLM_API_KEY). Made up for the tests: it
+# guards a loopback server that lives as long as the test session.
+TEST_API_KEY = "asyncgrpo-test-key-3f9c2a7d51e8"
+
+
+@pytest.fixture(scope="session")
+def keyed_server(vllm_servers) -> VLLMServer:
+    """The tiny model's server started with an API key (`asyncgrpo serve --api-key-file`'s guard on
+    every route but liveness): the security tests and the server-restart fault test share it."""
+    return vllm_servers.get(api_key=TEST_API_KEY)
 
 
 def make_config(server, output_dir, config_class=AsyncGRPOConfig, **overrides) -> AsyncGRPOConfig:

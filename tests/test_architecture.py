@@ -12,11 +12,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "asyncgrpo"
 # A part is a subpackage or a module at the package's root; "asyncgrpo" is the root `__init__` (the
 # public API). A part may import parts of lower layers only (and itself).
 LAYERS: list[set[str]] = [
+    {"redaction"},
     {
         "sample",
         "metrics",
         "trl_compat",
-        "run_files",
         "sharded",
         "parent_watch",
         "models",
@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
         "routing_replay",
         "timeline",
     },
-    {"config", "peft_adapters", "loss", "kernels", "packing", "generation", "cpu_use"},
+    {"config", "peft_adapters", "loss", "kernels", "packing", "generation", "cpu_use", "run_files"},
     {"logprobs"},
     {"rollout", "weight_sync"},
     {"rewards", "harness"},

@@ -25,7 +25,7 @@ pytest.importorskip(
     "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
 )
 
-from conftest import MAX_MODEL_LEN, free_port, make_config  # noqa: E402
+from conftest import TEST_API_KEY, make_config  # noqa: E402
 from test_trainer_e2e import (
     PROBE,
     hf_greedy,
@@ -40,7 +40,6 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
 from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
 from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
-from asyncgrpo.generation.server import ServerOptions, VLLMServer  # noqa: E402
 from asyncgrpo.rollout.prompts import epoch_order  # noqa: E402
 from asyncgrpo.rollout.worker import RolloutWorkerError  # noqa: E402
 from asyncgrpo.trainer.held_samples import load_held_samples  # noqa: E402
@@ -364,15 +363,13 @@ def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(vllm_serv
 
 
 def test_a_server_killed_and_restarted_mid_run_is_given_the_weights_and_training_finishes(
-    tiny_model_dir, tmp_path, monkeypatch
+    keyed_server, vllm_servers, tiny_model_dir, tmp_path, monkeypatch
 ):
-    # The server requires an API key: the client must send VLLM_API_KEY (vLLM's own convention).
-    monkeypatch.setenv("VLLM_API_KEY", "fault-test-key")
-    options = ServerOptions(
-        model=str(tiny_model_dir), port=free_port(), max_model_len=MAX_MODEL_LEN, dtype="float32", cpu=True
-    )
-    server = VLLMServer(options, log_path=tmp_path / "server.log")
-    server.start()
+    # The suite's keyed server (every route but liveness requires the key): the client sends
+    # VLLM_API_KEY on every call, the restarted server included. Restarted with the same options
+    # (key and port), it stays the pool's server for the tests after this one.
+    monkeypatch.setenv("VLLM_API_KEY", TEST_API_KEY)
+    server = keyed_server
     restarted = threading.Event()
 
     def restart() -> None:
@@ -403,4 +400,5 @@ def test_a_server_killed_and_restarted_mid_run_is_given_the_weights_and_training
             "the restarted server runs the trained weights"
         )
     finally:
-        server.stop()
+        if server.process is None or server.process.poll() is not None or not restarted.is_set():
+            vllm_servers.release(api_key=TEST_API_KEY)  # a later test gets a fresh one

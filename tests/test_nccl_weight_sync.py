@@ -33,7 +33,6 @@ from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.weight_sync.base import serving_tensors  # noqa: E402
 from asyncgrpo.weight_sync.buckets import pack, plan_buckets  # noqa: E402
 from asyncgrpo.weight_sync.nccl import NcclWeightSync, WeightTransferError  # noqa: E402
-from asyncgrpo.weight_sync.transport import pickled_vllm_unique_id  # noqa: E402
 
 
 def received(url: str) -> dict:
@@ -78,16 +77,6 @@ def test_pack_then_unpack_gives_the_tensors_back():
     back = unpack(buffer, [t.shape for t in tensors], [t.dtype for t in tensors])
     for original, copy in zip(tensors, back):
         assert torch.equal(original, copy) and copy.dtype == original.dtype
-
-
-def test_the_tcp_store_payload_unpickles_as_vllms_unique_id():
-    wrapper = pytest.importorskip("vllm.distributed.device_communicators.pynccl_wrapper")
-    import pickle
-
-    unique_id = bytes(range(128))
-    decoded = pickle.loads(pickled_vllm_unique_id(unique_id))
-    assert isinstance(decoded, wrapper.ncclUniqueId)
-    assert bytes(bytearray(decoded.internal)) == unique_id
 
 
 # -- the protocol against the double ----------------------------------------------------------
@@ -294,6 +283,23 @@ def test_server_engine_and_version_detection():
     assert parse_server_info(None) is None
     assert vllm_at_least("0.32.0+cpu", (0, 30)) and vllm_at_least("1.0.0", (0, 30))
     assert not vllm_at_least("0.11.1rc2.dev3", (0, 30)) and not vllm_at_least("unknown", (0, 30))
+
+
+def test_an_nccl_sync_to_a_server_older_than_vllm_0_30_is_refused():
+    # Such a server would join through a TCP store the trainer hosts, unauthenticated, holding a pickle
+    # the server unpickles: not offered (docs/security.md). Refused before any GPU or store is touched.
+    from asyncgrpo.weight_sync import make_weight_sync
+
+    class OldServer:
+        async def version(self) -> str:
+            return "0.29.2"
+
+    loop = BackgroundLoop()
+    try:
+        with pytest.raises(ValueError, match=r"needs vLLM >= 0\.30 .* runs vLLM 0\.29\.2.*'filesystem'"):
+            make_weight_sync("nccl", OldServer(), loop)
+    finally:
+        loop.close()
 
 
 @pytest.mark.gpu

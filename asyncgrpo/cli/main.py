@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -14,7 +15,49 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_api_key(args: argparse.Namespace) -> str | None:
+    """The key `asyncgrpo serve` gives the server: --api-key-file, --generate-api-key (a new one),
+    --api-key, or VLLM_API_KEY; None for none. Never printed: only where it is."""
+    from asyncgrpo.generation.server_auth import API_KEY_ENV, read_api_key_file, write_new_api_key
+
+    given = [flag for flag in ("api_key_file", "generate_api_key", "api_key") if getattr(args, flag)]
+    if len(given) > 1:
+        raise ValueError("give one of --api-key-file, --generate-api-key and --api-key")
+    if args.api_key_file:
+        key, warning = read_api_key_file(args.api_key_file)
+        if warning:
+            print(f"asyncgrpo serve: warning: {warning}", file=sys.stderr)
+        return key
+    if args.generate_api_key:
+        key = write_new_api_key(args.generate_api_key, dry_run=args.dry_run)
+        if args.dry_run:
+            print(f"asyncgrpo serve: dry run: a new API key would be written to {args.generate_api_key}")
+            return key
+        print(
+            f"asyncgrpo serve: a new API key is in {args.generate_api_key} (mode 0600); give it to the "
+            f"trainer as {API_KEY_ENV}",
+            file=sys.stderr,
+        )
+        return key
+    if args.api_key:
+        print(
+            "asyncgrpo serve: warning: a key on the command line can be read by every user of this machine "
+            f"(ps); prefer --api-key-file or {API_KEY_ENV}",
+            file=sys.stderr,
+        )
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
+    try:
+        return _serve_checked(args, extra, argv)
+    except ValueError as error:  # refused before anything starts: say why and how to fix it
+        print(f"asyncgrpo serve: {error}", file=sys.stderr)
+        return 2
+
+
+def _serve_checked(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
     from asyncgrpo.generation.server import ServerOptions, lora_flags_for_run, serve_foreground
 
     if args.for_config is not None:
@@ -27,6 +70,8 @@ def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
         given = {name: getattr(args, name) for name in names} | {
             "enable_lora": args.enable_lora or None,
             "return_routed_experts": args.moe_routing_replay or None,
+            "api_key": _server_api_key(args),
+            "insecure_no_api_key": args.insecure_no_api_key or None,
         }
         return run_serve_for(
             args.for_config, given, args.cpu, args.cpu_kv_cache_gib, extra, dry_run=args.dry_run
@@ -51,6 +96,8 @@ def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
         cpu_kv_cache_gib=args.cpu_kv_cache_gib,
         return_routed_experts=args.moe_routing_replay,
         extra_args=extra,
+        api_key=_server_api_key(args),
+        insecure_no_api_key=args.insecure_no_api_key,
     )
     return serve_foreground(options)
 
@@ -114,6 +161,26 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cpu", action="store_true", help="CPU flags even when a GPU is visible")
     parser.add_argument("--cpu-kv-cache-gib", type=int, default=1)
+    # The server's API key: every route but liveness requires it (docs/security.md).
+    parser.add_argument(
+        "--api-key-file", default=None, metavar="FILE", help="the server's API key, read from FILE"
+    )
+    parser.add_argument(
+        "--generate-api-key",
+        default=None,
+        metavar="FILE",
+        help="a new API key for the server, written to FILE (mode 0600; an existing FILE is refused)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="the server's API key (visible to every user in `ps`: prefer --api-key-file or VLLM_API_KEY)",
+    )
+    parser.add_argument(
+        "--insecure-no-api-key",
+        action="store_true",
+        help="serve beyond loopback without a key: anyone who reaches the port can steer the server",
+    )
 
 
 def _serve_for_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from urllib.parse import urlparse
 
 from asyncgrpo.cli.run_config import ConfigError, RunConfig, build_run_config, build_trainer, read_config
 from asyncgrpo.generation.server import lora_flags_for_run
+from asyncgrpo.redaction import redact_config
 
 RESOLVED_CONFIG_FILE = "config.yaml"
 
@@ -33,13 +34,14 @@ def run_train(config_path: str, overrides: list[str], check_only: bool = False) 
 
 
 def write_resolved_config(run: RunConfig) -> Path:
-    """The config as run (file plus overrides) beside config.json (every AsyncGRPOConfig field)."""
+    """The config as run (file plus overrides) beside config.json (every AsyncGRPOConfig field), with
+    secrets redacted (a harness `env`'s values, secret-named keys)."""
     import yaml
 
     directory = Path(run.args.output_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / RESOLVED_CONFIG_FILE
-    path.write_text(yaml.safe_dump(run.raw, sort_keys=False))
+    path.write_text(yaml.safe_dump(redact_config(run.raw), sort_keys=False))
     return path
 
 

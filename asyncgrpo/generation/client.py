@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ import aiohttp
 import msgspec
 
 from asyncgrpo.generation.responses import Completion, parse_completion_response, parse_generate_response
+from asyncgrpo.generation.server_auth import auth_headers, unauthorized_message
 from asyncgrpo.generation.server_info import ServerInfo, parse_server_info
 from asyncgrpo.generation.server_load import ServerLoad, parse_server_load
 from asyncgrpo.generation.vllm_worker_extension import RELOAD_METHOD, WORKER_EXTENSION
@@ -52,6 +52,11 @@ class VLLMRequestError(VLLMError):
 
 class VLLMUnavailableError(VLLMError):
     """The server did not answer usefully within the time allowed."""
+
+
+class VLLMAuthenticationError(VLLMError):
+    """The server wants an API key this client does not send (HTTP 401). Not a `VLLMRequestError`:
+    callers that read a 4xx as "route missing" must not take a refused key for that."""
 
 
 @dataclass(frozen=True)
@@ -108,13 +113,6 @@ def parse_policy_label(label: str | None) -> int | None:
         return int(label[len(POLICY_LABEL_PREFIX) :])
     except ValueError:
         return None
-
-
-def auth_headers() -> dict[str, str]:
-    """vLLM's convention: a server started with `--api-key` (or VLLM_API_KEY) wants it as a bearer
-    token; every request of ours sends it when the variable is set."""
-    key = os.environ.get("VLLM_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def policy_adapter_name(prefix: str, version: int) -> str:
@@ -240,6 +238,8 @@ class VLLMClient:
                     if response.status < 400:
                         return data
                     message = _server_message(data)
+                    if response.status == 401:
+                        raise VLLMAuthenticationError(unauthorized_message(base_url))
                     if response.status < 500:
                         raise VLLMRequestError(url, response.status, message)
                     if any(marker in message for marker in _DEAD_ENGINE_MARKERS):
@@ -319,6 +319,8 @@ class VLLMClient:
                     ) as response:
                         if response.status == 200:
                             break
+                        if response.status == 401:
+                            raise VLLMAuthenticationError(unauthorized_message(url))
                         last_error = f"HTTP {response.status}"
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -4,7 +4,9 @@ The trainer relies on: dev-mode endpoints (pause/resume, reload, weight transfer
 `VLLM_SERVER_DEV_MODE=1`), log-probs of the distribution actually sampled
 (`--logprobs-mode processed_logprobs`), and sampling defaults that come from the request, not the
 model's generation_config (`--generation-config vllm`). On CPU, vLLM needs `--enforce-eager` to
-start in seconds and a bounded KV space; on GPU the native NCCL weight transfer is enabled.
+start in seconds and a bounded KV space; on GPU the native NCCL weight transfer is enabled. A server
+with an API key requires it on every route but liveness (server_auth.py); one bound beyond loopback
+without a key is refused unless `insecure_no_api_key`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncgrpo.generation.client import auth_headers
 from asyncgrpo.generation.model_flags import model_flags
+from asyncgrpo.generation.server_auth import (
+    API_KEY_ENV,
+    auth_headers,
+    exposure_error,
+    guard_additions,
+    unguarded_frontend_error,
+)
+from asyncgrpo.redaction import redact_argv, redact_env
 
 # The values vLLM accepts for --max-lora-rank.
 SERVABLE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -65,6 +74,10 @@ class ServerOptions:
     # MoE routing replay: each response carries the experts its tokens were routed to.
     return_routed_experts: bool = False
     extra_args: list[str] = field(default_factory=list)
+    # Every route but liveness requires it; it reaches the server in its environment, never its argv.
+    api_key: str | None = field(default=None, repr=False)
+    # A server bound beyond loopback without a key is refused unless this is set, by name.
+    insecure_no_api_key: bool = False
 
     @property
     def url(self) -> str:
@@ -93,7 +106,15 @@ def vllm_entry_point() -> list[str]:
 
 
 def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
-    """The argv and the environment additions of the server process."""
+    """The argv and the environment additions of the server process; a ValueError when the server
+    must not start as asked (open to the network, a key on the command line)."""
+    refusal = exposure_error(options.host, options.port, options.api_key, options.insecure_no_api_key)
+    if any(argument.split("=")[0] == "--api-key" for argument in options.extra_args):
+        refusal = "--api-key among vLLM's arguments: give the key as ServerOptions.api_key (--api-key-file)"
+    if options.api_key and refusal is None:
+        refusal = unguarded_frontend_error(options.extra_args, dict(os.environ))
+    if refusal:
+        raise ValueError(refusal)
     on_cpu = _on_cpu(options)
     argv = [
         *vllm_entry_point(),
@@ -142,12 +163,28 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
                 "--enable-return-routed-experts needs Model Runner V2, which needs Triton); serve on a GPU"
             )
         argv += ["--enable-return-routed-experts"]
+    if options.api_key:
+        guard_argv, guard_env = guard_additions(options.api_key, dict(os.environ))
+        argv += guard_argv
+        env.update(guard_env)
     argv += options.extra_args
     return argv, env
 
 
+def server_environment(env_additions: dict[str, str]) -> dict[str, str]:
+    """The server process's environment: this one's with `env_additions`; a VLLM_API_KEY of this
+    environment reaches the server only through `ServerOptions.api_key` (in `env_additions`)."""
+    inherited = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+    return {**inherited, **env_additions}
+
+
 def format_command(argv: list[str], env: dict[str, str]) -> str:
-    return " ".join([*(f"{key}={shlex.quote(value)}" for key, value in env.items()), shlex.join(argv)])
+    """The command as a shell line, for people and logs: secrets (the API key, a `--hf-token`) show
+    as redacted."""
+    shown_env = redact_env(env)
+    return " ".join(
+        [*(f"{key}={shlex.quote(value)}" for key, value in shown_env.items()), shlex.join(redact_argv(argv))]
+    )
 
 
 def guarded(argv: list[str]) -> list[str]:
@@ -202,7 +239,7 @@ class VLLMServer:
             log.write(f"$ {format_command(argv, env_additions)}\n".encode())
             self.process = subprocess.Popen(
                 guarded(argv),
-                env={**os.environ, **env_additions},
+                env=server_environment(env_additions),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -225,7 +262,9 @@ class VLLMServer:
                     f"last lines of {self.log_path}:\n{self.log_tail()}"
                 )
             try:
-                request = urllib.request.Request(self.url + "/v1/models", headers=auth_headers())
+                request = urllib.request.Request(
+                    self.url + "/v1/models", headers=auth_headers(self.options.api_key)
+                )
                 with urllib.request.urlopen(request, timeout=2) as response:
                     if response.status == 200:
                         return
@@ -265,7 +304,7 @@ def serve_foreground(options: ServerOptions) -> int:
     """`asyncgrpo serve`: print the exact command, run it, forward SIGINT/SIGTERM, return its code."""
     argv, env_additions = build_command(options)
     print(format_command(argv, env_additions), flush=True)
-    process = subprocess.Popen(guarded(argv), env={**os.environ, **env_additions}, start_new_session=True)
+    process = subprocess.Popen(guarded(argv), env=server_environment(env_additions), start_new_session=True)
 
     def forward(signum, _frame):
         _signal_group(process, signum)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from asyncgrpo.redaction import redact_config
 from asyncgrpo.run_files import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -51,7 +52,9 @@ class RunDirectoryCallback(TrainerCallback):
             return
         self._directory = Path(args.output_dir)
         self._directory.mkdir(parents=True, exist_ok=True)
-        (self._directory / CONFIG_FILE).write_text(args.to_json_string())
+        # Secrets (a hub token, a key inside a URL) redacted: the run directory is shared and kept.
+        config = redact_config(json.loads(args.to_json_string()))
+        (self._directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         warnings_path = self._directory / WARNINGS_FILE
         os.environ[WARNINGS_FILE_ENV] = str(warnings_path.resolve())
         attach_warnings_file(warnings_path)

@@ -22,6 +22,9 @@ from asyncgrpo.weight_sync.transport import NcclTransport
 
 logger = logging.getLogger(__name__)
 
+# The first vLLM whose workers take the NCCL unique id in the weight-transfer init call.
+MIN_NCCL_VLLM = (0, 30)
+
 
 def choose_backend(
     requested: str, info: ServerInfo | None, trainer_on_gpu: bool, shared_memory_refusal: str | None = None
@@ -67,9 +70,18 @@ def make_weight_sync(
     if backend == NcclWeightSync.name:
         if not is_sender:
             return NcclWeightSync(None, None, None, timeout_s=0, is_sender=False)
-        rendezvous = "unique_id" if vllm_at_least(loop.run(client.version()), (0, 30)) else "tcp_store"
-        logger.info("weight sync: NCCL broadcast to the vLLM workers (%s rendezvous)", rendezvous)
-        return NcclWeightSync(client, loop, NcclTransport(rendezvous), timeout_s)
+        version = loop.run(client.version())
+        if not vllm_at_least(version, MIN_NCCL_VLLM):
+            # Older servers join through a TCP store the trainer would host: unauthenticated, and what
+            # the servers read from it they unpickle, so anyone who reaches its port could run code
+            # on them. That path is not offered (docs/security.md).
+            raise ValueError(
+                f"weight_sync_backend='nccl' needs vLLM >= {MIN_NCCL_VLLM[0]}.{MIN_NCCL_VLLM[1]} on the "
+                f"servers (the NCCL id then travels only in the authenticated HTTP call); the server runs "
+                f"vLLM {version}: upgrade it, or use weight_sync_backend='filesystem'"
+            )
+        logger.info("weight sync: NCCL broadcast to the vLLM workers")
+        return NcclWeightSync(client, loop, NcclTransport(), timeout_s)
     raise ValueError(f"unknown weight-sync backend {backend!r} (one of {WEIGHT_SYNC_BACKENDS})")
 
 
