@@ -1,14 +1,16 @@
-"""Tool calls read from a model's turn, without a server: each call format (Hermes, Mistral, Qwen3.5's
-XML, Llama 3's bare JSON), which format a chat template declares, and reasoning split from content; the
-other way, the tool schemas built from Python functions and the tools rendered into the prompt by the
-tiny tokenizer's template."""
+"""Tool calls read from a model's turn, without a server: the Hermes, Mistral, Qwen3.5 XML and Llama 3
+formats on hand-written turns (every family with its real chat template: tests/test_chat_families.py),
+which format a chat template declares, and reasoning split from content; the other way, the tool
+schemas built from Python functions and the tools rendered into the prompt by the tiny tokenizer's
+template."""
 
 from __future__ import annotations
 
 from agent_fakes import LLAMA3_LIKE, MISTRAL_LIKE, QWEN3_5_LIKE, Counter, multiply
 
-from asyncgrpo.rollout.chat import QWEN3_TRAINING_TEMPLATE, render_prompt_ids, tool_schema
+from asyncgrpo.rollout.chat import render_prompt_ids, tool_schema
 from asyncgrpo.rollout.tool_calls import parse_tool_calls, parse_turn, split_reasoning, tool_call_format
+from asyncgrpo.rollout.training_templates import QWEN3_TRAINING_TEMPLATE
 
 # -- parsing -----------------------------------------------------------------------------------------------
 
@@ -67,7 +69,7 @@ def test_call_format_is_the_one_the_template_declares():
     assert tool_call_format(QWEN3_5_LIKE) == "xml"
     assert tool_call_format(MISTRAL_LIKE) == "mistral"
     assert tool_call_format(LLAMA3_LIKE) == "llama3_json"
-    assert tool_call_format(None) == "hermes"
+    assert tool_call_format(None) is None  # no template, no format: a run with tools refuses it
 
 
 def test_reasoning_is_split_like_parse_response():
