@@ -56,6 +56,17 @@ def test_xml_format_of_qwen3_5_is_read_in_order():
     assert calls[2].name is None and "<function=NAME>" in calls[2].error
 
 
+def test_deepseek_v3_1_writes_the_name_before_the_separator_and_no_fence():
+    # DeepSeek-V3.1's form (V3/R1's fenced form is read with R1's real template in test_chat_families).
+    text = (
+        'Let me.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>multiply<｜tool▁sep｜>{"a": 2, "b": 3}<｜tool▁call▁end｜>'
+        '<｜tool▁call▁begin｜>multiply<｜tool▁sep｜>{"a": 4,<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
+    content, (good, broken) = parse_tool_calls(text, "deepseek")
+    assert content == "Let me." and (good.name, good.arguments) == ("multiply", {"a": 2, "b": 3})
+    assert broken.name == "multiply" and "not valid JSON" in broken.error
+
+
 def test_llama3_json_format_is_one_bare_object():
     content, calls = parse_tool_calls(' {"name": "add", "parameters": {"a": 1}}', "llama3_json")
     assert content == "" and [(c.name, c.arguments) for c in calls] == [("add", {"a": 1})]
