@@ -18,10 +18,10 @@ from asyncgrpo import AsyncGRPOConfig
 from asyncgrpo.cli.tiny_model import build_tokenizer
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rollout.agent import record_tool_rollout_metrics, run_tool_loop, turn_text
-from asyncgrpo.rollout.chat import QWEN3_TRAINING_TEMPLATE
 from asyncgrpo.rollout.sequences import build_training_sequences
 from asyncgrpo.rollout.tool_calls import parse_tool_calls
 from asyncgrpo.rollout.tools import run_tool_calls
+from asyncgrpo.rollout.training_templates import QWEN3_TRAINING_TEMPLATE
 from asyncgrpo.rollout.types import Rollout
 
 # -- running calls -----------------------------------------------------------------------------------------

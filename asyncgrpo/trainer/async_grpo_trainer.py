@@ -134,7 +134,12 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             model = self._load_model(model, args)
         model = prepare_policy_model(model, args, peft_config)
         agentic = bool(tools) or environment_factory is not None or self._agent_loop
-        processing_class = prepare_tokenizer(processing_class, model_id, args, agentic)
+        # The built-in tool loop (or the agent harness) reads the calls; a loop_cls with its own
+        # generate_one may read them itself, and the worker refuses an unreadable format if it does not.
+        reads_tool_calls = self._agent_loop or getattr(self.loop_cls, "generate_one", None) is (
+            AsyncRolloutLoop.generate_one
+        )
+        processing_class = prepare_tokenizer(processing_class, model_id, args, agentic, reads_tool_calls)
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
         # base Trainer would compile the whole model, whose forward this trainer does not call.
