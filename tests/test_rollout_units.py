@@ -334,3 +334,22 @@ def test_a_loop_subclass_inherits_only_the_documented_attributes():
         "max_model_len",
     }
     assert set(vars(loop)) == readable | {"_scheduling", "_sampler", "_tool_executor", "_rendered"}
+
+
+def test_groups_without_reward_signal_are_counted_under_trl_grpos_name_too():
+    """TRL's GRPOTrainer logs the share of groups whose rewards all agree as `frac_reward_zero_std`: a
+    user coming from it finds the same figure under that name (beside `frac_zero_std_groups`)."""
+    from asyncgrpo.rollout.rollout_metrics import record_group_metrics
+    from asyncgrpo.rollout.types import RolloutGroup
+
+    window = MetricsWindow()
+    groups = (([1.0, 1.0], True), ([0.0, 1.0], False), ([0.5, 0.0], False), ([0.0, 0.0], True))
+    for rewards, dropped in groups:
+        group = RolloutGroup(
+            prompts=[], reward_kwargs={}, completions=[], completions_ids=[], completions_sequences=[],
+            tool_call_counts=[], tool_failure_counts=[], model_version=0, group_id=0, row_index=0,
+            env_rewards=[], rollout_rewards=[], rewards=np.array(rewards),
+        )  # fmt: skip
+        record_group_metrics(window, group, [rewards], ["r"], dropped, num_samples=0 if dropped else 2)
+    logged = window.summarize()
+    assert logged["frac_reward_zero_std"] == logged["frac_zero_std_groups"] == 0.5

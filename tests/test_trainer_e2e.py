@@ -46,6 +46,7 @@ EXPECTED_METRICS = [
     "reward_trained",
     "reward_group_std",
     "frac_zero_std_groups",
+    "frac_reward_zero_std",
     "completions/mean_length",
     "completions/min_length",
     "completions/max_length",

@@ -73,9 +73,13 @@ def test_trl_defaults():
     assert args.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
-def test_several_server_urls():
+def test_several_server_urls_and_the_field_keeps_what_the_user_set():
     args = AsyncGRPOConfig(output_dir="x", vllm_server_base_url="http://a:8000, http://b:8000")
     assert args.vllm_server_urls == ["http://a:8000", "http://b:8000"]
+    assert args.vllm_server_base_url == "http://a:8000, http://b:8000"  # TRL's scripts read it as set
+    listed = AsyncGRPOConfig(output_dir="x", vllm_server_base_url=["http://a:8000", "http://b:8000 "])
+    assert listed.vllm_server_urls == ["http://a:8000", "http://b:8000"]
+    assert listed.vllm_server_base_url == ["http://a:8000", "http://b:8000 "]
 
 
 def test_non_conversational_prompts_are_rejected(tiny_model_dir, tmp_path):
