@@ -46,6 +46,7 @@ from asyncgrpo.trainer.checks import (
     check_reward_funcs,
     check_transformers_version,
 )
+from asyncgrpo.trainer.compile import layer_compile_options
 from asyncgrpo.trainer.device_clock import DeviceClock
 from asyncgrpo.trainer.distributed import local_value
 from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
@@ -138,7 +139,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
         # base Trainer would compile the whole model, whose forward this trainer does not call.
-        self._compile_layers = args.torch_compile
+        self._compile_layers = layer_compile_options(args)
         if args.torch_compile:
             args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
         self.reward_funcs = list(reward_funcs)
@@ -256,6 +257,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             "train_steps_per_second": steps / max(runtime, 1e-9),
             "train_loss": train_loss,
         }
+        self._memory_tracker.stop_and_update_metrics(metrics)  # skip_memory_metrics=False: as the base loop
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
