@@ -296,7 +296,7 @@ def test_top_logprobs_follow_trained_tokens_and_masked_outputs_stay_context():
 def test_completions_table_prints_prompt_completion_and_reward(capsys):
     from asyncgrpo.cli.tiny_model import build_tokenizer
     from asyncgrpo.sample import Sample
-    from asyncgrpo.trainer.completions_table import print_completions
+    from asyncgrpo.trainer.completions_table import completion_rows, print_completions
 
     tokenizer = build_tokenizer()
     prompt = tokenizer.encode("What is 2 + 2?")
@@ -304,7 +304,11 @@ def test_completions_table_prints_prompt_completion_and_reward(capsys):
     tokens = np.array(prompt + answer)
     trained = np.arange(len(tokens)) >= len(prompt)
     sample = Sample(tokens, trained, np.zeros(len(answer), np.float32), 0.75, 0, reward=1.0)
-    print_completions([sample], tokenizer, step=3)
+    rows = completion_rows([sample], tokenizer, step=3)
+    assert rows == [
+        {"step": 3, "prompt": "What is 2 + 2?", "completion": "4", "reward": 1.0, "advantage": 0.75}
+    ]
+    print_completions(rows, step=3)
     out = capsys.readouterr().out
     assert "completions at step 3" in out and "What is 2 + 2?" in out and "1.000" in out and "+0.750" in out
 
