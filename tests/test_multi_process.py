@@ -231,4 +231,4 @@ def test_slurm_example_is_valid_bash_and_its_overrides_parse():
     config = AsyncGRPOConfig(
         output_dir=overrides["output_dir"], vllm_server_base_url=overrides["vllm_server_base_url"]
     )
-    assert config.vllm_server_base_url == ["http://a:8000", "http://b:8000"]
+    assert config.vllm_server_urls == ["http://a:8000", "http://b:8000"]

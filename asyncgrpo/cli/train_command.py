@@ -82,8 +82,8 @@ def server_options_for(run: RunConfig, cpu: bool | None = None):
 def run_serve_for(
     config_path: str, given: dict, cpu: bool, cpu_kv_cache_gib: int, extra: list[str], dry_run: bool = False
 ) -> int:
-    """`asyncgrpo serve --for CONFIG`: flags from the config; `given` (port, host, max_model_len, dtype
-    typed on the command line, None when not) win over them."""
+    """`asyncgrpo serve --for CONFIG [MODEL]`: flags from the config; `given` (the model, port, host,
+    max_model_len, dtype... typed on the command line, None when not) win over them."""
     from asyncgrpo.generation.server import build_command, format_command, serve_foreground
 
     try:

