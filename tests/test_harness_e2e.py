@@ -1,7 +1,7 @@
 """HarnessAsyncGRPOTrainer end to end against the real vLLM CPU server: a real agent program
 (examples/harness/file_agent.py, the `openai` package) trained through ProcessSessionFactory and the
 capture proxy, its faults counted, the trainer stopped with agents in flight, and one white-box run
-through an OpenEnv HarnessAdapter."""
+through a HarnessAdapter (OpenEnv's interface, here without OpenEnv)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import harness_openenv  # noqa: F401  (OpenEnv on the path first)
 import pytest
 
 pytest.importorskip(
@@ -24,21 +23,18 @@ pytest.importorskip("psutil", reason="psutil is not installed")
 import psutil
 from conftest import make_config
 from datasets import Dataset
-from openenv.core.env_server.mcp_types import Tool
-from openenv.core.harness import (
-    HarnessAdapter,
-    HarnessRolloutResult,
-    ResourceSession,
-    ResourceSessionFactory,
-    ToolResult,
-    ToolTraceEntry,
-    VerifyResult,
-)
 from test_trainer_e2e import restore_server
 from transformers import TrainerCallback
 
 from asyncgrpo import HarnessAsyncGRPOTrainer
-from asyncgrpo.harness import ProcessSessionFactory
+from asyncgrpo.harness import (
+    HarnessRolloutResult,
+    ProcessSessionFactory,
+    Tool,
+    ToolResult,
+    ToolTraceEntry,
+    VerifyResult,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -188,10 +184,10 @@ def test_stopping_the_trainer_ends_the_agents_in_flight(vllm_server, tiny_model_
     assert not list(agent_tmp.iterdir())
 
 
-# -- white-box: an OpenEnv adapter drives the session, the trainer samples each turn -------------------------
+# -- white-box: an adapter drives the session, the trainer samples each turn -------------------------
 
 
-class NoteSession(ResourceSession):
+class NoteSession:
     def __init__(self, task):
         self.task = task
         self.notes: list[str] = []
@@ -217,12 +213,12 @@ class NoteSession(ResourceSession):
         self.notes = []
 
 
-class NoteSessionFactory(ResourceSessionFactory[NoteSession]):
+class NoteSessionFactory:
     def create(self, task, seed=None, episode_id=None):
         return NoteSession(task)
 
 
-class NoteAdapter(HarnessAdapter):
+class NoteAdapter:
     """A user's white-box harness: model turn, its tool calls, until a turn calls none."""
 
     def run_white_box(self, model_step, session, limits=None):

@@ -1,5 +1,5 @@
-"""The harness's parts without a server: the capture contract (a captured turn to OpenEnv's
-TrainingTrace and back), turns sampled under several policy versions chained into one sample, and
+"""The harness's parts without a server: the capture contract (a captured turn to a TrainingTrace
+and back), turns sampled under several policy versions chained into one sample, and
 ProcessSessionFactory's sessions (task.json, environment, timeout, cleanup of the process group)."""
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ pytest.importorskip(
     "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
 )
 
-import harness_openenv  # noqa: E402, F401  (OpenEnv on the path first)
 import numpy as np  # noqa: E402
-from openenv.core.harness import ToolResult, ToolTraceEntry, TrainingTrace  # noqa: E402
 
-from asyncgrpo.harness import CaptureContractError, ProcessSessionFactory  # noqa: E402
+from asyncgrpo.harness import (  # noqa: E402
+    CaptureContractError,
+    ProcessSessionFactory,
+    ToolResult,
+    ToolTraceEntry,
+    TrainingTrace,
+)
 from asyncgrpo.harness.openai_chat import template_messages  # noqa: E402
 from asyncgrpo.harness.tool_metrics import captured_tool_calls, white_box_tool_calls  # noqa: E402
 from asyncgrpo.harness.trace import training_turn, turns_from_trace  # noqa: E402
@@ -220,7 +224,6 @@ def test_a_factory_needs_a_command_a_verify_and_the_trainers_capture():
 STAND_IN_WORKER = """
 import sys, threading
 sys.path[:0] = sys.argv[1:3]
-import harness_openenv
 from asyncgrpo.harness import ProcessSessionFactory
 from test_harness_units import FakeCapture, HANGING_PARENT
 agent = [sys.executable, "-c", HANGING_PARENT]

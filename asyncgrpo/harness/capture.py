@@ -4,9 +4,9 @@ front of the servers' token route, that records every turn an agent samples.
 Each session gets its own API key; a request's key names the session its turn belongs to. The
 request's messages and tools are rendered by the chat template (the ids the engine is given are the
 ids recorded), sampled through the rollout loop's `generate_one_turn` (the run's sampling settings,
-the policy version's cache salt and weight label, the top-N the loss needs), and recorded as an
-OpenEnv `TrainingTurn` at once, so a turn that breaks the contract is known when it happens. The
-agent's own sampling fields (temperature, top_p, max_tokens, ...) are ignored: the trainer's
+the policy version's cache salt and weight label, the top-N the loss needs), and recorded as a
+`TrainingTurn` (OpenEnv's type) at once, so a turn that breaks the contract is known when it happens.
+The agent's own sampling fields (temperature, top_p, max_tokens, ...) are ignored: the trainer's
 importance ratios hold only for tokens sampled with the run's settings (`max_completion_length`
 bounds every turn).
 """
@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from openenv.core.harness import TrainingTrace, TrainingTurn
 
+from asyncgrpo.harness.contract import TrainingTrace, TrainingTurn
 from asyncgrpo.harness.openai_chat import chat_completion, parse_sampled_turn, template_messages
 from asyncgrpo.harness.trace import CaptureContractError, training_turn
 from asyncgrpo.rollout.chat import render_prompt_ids

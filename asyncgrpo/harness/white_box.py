@@ -1,7 +1,8 @@
 """White-box sampling: the `model_step` an OpenEnv `HarnessAdapter` calls for each turn, sampled by
 the trainer itself. The adapter drives the session (its tools, its stop rule) from a session thread;
 each turn is rendered by the chat template, sampled on the worker's event loop through
-`generate_one_turn`, recorded as a TurnRecord, and read back into OpenEnv's `LLMResponse`.
+`generate_one_turn`, recorded as a TurnRecord, and read back into the `LLMResponse` (OpenEnv's type,
+harness/contract.py) the adapter reads.
 """
 
 from __future__ import annotations
@@ -9,9 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from openenv.core.harness import ModelStepResult
-from openenv.core.llm_client import LLMResponse, ToolCall
-
+from asyncgrpo.harness.contract import LLMResponse, ModelStepResult, ToolCall
 from asyncgrpo.harness.openai_chat import parse_sampled_turn, template_messages
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.types import TurnRecord
@@ -21,7 +20,8 @@ if TYPE_CHECKING:
 
 
 def tool_schemas(tools: list) -> list[dict[str, Any]]:
-    """OpenEnv (MCP) tools as the function schemas chat templates read."""
+    """MCP tools (`Tool`s: name, description, input schema) as the function schemas chat templates
+    read."""
     return [
         {
             "type": "function",
