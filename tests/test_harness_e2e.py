@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import random
 import sys
@@ -391,6 +392,43 @@ def test_a_session_spanning_a_weight_sync_trains_each_turn_against_its_own_versi
     assert spanning, "no trained sample had its turns sampled under versions 0 and 1"
     staleness = [entry.get("sample/staleness_max", 0) for entry in trainer.state.log_history]
     assert max(staleness) >= 1
+
+
+# -- the capture proxy's size cap ----------------------------------------------------------------------------
+
+HUGE_AGENT = Path(__file__).resolve().parent / "harness_huge_agent.py"
+
+
+@pytest.mark.timeout(300)
+def test_a_50_mb_request_is_refused_with_a_413_while_the_other_agents_keep_generating(
+    vllm_server, tiny_model_dir, tmp_path, agent_tmp
+):
+    # One group of 4 agents, started together: one sends a 50 MB body (over the default cap), then asks
+    # as the other three do; the step trains the group's 4 samples, one per agent.
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    args = harness_config(vllm_server, tmp_path / "run", max_steps=1, max_concurrent_rollouts=4)
+    factory = functools.partial(
+        ProcessSessionFactory,
+        command=[sys.executable, str(HUGE_AGENT)],
+        verify=noise_reward,
+        env={"HUGE_CLAIMS": str(claims)},
+    )
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir), args=args, train_dataset=rows("ok", "ok"), harness_session_factory=factory
+    )
+    trainer.train()
+    refused = json.loads((claims / "refused.json").read_text())
+    assert refused["status"] == 413, refused
+    assert (
+        "over the capture proxy's limit" in refused["message"]
+        and "harness_max_request_mb=16" in refused["message"]
+    )
+    history = trainer.state.log_history
+    assert len([entry for entry in history if "loss" in entry]) == 1
+    assert sum(entry.get("rollout/harness_failed_count", 0) for entry in history) == 0
+    assert all(str(HUGE_AGENT) not in (p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
+    assert not list(agent_tmp.iterdir())
 
 
 # -- evaluation through harness sessions ------------------------------------------------------------------

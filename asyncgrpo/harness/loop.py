@@ -101,6 +101,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             self.model_name,
             config.chat_template_kwargs,
             config.parse_reasoning,
+            max_request_bytes=int(config.harness_max_request_mb * 2**20),
         )
         endpoint = await self._proxy.start()
         sampling = {
@@ -229,7 +230,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         result = self.harness.adapter.run_white_box(sampler, session, limits)
         if not sampler.turns:
             raise SessionFailure("the harness adapter finished without sampling a turn")
-        tools = white_box_tool_calls(result.tool_trace)
+        tools = white_box_tool_calls(result.tool_trace, sampler.offered)
         return self._score(session, sampler.turns, list(result.messages), [], tools)
 
     def _score(self, session, turns, completion, entries, tools: ToolCallCounts) -> _SessionResult:

@@ -32,18 +32,21 @@ def tool_schemas(tools: list) -> list[dict[str, Any]]:
 
 
 class WhiteBoxSampler:
-    """OpenEnv's ModelStep for one session; `turns` holds what it sampled, in order."""
+    """OpenEnv's ModelStep for one session; `turns` holds what it sampled, in order, and `offered`
+    the names of the tools the adapter offered the model."""
 
     def __init__(self, loop: AsyncRolloutLoop, event_loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.event_loop = event_loop
         self.turns: list[TurnRecord] = []
+        self.offered: set[str] = set()
 
     def __call__(
         self, messages: list[dict[str, Any]], tools: list, sampling: dict[str, Any]
     ) -> ModelStepResult:
         # `sampling` is the adapter's wish; the run's settings are what the importance ratios assume.
         config = self.loop.config
+        self.offered.update(tool.name for tool in tools or [])
         schemas = tool_schemas(tools) if tools else None
         prompt_ids = render_prompt_ids(
             self.loop.tokenizer, template_messages(messages), schemas, config.chat_template_kwargs
