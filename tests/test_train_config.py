@@ -361,6 +361,7 @@ def test_the_harness_example_names_a_local_process_agent_and_its_verify(tmp_path
     factory = run.harness_session_factory(sampling={"temperature": 1.0})
     assert isinstance(factory, ProcessSessionFactory) and factory.timeout_s == 120
     assert Path(factory.command[1]) == REPO / "examples" / "harness" / "file_agent.py"  # made absolute
+    assert factory.command[0] == sys.executable, "`python` is the trainer's interpreter, not the PATH's"
     (tmp_path / "task.json").write_text(json.dumps({"answer": "42"}))
     assert factory.verify(tmp_path, []) == 0.0
     (tmp_path / "answer.txt").write_text("42")
