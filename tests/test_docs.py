@@ -47,7 +47,7 @@ def test_every_config_field_has_help_text_and_a_documented_entry():
 # A unit for every numeric field: what its number counts.
 _UNIT = re.compile(
     r"\b(tokens?|seconds?|rollouts?|steps?|versions?|ratio|fraction|factor|mass|probability|turns?|samples?"
-    r"|half-width|coefficient|log-probs)\b",
+    r"|half-width|coefficient|log-probs|MiB)\b",
     flags=re.IGNORECASE,
 )
 

@@ -1,12 +1,13 @@
 """HarnessAsyncGRPOTrainer end to end against the real vLLM CPU server: a real agent program
 (examples/harness/file_agent.py, the `openai` package) trained through ProcessSessionFactory and the
 capture proxy, its faults counted, the trainer stopped with agents in flight, and one white-box run
-through an OpenEnv HarnessAdapter."""
+through a HarnessAdapter (OpenEnv's interface, here without OpenEnv)."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import random
 import sys
@@ -14,7 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import harness_openenv  # noqa: F401  (OpenEnv on the path first)
 import pytest
 
 pytest.importorskip(
@@ -24,21 +24,18 @@ pytest.importorskip("psutil", reason="psutil is not installed")
 import psutil
 from conftest import make_config
 from datasets import Dataset
-from openenv.core.env_server.mcp_types import Tool
-from openenv.core.harness import (
-    HarnessAdapter,
-    HarnessRolloutResult,
-    ResourceSession,
-    ResourceSessionFactory,
-    ToolResult,
-    ToolTraceEntry,
-    VerifyResult,
-)
 from test_trainer_e2e import restore_server
 from transformers import TrainerCallback
 
 from asyncgrpo import HarnessAsyncGRPOTrainer
-from asyncgrpo.harness import ProcessSessionFactory
+from asyncgrpo.harness import (
+    HarnessRolloutResult,
+    ProcessSessionFactory,
+    Tool,
+    ToolResult,
+    ToolTraceEntry,
+    VerifyResult,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -188,10 +185,10 @@ def test_stopping_the_trainer_ends_the_agents_in_flight(vllm_server, tiny_model_
     assert not list(agent_tmp.iterdir())
 
 
-# -- white-box: an OpenEnv adapter drives the session, the trainer samples each turn -------------------------
+# -- white-box: an adapter drives the session, the trainer samples each turn -------------------------
 
 
-class NoteSession(ResourceSession):
+class NoteSession:
     def __init__(self, task):
         self.task = task
         self.notes: list[str] = []
@@ -217,12 +214,12 @@ class NoteSession(ResourceSession):
         self.notes = []
 
 
-class NoteSessionFactory(ResourceSessionFactory[NoteSession]):
+class NoteSessionFactory:
     def create(self, task, seed=None, episode_id=None):
         return NoteSession(task)
 
 
-class NoteAdapter(HarnessAdapter):
+class NoteAdapter:
     """A user's white-box harness: model turn, its tool calls, until a turn calls none."""
 
     def run_white_box(self, model_step, session, limits=None):
@@ -395,6 +392,43 @@ def test_a_session_spanning_a_weight_sync_trains_each_turn_against_its_own_versi
     assert spanning, "no trained sample had its turns sampled under versions 0 and 1"
     staleness = [entry.get("sample/staleness_max", 0) for entry in trainer.state.log_history]
     assert max(staleness) >= 1
+
+
+# -- the capture proxy's size cap ----------------------------------------------------------------------------
+
+HUGE_AGENT = Path(__file__).resolve().parent / "harness_huge_agent.py"
+
+
+@pytest.mark.timeout(300)
+def test_a_50_mb_request_is_refused_with_a_413_while_the_other_agents_keep_generating(
+    vllm_server, tiny_model_dir, tmp_path, agent_tmp
+):
+    # One group of 4 agents, started together: one sends a 50 MB body (over the default cap), then asks
+    # as the other three do; the step trains the group's 4 samples, one per agent.
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    args = harness_config(vllm_server, tmp_path / "run", max_steps=1, max_concurrent_rollouts=4)
+    factory = functools.partial(
+        ProcessSessionFactory,
+        command=[sys.executable, str(HUGE_AGENT)],
+        verify=noise_reward,
+        env={"HUGE_CLAIMS": str(claims)},
+    )
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir), args=args, train_dataset=rows("ok", "ok"), harness_session_factory=factory
+    )
+    trainer.train()
+    refused = json.loads((claims / "refused.json").read_text())
+    assert refused["status"] == 413, refused
+    assert (
+        "over the capture proxy's limit" in refused["message"]
+        and "harness_max_request_mb=16" in refused["message"]
+    )
+    history = trainer.state.log_history
+    assert len([entry for entry in history if "loss" in entry]) == 1
+    assert sum(entry.get("rollout/harness_failed_count", 0) for entry in history) == 0
+    assert all(str(HUGE_AGENT) not in (p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
+    assert not list(agent_tmp.iterdir())
 
 
 # -- evaluation through harness sessions ------------------------------------------------------------------

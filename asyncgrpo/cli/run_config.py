@@ -36,11 +36,17 @@ RUN_KEYS = {
     "rollout_reward_fn": "with harness_session_factory: import path of f(outcome) -> reward or None",
 }
 HARNESS_PROCESS_KEYS = {
-    "command": "the agent's argv, a list (run in a fresh working directory per rollout)",
+    "command": "the agent's argv, a list (run in a fresh working directory per rollout); a first element "
+    "`python` or `python3` is the trainer's own interpreter, so the agent has the trainer environment's "
+    "packages whether or not it is activated",
     "verify": "import path of verify(workdir, transcript) -> reward or None",
     "timeout_s": "seconds an agent may run (default 300)",
     "env": "environment variables added to the agent's",
 }
+# A config file cannot name the trainer's interpreter; these names in a harness command mean it. On the
+# PATH they may name another Python (the system's, when the trainer's venv is not activated) that lacks
+# the packages the agent imports.
+BARE_PYTHON_NAMES = {"python", "python3"}
 DATASET_KEYS = {
     "name": "a Hub dataset id (load_dataset(name))",
     "subset": "the Hub dataset's configuration name",
@@ -254,6 +260,8 @@ def _harness(raw: dict) -> tuple[Any, Callable | None]:
         raise ConfigError(f"harness_session_factory.command: expected a list of strings, got {command!r}")
     from asyncgrpo.harness import ProcessSessionFactory
 
+    if command[0] in BARE_PYTHON_NAMES:
+        command = [sys.executable, *command[1:]]
     options = {"command": command, "verify": resolve(spec.get("verify"), "harness_session_factory.verify")}
     if "timeout_s" in spec:
         options["timeout_s"] = float(spec["timeout_s"])

@@ -24,9 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from openenv.core.harness import HarnessAdapter, HarnessRunLimits, TraceEntry
-
 from asyncgrpo.harness.capture import CaptureProxy
+from asyncgrpo.harness.contract import HarnessRunLimits
 from asyncgrpo.harness.tool_metrics import ToolCallCounts, captured_tool_calls, white_box_tool_calls
 from asyncgrpo.harness.trace import CaptureContractError, turns_from_trace
 from asyncgrpo.harness.white_box import WhiteBoxSampler
@@ -47,7 +46,7 @@ class HarnessRolloutOutcome:
 
     env_reward: float | None
     completion: list[dict[str, Any]]
-    trace: list[TraceEntry]
+    trace: list[dict[str, Any]]  # the capture's trace entries (TrainingTrace.to_trace_entries)
     tool_call_count: int
     tool_failure_count: int
     tool_calls_by_name: dict[str, int]
@@ -59,7 +58,7 @@ class HarnessSettings:
     """The trainer's harness arguments, as the rollout process receives them."""
 
     session_factory: Callable[..., Any]
-    adapter: HarnessAdapter | None = None
+    adapter: Any = None  # an OpenEnv HarnessAdapter (or one of the same shape): white-box
     rollout_reward_fn: Callable[[HarnessRolloutOutcome], float | None] | None = None
 
 
@@ -102,6 +101,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             self.model_name,
             config.chat_template_kwargs,
             config.parse_reasoning,
+            max_request_bytes=int(config.harness_max_request_mb * 2**20),
         )
         endpoint = await self._proxy.start()
         sampling = {
@@ -230,7 +230,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         result = self.harness.adapter.run_white_box(sampler, session, limits)
         if not sampler.turns:
             raise SessionFailure("the harness adapter finished without sampling a turn")
-        tools = white_box_tool_calls(result.tool_trace)
+        tools = white_box_tool_calls(result.tool_trace, sampler.offered)
         return self._score(session, sampler.turns, list(result.messages), [], tools)
 
     def _score(self, session, turns, completion, entries, tools: ToolCallCounts) -> _SessionResult:

@@ -22,15 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from openenv.core.harness import (
-    ResourceSession,
-    ResourceSessionFactory,
-    ToolResult,
-    TrainingTrace,
-    VerifyResult,
-)
-
 from asyncgrpo.harness.capture import CaptureEndpoint
+from asyncgrpo.harness.contract import ToolResult, TrainingTrace, VerifyResult
 from asyncgrpo.harness.reaper import GroupReaper
 
 # How long an agent may run, by default: a few model turns and tool calls of a small agent, with
@@ -42,8 +35,9 @@ OUTPUT_TAIL_CHARS = 2000
 OUTPUT_FILE_SUFFIX = ".output.log"
 
 
-class ProcessSession(ResourceSession):
-    """One running agent process. Loop-owning: it has no tools of its own to offer a harness."""
+class ProcessSession:
+    """One running agent process: an OpenEnv `ResourceSession` and `TrainableSession` by shape.
+    Loop-owning: it has no tools of its own to offer a harness."""
 
     def __init__(
         self,
@@ -162,8 +156,9 @@ def _absolute_if_file(part: str) -> str:
         return part
 
 
-class ProcessSessionFactory(ResourceSessionFactory[ProcessSession]):
-    """Sessions running `command` in a fresh directory per rollout (docs/harness.md).
+class ProcessSessionFactory:
+    """Sessions running `command` in a fresh directory per rollout (docs/harness.md); an OpenEnv
+    `ResourceSessionFactory` by shape.
 
     `verify(workdir, transcript)` returns the reward (None: the rollout cannot be scored);
     `timeout_s` bounds each agent's run; `env` adds environment variables. An element of `command`
