@@ -234,22 +234,27 @@ class RecordingServers:
     """The adapter calls a sync makes, in order, and which adapter folders exist at each call; a
     `missing` name answers 404, as from a server restarted since it loaded that version."""
 
+    base_urls = ["http://s"]
+
     def __init__(self, directory, missing=()):
         self.directory, self.missing, self.calls = directory, set(missing), []
 
     def _folders(self):
         return sorted(path.name for path in self.directory.iterdir())
 
-    async def load_lora_adapter(self, name, path, load_inplace=False):
+    async def load_lora_adapter(self, name, path, load_inplace=False, urls=None):
         self.calls.append(("load", name, load_inplace, self._folders()))
+        return []  # every server reached
 
-    async def unload_lora_adapter(self, name):
+    async def unload_lora_adapter(self, name, urls=None):
         self.calls.append(("unload", name, self._folders()))
         if name in self.missing:
             raise VLLMRequestError("http://s/v1/unload_lora_adapter", 404, "not found")
+        return []
 
-    async def set_weight_label(self, label):
+    async def set_weight_label(self, label, urls=None):
         self.calls.append(("label", label))
+        return []
 
 
 def test_each_sync_loads_the_next_version_before_unloading_the_oldest_and_deletes_its_folder(

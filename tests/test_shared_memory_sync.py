@@ -74,6 +74,8 @@ def test_a_dead_runs_directory_is_removed_and_a_live_ones_kept(tmp_path):
 class ReloadRecorder:
     """The client calls the filesystem sync makes, with what each reload found on disk."""
 
+    base_urls = ["http://server"]
+
     def __init__(self, refuse: bool = False):
         self.refuse = refuse
         self.calls: list[str] = []
@@ -81,15 +83,18 @@ class ReloadRecorder:
 
     async def pause(self, **kwargs):
         self.calls.append("pause")
+        return []  # every server reached
 
     async def resume(self, **kwargs):
         self.calls.append("resume")
+        return []
 
-    async def reload_weights(self, path, version=None, timeout=None):
+    async def reload_weights(self, path, version=None, timeout=None, urls=None):
         self.calls.append(f"reload {Path(path).name}")
         if self.refuse:
             raise VLLMRequestError("http://server", 500, "No such file or directory")
         self.reloaded.append(load_file(Path(path) / "model.safetensors"))
+        return []
 
 
 class ImmediateLoop:

@@ -201,6 +201,12 @@ def make_app(receiver: Receiver, fault: str) -> web.Application:
         await logged(request)
         return web.json_response({})
 
+    async def weight_info(request):
+        return web.json_response({"weight_version": state["version"] or "default"})
+
+    async def health(request):
+        return web.Response()
+
     async def received(request):
         checksums = {name: checksum(tensor) for name, tensor in state["weights"].items()}
         return web.json_response({"version": state["version"], "checksums": checksums, "log": state["log"]})
@@ -214,21 +220,34 @@ def make_app(receiver: Receiver, fault: str) -> web.Application:
     app.router.add_post("/update_weights", update)
     app.router.add_post("/finish_weight_update", finish)
     app.router.add_post("/shutdown_weight_transfer_engine", shutdown)
+    app.router.add_get("/weight_info", weight_info)
+    app.router.add_get("/health", health)
     app.router.add_get("/received", received)
     return app
+
+
+def start_double(
+    fault: str = "none", receiver: str = "gloo", device: str = "cpu", port: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start the double in its own process (on `port`, default a free one): (the process, its URL)."""
+    if port is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    command = [sys.executable, __file__, "--port", str(port), "--fault", fault, "--receiver", receiver]
+    process = subprocess.Popen(command + ["--device", device], stdout=subprocess.PIPE, text=True)
+    if process.stdout.readline().strip() != "READY":
+        process.kill()
+        raise AssertionError("the double did not start")
+    return process, f"http://127.0.0.1:{port}"
 
 
 @contextmanager
 def running_double(fault: str = "none", receiver: str = "gloo", device: str = "cpu"):
     """Start the double in its own process; yields its base URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, __file__, "--port", str(port), "--fault", fault, "--receiver", receiver]
-    process = subprocess.Popen(command + ["--device", device], stdout=subprocess.PIPE, text=True)
+    process, url = start_double(fault, receiver, device)
     try:
-        assert process.stdout.readline().strip() == "READY", "the double did not start"
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         process.kill()
         process.wait(timeout=10)
