@@ -33,7 +33,7 @@ from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.weight_sync.base import serving_tensors  # noqa: E402
 from asyncgrpo.weight_sync.buckets import pack, plan_buckets  # noqa: E402
 from asyncgrpo.weight_sync.nccl import NcclWeightSync, WeightTransferError  # noqa: E402
-from asyncgrpo.weight_sync.transport import pickled_vllm_unique_id  # noqa: E402
+from asyncgrpo.weight_sync.transport import NcclTransport, pickled_vllm_unique_id  # noqa: E402
 
 
 def received(url: str) -> dict:
@@ -244,14 +244,17 @@ def test_nccl_library_mints_ids_and_runs_collectives_on_one_gpu():
     communicator.close()
 
 
+def model_on_last_gpu(gpus: int, layout: str) -> torch.nn.Module:
+    """The tiny model in bfloat16 on GPU `gpus - 1`, the trainer's; skipped without `gpus` GPUs."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs: {layout}")
+    torch.cuda.set_device(gpus - 1)
+    return tiny_model().to(f"cuda:{gpus - 1}", torch.bfloat16)
+
+
 @pytest.mark.gpu
 def test_nccl_weights_arrive_bit_exact_on_a_second_gpu():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs: the receiver double on GPU 0, the trainer on GPU 1")
-    from asyncgrpo.weight_sync.transport import NcclTransport
-
-    torch.cuda.set_device(1)
-    model = tiny_model().to("cuda:1", torch.bfloat16)
+    model = model_on_last_gpu(2, "the receiver double on GPU 0, the trainer on GPU 1")
     with against_doubles(receiver="nccl", device="cuda:0", transport=NcclTransport) as ([url], sender):
         backend = sender(timeout_s=60, bucket_bytes=1 << 20)
         backend.sync(model, version=1)
@@ -338,12 +341,7 @@ def test_a_lost_receiver_is_dropped_from_the_group_and_a_server_back_joins_a_new
 
 @pytest.mark.gpu
 def test_a_lost_nccl_receiver_is_dropped_from_the_group_and_a_server_back_joins_a_new_one():
-    if torch.cuda.device_count() < 3:
-        pytest.skip("needs three GPUs: two receiver doubles on GPUs 0 and 1, the trainer on GPU 2")
-    from asyncgrpo.weight_sync.transport import NcclTransport
-
-    torch.cuda.set_device(2)
-    model = tiny_model().to("cuda:2", torch.bfloat16)
+    model = model_on_last_gpu(3, "two receiver doubles on GPUs 0 and 1, the trainer on GPU 2")
     lost_receiver_rejoins(model, NcclTransport, "nccl", ("cuda:0", "cuda:1"))
 
 

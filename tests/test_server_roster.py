@@ -136,10 +136,11 @@ def test_a_server_that_restarted_between_probes_is_given_the_weights_again():
     roster, servers, window = roster_of([A])
     probe(roster, A, label="default")  # vLLM's own label: it runs its checkpoint, not the trainer's
     roster.refresh(version=2)
-    assert roster.live() == [] and sums(window)["rollout/server_restarts"] == 1
+    assert roster.live() == [] and sums(window)["rollout/servers_lost_count"] == 1
     probe(roster, A, label="default")
     roster.refresh(version=2)
     assert roster.live() == [A] and roster.weight_sync.resent == [(2, [A])]
+    assert sums(window)["rollout/server_restarts"] == 1
 
 
 def test_without_a_resend_a_server_back_waits_for_a_full_sync():

@@ -51,6 +51,7 @@ class ServerShare:
         self.finished_since_raise = 0  # rollouts finished since the cap last grew
         self.slots: RolloutSlots | None = None
         self._last_preemptions = 0
+        self._load_failing = False  # the last load poll got no answer
         self._cap_servers = len(client.base_urls)  # the number of servers the cap was learned on
 
     async def start(self, max_model_len: int) -> None:
@@ -96,12 +97,14 @@ class ServerShare:
                 load = await self.client.load()
             except VLLMUnavailableError as error:
                 # No server answers (lost, restarting): keep the cap. Generation waits for a server,
-                # within vllm_server_timeout, and fails naming them if none comes back.
-                logger.warning(
-                    "reading the vLLM servers' load: %s; keeping the concurrency cap at %d", error, self.cap
-                )
+                # within vllm_server_timeout, and fails naming them if none comes back. Said once a
+                # streak: the loss itself is reported where it is noticed.
+                if not self._load_failing:
+                    logger.warning("reading the vLLM servers' load: %s; keeping the concurrency cap", error)
+                self._load_failing = True
                 await asyncio.sleep(interval_s)
                 continue
+            self._load_failing = False
             if load is None:
                 cap = self.max_concurrent_rollouts
             else:

@@ -123,6 +123,7 @@ class Server:
     weights_at: float | None = None  # when the trainer's weights last reached it (None: not yet)
     bar_from_us: int = 0  # the timeline's current "serving" bar starts here
     refusal: str = ""
+    restarted: bool = False  # it came back from a restart, running its own checkpoint
 
 
 class ServerRoster:
@@ -211,7 +212,6 @@ class ServerRoster:
                 and parse_policy_label(probe.label) is None
             ):
                 self._lose(server, now, f"it restarted: it runs weights labelled {probe.label!r}")
-                self.window.record("rollout/server_restarts", 1, Reduce.SUM)
                 changed = True
         joining = [
             server
@@ -225,6 +225,8 @@ class ServerRoster:
         for server in joining:
             if not self._passes_checks(server):
                 continue
+            if server.status == LOST and parse_policy_label(results[server.url].label) is None:
+                server.restarted = True  # back from its own checkpoint: counted once it has the weights
             if not self.weight_sync.can_resend:
                 full_sync.append(server.url)
                 continue
@@ -298,6 +300,9 @@ class ServerRoster:
         server.admission += 1
         server.bar_from_us = timeline.now_us()
         self.window.record("rollout/servers_joined_count", 1, Reduce.SUM)
+        if server.restarted:
+            self.window.record("rollout/server_restarts", 1, Reduce.SUM)
+            server.restarted = False
         self._set(server, LIVE, now)
 
     @staticmethod
