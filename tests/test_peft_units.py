@@ -292,6 +292,25 @@ def test_each_sync_loads_the_next_version_before_unloading_the_oldest_and_delete
     assert not backend.directory.exists()
 
 
+def test_a_server_that_joins_loads_the_newest_adapter_in_place(tiny_model_dir, tmp_path):
+    """Adapter-only sync keeps the newest adapter loaded: a server back after a loss (it lost its
+    adapters) or new loads it, and gets its label; nothing else is loaded or unloaded."""
+    peft_model = trained_like(get_peft_model(load(tiny_model_dir), LoraConfig(r=4, target_modules=TARGETS)))
+    servers = RecordingServers(tmp_path / ".vllm_lora")
+    loop = BackgroundLoop()
+    try:
+        backend = LoraAdapterSync(servers, loop, tmp_path / ".vllm_lora", keep=2)
+        backend.prefix = "run"
+        for version in range(2):
+            backend.sync(peft_model, version)
+        assert backend.can_resend and backend.resend(1, ["http://back"]) == []
+        assert servers.calls[-2:] == [("load", "run-v1", True, ["v0", "v1"]), ("label", policy_label(1))]
+        assert [version for version, _ in backend.loaded] == [0, 1]
+        backend.close()
+    finally:
+        loop.close()
+
+
 class VersionedServer:
     """Answers each request with the adapter it named; `retired` names answer 404 (unloaded by a
     sync), and the trainer publishes `next_version` when one is refused."""
