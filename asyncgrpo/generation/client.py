@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from asyncgrpo.generation.control import ServerControl, _all_finished
+from asyncgrpo.generation.control import UNREACHABLE_AFTER_S, ServerControl, _all_finished
 from asyncgrpo.generation.errors import (
     VLLMError,
     VLLMRequestError,
@@ -469,11 +469,14 @@ class VLLMClient(ServerControl):
         while True:
             url = self.servers.pick()
             if url is not None:
+                # With another server to go to, a failed connection sends the request there at once;
+                # alone, the server gets the time to ride out a dropped connection.
+                patience = 0.0 if len(self.servers.usable()) > 1 else UNREACHABLE_AFTER_S
                 self.servers.started(url, task)
                 try:
                     body = await self._request(
                         "POST", url, path, payload, timeout_retries=self.generation_timeout_retries,
-                        timeout=self.request_timeout, unreachable_after=0.0,
+                        timeout=self.request_timeout, unreachable_after=patience,
                     )  # fmt: skip
                     return url, body
                 except VLLMServerLostError as error:

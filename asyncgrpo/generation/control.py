@@ -20,9 +20,10 @@ from asyncgrpo.generation.vllm_worker_extension import RELOAD_METHOD, WORKER_EXT
 
 logger = logging.getLogger(__name__)
 
-# A weight sync's call retries a server that refuses connections this long, then skips it: long enough
-# to ride out a dropped connection, short against the restart of a server that went away.
-CONTROL_UNREACHABLE_AFTER_S = 5.0
+# A server whose connections fail this long is lost: long enough to ride out a dropped connection (a
+# kept-alive one the server closed), short against the restart of a server that went away. A weight
+# sync's call then skips it; a generation request with no other server to go to then waits for one.
+UNREACHABLE_AFTER_S = 5.0
 
 
 async def _all_finished(calls) -> list[Any]:
@@ -46,7 +47,7 @@ class ServerControl:
     ) -> list[str]:
         """`_on_all` for the calls of a weight sync (`_reachable`): returns the servers it could not
         reach."""
-        kwargs.setdefault("unreachable_after", CONTROL_UNREACHABLE_AFTER_S)
+        kwargs.setdefault("unreachable_after", UNREACHABLE_AFTER_S)
         targets = self.base_urls if urls is None else urls
         return await self._reachable(
             {url: self._json(method, url, path, payload, **kwargs) for url in targets}
@@ -55,7 +56,7 @@ class ServerControl:
     @staticmethod
     async def _reachable(calls: dict[str, Any]) -> list[str]:
         """Await one call per server (url -> coroutine), each to its end. A server that could not be
-        reached (refusing connections for CONTROL_UNREACHABLE_AFTER_S, no answer in time, a dead
+        reached (refusing connections for UNREACHABLE_AFTER_S, no answer in time, a dead
         engine) is skipped, not an error: returns those servers. One that answered with an error
         raises, after all have finished."""
         answers = await asyncio.gather(*calls.values(), return_exceptions=True)
@@ -111,7 +112,7 @@ class ServerControl:
         must `reset_prefix_cache` (it succeeds only once no request holds blocks). A server started
         with asyncgrpo's worker extension reloads through it (`_reload_method`)."""
 
-        lost = {"unreachable_after": CONTROL_UNREACHABLE_AFTER_S, "timeout": timeout}
+        lost = {"unreachable_after": UNREACHABLE_AFTER_S, "timeout": timeout}
 
         async def reload(url: str) -> None:
             method = await self._reload_method(url)
@@ -133,7 +134,7 @@ class ServerControl:
             try:
                 answer = await self._json(
                     "GET", url, "/server_info", params={"config_format": "json"},
-                    unreachable_after=CONTROL_UNREACHABLE_AFTER_S,
+                    unreachable_after=UNREACHABLE_AFTER_S,
                 )  # fmt: skip
             except VLLMRequestError:
                 answer = None

@@ -318,7 +318,11 @@ class ServerRoster:
     def _publish(self) -> None:
         live = self.live()
         admissions = {url: server.admission for url, server in self.servers.items()}
-        self.client.set_servers(live, admissions)
+
+        async def on_the_loop() -> None:  # the client's requests run there (an evaluation's)
+            self.client.set_servers(live, admissions)
+
+        self.http.run(on_the_loop())
         self.publish(live, admissions)
 
     # -- checks ----------------------------------------------------------------------------------
