@@ -345,6 +345,36 @@ def test_a_lost_nccl_receiver_is_dropped_from_the_group_and_a_server_back_joins_
     lost_receiver_rejoins(model, NcclTransport, "nccl", ("cuda:0", "cuda:1"))
 
 
+def test_a_receiver_lost_during_a_broadcast_leaves_the_others_paused_until_a_new_group():
+    """One receiver dies as it is asked to receive. The sync does not fail the run: the group is
+    aborted, the dead server and the one that may hold part of the weights are both reported missed,
+    and the survivor stays paused (it must not generate with half the weights) until the next sync
+    forms a group without the dead one and gives it every tensor."""
+    model = tiny_model()
+    loop = BackgroundLoop()
+    (first, url_a), (second, url_b) = start_double(), start_double(fault="die_on_update")
+    client = VLLMClient([url_a, url_b], timeout=60)
+    try:
+        backend = NcclWeightSync(client, loop, GlooTransport(), timeout_s=20)
+        assert sorted(backend.sync(model, version=1).missed) == sorted([url_a, url_b])
+        assert received(url_a)["log"][-1] == "/finish_weight_update", "not resumed: it stays paused"
+        assert backend.members == []
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01)
+        assert backend.sync(model, version=2, urls=[url_a]).missed == []
+        answer = received(url_a)
+        assert answer["version"] == policy_label(2) and answer["checksums"] == expected_checksums(model)
+        assert answer["log"][-1] == "/resume" and backend.members == [url_a]
+        backend.close()
+    finally:
+        loop.run(client.close())
+        loop.close()
+        for process in (first, second):
+            process.kill()
+            process.wait(10)
+
+
 def test_server_engine_and_version_detection():
     from asyncgrpo.generation.server_info import parse_server_info
     from asyncgrpo.weight_sync.nccl import vllm_at_least

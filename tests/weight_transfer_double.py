@@ -9,7 +9,8 @@ checked against: per-tensor SHA-256 of the received bytes, the version, and the 
 The receiver speaks gloo on CPU (so the protocol is tested on any machine, with `GlooTransport` as
 the trainer's data plane) or NCCL on a GPU (the real data plane, with the trainer's `NcclTransport`).
 Faults: `reject_update` (400 before receiving), `never_join` (init accepted, group never joined),
-`stall_receive` (update accepted, broadcast never received).
+`stall_receive` (update accepted, broadcast never received), `die_on_update` (the process exits when
+asked to receive: a receiver lost during a broadcast).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import base64
 import hashlib
+import os
 import socket
 import subprocess
 import sys
@@ -189,6 +191,8 @@ def make_app(receiver: Receiver, fault: str) -> web.Application:
             return web.json_response({"error": "update_info: unknown parameter 'bogus'"}, status=400)
         if fault == "stall_receive":
             await asyncio.sleep(3600)
+        if fault == "die_on_update":
+            os._exit(1)
         state["weights"] = await asyncio.to_thread(receiver.receive, body["update_info"])
         return web.json_response({"message": "Weights updated"})
 
@@ -259,7 +263,9 @@ def main() -> None:
     parser.add_argument("--receiver", choices=["gloo", "nccl"], default="gloo")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
-        "--fault", choices=["none", "reject_update", "never_join", "stall_receive"], default="none"
+        "--fault",
+        choices=["none", "reject_update", "never_join", "stall_receive", "die_on_update"],
+        default="none",
     )
     args = parser.parse_args()
     web.run_app(
