@@ -286,3 +286,17 @@ def test_a_real_cancellation_is_not_taken_for_a_server_leaving():
             await runner.cleanup()
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_the_server_settings_are_checked_when_the_config_is_built(tmp_path):
+    with pytest.raises(ValueError, match="vllm_server_base_url is empty"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url="", report_to="none")
+    listed = AsyncGRPOConfig(
+        output_dir=str(tmp_path),
+        vllm_server_base_url="",
+        vllm_server_urls_file="servers.txt",
+        report_to="none",
+    )
+    assert listed.vllm_server_urls == [] and listed.max_lost_server_fraction == 1.0
+    with pytest.raises(ValueError, match=r"max_lost_server_fraction=0 must be in \(0, 1\]"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), max_lost_server_fraction=0, report_to="none")
