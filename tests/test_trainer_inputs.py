@@ -288,7 +288,7 @@ def test_weight_sync_barrier_is_the_wait_for_the_other_processes(monkeypatch):
         return [value, value]
 
     monkeypatch.setattr(
-        session_module, "sync_policy", lambda backend, model, version: (SyncTimings(0.25, 0.5), 1000)
+        session_module, "sync_policy", lambda backend, model, version, urls: (SyncTimings(0.25, 0.5), 1000)
     )
     window = MetricsWindow()
     session = session_module.GenerationSession(

@@ -52,7 +52,7 @@ def server_options_for(run: RunConfig, cpu: bool | None = None):
     from asyncgrpo.generation.server import ServerOptions
 
     args = run.args
-    url = urlparse(args.vllm_server_urls[0])
+    url = urlparse(args.vllm_server_urls[0] if args.vllm_server_urls else "http://localhost:8000")
     extra = []
     if args.top_p < 1 or args.top_k > 0 or (args.min_p or 0) > 0:
         extra.append("--return-sampling-mask")  # the candidate set the trainer renormalizes over

@@ -46,6 +46,15 @@ def next_cap(
     return min(cap, max_concurrent_rollouts), False
 
 
+def rescaled_cap(cap: int, servers_before: int, servers_after: int, max_concurrent_rollouts: int) -> int:
+    """The cap when a worker's servers go from `servers_before` to `servers_after`: the load-driven cap
+    was learned on that many servers, so it scales with their number (the polls move it from there).
+    With no server before or after it stays: nothing can run, and it is where the servers restart."""
+    if servers_before <= 0 or servers_after <= 0:
+        return cap
+    return max(1, min(max_concurrent_rollouts, round(cap * servers_after / servers_before)))
+
+
 class TokenAllowance:
     """Worker-side bookkeeping of the staleness budget.
 

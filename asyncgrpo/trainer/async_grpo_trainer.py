@@ -336,7 +336,11 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         on_main = self._processes.is_main
         batch = self._processes.broadcast(self._session.next_batch(accumulation) if on_main else None)
         while isinstance(batch, ServersLostWeights):
-            self._join_eval(None)  # it ran on the lost server: it is discarded, not logged
+            self._join_eval(None)  # it may have run on a lost server: it is discarded, not logged
+            if self._served_step != self.state.global_step:
+                # Every server gets the model as it is now: a new version (weight_sync_steps > 1).
+                self._session.model_version += 1
+                self._served_step = self.state.global_step
             self._session.restore_server_weights(self.accelerator.unwrap_model(model), batch)
             batch = self._processes.broadcast(self._session.next_batch(accumulation) if on_main else None)
         if batch is None:
