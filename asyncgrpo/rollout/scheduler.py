@@ -187,7 +187,9 @@ class RolloutScheduler:
         )
         self.concurrency_cap = cap
         self.slots = RolloutSlots(
-            min(cap, config.max_concurrent_rollouts), stall_timeout_s=config.vllm_server_timeout
+            min(cap, config.max_concurrent_rollouts),
+            stall_timeout_s=config.vllm_server_timeout,
+            describe_waits=self.loop._activity.describe,
         )
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
         self._finished_since_raise = 0
