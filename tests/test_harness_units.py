@@ -167,15 +167,21 @@ def test_a_process_session_gets_its_task_and_the_proxys_address_and_is_scored_by
 
     capture = FakeCapture()
     factory = ProcessSessionFactory(
-        [sys.executable, "-c", AGENT_ECHO], verify, sampling={"temperature": 1.0}, capture=capture
+        [sys.executable, "-c", AGENT_ECHO],
+        verify,
+        agent_columns=["hint"],
+        sampling={"temperature": 1.0},
+        capture=capture,
     )
-    row = {"prompt": [{"role": "user", "content": "hi"}], "answer": "42"}
+    row = {"prompt": [{"role": "user", "content": "hi"}], "hint": "a number", "answer": "42"}
     session = factory.create(row, seed=3, episode_id="ep")
     assert session.wait_for_completion() == 0
     assert session.verify([]).env_reward == 0.5
     session.close()
-    expected = {**row, "seed": 3, "episode_id": "ep", "sampling": {"temperature": 1.0}}
-    assert seen["stdin"] == seen["file"] == expected
+    # The prompt and the columns named for the agent; the answer stays with the trainer
+    # (test_harness_safety.py).
+    expected = {"prompt": row["prompt"], "hint": "a number", "seed": 3, "episode_id": "ep"}
+    assert seen["stdin"] == seen["file"] == {**expected, "sampling": {"temperature": 1.0}}
     assert seen["env"] == [capture.base_url, "key-ep", "tiny"]
     assert capture.closed == ["key-ep"] and not list(tmp_path.iterdir())
 

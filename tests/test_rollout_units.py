@@ -203,6 +203,20 @@ def test_allowance_starts_one_group_at_a_time_then_uses_the_estimate():
     assert allowance.produced_tokens == 400 and allowance.tokens_per_group_estimate == 300
 
 
+def test_rollouts_without_tokens_leave_the_estimate_alone():
+    """Agents that fail before their first turn make no tokens: counted as rollouts of 0 tokens they
+    would drive the estimate to 0, and groups (a process each rollout, for a harness) would start
+    without limit."""
+    allowance = TokenAllowance(num_generations=4)
+    allowance.group_started()
+    allowance.group_finished([0, 0, 0, 0], queued_tokens=0)
+    assert allowance.tokens_per_group_estimate is None
+    allowance.group_started()
+    assert not allowance.may_start_group(1e9), "still one group at a time"
+    allowance.group_finished([100, 0, 0, 100], queued_tokens=200)
+    assert allowance.tokens_per_group_estimate == 400  # from the two rollouts that made tokens
+
+
 # -- prompt streams ---------------------------------------------------------------------------------------
 
 
@@ -337,7 +351,8 @@ def test_a_loop_subclass_inherits_only_the_documented_attributes():
         "client",
         "max_model_len",
     }
-    assert set(vars(loop)) == readable | {"_scheduling", "_sampler", "_tool_executor", "_rendered"}
+    private = {"_scheduling", "_sampler", "_tool_executor", "_rendered", "_activity"}
+    assert set(vars(loop)) == readable | private
 
 
 def test_groups_without_reward_signal_are_counted_under_trl_grpos_name_too():

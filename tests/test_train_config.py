@@ -362,10 +362,23 @@ def test_the_harness_example_names_a_local_process_agent_and_its_verify(tmp_path
     assert isinstance(factory, ProcessSessionFactory) and factory.timeout_s == 120
     assert Path(factory.command[1]) == REPO / "examples" / "harness" / "file_agent.py"  # made absolute
     assert factory.command[0] == sys.executable, "`python` is the trainer's interpreter, not the PATH's"
-    (tmp_path / "task.json").write_text(json.dumps({"answer": "42"}))
-    assert factory.verify(tmp_path, []) == 0.0
-    (tmp_path / "answer.txt").write_text("42")
-    assert factory.verify(tmp_path, []) == 1.0
+    assert factory.verify_takes_row and factory.agent_columns == []  # the agent never sees the answer
+    row = {"prompt": [], "answer": "42"}
+    assert factory.verify(tmp_path, [], row) == 0.0
+    (tmp_path / "answer.txt").write_text("7")
+    (tmp_path / "task.json").write_text(json.dumps({"answer": "7"}))  # a forged key changes nothing
+    assert factory.verify(tmp_path, [], row) == 0.0
+    (tmp_path / "answer.txt").write_text("The answer is 42.")
+    assert factory.verify(tmp_path, [], row) == 1.0
+    (tmp_path / "answer.txt").write_text(" ".join(str(n) for n in range(100)))  # every number: not right
+    assert factory.verify(tmp_path, [], row) == 0.0
+    raw = read_config(REPO / "examples" / "harness.yaml")
+    raw["harness_session_factory"].update(agent_columns=["hint"], max_agents=3)
+    raw["harness_timeout_s"] = 60
+    run = build_run_config(raw)
+    factory = run.harness_session_factory(sampling={})
+    assert factory.agent_columns == ["hint"] and factory.max_live_sessions == 3
+    assert run.harness_timeout_s == 60.0
 
 
 # What a user of this environment runs, in a fresh interpreter: the path holds this checkout and
@@ -399,6 +412,7 @@ def test_the_harness_and_its_example_config_load_in_the_environment_as_installed
     [
         ({"harness_session_factory": "examples.functions:IncrementEnv", "tools": []}, "remove tools"),
         ({"rollout_reward_fn": "examples.functions:math_reward_func"}, "needs harness_session_factory"),
+        ({"harness_timeout_s": 60}, "needs harness_session_factory"),
         ({"harness_session_factory": {"command": ["a"], "verify": "x:y", "timeout": 3}}, "timeout"),
         ({"harness_session_factory": {"command": "python agent.py", "verify": "x:y"}}, "command"),
     ],

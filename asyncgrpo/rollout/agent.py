@@ -145,7 +145,14 @@ async def run_tool_loop(
         if limit is not None and tool_turns >= limit:
             exhausted = True
             break
-        results, failed = await run_tool_calls(parsed.calls, tools, loop.tool_executor, lambda: loop.metrics)
+        results, failed = await run_tool_calls(
+            parsed.calls,
+            tools,
+            loop.tool_executor,
+            lambda: loop.metrics,
+            timeout_s=config.tool_timeout,
+            activity=loop._activity,
+        )
         tool_turns += 1
         completion.extend(results)
         conversation.extend(

@@ -189,6 +189,7 @@ class RolloutScheduler:
             config.max_concurrent_rollouts,
             stall_timeout_s=config.vllm_server_timeout,
             metrics=lambda: self.loop.metrics,
+            describe_waits=self.loop._activity.describe,
         )
         await self.share.start(self.max_model_len)
         self.slots = self.share.slots

@@ -41,12 +41,14 @@ class ServerShare:
         max_concurrent_rollouts: int,
         stall_timeout_s: float,
         metrics: Callable[[], MetricsWindow],
+        describe_waits: Callable[[], str] = lambda: "",
     ):
         self.client = client
         self.channels = channels
         self.max_concurrent_rollouts = max_concurrent_rollouts
         self.stall_timeout_s = stall_timeout_s  # RolloutSlots: no rollout finishing for that long
         self.metrics = metrics  # the loop's current window (replaced at each flush)
+        self.describe_waits = describe_waits  # what running rollouts wait on, for a stuck-generation error
         self.cap = max_concurrent_rollouts
         self.finished_since_raise = 0  # rollouts finished since the cap last grew
         self.slots: RolloutSlots | None = None
@@ -60,7 +62,9 @@ class ServerShare:
         self.cap = initial_cap(
             load.kv_cache_tokens if load else 0, max_model_len, self.max_concurrent_rollouts
         )
-        self.slots = RolloutSlots(min(self.cap, self.max_concurrent_rollouts), self.stall_timeout_s)
+        self.slots = RolloutSlots(
+            min(self.cap, self.max_concurrent_rollouts), self.stall_timeout_s, self.describe_waits
+        )
         self._last_preemptions = load.preemptions if load else 0
 
     async def servers_loop(self) -> None:
