@@ -84,7 +84,8 @@ def conv_case(choice: str, layout, mixed, weight, widths):
 
     def forward(x, w):
         os.environ[kernel_choice.PATH_CONV_ENV] = choice
-        return path_conv_and_activate(x, w, None, layout, "silu", widths)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):  # as the layer runs: fp32 weight, bf16 x
+            return path_conv_and_activate(x, w, None, layout, "silu", widths)
 
     return forward
 

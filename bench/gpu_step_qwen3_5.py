@@ -232,7 +232,7 @@ def measure_start(args, out: Path) -> dict:
         results[label] = report
         log(f"start {label}: {json.dumps(report)}")
         if code == "timeout":
-            log(f"start {label}: still running after {args.start_timeout:.0f} s, stopped")
+            log(f"start {label}: still running after {limit:.0f} s, stopped")
     cold, warm = (results[x].get("start_to_first_step_s", float("nan")) for x in ("cold", "warm"))
     log(f"gpu_step_qwen3_5 start cold_s={cold:.1f} warm_s={warm:.1f}")
     return results
@@ -277,7 +277,8 @@ def main() -> None:
         default="asyncgrpo",
         help=f"comma-separated kernel variants of the default step: {', '.join(KERNEL_VARIANTS)}",
     )
-    parser.add_argument("--start-timeout", type=float, default=330.0, help="seconds a start child may take")
+    parser.add_argument("--start-timeout", type=float, default=330.0, help="seconds the cold start may take")
+    parser.add_argument("--warm-timeout", type=float, default=150.0, help="seconds the warm child may take")
     parser.add_argument("--warm-phases", default="defaults", help="what the warm start child runs next")
     parser.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)  # measure_start's child
     parser.add_argument(

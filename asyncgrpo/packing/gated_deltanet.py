@@ -140,16 +140,20 @@ def tree_gated_delta_rule(
     otherwise `chunk_rule`, a batched rule with transformers' signature, runs on each level's
     segments padded to the longest (a single-segment level: its slice, unpadded)."""
     fla_rule = _fla_chunk_rule(query.device) if query.is_cuda else None
+    inputs = (query, key, value, g, beta)
+    # Each input's level slices, from one split: its backward writes the whole gradient in one pass
+    # (a slice's backward would write a zero tensor of the whole size per level, then add them).
+    sizes = [level.stop - level.start for level in layout.levels]
+    per_level = list(zip(*(torch.split(t, sizes) for t in inputs))) if len(sizes) > 1 else [inputs]
     outs = []
     parent_states = None
     for depth, level in enumerate(layout.levels):
         # Levels after the first hold only segments with a parent (depth = parent's depth + 1).
         initial = None if parent_states is None else parent_states.index_select(0, level.parent_rows)
         wants_states = depth + 1 < len(layout.levels)
-        rows = slice(level.start, level.stop)
         if fla_rule is not None:
             level_out, parent_states = fla_rule(
-                *(t[rows][None] for t in (query, key, value, g, beta)),
+                *(t[None] for t in per_level[depth]),
                 initial_state=initial,
                 output_final_state=wants_states,
                 cu_seqlens=level.cu_seqlens,
@@ -160,13 +164,10 @@ def tree_gated_delta_rule(
             continue
         batch, slots = level.gather.shape
         if batch == 1:
-            q, k, v, gg, bb = (t[rows][None] for t in (query, key, value, g, beta))
+            q, k, v, gg, bb = (t[None] for t in per_level[depth])
         else:
             index = level.gather.flatten()
-            q, k, v, gg, bb = (
-                t.index_select(0, index).view(batch, slots, *t.shape[1:])
-                for t in (query, key, value, g, beta)
-            )
+            q, k, v, gg, bb = (t.index_select(0, index).view(batch, slots, *t.shape[1:]) for t in inputs)
             gg, bb = (t.masked_fill(level.padding[..., None], 0) for t in (gg, bb))
         level_out, parent_states = chunk_rule(
             q,
