@@ -213,10 +213,9 @@ def measure_start(args, out: Path) -> dict:
                    str(args.budget), "--phases", ",".join(phases), "--kernels", args.kernels,
                    "--rounds", str(args.rounds)] + (["--smoke"] if args.smoke else [])  # fmt: skip
         started = time.perf_counter()
+        limit = args.start_timeout if label == "cold" else args.warm_timeout
         try:
-            done = subprocess.run(
-                command, env=env, timeout=args.start_timeout, capture_output=True, text=True
-            )
+            done = subprocess.run(command, env=env, timeout=limit, capture_output=True, text=True)
             text, code = done.stdout + done.stderr, done.returncode
         except subprocess.TimeoutExpired as expired:
             text = (expired.stdout or b"").decode(errors="replace") + (expired.stderr or b"").decode(
