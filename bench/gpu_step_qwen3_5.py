@@ -230,6 +230,11 @@ def measure_start(args, out: Path) -> dict:
                       autotuned_kernels=len(re.findall(r"finished after", text)))  # fmt: skip
         results[label] = report
         log(f"start {label}: {json.dumps(report)}")
+        for line in text.splitlines():  # what the warm child measured next, into this log too
+            if line.startswith(("kernels ", "gpu_step_qwen3_5 mfu", "profile of")) or re.match(
+                r"  \S.*: \d+ ms \(", line
+            ):
+                log(line)
         if code == "timeout":
             log(f"start {label}: still running after {limit:.0f} s, stopped")
     cold, warm = (results[x].get("start_to_first_step_s", float("nan")) for x in ("cold", "warm"))
