@@ -19,13 +19,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from asyncgrpo.packing.gated_deltanet import (
-    LINEAR_ATTENTION,
-    RecurrentLayout,
-    enable_tree_recurrence,
-    is_gated_deltanet,
-    recurrent_layout,
-)
+from asyncgrpo.packing.gated_deltanet import LINEAR_ATTENTION, enable_tree_recurrence, is_gated_deltanet
+from asyncgrpo.packing.recurrent_layout import RecurrentLayout, recurrent_layout
 
 TREE_ATTENTION = "asyncgrpo_tree"  # the name registered in transformers' AttentionInterface
 BLOCK_SIZE = 128  # FlexAttention's default sparse block: rows are padded to a multiple of it
