@@ -77,17 +77,35 @@ def load_run(run_dir: str | Path) -> History:
             f"{metrics_path} does not exist: give the output_dir of a run trained with asyncgrpo (it writes "
             f"{METRICS_FILE} there from the first logged step)"
         )
-    lines = metrics_path.read_text(encoding="utf-8").splitlines()
     records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            if number == len(lines):
-                break  # a run killed mid-write leaves a partial last line
-            raise ValueError(f"{metrics_path}:{number} is not JSON: {error}") from error
+    for line in metrics_path.read_text(encoding="utf-8", errors="replace").splitlines():
+        record = _record_of(line)
+        if record is not None:
+            records.append(record)
     config_path = run_dir / CONFIG_FILE
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    try:
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    except ValueError:  # emptied by a power loss before it was flushed: the metrics still read
+        config = {}
     return History.from_records(records, config)
+
+
+def _record_of(line: str) -> dict | None:
+    """A line's record. What a crash can leave instead: a partial record (a run killed mid-write),
+    zeros (a power loss), and, from runs that resumed without repairing the file first, a partial
+    record with the resumed run's first record glued to it: that record is kept, the rest skipped."""
+    line = line.strip().strip("\0")
+    if not line:
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        glued = line.rfind(_RECORD_START)
+        if glued <= 0:
+            return None
+        return _record_of(line[glued:])
+    return record if isinstance(record, dict) else None
+
+
+# Every record metrics.jsonl holds begins so (trainer/run_directory.py writes `step` first).
+_RECORD_START = '{"step": '
