@@ -37,9 +37,9 @@ class SharedRotatingFileHandler(logging.FileHandler):
     `max_bytes` by whichever writer finds it full. Writers take turns under an flock on a file beside
     it, and one that finds its file rotated away by another reopens the path."""
 
-    def __init__(self, path: str | os.PathLike, max_bytes: int = WARNINGS_FILE_MAX_BYTES):
+    def __init__(self, path: str | os.PathLike, max_bytes: int | None = None):
         super().__init__(path, mode="a", encoding="utf-8")
-        self.max_bytes = max_bytes
+        self.max_bytes = max_bytes or WARNINGS_FILE_MAX_BYTES
         folder, name = os.path.split(self.baseFilename)
         self._turns = open(os.path.join(folder, f".{name}.lock"), "a")  # noqa: SIM115 - closed in close()
 

@@ -15,8 +15,10 @@ the checkpoint the next run resumed from, the rest being the steps lost. From th
   with no sample trained or dropped and no group without samples in the lineage.
 
 Every 30 s it samples the trainer's and the rollout worker's RSS, open file descriptors and threads,
-the entries of the run's own temp directory (TMPDIR of every process it starts), the /dev/shm
-entries the run's processes have open or mapped, and the run files' sizes. Growth is measured in the
+the entries of the trainer's own temp directory (the TMPDIR of the trainer and everything it starts;
+the server gets another, so what vLLM leaves behind when it is SIGKILLed is counted apart), the
+/dev/shm entries the trainer's processes (and, apart, the server's) have open or mapped, and the run
+files' sizes. Growth is measured in the
 last run (the one after the second SIGTERM), from ten minutes into it (a third of it, when shorter)
 to its end. Prints the details, and last:
 
@@ -99,7 +101,7 @@ def run_segment(work: Path, url: str, model: str, segment: int, resume: bool) ->
 
     class Marks(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            note(e="begin", step=state.global_step)
+            note(e="begin", step=state.global_step, time=time.time())
 
         def on_step_end(self, args, state, control, **kwargs):
             note(e="step", step=state.global_step)
@@ -247,17 +249,22 @@ def _shm_entries(pids: list[int]) -> set[str]:
     return entries
 
 
-def sample(work: Path, trainer_pid: int, server_pid: int | None) -> dict:
-    worker = next((pid for pid in _children(trainer_pid) if "spawn_main" in _cmdline(pid)), None)
+def run_file_sizes(work: Path) -> dict[str, int]:
     run = work / "run"
-    processes = _descendants(trainer_pid) + (_descendants(server_pid) if server_pid else [])
+    return {name: (run / name).stat().st_size for name in RUN_FILES if (run / name).exists()}
+
+
+def sample(work: Path, trainer_pid: int, server_pid: int) -> dict:
+    worker = next((pid for pid in _children(trainer_pid) if "spawn_main" in _cmdline(pid)), None)
     return {
         "time": time.time(),
         "trainer": _status(trainer_pid),
         "worker": _status(worker) if worker else {},
         "temp_entries": len(os.listdir(work / "tmp")),
-        "shm_entries": len(_shm_entries(processes)),
-        "files": {name: (run / name).stat().st_size for name in RUN_FILES if (run / name).exists()},
+        "server_temp_entries": len(os.listdir(work / "tmp-server")),
+        "shm_entries": len(_shm_entries(_descendants(trainer_pid))),
+        "server_shm_entries": len(_shm_entries(_descendants(server_pid))),
+        "files": run_file_sizes(work),
     }
 
 
@@ -286,25 +293,29 @@ def drive(duration_s: float, work: Path, server_kills: int) -> int:
     from asyncgrpo.generation.server import ServerOptions, VLLMServer
 
     work.mkdir(parents=True, exist_ok=True)
-    for stale in ("run", "tmp", "stop"):
+    for stale in ("run", "tmp", "tmp-server", "stop"):
         shutil.rmtree(work / stale, ignore_errors=True)
     for stale in work.glob("record-*.jsonl"):
         stale.unlink()
     (work / "tmp").mkdir()
+    (work / "tmp-server").mkdir()
     env = {**os.environ, "TMPDIR": str(work / "tmp"), "PYTHONPATH": str(HERE.parent)}
     model = work / "model"
     if not (model / "config.json").exists():
         subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "tiny-model", str(model)], check=True, env=env)
     options = ServerOptions(model=str(model), port=free_port(), max_model_len=1024, dtype="float32", cpu=True)
     server = VLLMServer(options, log_path=work / "server.log")
-    os.environ["TMPDIR"] = env["TMPDIR"]  # the server inherits it
+    os.environ["TMPDIR"] = str(work / "tmp-server")  # the server inherits it
     server.start()
     started = time.time()
     server_kill_times = [started + duration_s * (k + 1) / (server_kills + 1) for k in range(server_kills)]
     trainer_kill_times = [started + duration_s * fraction for fraction in TRAINER_KILLS_AT]
     segments: list[subprocess.Popen] = []
-    samples: list[tuple[int, dict]] = []
-    last_start = started
+    samples = open(work / "samples.jsonl", "w", buffering=1)  # noqa: SIM115 - closed below
+
+    def take_sample() -> None:
+        figures = sample(work, trainer.pid, server.process.pid)
+        samples.write(json.dumps({"segment": len(segments) - 1, "started": started, **figures}) + "\n")
 
     def start_segment() -> subprocess.Popen:
         index = len(segments)
@@ -354,14 +365,13 @@ def drive(duration_s: float, work: Path, server_kills: int) -> int:
                     flush=True,
                 )
                 trainer = start_segment()
-                last_start = time.time()
             if now >= next_sample:
-                samples.append((len(segments) - 1, sample(work, trainer.pid, server.process.pid)))
+                take_sample()
                 next_sample = now + SAMPLE_EVERY_S
             time.sleep(1)
+        take_sample()  # the end
         (work / "stop").touch()
         trainer.wait(timeout=900)
-        samples.append((len(segments) - 1, sample(work, trainer.pid, server.process.pid)))
     finally:
         for process in segments:
             if process.poll() is None:
@@ -369,7 +379,8 @@ def drive(duration_s: float, work: Path, server_kills: int) -> int:
         server.stop()
     if trainer.returncode != 0:
         raise RuntimeError(f"the last trainer run exited with {trainer.returncode}: see its log")
-    return report(work, started, last_start, segments, samples)
+    samples.close()
+    return report(work)
 
 
 def free_port() -> int:
@@ -385,8 +396,13 @@ def _saved_once(work: Path, segment: int) -> bool:
     return any(event["e"] == "saved" for event in read_records(work / f"record-{segment}.jsonl"))
 
 
-def report(work: Path, started: float, last_start: float, segments, samples: list[tuple[int, dict]]) -> int:
-    records = [read_records(work / f"record-{index}.jsonl") for index in range(len(segments))]
+def report(work: Path) -> int:
+    """The soak's figures, from what the run left in `work` (also after the fact: --report WORK)."""
+    samples = [(figures["segment"], figures) for figures in read_records(work / "samples.jsonl")]
+    segments = sorted(work.glob("record-*.jsonl"), key=lambda path: int(path.stem.split("-")[1]))
+    started = samples[0][1]["started"]
+    last_start = next(event["time"] for event in read_records(segments[-1]) if event["e"] == "begin")
+    records = [read_records(path) for path in segments]
     kept, lost = lineage(records)
     checkpoints = sorted((work / "run").glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
     rollout_state = json.loads((checkpoints[-1] / "rollout_state.json").read_text())
@@ -415,12 +431,14 @@ def report(work: Path, started: float, last_start: float, segments, samples: lis
             f"{after.get('Threads')} (from {since:.1f} min into the last run to its end)"
         )
     first = samples[0][1]
-    print(
-        f"temp entries: {first['temp_entries']} at the start, {baseline['temp_entries']} -> "
-        f"{end['temp_entries']}; /dev/shm entries the run's processes hold: {first['shm_entries']} at the "
-        f"start, {baseline['shm_entries']} -> {end['shm_entries']}"
-    )
-    print("run files (bytes): " + ", ".join(f"{name} {size}" for name, size in end["files"].items()))
+    for side, who in (("", "trainer and worker"), ("server_", "server")):
+        temp, shm = side + "temp_entries", side + "shm_entries"
+        print(
+            f"{who}: temp entries {first[temp]} at the start, {baseline[temp]} -> {end[temp]}; "
+            f"/dev/shm entries held {first[shm]} at the start, {baseline[shm]} -> {end[shm]}"
+        )
+    files = run_file_sizes(work)  # after the last run ended
+    print("run files (bytes): " + ", ".join(f"{name} {size}" for name, size in files.items()))
     rss_growth = (growth("trainer", "VmRSS") + growth("worker", "VmRSS")) / 1024
     rss_base = (baseline["trainer"].get("VmRSS", 0) + baseline["worker"].get("VmRSS", 0)) / 1024
     print(
@@ -429,7 +447,7 @@ def report(work: Path, started: float, last_start: float, segments, samples: lis
     print(
         f"soak hours={hours:.2f} steps={steps} twice={len(twice)} skipped={len(skipped)} "
         f"rss_growth_mb={rss_growth:.1f} fds_growth={growth('trainer', 'fds') + growth('worker', 'fds')} "
-        f"files_mb={sum(end['files'].values()) / 2**20:.1f}",
+        f"files_mb={sum(files.values()) / 2**20:.1f}",
         flush=True,
     )
     return 0 if not twice and not skipped else 1
