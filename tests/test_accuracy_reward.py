@@ -20,6 +20,15 @@ def as_completions(texts):
     return [[{"role": "assistant", "content": text}] for text in texts]
 
 
+def in_a_thread(call):
+    """What `call` returns when made from a thread other than the main one (as reward functions are)."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(call()))
+    thread.start()
+    thread.join(timeout=120)
+    return results[0] if results else None
+
+
 def test_accuracy_reward_on_the_shipped_sample():
     rewards = accuracy_reward(
         completions=as_completions([row["completion"] for row in SAMPLE]),
@@ -38,15 +47,8 @@ def test_accuracy_reward_on_the_shipped_sample():
 def test_accuracy_reward_works_in_a_worker_thread_with_math_verify_timeouts_on():
     """Reward functions run in the worker's threads, where SIGALRM-based timeouts cannot work: there
     the answers are verified in processes whose main thread runs math-verify, timeouts on."""
-    results = []
-    thread = threading.Thread(
-        target=lambda: results.append(
-            accuracy_reward(as_completions(["\\boxed{\\frac{2}{4}}", "\\boxed{3}"]), solution=["0.5", "4"])
-        )
-    )
-    thread.start()
-    thread.join(timeout=60)
-    assert results == [[1.0, 0.0]]
+    answers = ["\\boxed{\\frac{2}{4}}", "\\boxed{3}"]
+    assert in_a_thread(lambda: accuracy_reward(as_completions(answers), solution=["0.5", "4"])) == [1.0, 0.0]
     from asyncgrpo.rewards import accuracy as module
 
     assert module._pool is not None, "verified in the pool"
@@ -107,14 +109,9 @@ def test_a_verifier_that_dies_is_replaced_and_its_answer_scores_zero(monkeypatch
     try:
         assert pool.run(os._exit, 1, failed=0.0) == 0.0  # the process is gone mid-call
         assert pool.failures == 1
-        results = []
-        thread = threading.Thread(
-            target=lambda: results.append(
-                accuracy_reward(as_completions(["\\boxed{3}", "\\boxed{4}"]), solution=["3", "5"])
-            )
+        answers = as_completions(["\\boxed{3}", "\\boxed{4}"])
+        assert in_a_thread(lambda: accuracy_reward(answers, solution=["3", "5"])) == [1.0, 0.0], (
+            "every later call is answered"
         )
-        thread.start()
-        thread.join(timeout=120)
-        assert results == [[1.0, 0.0]], "every later call is answered"
     finally:
         pool.close()

@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 # Distinct errors logged in full; past them a new one is counted only, so a function whose messages
 # all differ cannot fill the log.
 MAX_ERRORS_LOGGED = 100
-_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
+# Numbers and hex words with a digit (times, ids, addresses): what makes each occurrence of one error new.
+_NUMBERS = re.compile(r"\b(?:0x)?[0-9a-fA-F]*\d[0-9a-fA-F]*\b")
 
 
 class RewardFunctionError(RuntimeError):
@@ -44,7 +45,7 @@ class RewardCallFailure:
 
     def kind(self) -> tuple[str, str, str]:
         """What makes two failures the same error: the function, the exception's type and its
-        message with the numbers left out (a request id or a time must not make each one new)."""
+        message with numbers and ids left out (a request id or a time must not make each one new)."""
         return self.function, type(self.error).__name__, _NUMBERS.sub("N", str(self.error))[:300]
 
 
