@@ -164,12 +164,15 @@ def lineage(segments: list[list[dict]]) -> tuple[list[dict], int]:
             break
         resumed = next(event["step"] for event in segments[index + 1] if event["e"] == "begin")
         reached = max((event["step"] for event in events if event["e"] == "step"), default=0)
-        cut = next(
+        # The checkpoint's own mark; a SIGTERM between its rename and the mark leaves only the step's
+        # end, after which nothing of the ledger moved before the save.
+        marks = [
             position
             for position, event in enumerate(events)
-            if (event["e"] == "saved" and event["step"] == resumed)
+            if (event["e"] in ("saved", "step") and event["step"] == resumed)
             or (event["e"] == "begin" and resumed == 0)
-        )
+        ]
+        cut = marks[-1]
         kept += events[: cut + 1]
         lost += reached - resumed
     return kept, lost
@@ -233,17 +236,18 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _shm_entries(pids: list[int]) -> set[str]:
-    """/dev/shm entries these processes have open or mapped."""
+    """/dev/shm entries these processes have open or mapped, and that are still there (a named
+    semaphore of multiprocessing is unlinked as soon as it is made: mapped, it holds no entry)."""
     entries = set()
     for pid in pids:
         try:
             for name in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{name}")
-                if target.startswith("/dev/shm/"):
+                if target.startswith("/dev/shm/") and not target.endswith(" (deleted)"):
                     entries.add(target)
             for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                if "/dev/shm/" in line:
-                    entries.add(line[line.index("/dev/shm/") :].removesuffix(" (deleted)"))
+                if "/dev/shm/" in line and not line.endswith(" (deleted)"):
+                    entries.add(line[line.index("/dev/shm/") :])
         except OSError:
             continue
     return entries
@@ -263,7 +267,8 @@ def sample(work: Path, trainer_pid: int, server_pid: int) -> dict:
         "temp_entries": len(os.listdir(work / "tmp")),
         "server_temp_entries": len(os.listdir(work / "tmp-server")),
         "shm_entries": len(_shm_entries(_descendants(trainer_pid))),
-        "server_shm_entries": len(_shm_entries(_descendants(server_pid))),
+        "server_shm_entries": len(server_shm := _shm_entries(_descendants(server_pid))),
+        "server_shm_names": sorted(server_shm),
         "files": run_file_sizes(work),
     }
 
@@ -278,10 +283,12 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--work", type=Path, default=None, help="kept after the run (default: a temp dir)")
     parser.add_argument("--server-kills", type=int, default=4)
-    parser.add_argument(
-        "--segment", nargs=4, help=argparse.SUPPRESS
-    )  # work url model index: one training run
+    parser.add_argument("--report", type=Path, help="only print the figures of a finished soak's work dir")
+    # One training run, started by the driver: work dir, server URL, model dir, run index.
+    parser.add_argument("--segment", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.report:
+        return report(args.report)
     if args.segment:
         work, url, model, index = args.segment
         run_segment(Path(work), url, model, int(index), resume=int(index) > 0)
@@ -413,10 +420,20 @@ def report(work: Path) -> int:
     baseline = next(figures for figures in last if figures["time"] >= baseline_time)
     end = last[-1]
 
-    def growth(process: str, field: str) -> int:
-        return end[process].get(field, 0) - baseline[process].get(field, 0)
+    window = [figures for figures in last if figures["time"] >= baseline["time"]]
 
-    hours = (time.time() - started) / 3600
+    halves = (window[: len(window) // 2], window[len(window) // 2 :])
+
+    def at_rest(figures: list[dict], process: str, field: str) -> int:
+        # Connections come and go with the requests in flight: the floor over half the window.
+        return min(sample.get(process, {}).get(field, 0) for sample in figures)
+
+    def growth(process: str, field: str) -> int:
+        if field == "VmRSS":
+            return end[process].get(field, 0) - baseline[process].get(field, 0)
+        return at_rest(halves[1], process, field) - at_rest(halves[0], process, field)
+
+    hours = (end["time"] - started) / 3600
     resumed = [next(event["step"] for event in run if event["e"] == "begin") for run in records]
     print(f"trainer runs: {len(segments)}, starting at steps {resumed}; steps lost to the SIGTERMs: {lost}")
     print(f"prompts the final checkpoint counts as done: {rollout_state['first_untrained_index']}")
@@ -425,10 +442,14 @@ def report(work: Path) -> int:
     since = (baseline["time"] - last_start) / 60
     for process in ("trainer", "worker"):
         before, after = baseline[process], end[process]
+        fds = [sample[process].get("fds", 0) for sample in window]
+        threads = [sample[process].get("Threads", 0) for sample in window]
         print(
             f"{process}: RSS {before.get('VmRSS', 0) / 1024:.1f} -> {after.get('VmRSS', 0) / 1024:.1f} MB, "
-            f"fds {before.get('fds')} -> {after.get('fds')}, threads {before.get('Threads')} -> "
-            f"{after.get('Threads')} (from {since:.1f} min into the last run to its end)"
+            f"threads {before.get('Threads')} -> {after.get('Threads')} (at most {max(threads)}), fds "
+            f"{before.get('fds')} -> {after.get('fds')} ({min(fds)}-{max(fds)}; the floor of each half "
+            f"{at_rest(halves[0], process, 'fds')} -> {at_rest(halves[1], process, 'fds')}), from "
+            f"{since:.1f} min into the last run to its end"
         )
     first = samples[0][1]
     for side, who in (("", "trainer and worker"), ("server_", "server")):
@@ -437,6 +458,13 @@ def report(work: Path) -> int:
             f"{who}: temp entries {first[temp]} at the start, {baseline[temp]} -> {end[temp]}; "
             f"/dev/shm entries held {first[shm]} at the start, {baseline[shm]} -> {end[shm]}"
         )
+    seen = {name for _, figures in samples for name in figures.get("server_shm_names", [])}
+    left = [Path(name) for name in sorted(seen) if Path(name).exists()]
+    print(
+        f"/dev/shm entries the servers held that outlived them: {len(left)} "
+        f"({sum(path.stat().st_size for path in left) / 2**20:.0f} MiB)"
+        + ("" if seen or not samples else " (not recorded by this soak)")
+    )
     files = run_file_sizes(work)  # after the last run ended
     print("run files (bytes): " + ", ".join(f"{name} {size}" for name, size in files.items()))
     rss_growth = (growth("trainer", "VmRSS") + growth("worker", "VmRSS")) / 1024
