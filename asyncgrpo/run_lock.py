@@ -16,6 +16,7 @@ Whether the owner of an existing lock is gone (docs/reliability.md, "One live ru
   file server is: the lock is stale once its mtime is older than `STALE_AFTER_S`, measured against
   the file server's own clock (a probe file's mtime), so clock skew between machines does not count.
 
+On a filesystem without flock (some network and FUSE mounts) the heartbeat decides everywhere.
 A stale lock is taken over in place, under its flock; a taker re-reads the record under the flock
 and gives up if it changed, so two runs starting at once against one stale lock cannot both win on
 one machine. Between machines a race within one heartbeat remains; the owner's heartbeat notices a
@@ -25,6 +26,7 @@ then.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -103,12 +105,18 @@ def _filesystem_now(directory: Path) -> float:
         probe.unlink(missing_ok=True)
 
 
-def _try_flock(fd: int) -> bool:
+def _try_flock(fd: int) -> bool | None:
+    """True: taken; False: another open file holds it; None: this filesystem has no flock (some
+    network and FUSE mounts), where the heartbeat alone decides."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False
+    except OSError as error:
+        if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return None
+        raise
 
 
 def owner_gone(path: Path, stale_after_s: float = STALE_AFTER_S) -> bool:
@@ -121,7 +129,9 @@ def owner_gone(path: Path, stale_after_s: float = STALE_AFTER_S) -> bool:
     try:
         owner = read_owner(path)
         if owner is not None and owner.on_this_machine():
-            return _try_flock(fd)  # taking it shows nobody holds it; closing the fd below lets it go
+            taken = _try_flock(fd)  # taking it shows nobody holds it; closing the fd below lets it go
+            if taken is not None:
+                return taken
         age = _filesystem_now(path.parent) - os.fstat(fd).st_mtime
         return age > stale_after_s
     finally:
@@ -160,7 +170,7 @@ class OwnerLock:
                 if self._take_over(owner, refusal):
                     break
                 continue
-            if _try_flock(fd):
+            if _try_flock(fd) is not False:
                 self._own(fd, owner)
                 break
             os.close(fd)  # a taker found it empty and holds it now: look again
@@ -186,7 +196,7 @@ class OwnerLock:
                 f"{self.path.parent} is in use by another live run ({found.describe()}; lock file "
                 f"{self.path}). {refusal}"
             )
-        if not _try_flock(fd):
+        if _try_flock(fd) is False:
             os.close(fd)
             raise DirectoryInUseError(f"{self.path.parent} is being taken over by another run. {refusal}")
         if read_owner(self.path) != found:  # another taker won meanwhile

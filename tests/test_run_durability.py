@@ -88,6 +88,26 @@ def test_a_lock_from_another_machine_counts_until_its_heartbeat_stops(tmp_path):
     assert boot_id(), "Linux says which boot this is"
 
 
+def test_without_flock_the_heartbeat_decides(tmp_path, monkeypatch):
+    """Some network and FUSE mounts have no flock: a lock is then live while its heartbeat is."""
+    import fcntl
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    first = OwnerLock(tmp_path, RUN_LOCK_FILE, stale_after_s=60)
+    first.acquire()
+    with pytest.raises(DirectoryInUseError, match=f"pid {os.getpid()}"):
+        OwnerLock(tmp_path, RUN_LOCK_FILE, stale_after_s=60).acquire()
+    first.abandon()  # dead, its heartbeat stopped
+    os.utime(first.path, (time.time() - 600, time.time() - 600))
+    second = OwnerLock(tmp_path, RUN_LOCK_FILE, stale_after_s=60)
+    second.acquire()
+    assert second.held()
+    second.release()
+
+
 def test_the_heartbeat_refreshes_the_lock_and_notices_a_takeover(tmp_path):
     lock = OwnerLock(tmp_path, RUN_LOCK_FILE, heartbeat_s=0.05)
     lock.acquire()
