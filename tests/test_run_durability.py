@@ -308,6 +308,9 @@ def test_the_report_reads_a_file_that_a_resume_appended_to_without_repair(tmp_pa
     (tmp_path / "config.json").write_text("")  # emptied by a power loss
     history = load_run(tmp_path)
     assert history.series("reward") == ([1, 2, 3], [0.5, 0.7, 0.8]) and history.config == {}
+    (tmp_path / "metrics.jsonl").unlink()  # a run that crashed before its first logging window
+    with pytest.raises(FileNotFoundError, match="logged no step yet"):
+        load_run(tmp_path)
 
 
 # -- bounded run files ---------------------------------------------------------------------------------------
