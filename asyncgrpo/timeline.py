@@ -15,6 +15,7 @@ matter less than a shared origin.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -23,19 +24,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+logger = logging.getLogger(__name__)
+
 # Steps kept whole: the first ones (start-up: spawning the worker, first requests, compilation, the
-# first syncs), every Kth (the middle of a long run, sampled), and the last ones (where the run ended,
-# or crashed). A run of 10,000 steps keeps 10 + 200 + 10 of them.
+# first syncs), a fixed number spread over the middle of the run (every Kth step, K doubling whenever
+# they would be more: a run of any length is sampled evenly), and the last ones (where the run ended,
+# or crashed). Whatever the run's length, the file holds at most 1 + 10 + 64 + 10 steps.
 FIRST_STEPS_KEPT = 10
-EVERY_KTH_STEP_KEPT = 50
+EVERY_KTH_STEP_KEPT = 50  # K at the start
+SAMPLED_STEPS_KEPT = 64
 LAST_STEPS_KEPT = 10
 # Events kept per step, whatever the step holds. A step records a few events per micro-batch and one
-# per rollout and per scored group, so this covers hundreds of rollouts a step; the file stays under
-# about (10 + 200 + 10) steps x 1000 events x 150 bytes = 33 MB in the worst case. Events beyond it
+# per rollout and per scored group, so this covers hundreds of rollouts a step. Events beyond it
 # are counted, not kept.
 MAX_EVENTS_PER_STEP = 1000
-# The trainer rewrites the file at most this often (and at the end), so a run that crashes still has
-# a timeline of all but its last seconds.
+# The file's hard bound: steps that would take it past this many bytes are left out whole (the
+# middle's sampled steps first) and counted (`otherData.steps_over_size_cap`).
+MAX_FILE_BYTES = 32 * 2**20
+# The trainer rewrites the file at most this often (and at the end), in a thread of its own, so a run
+# that crashes still has a timeline of all but its last seconds and the training loop never waits for
+# the write.
 WRITE_INTERVAL_S = 30.0
 # Counter samples (CPU use: asyncgrpo/cpu_use.py) kept per step, apart from the events so that they
 # never crowd out a step's phases: at four ticks a second and seven samples a tick (three processes,
@@ -181,26 +189,32 @@ class Lanes:
 
 
 class StepSelection:
-    """Which finished steps' events are kept: the first `first`, every `every`-th, and the newest
-    `last - 1` of the others (a ring buffer), so that with the step still running the last `last`
-    steps are always there. Step 0 (start-up) is always kept."""
+    """Which finished steps' events are kept: the first `first`, at most `sampled` of the others
+    spread over the run (every `every`-th; when they would be more, `every` doubles and the steps
+    off the new stride go), and the newest `last - 1` of the rest (a ring buffer), so that with the
+    step still running the last `last` steps are always there. Step 0 (start-up) is always kept."""
 
-    def __init__(self, first: int, every: int, last: int):
-        self.first, self.every = first, every
-        self.kept: dict[int, list[dict]] = {}
+    def __init__(self, first: int, every: int, last: int, sampled: int = SAMPLED_STEPS_KEPT):
+        self.first, self.every, self.sampled_limit = first, every, sampled
+        self.kept: dict[int, list[dict]] = {}  # start-up and the first steps
+        self.sampled: dict[int, list[dict]] = {}
         self.recent: deque[tuple[int, list[dict]]] = deque(maxlen=max(0, last - 1))
 
-    def keeps_for_good(self, step: int) -> bool:
-        return step <= self.first or (self.every > 0 and step % self.every == 0)
-
     def close(self, step: int, events: list[dict]) -> None:
-        if self.keeps_for_good(step):
+        if step <= self.first:
             self.kept[step] = events
+        elif self.every > 0 and self.sampled_limit > 0 and step % self.every == 0:
+            self.sampled[step] = events
+            while len(self.sampled) > self.sampled_limit:
+                self.every *= 2
+                self.sampled = {kept: e for kept, e in self.sampled.items() if kept % self.every == 0}
         else:
             self.recent.append((step, events))
 
     def steps(self) -> list[tuple[int, list[dict]]]:
-        return sorted([*self.kept.items(), *self.recent])
+        """Every kept step, the first and the newest before the sampled middle (the order the file
+        keeps them in when it must leave steps out)."""
+        return [*sorted(self.kept.items()), *self.recent, *sorted(self.sampled.items(), reverse=True)]
 
 
 class TimelineRecorder(EventSink):
@@ -218,9 +232,13 @@ class TimelineRecorder(EventSink):
         max_events_per_step: int = MAX_EVENTS_PER_STEP,
         max_counters_per_step: int = MAX_COUNTERS_PER_STEP,
         write_interval_s: float = WRITE_INTERVAL_S,
+        sampled_steps: int = SAMPLED_STEPS_KEPT,
+        max_file_bytes: int = MAX_FILE_BYTES,
     ):
         self.path = Path(path)
-        self.selection = StepSelection(first_steps, every_kth_step, last_steps)
+        self.selection = StepSelection(first_steps, every_kth_step, last_steps, sampled_steps)
+        self.max_file_bytes = max_file_bytes
+        self._writer: threading.Thread | None = None
         self.max_events_per_step = max_events_per_step
         self.max_counters_per_step = max_counters_per_step
         self.write_interval_s = write_interval_s
@@ -266,71 +284,103 @@ class TimelineRecorder(EventSink):
             self.step, self.current, self.events, self.counters = step, [], 0, 0
 
     def trace(self) -> dict:
-        """The Chrome trace: metadata naming processes and lanes, then the kept events."""
+        """The Chrome trace as the file holds it (see `write`)."""
+        return json.loads("".join(self._render()))
+
+    def _render(self) -> Iterator[str]:
+        """The file's text, piece by piece: metadata naming processes and lanes, then the kept steps'
+        events, each step whole or left out at MAX_FILE_BYTES. One event per piece: a write from
+        another thread lets the training thread run between pieces."""
         with _sink_lock:
             steps = [*self.selection.steps(), (self.step, list(self.current))]
+            dropped, counters_dropped = self.dropped, self.counters_dropped
         pids = process_ids({item["process"] for _, step_events in steps for item in step_events})
         lanes: dict[tuple[str, str], int] = {}
-        events = []
         for _, step_events in steps:
             for item in step_events:
-                if item.get("ph") == "C":  # a counter: a process's, on no lane
-                    events.append(
-                        {
-                            "name": item["name"],
-                            "ph": "C",
-                            "ts": item["ts"],
-                            "pid": pids[item["process"]],
-                            "tid": 0,
-                            "args": item["args"],
-                        }
-                    )
-                    continue
-                key = (item["process"], item["lane"])
-                tid = lanes.setdefault(key, len(lanes) + 1)
-                events.append(
-                    {
-                        "name": item["name"],
-                        "ph": "X",
-                        "ts": item["ts"],
-                        "dur": item["dur"],
-                        "pid": pids[item["process"]],
-                        "tid": tid,
-                        "args": item["args"],
-                    }
-                )
+                if item.get("ph") != "C":
+                    lanes.setdefault((item["process"], item["lane"]), len(lanes) + 1)
         metadata = [
             {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
             for name, pid in pids.items()
         ] + [
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "pid": pids[process],
-                "tid": tid,
-                "args": {"name": lane},
-            }
+            {"name": "thread_name", "ph": "M", "pid": pids[process], "tid": tid, "args": {"name": lane}}
             for (process, lane), tid in lanes.items()
         ]
-        return {
-            "traceEvents": metadata + events,
-            "displayTimeUnit": "ms",
-            "otherData": {
-                "steps_kept": [step for step, _ in steps],
-                "events_dropped": self.dropped,
-                "counters_dropped": self.counters_dropped,
-                "cpu_cores": self.cores,
-                "clock": "wall clock, microseconds since the Unix epoch",
-            },
+        pieces = [json.dumps(item) for item in metadata]
+        yield '{"traceEvents": [' + ", ".join(pieces)
+        written, kept, left_out = sum(map(len, pieces)), [], 0
+        separator = ", " if pieces else ""
+        for step, step_events in steps:
+            encoded = [json.dumps(_chrome_event(item, pids, lanes)) for item in step_events]
+            size = sum(len(piece) + 2 for piece in encoded)
+            if written + size > self.max_file_bytes:
+                left_out += 1
+                continue
+            written += size
+            kept.append(step)
+            for piece in encoded:
+                yield separator + piece
+                separator = ", "
+        other = {
+            "steps_kept": sorted(kept),
+            "events_dropped": dropped,
+            "counters_dropped": counters_dropped,
+            "steps_over_size_cap": left_out,
+            "cpu_cores": self.cores,
+            "clock": "wall clock, microseconds since the Unix epoch",
         }
+        yield f'], "displayTimeUnit": "ms", "otherData": {json.dumps(other)}}}'
 
     def write(self) -> None:
-        """The whole file, atomically: a reader never sees half of it."""
+        """The whole file, atomically: a reader never sees half of it. Waits for a write in flight."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        self._write()
+
+    def _write(self) -> None:
         staging = self.path.with_name(f".{self.path.name}.partial")
-        staging.write_text(json.dumps(self.trace()), encoding="utf-8")
+        with open(staging, "w", encoding="utf-8") as file:
+            for piece in self._render():
+                file.write(piece)
         os.replace(staging, self.path)
-        self._last_write = time.monotonic()
+
+    def _write_in_background(self) -> None:
+        try:
+            self._write()
+        except OSError as error:  # a full disk must not stop training; the next write tries again
+            logger.warning("could not write %s: %s", self.path, error)
 
     def write_if_due(self) -> None:
-        if time.monotonic() - self._last_write >= self.write_interval_s:
-            self.write()
+        """Start a write in a thread of its own when one is due and none is in flight."""
+        if time.monotonic() - self._last_write < self.write_interval_s:
+            return
+        if self._writer is not None and self._writer.is_alive():
+            return
+        self._last_write = time.monotonic()
+        self._writer = threading.Thread(target=self._write_in_background, name="timeline-writer", daemon=True)
+        self._writer.start()
+
+
+def _chrome_event(item: dict, pids: dict[str, int], lanes: dict[tuple[str, str], int]) -> dict:
+    """A recorded event with the file's numbering: a counter ('C', a process's, on no lane) or a
+    complete event on its lane."""
+    if item.get("ph") == "C":
+        return {
+            "name": item["name"],
+            "ph": "C",
+            "ts": item["ts"],
+            "pid": pids[item["process"]],
+            "tid": 0,
+            "args": item["args"],
+        }
+    return {
+        "name": item["name"],
+        "ph": "X",
+        "ts": item["ts"],
+        "dur": item["dur"],
+        "pid": pids[item["process"]],
+        "tid": lanes[(item["process"], item["lane"])],
+        "args": item["args"],
+    }

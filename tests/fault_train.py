@@ -2,7 +2,8 @@
 
 argv: server URL, model dir, output dir, max_steps, mode. A checkpoint every step. The run writes
 `<output_dir>/at-step-<N>` when step N ends; mode `hold-at-2` then blocks in step 3's wait for
-samples (training, worker and all alive), mode `slow-save-at-3` blocks while checkpoint 3 is being
+samples (training, worker and all alive), mode `wait-at-2` blocks there until `<output_dir>/release`
+exists and then trains on to the end, mode `slow-save-at-3` blocks while checkpoint 3 is being
 written (after its model and optimizer files), so the test can kill it there.
 """
 
@@ -34,6 +35,9 @@ class MarkSteps(TrainerCallback):
         if self.mode == "hold-at-2" and state.global_step == 2:
             while True:  # alive and holding everything it started, as a long step would
                 time.sleep(1)
+        if self.mode == "wait-at-2" and state.global_step == 2:
+            while not (self.output_dir / "release").exists():
+                time.sleep(0.2)
 
 
 def main() -> None:

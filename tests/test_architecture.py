@@ -24,6 +24,8 @@ LAYERS: list[set[str]] = [
         "off_policy",
         "routing_replay",
         "timeline",
+        "run_lock",
+        "durable_files",
     },
     {"config", "peft_adapters", "loss", "kernels", "packing", "generation", "cpu_use", "run_files"},
     {"logprobs"},

@@ -3,6 +3,7 @@ real vLLM server the schedule, the weights each evaluation samples, evaluate() a
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 from pathlib import Path
@@ -329,6 +330,29 @@ def test_evaluate_alone_gives_hand_counted_pass_at_k_per_named_dataset(vllm_serv
     assert trainer.state.log_history[-1]["eval_counted_reward"] == pytest.approx(7 / 16)
     only = trainer.evaluate(eval_dataset=counted, metric_key_prefix="test")
     assert only["test_pass@4"] == pytest.approx(3 / 4)
+
+
+def judge_down_for_one_prompt(completions, passes, **kwargs):
+    if passes[0] < 0:
+        raise ConnectionError("the judge answered 503 Service Unavailable")
+    return listed_passes(completions, passes)
+
+
+@pytest.mark.vllm
+def test_an_eval_prompt_whose_reward_raised_is_left_unscored(vllm_server, tiny_model_dir, tmp_path, caplog):
+    args = make_config(vllm_server, tmp_path, num_generations_eval=4, max_completion_length=4)
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir),
+        judge_down_for_one_prompt,
+        args,
+        train_dataset=rows(4, "train", passes=[0] * 4),
+        eval_dataset=rows(4, "eval", passes=[-1, 1, 2, 4]),
+    )
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.rollout.reward_errors"):
+        figures = trainer.evaluate()
+    assert figures["eval_reward"] == pytest.approx((1 + 2 + 4) / 12), "the failed prompt left out"
+    assert figures["eval_pass@4"] == pytest.approx(3 / 4), "an unscored prompt does not pass"
+    assert "reward function 'judge_down_for_one_prompt' raised (eval dataset row 0)" in caplog.text
 
 
 @pytest.mark.vllm

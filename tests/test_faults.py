@@ -5,10 +5,15 @@ The table of faults and behaviours is in docs/reliability.md."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import itertools
+import json
 import math
 import multiprocessing
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,10 +43,13 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
+import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
 from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo.cli.main import main as cli_main  # noqa: E402
 from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
 from asyncgrpo.rollout.prompts import epoch_order  # noqa: E402
 from asyncgrpo.rollout.worker import RolloutWorkerError  # noqa: E402
+from asyncgrpo.run_lock import DirectoryInUseError  # noqa: E402
 from asyncgrpo.trainer.held_samples import load_held_samples  # noqa: E402
 from asyncgrpo.trainer.intake import SampleIntake  # noqa: E402
 
@@ -105,6 +113,43 @@ def test_an_inf_reward_is_an_error_and_the_served_weights_stay_finite(vllm_serve
         trainer.train()
     assert np.all(np.isfinite(server_logprobs(vllm_server.url)))
     assert server_greedy(vllm_server.url) == hf_greedy(trainer.model.eval())
+
+
+_JUDGE_CALLS = itertools.count()  # per process: the rollout worker's own count
+
+
+def flaky_judge(completions, completion_ids, **kwargs):
+    """A remote judge that answers 503 on two calls in 25 (8%), the rest scored."""
+    if next(_JUDGE_CALLS) % 25 in (1, 3):
+        raise ConnectionError("the judge answered 503 Service Unavailable")
+    return token_parity_reward(completion_ids)
+
+
+def broken_judge(completions, **kwargs):
+    raise ValueError("the judge's API key was revoked")
+
+
+def test_a_reward_that_fails_now_and_then_costs_its_groups_not_the_run(vllm_server, tiny_model_dir, tmp_path):
+    args = make_config(vllm_server, tmp_path, max_steps=4)
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), flaky_judge, args, train_dataset=prompts())
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert history_sum(trainer, "rollout/reward_failed_groups") >= 2, "both failed groups counted"
+    warnings = (tmp_path / "warnings.log").read_text()
+    assert warnings.count("reward function 'flaky_judge' raised") == 1, "the same error is logged once"
+    assert "ConnectionError: the judge answered 503 Service Unavailable" in warnings, "with its traceback"
+
+
+def test_a_reward_that_always_fails_stops_the_run_naming_it(vllm_server, tiny_model_dir, tmp_path):
+    args = make_config(vllm_server, tmp_path, max_steps=3, reward_error_window=4)  # tolerance 0.5: 3 of 4
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), broken_judge, args, train_dataset=prompts())
+    with pytest.raises(RolloutWorkerError) as stopped:
+        trainer.train()
+    message = str(stopped.value)
+    assert "reward function 'broken_judge' raised on 3 of the last 3 groups" in message
+    assert "reward_error_tolerance=0.5 of reward_error_window=4" in message
+    assert "ValueError: the judge's API key was revoked" in message, "its last traceback"
+    assert trainer.state.global_step == 0
 
 
 def poisoned_row_loss(poison_step):
@@ -357,6 +402,82 @@ def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(vllm_serv
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 4
     assert (output / "checkpoint-4").is_dir() and not (output / ".checkpoint-3.partial").exists()
+
+
+def test_a_second_run_in_a_live_runs_directory_is_refused_and_the_first_finishes(
+    vllm_server, tiny_model_dir, tmp_path
+):
+    output = tmp_path / "run"
+    output.mkdir()
+    # Made before the first run starts: construction finds the directory free, train() must not.
+    early = AsyncGRPOTrainer(
+        str(tiny_model_dir),
+        token_parity_reward,
+        make_config(vllm_server, output, max_steps=2),
+        train_dataset=prompts(),
+    )
+    process = _start_fault_run(vllm_server, tiny_model_dir, output, 4, "wait-at-2")
+    try:
+        _wait_for(output / "at-step-2", process, seconds=900)
+        config = (output / "config.json").read_text()
+        live = f"pid {process.pid} on host {socket.gethostname()}"
+        with pytest.raises(
+            DirectoryInUseError, match=re.escape(f"{output} is in use by another live run ({live}")
+        ):
+            AsyncGRPOTrainer(
+                str(tiny_model_dir),
+                token_parity_reward,
+                make_config(vllm_server, output),
+                train_dataset=prompts(),
+            )
+        with pytest.raises(DirectoryInUseError, match=live):
+            early.train()
+        assert (output / "config.json").read_text() == config, "the live run's config.json is its own"
+        assert list((output / ".vllm_weights").iterdir()), "the live run's weight files are there"
+        (output / "release").touch()
+        assert process.wait(900) == 0, "the first run trained to its end"
+    finally:
+        for pid in _session_processes(process.pid):
+            os.kill(pid, signal.SIGKILL)
+    assert get_last_checkpoint(str(output)) == str(output / "checkpoint-4")
+
+
+def test_a_full_disk_at_a_save_then_a_resume_after_a_cut_record_leave_a_readable_run(
+    vllm_server, tiny_model_dir, tmp_path, monkeypatch
+):
+    options = dict(max_steps=4, save_strategy="steps", save_steps=1, save_total_limit=2)
+    write_held_samples = checkpoint_module.save_held_samples
+
+    def disk_full_at_step_3(samples, directory):
+        if Path(directory).name == ".checkpoint-3.partial":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_held_samples(samples, directory)
+
+    monkeypatch.setattr(checkpoint_module, "save_held_samples", disk_full_at_step_3)
+    first = AsyncGRPOTrainer(
+        str(tiny_model_dir),
+        token_parity_reward,
+        make_config(vllm_server, tmp_path, **options),
+        train_dataset=prompts(),
+    )
+    with pytest.raises(OSError, match="No space left on device"):
+        first.train()
+    monkeypatch.undo()
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert not (tmp_path / ".checkpoint-3.partial").exists(), "the failed save gave its space back"
+    with open(tmp_path / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 3, "reward": 0.2')  # what a run killed mid-write leaves
+    resumed = AsyncGRPOTrainer(
+        str(tiny_model_dir),
+        token_parity_reward,
+        make_config(vllm_server, tmp_path, **options),
+        train_dataset=prompts(),
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4 and (tmp_path / "checkpoint-4").is_dir()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert all(isinstance(json.loads(line), dict) for line in lines), "every line is a whole record"
+    assert cli_main(["report", str(tmp_path)]) == 0 and (tmp_path / "report.html").exists()
 
 
 # -- the server side ------------------------------------------------------------------------------------

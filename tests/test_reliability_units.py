@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import signal
@@ -25,18 +26,27 @@ from asyncgrpo.generation.client import auth_headers, parse_policy_label, policy
 from asyncgrpo.generation.server_info import check_logprobs_mode, parse_server_info  # noqa: E402
 from asyncgrpo.rollout.activity import ActivityBoard  # noqa: E402
 from asyncgrpo.rollout.concurrency import RolloutSlots  # noqa: E402
+from asyncgrpo.rollout.reward_errors import RewardCallFailure, RewardErrorBudget  # noqa: E402
 from asyncgrpo.rollout.scoring import RewardFunctionError, call_reward_functions  # noqa: E402
 from asyncgrpo.sample import Sample  # noqa: E402
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples  # noqa: E402
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState  # noqa: E402
 
 
-def call(functions, timeout_s=math.inf):
+def call(functions, timeout_s=math.inf, catch_errors=False):
     executor = ThreadPoolExecutor(2)
     try:
         return asyncio.run(
             call_reward_functions(
-                functions, executor, [[]] * 2, [[]] * 2, [[1], [2]], {}, timeout_s, " (dataset row 7)"
+                functions,
+                executor,
+                [[]] * 2,
+                [[]] * 2,
+                [[1], [2]],
+                {},
+                timeout_s,
+                " (dataset row 7)",
+                catch_errors,
             )
         )
     finally:
@@ -73,6 +83,60 @@ def test_non_finite_rewards_are_errors_naming_the_function_and_the_value(value):
 
     with pytest.raises(RewardFunctionError, match=r"reward function 'judge' returned (inf|-inf|nan)"):
         call([judge])
+
+
+def judge_503(completions, **kwargs):
+    raise ConnectionError("503 from the judge at 12:00:01 (request 7f3a)")
+
+
+async def async_judge_503(completions, **kwargs):
+    raise ConnectionError("503 from the judge at 12:00:02 (request 9b1c)")
+
+
+def fine(completions, **kwargs):
+    return [0.0, 1.0]
+
+
+@pytest.mark.parametrize("function", [judge_503, async_judge_503])
+def test_a_raising_reward_comes_back_as_a_failure_when_caught_and_raises_otherwise(function):
+    failure, rewards = call([function, fine], catch_errors=True)
+    assert isinstance(failure, RewardCallFailure) and rewards == [0.0, 1.0]
+    assert (
+        failure.function == function.__name__ and "ConnectionError: 503 from the judge" in failure.traceback
+    )
+    with pytest.raises(ConnectionError, match="503"):  # reward_error_tolerance=0: TRL's behaviour
+        call([function, fine])
+    with pytest.raises(RewardFunctionError, match="did not return within"):  # a deadline is never caught
+        call([slow], timeout_s=0.3, catch_errors=True)
+
+
+def test_the_error_budget_drops_groups_logs_each_error_once_and_stops_a_broken_function(caplog):
+    budget = RewardErrorBudget(tolerance=0.5, window=4)
+    assert budget.catches and not RewardErrorBudget(0.0, 4).catches
+    failures = [call([judge_503], catch_errors=True)[0], call([async_judge_503], catch_errors=True)[0]]
+    failures[1].function = "judge_503"  # the same error, another time and request id
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.rollout.reward_errors"):
+        assert budget.group_failed([failures[0]], " (dataset row 1)")
+        assert not budget.group_failed([[1.0, 0.0]], " (dataset row 2)")
+        assert budget.group_failed([failures[1]], " (dataset row 3)")
+    assert caplog.text.count("reward function 'judge_503' raised") == 1, "one log per distinct error"
+    # 2 of 3 failed: not more than 0.5 of the window (4) yet.
+    with pytest.raises(RewardFunctionError) as stopped:
+        budget.group_failed([failures[0]], " (dataset row 4)")  # 3 of the last 4
+    assert "'judge_503' raised on 3 of the last 4 groups scored (dataset row 4)" in str(stopped.value)
+    assert "ConnectionError: 503 from the judge" in str(stopped.value), "its last traceback"
+
+
+def test_the_reward_error_settings_are_checked():
+    from asyncgrpo import AsyncGRPOConfig
+
+    for bad in (
+        dict(reward_error_tolerance=1.0),
+        dict(reward_error_tolerance=-0.1),
+        dict(reward_error_window=0),
+    ):
+        with pytest.raises(ValueError, match="reward_error_"):
+            AsyncGRPOConfig(output_dir="unused", **bad)
 
 
 def test_none_stays_not_scored():

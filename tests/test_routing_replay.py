@@ -33,7 +33,7 @@ from asyncgrpo.models import load_model  # noqa: E402
 from asyncgrpo.packing.tree_attention import enable_tree_attention  # noqa: E402
 from asyncgrpo.packing.trie import pack_row  # noqa: E402
 from asyncgrpo.rollout.sampler import PolicySampler, RoutingNotReturnedError  # noqa: E402
-from asyncgrpo.rollout.scheduler import training_samples  # noqa: E402
+from asyncgrpo.rollout.scoring import training_samples  # noqa: E402
 from asyncgrpo.rollout.sequences import build_training_sequences  # noqa: E402
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TurnRecord  # noqa: E402
 from asyncgrpo.routing_replay import moe_routers, replay_routing, replayed_routing  # noqa: E402

@@ -60,7 +60,7 @@ def test_a_dead_runs_directory_is_removed_and_a_live_ones_kept(tmp_path):
     live, live_lock = owned_directory(tmp_path)
     dead, dead_lock = owned_directory(tmp_path)
     assert live.name.startswith(DIRECTORY_PREFIX) and (live / OWNER_LOCK).exists()
-    dead_lock.close()  # what the kernel does when its process dies
+    dead_lock.abandon()  # what the kernel does when its process dies: the flock goes, the file stays
     stray = tmp_path / f"{DIRECTORY_PREFIX}no-lock"  # an owner part-way through removing it
     stray.mkdir()
     assert remove_orphans(tmp_path) == [dead]
@@ -68,7 +68,7 @@ def test_a_dead_runs_directory_is_removed_and_a_live_ones_kept(tmp_path):
     # A second open of the lock file is another open file description: it cannot take a held lock.
     with open(live / OWNER_LOCK) as other, pytest.raises(BlockingIOError):
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    live_lock.close()
+    live_lock.release()
 
 
 class ReloadRecorder:

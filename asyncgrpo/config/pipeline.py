@@ -73,6 +73,26 @@ class PipelineFields:
             "for tools that call remote services."
         },
     )
+    reward_error_tolerance: float = field(
+        default=0.5,
+        metadata={
+            "help": "Fraction of the last reward_error_window groups whose scoring may fail (a reward "
+            "function raised) before the run stops, naming the function and its last traceback. A group "
+            "whose scoring failed is dropped and counted (rollout/reward_failed_groups), each distinct "
+            "error logged once: a judge that fails now and then, or is down for a short while, costs its "
+            "groups, not a run of days. 0.5: a broken function (failing every call) still stops the run "
+            "within about half a window. 0: TRL's behaviour, the first exception ends the run."
+        },
+    )
+    reward_error_window: int = field(
+        default=200,
+        metadata={
+            "help": "How many of the most recent scored groups (num_generations rollouts each) "
+            "reward_error_tolerance is counted over. 200: long enough that a burst of failures is not "
+            "mistaken for a broken function, short enough that a broken one stops the run within a few "
+            "steps' worth of rollouts."
+        },
+    )
     weight_sync_backend: str = field(
         default="auto",
         metadata={
@@ -100,5 +120,12 @@ class PipelineFields:
             fail(f"reward_timeout={self.reward_timeout} must be > 0 (seconds one reward call may take)")
         if self.tool_timeout <= 0:
             fail(f"tool_timeout={self.tool_timeout} must be > 0 (seconds one tool call may take)")
+        if not 0 <= self.reward_error_tolerance < 1:
+            fail(
+                f"reward_error_tolerance={self.reward_error_tolerance} must be in [0, 1): the fraction of "
+                "recent groups whose reward functions may raise (0: the first exception ends the run)"
+            )
+        if self.reward_error_window < 1:
+            fail(f"reward_error_window={self.reward_error_window} must be >= 1 (scored groups)")
         if self.weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
             fail(f"weight_sync_backend={self.weight_sync_backend!r} must be one of {WEIGHT_SYNC_BACKENDS}")

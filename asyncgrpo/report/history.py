@@ -73,21 +73,49 @@ def load_run(run_dir: str | Path) -> History:
     run_dir = Path(run_dir)
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.exists():
+        if (run_dir / CONFIG_FILE).exists():  # a run that stopped (or crashed) before its first window
+            raise FileNotFoundError(
+                f"{run_dir} holds a run that logged no step yet (no {METRICS_FILE}): it stopped before its "
+                "first logging window, or is still starting"
+            )
         raise FileNotFoundError(
             f"{metrics_path} does not exist: give the output_dir of a run trained with asyncgrpo (it writes "
             f"{METRICS_FILE} there from the first logged step)"
         )
-    lines = metrics_path.read_text(encoding="utf-8").splitlines()
+    lines = metrics_path.read_text(encoding="utf-8", errors="replace").splitlines()
     records = []
     for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
         try:
-            records.append(json.loads(line))
+            record = _record_of(line)
         except json.JSONDecodeError as error:
             if number == len(lines):
                 break  # a run killed mid-write leaves a partial last line
             raise ValueError(f"{metrics_path}:{number} is not JSON: {error}") from error
+        if record is not None:
+            records.append(record)
     config_path = run_dir / CONFIG_FILE
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    try:
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    except ValueError:  # emptied by a power loss before it was flushed: the metrics still read
+        config = {}
     return History.from_records(records, config)
+
+
+def _record_of(line: str) -> dict | None:
+    """A line's record (None for a blank line, or zeros a power loss left). A crash can also leave a
+    cut record, and runs that resumed without repairing the file first appended their first record to
+    it on the same line: that record is kept, the cut one dropped. Anything else raises."""
+    line = line.strip().strip("\0")
+    if not line:
+        return None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        glued = line.rfind(_RECORD_START)
+        if glued <= 0:
+            raise
+        return _record_of(line[glued:])
+
+
+# Every record metrics.jsonl holds begins so (trainer/run_directory.py writes `step` first).
+_RECORD_START = '{"step": '

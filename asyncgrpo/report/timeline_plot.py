@@ -18,11 +18,14 @@ TRAINER_DEPTHS = (1, 2)
 
 
 def load_timeline(run_dir: Path) -> dict | None:
-    """The run's trace, or None for a run without one (recorded before timelines existed)."""
+    """The run's trace, or None for a run without a readable one (recorded before timelines existed,
+    or a file a power loss emptied before it reached the disk)."""
     path = Path(run_dir) / TIMELINE_FILE
-    if not path.exists():
+    try:
+        trace = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    return trace if isinstance(trace, dict) and "traceEvents" in trace else None
 
 
 def steps_to_draw(trace: dict, count: int = STEPS_DRAWN) -> list[int]:

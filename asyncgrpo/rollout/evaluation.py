@@ -20,6 +20,7 @@ from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.rollout.environments import EnvironmentPool
 from asyncgrpo.rollout.eval_metrics import PromptOutcome
 from asyncgrpo.rollout.prompts import CURRENT_ROW
+from asyncgrpo.rollout.reward_errors import RewardErrorBudget
 from asyncgrpo.rollout.sampler import PolicySampler
 from asyncgrpo.rollout.scoring import (
     call_reward_functions,
@@ -67,6 +68,11 @@ class EvalRunner:
         self._reward_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="eval-reward")
         self.environments: EnvironmentPool | None = None
         self.sampler: EvalSampler | None = None
+        # A reward function that raises on an eval prompt leaves that prompt unscored by it, under the
+        # training's policy (rollout/reward_errors.py), counted over the eval prompts.
+        self._reward_errors = RewardErrorBudget(
+            self.config.reward_error_tolerance, self.config.reward_error_window
+        )
 
     async def open(self) -> None:
         loop = self.loop
@@ -119,7 +125,10 @@ class EvalRunner:
             columns,
             timeout_s=self.config.reward_timeout,
             where=f" (eval dataset row {index})",
+            catch_errors=self._reward_errors.catches,
         )
+        if self._reward_errors.group_failed(per_function, f" (eval dataset row {index})"):
+            per_function = [[None] * size for _ in per_function]
         env_names, env_sources, rollout_rewards = checked_extra_sources(
             [env_reward for *_, env_reward in results], [rollout.reward for rollout in rollouts]
         )

@@ -29,6 +29,7 @@ from asyncgrpo.rollout.environments import EnvironmentPool
 from asyncgrpo.rollout.idle_clock import IdleClock
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompts import CURRENT_ROW, PromptItem, PromptOrder, prompt_stream
+from asyncgrpo.rollout.reward_errors import RewardErrorBudget
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
 from asyncgrpo.rollout.sampler import PolicySampler, ServerLostWeightsError, wants_candidate_sets
 from asyncgrpo.rollout.scoring import (
@@ -37,12 +38,12 @@ from asyncgrpo.rollout.scoring import (
     is_degenerate_group,
     reward_function_name,
     sum_rewards,
+    training_samples,
 )
 from asyncgrpo.rollout.sequences import build_training_sequences
 from asyncgrpo.rollout.server_share import ServerShare, initial_servers
 from asyncgrpo.rollout.types import Rollout, RolloutGroup
 from asyncgrpo.rollout.worker_shares import owns_stream_index, share_of_range
-from asyncgrpo.sample import Sample
 
 if TYPE_CHECKING:
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
@@ -87,6 +88,9 @@ class RolloutScheduler:
         self.skip_stream_indices = args.skip_stream_indices
         self.environments: EnvironmentPool | None = None  # made in _main, with the tool thread pool
         self._rewrites = RewriteDetector()
+        self._reward_errors = RewardErrorBudget(
+            self.config.reward_error_tolerance, self.config.reward_error_window
+        )
         self._tasks: set[asyncio.Task] = set()
         # The worker's side of the run's timeline, sent to the trainer with each metrics flush.
         self._timeline = timeline.EventBuffer()
@@ -430,6 +434,7 @@ class RolloutScheduler:
             self.loop.metrics.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
             started = time.monotonic()
             started_us = timeline.now_us()
+            where = f" (dataset row {group.row_index})"
             per_function = await call_reward_functions(
                 reward_funcs,
                 self._reward_executor,
@@ -438,29 +443,15 @@ class RolloutScheduler:
                 group.completions_ids,
                 group.reward_kwargs,
                 timeout_s=self.config.reward_timeout,
-                where=f" (dataset row {group.row_index})",
+                where=where,
+                catch_errors=self._reward_errors.catches,
             )
-            env_names, env_sources, rollout_rewards = checked_extra_sources(
-                group.env_rewards, group.rollout_rewards
-            )
-            group.rewards = sum_rewards([*per_function, *env_sources, rollout_rewards], len(group.prompts))
-            advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
-            if advantages.shape != (len(group.prompts),):
-                raise ValueError(
-                    f"compute_advantages must return one advantage per rollout ({len(group.prompts)}), "
-                    f"got shape {advantages.shape}"
-                )
-            if not np.all(np.isfinite(advantages)):
-                raise ValueError(
-                    "compute_advantages returned a non-finite advantage for dataset row "
-                    f"{group.row_index}: {advantages}"
-                )
-            dropped = is_degenerate_group(group.rewards)
-            samples = [] if dropped else training_samples(group, advantages)
-            names = [reward_function_name(function) for function in reward_funcs] + env_names
-            record_group_metrics(
-                self.loop.metrics, group, [*per_function, *env_sources], names, dropped, len(samples)
-            )
+            if self._reward_errors.group_failed(per_function, where):  # past the tolerance, it raises
+                # A function raised: the group is dropped and counted (rollout/reward_errors.py).
+                group.rewards, samples = np.full(len(group.prompts), np.nan), []
+                self.loop.metrics.record("rollout/reward_failed_groups", 1, Reduce.SUM)
+            else:
+                samples = self._scored_samples(group, per_function, reward_funcs)
             self.loop.metrics.record("rollout/score_s", time.monotonic() - started)
             timeline.interval(
                 "score", started_us, timeline.now_us(), lane=f"scorer {index}", group=group.group_id
@@ -479,6 +470,32 @@ class RolloutScheduler:
                     group.stream_index, group.epoch, group.row_index, group.group_id, samples, top_reward
                 )
             )
+
+    def _scored_samples(self, group: RolloutGroup, per_function: list, reward_funcs: list) -> list:
+        """The group's rewards summed over every source, its advantages and its training samples
+        (none for a group without signal), with its reward metrics recorded."""
+        env_names, env_sources, rollout_rewards = checked_extra_sources(
+            group.env_rewards, group.rollout_rewards
+        )
+        group.rewards = sum_rewards([*per_function, *env_sources, rollout_rewards], len(group.prompts))
+        advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
+        if advantages.shape != (len(group.prompts),):
+            raise ValueError(
+                f"compute_advantages must return one advantage per rollout ({len(group.prompts)}), "
+                f"got shape {advantages.shape}"
+            )
+        if not np.all(np.isfinite(advantages)):
+            raise ValueError(
+                "compute_advantages returned a non-finite advantage for dataset row "
+                f"{group.row_index}: {advantages}"
+            )
+        dropped = is_degenerate_group(group.rewards)
+        samples = [] if dropped else training_samples(group, advantages)
+        names = [reward_function_name(function) for function in reward_funcs] + env_names
+        record_group_metrics(
+            self.loop.metrics, group, [*per_function, *env_sources], names, dropped, len(samples)
+        )
+        return samples
 
     def _put_result(self, result: GroupResult) -> None:
         self.channels.rollout_buffer.put(result)
@@ -525,35 +542,3 @@ class RolloutScheduler:
         events, dropped = self._timeline.take()
         if events or dropped:
             self.channels.timeline_queue.put((events, dropped))
-
-
-def training_samples(group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:
-    """Training samples of a kept group. Unscored rollouts (advantage 0) add no gradient, only
-    forward cost, so they are not queued."""
-    samples = []
-    now = time.time()
-    for index, sequences in enumerate(group.completions_sequences):
-        if np.isnan(group.rewards[index]):
-            continue
-        for sequence in sequences:
-            samples.append(
-                Sample(
-                    token_ids=sequence.token_ids,
-                    trained=sequence.trained,
-                    sampler_logprobs=sequence.sampler_logprobs,
-                    advantage=float(advantages[index]),
-                    group_id=group.group_id,
-                    top_ids=sequence.top_ids,
-                    top_logprobs=sequence.top_logprobs,
-                    candidate_sets=sequence.candidate_sets,
-                    model_version=sequence.model_version,
-                    routed_experts=sequence.routed_experts,
-                    row_index=group.row_index,
-                    stream_index=group.stream_index,
-                    epoch=group.epoch,
-                    reward=float(group.rewards[index]),
-                    rollout_id=group.rollouts[index].rollout_id,
-                    queued_at=now,
-                )
-            )
-    return samples

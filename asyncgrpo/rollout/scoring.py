@@ -15,18 +15,19 @@ import asyncio
 import functools
 import inspect
 import math
+import time
+import traceback
 from concurrent.futures import Executor
 from typing import Any, Callable
 
 import numpy as np
 
 from asyncgrpo.rollout.environments import environment_reward_sources
+from asyncgrpo.rollout.reward_errors import RewardCallFailure, RewardFunctionError
+from asyncgrpo.rollout.types import RolloutGroup
+from asyncgrpo.sample import Sample
 
 ADVANTAGE_EPSILON = 1e-4
-
-
-class RewardFunctionError(RuntimeError):
-    """A reward function broke its contract: too slow, or a value that cannot be trained on."""
 
 
 def reward_function_name(function: Callable) -> str:
@@ -54,11 +55,13 @@ async def call_reward_functions(
     reward_kwargs: dict[str, list[Any]],
     timeout_s: float = math.inf,
     where: str = "",
-) -> list[list[float | None]]:
+    catch_errors: bool = False,
+) -> list[list[float | None] | RewardCallFailure]:
     """Every function's rewards for the group (one list per function), computed concurrently.
     A call that takes longer than `timeout_s` raises RewardFunctionError naming the function and
     `where` (the dataset row); a sync function's thread cannot be stopped, so the caller must not
-    wait for it (the rollout process exits without joining it)."""
+    wait for it (the rollout process exits without joining it). `catch_errors`: an exception the
+    function raises comes back as a RewardCallFailure in its place (rollout/reward_errors.py)."""
     loop = asyncio.get_running_loop()
     kwargs = dict(reward_kwargs, prompts=prompts, completions=completions, completion_ids=completion_ids)
 
@@ -75,6 +78,10 @@ async def call_reward_functions(
                 f"reward_timeout={timeout_s:g} s{where}; it is stuck (a judge that never answers?). Fix it "
                 "or raise reward_timeout."
             ) from None
+        except Exception as error:
+            if not catch_errors:
+                raise
+            return RewardCallFailure(reward_function_name(function), error, traceback.format_exc())
         return _checked_rewards(function, result, len(completions))
 
     return list(await asyncio.gather(*(one(function) for function in functions)))
@@ -158,3 +165,35 @@ def is_degenerate_group(rewards: np.ndarray) -> bool:
     scored rewards are equal: decided on the rewards, whatever the advantages are."""
     scored = rewards[~np.isnan(rewards)]
     return len(scored) < 2 or bool(np.all(scored == scored[0]))
+
+
+def training_samples(group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:
+    """Training samples of a kept group. Unscored rollouts (advantage 0) add no gradient, only
+    forward cost, so they are not queued."""
+    samples = []
+    now = time.time()
+    for index, sequences in enumerate(group.completions_sequences):
+        if np.isnan(group.rewards[index]):
+            continue
+        for sequence in sequences:
+            samples.append(
+                Sample(
+                    token_ids=sequence.token_ids,
+                    trained=sequence.trained,
+                    sampler_logprobs=sequence.sampler_logprobs,
+                    advantage=float(advantages[index]),
+                    group_id=group.group_id,
+                    top_ids=sequence.top_ids,
+                    top_logprobs=sequence.top_logprobs,
+                    candidate_sets=sequence.candidate_sets,
+                    model_version=sequence.model_version,
+                    routed_experts=sequence.routed_experts,
+                    row_index=group.row_index,
+                    stream_index=group.stream_index,
+                    epoch=group.epoch,
+                    reward=float(group.rewards[index]),
+                    rollout_id=group.rollouts[index].rollout_id,
+                    queued_at=now,
+                )
+            )
+    return samples

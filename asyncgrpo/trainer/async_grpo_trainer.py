@@ -214,8 +214,10 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
         """`Trainer.train`, with SIGTERM (`kill`, a scheduler's timeout) unwinding like Ctrl-C: the
-        rollout worker is stopped, the server resumed and the weight files removed either way."""
-        with _sigterm_raises_keyboard_interrupt():
+        rollout worker is stopped, the server resumed and the weight files removed either way. The
+        run holds its output_dir throughout: another live run there is refused before anything is
+        read or written (`resume_from_checkpoint=True` included)."""
+        with _sigterm_raises_keyboard_interrupt(), self._holding_run_directory():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
     def _inner_training_loop(
@@ -277,7 +279,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             self._session.held_samples(),
             PromptOrder.of(self.args),
         )
-        save_checkpoint(self, model, trial, resume, self._processes, self._sharded)
+        save_checkpoint(self, model, trial, resume, self._processes, self._sharded, self._run_lock)
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None):

@@ -9,7 +9,6 @@ trained yet, so a resumed run neither trains a prompt twice nor skips one (docs/
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,9 @@ from transformers.trainer import TRAINER_STATE_NAME as TRAINER_STATE_FILE
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
+from asyncgrpo.durable_files import publish_directory, staging_path
 from asyncgrpo.rollout.prompts import PromptOrder
+from asyncgrpo.run_lock import OwnerLock
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
@@ -60,24 +61,41 @@ class ResumePoint:
 
 
 def save_checkpoint(
-    trainer: Trainer, model, trial, resume: ResumePoint, processes: Processes, sharded: bool
+    trainer: Trainer,
+    model,
+    trial,
+    resume: ResumePoint,
+    processes: Processes,
+    sharded: bool,
+    lock: OwnerLock | None = None,
 ) -> None:
-    """A checkpoint written whole or not at all: every file goes to a hidden staging directory,
-    renamed to `checkpoint-N` once complete, so a run killed while saving leaves nothing that
-    `resume_from_checkpoint=True` would pick. With several processes every rank helps gather the
-    full model and optimizer states and rank 0 writes the same files a single process writes."""
+    """A checkpoint written whole or not at all, and durable before older ones are rotated away:
+    every file goes to a hidden staging directory, flushed to the disk and renamed `checkpoint-N`
+    (asyncgrpo/durable_files.py), so neither a killed run nor a crashed host leaves a checkpoint that
+    `resume_from_checkpoint=True` would pick half written. A failed write (a full disk) removes its
+    staging directory and raises. With several processes every rank helps gather the full model and
+    optimizer states and rank 0 writes the same files a single process writes. `lock`: the run
+    directory's (rank 0), checked first: a run that lost its directory to another writes nothing."""
     run_directory = Path(trainer._get_output_dir(trial=trial))
     final = run_directory / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
-    staging = run_directory / f".{final.name}.partial"  # not a name get_last_checkpoint matches
+    staging = staging_path(final)  # not a name get_last_checkpoint matches
     note_best_checkpoint(trainer, run_directory)
     gathered = full_state(model, trainer.optimizer) if sharded else None
     if processes.is_main:
+        if lock is not None and not lock.held():
+            raise RuntimeError(
+                f"{run_directory}: another run took this directory over ({lock.path}); this run writes "
+                "no checkpoint there (it would overwrite or rotate away the other run's)"
+            )
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        write_checkpoint(trainer, staging, gathered, resume)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        try:
+            staging.mkdir(parents=True)
+            write_checkpoint(trainer, staging, gathered, resume)
+            publish_directory(staging, final)  # durable before anything older goes
+        except OSError as error:
+            shutil.rmtree(staging, ignore_errors=True)  # a full disk: give back what it took
+            error.add_note(f"writing {final}: the checkpoints written before it are kept")
+            raise
         rotate_checkpoints(
             output_dir=str(run_directory),
             save_total_limit=trainer.args.save_total_limit,

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncgrpo.durable_files import write_atomically
 from asyncgrpo.rollout.prompts import PromptOrder
 
 ROLLOUT_STATE_NAME = "rollout_state.json"
@@ -53,12 +54,10 @@ class RolloutState:
         )
 
     def save(self, directory: str | os.PathLike) -> None:
-        """Write atomically: a crash leaves the old file or the new one, never half of one."""
-        path = Path(directory) / ROLLOUT_STATE_NAME
-        partial = path.with_suffix(".json.partial")
+        """Write atomically and durably: a crash of the process or the host leaves the old file or
+        the new one, never half of one."""
         fields = dataclasses.asdict(self)  # prompt_order too, as a dict
-        partial.write_text(json.dumps(fields, indent=2))
-        os.replace(partial, path)
+        write_atomically(Path(directory) / ROLLOUT_STATE_NAME, json.dumps(fields, indent=2))
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "RolloutState | None":

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from transformers import TrainerState
@@ -21,6 +23,7 @@ from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.cpu_use import CpuSampler, Tracked
 from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.run_files import TIMELINE_FILE
+from asyncgrpo.run_lock import DirectoryInUseError, OwnerLock
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
 from asyncgrpo.trainer.checkpoint import (
     ResumePoint,
@@ -34,6 +37,7 @@ from asyncgrpo.trainer.distributed import Processes, shard_model
 from asyncgrpo.trainer.fsdp_launch import announce as announce_fsdp_launch
 from asyncgrpo.trainer.generation_session import GenerationSession
 from asyncgrpo.trainer.prompt_ledger import PromptLedger
+from asyncgrpo.trainer.run_directory import hold_run_directory
 from asyncgrpo.trainer.step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,30 @@ logger = logging.getLogger(__name__)
 class RunSetup:
     """AsyncGRPOTrainer's set-up of a train() call; it reads the trainer's `accelerator`, `args`,
     `model`, `optimizer`, `callback_handler`, `streaming`, `_fsdp_launch` and `_compile_layers`."""
+
+    _run_lock: OwnerLock | None = None  # rank 0's hold on output_dir while train() runs
+
+    @contextmanager
+    def _holding_run_directory(self) -> Iterator[None]:
+        """Rank 0 holds output_dir for the whole train() call (trainer/run_directory.py); with several
+        processes every rank raises the refusal, so none waits in a collective for a rank that left."""
+        processes = Processes(self.accelerator.num_processes, self.accelerator.process_index)
+        refusal = lock = None
+        if processes.is_main:
+            try:
+                lock = hold_run_directory(self.args.output_dir)
+            except DirectoryInUseError as error:
+                refusal = str(error)
+        refusal = processes.broadcast(refusal)
+        if refusal is not None:
+            raise DirectoryInUseError(refusal)
+        self._run_lock = lock
+        try:
+            yield
+        finally:
+            self._run_lock = None
+            if lock is not None:
+                lock.release()
 
     def _begin_run(self, args: AsyncGRPOConfig, checkpoint: str | None, trial) -> torch.nn.Module:
         """Everything one train() call trains with and counts, created here: the processes, the

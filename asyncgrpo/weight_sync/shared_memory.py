@@ -3,14 +3,14 @@ written to RAM-backed storage (Linux's `/dev/shm`) instead of `output_dir`, for 
 machine. Nothing reaches a disk: a version is written at memory speed, the server reads it through the
 page cache it already lives in, and the previous version's pages are freed once the servers moved on.
 
-Each run owns one directory there and holds a lock on a file in it for as long as it lives. RAM is
-not freed when a process dies, so every run first removes the directories whose owner is gone
-(whose lock it can take): a killed run's weights are reclaimed by the next one.
+Each run owns one directory there and holds its lock (asyncgrpo/run_lock.py, the scheme that also
+keeps one run per output_dir) for as long as it lives. RAM is not freed when a process dies, so every
+run first removes the directories whose owner is gone: a killed run's weights are reclaimed by the
+next one.
 """
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import logging
 import os
@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from asyncgrpo.generation.client import VLLMRequestError
+from asyncgrpo.run_lock import OwnerLock, owner_gone
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
 
 logger = logging.getLogger(__name__)
@@ -92,30 +93,27 @@ def why_not_shared_memory(urls: list[str], model_bytes: int, root: Path = SHARED
 
 
 def remove_orphans(root: Path = SHARED_MEMORY_ROOT) -> list[Path]:
-    """Remove the directories of runs that no longer hold their lock (they died without closing);
-    returns them."""
+    """Remove the directories of runs that are gone (they died without closing); returns them. A
+    directory without a lock file is left alone: its owner is removing it, or is about to lock it."""
     removed = []
     for directory in root.glob(f"{DIRECTORY_PREFIX}*"):
+        lock = directory / OWNER_LOCK
         try:
-            with open(directory / OWNER_LOCK) as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if lock.exists() and owner_gone(lock):
                 shutil.rmtree(directory, ignore_errors=True)
                 removed.append(directory)
-        except (BlockingIOError, FileNotFoundError, NotADirectoryError, PermissionError):
-            continue  # alive, or being removed by its owner, or not ours to remove
+        except (NotADirectoryError, PermissionError):
+            continue  # not ours to remove
     return removed
 
 
-def owned_directory(root: Path = SHARED_MEMORY_ROOT) -> tuple[Path, object]:
-    """A fresh directory under `root`, locked by this process: (its path, the open lock file, which
-    must stay open for as long as the directory is used). It is made under a hidden name and locked
-    before it gets its final one, so `remove_orphans` never sees it unlocked."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{DIRECTORY_PREFIX}", dir=root))
-    lock = open(staging / OWNER_LOCK, "w")  # noqa: SIM115 - held for the run's life, closed by `close`
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    final = root / staging.name.removeprefix(".")
-    os.replace(staging, final)
-    return final, lock
+def owned_directory(root: Path = SHARED_MEMORY_ROOT) -> tuple[Path, OwnerLock]:
+    """A fresh directory under `root`, locked by this process: (its path, its lock, to release when
+    the directory is removed). Only this machine uses it: no heartbeat."""
+    directory = Path(tempfile.mkdtemp(prefix=DIRECTORY_PREFIX, dir=root))
+    lock = OwnerLock(directory, OWNER_LOCK, heartbeat_s=None)
+    lock.acquire()
+    return directory, lock
 
 
 class SharedMemoryWeightSync(FilesystemWeightSync):
@@ -153,7 +151,9 @@ class SharedMemoryWeightSync(FilesystemWeightSync):
         super().close()
         if self.owned is None:
             return
-        if self._reloading is None:  # otherwise left for the next run: the lock goes with this process
+        if self._reloading is None:
             shutil.rmtree(self.owned, ignore_errors=True)
-        self._lock.close()
+            self._lock.release()
+        else:  # a server may still be reading it: left for the next run to reclaim, as a dead run's
+            self._lock.abandon()
         self.owned = None
