@@ -24,17 +24,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
-from agent_fakes import ScriptedLoop, assert_each_generated_token_trained_once, multiply
-from jinja2 import TemplateError
 
-from asyncgrpo.cli.tiny_model import ChatTokens, build_tokenizer
-from asyncgrpo.generation.client import SamplingParams, VLLMClient
-from asyncgrpo.rollout.agent import record_tool_rollout_metrics, run_tool_loop, turn_text, type_text_arguments
-from asyncgrpo.rollout.chat import render_prompt_ids, tool_schema
-from asyncgrpo.rollout.sequences import build_training_sequences
-from asyncgrpo.rollout.tool_calls import parse_turn, tool_call_format
-from asyncgrpo.rollout.training_templates import use_training_template
-from asyncgrpo.rollout.types import TurnRecord
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+from agent_fakes import ScriptedLoop, assert_each_generated_token_trained_once, multiply  # noqa: E402
+from jinja2 import TemplateError  # noqa: E402
+
+from asyncgrpo.cli.tiny_model import ChatTokens, build_tokenizer  # noqa: E402
+from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
+from asyncgrpo.rollout.agent import (  # noqa: E402
+    record_tool_rollout_metrics,
+    run_tool_loop,
+    turn_text,
+    type_text_arguments,
+)
+from asyncgrpo.rollout.chat import render_prompt_ids, tool_schema  # noqa: E402
+from asyncgrpo.rollout.sequences import build_training_sequences  # noqa: E402
+from asyncgrpo.rollout.tool_calls import parse_turn, tool_call_format  # noqa: E402
+from asyncgrpo.rollout.training_templates import use_training_template  # noqa: E402
+from asyncgrpo.rollout.types import TurnRecord  # noqa: E402
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 PROMPT = [

@@ -17,15 +17,20 @@ import time
 from pathlib import Path
 
 import pytest
-from transformers.trainer_utils import get_last_checkpoint
 
-import asyncgrpo.durable_files as durable_files
-import asyncgrpo.trainer.checkpoint as checkpoint_module
-from asyncgrpo import run_files, timeline
-from asyncgrpo.report.history import load_run
-from asyncgrpo.run_files import RUN_LOCK_FILE, attach_warnings_file, detach_warnings_file
-from asyncgrpo.run_lock import DirectoryInUseError, Owner, OwnerLock, boot_id
-from asyncgrpo.trainer.run_directory import hold_run_directory, repair_jsonl
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+import asyncgrpo.durable_files as durable_files  # noqa: E402
+import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
+from asyncgrpo import run_files, timeline  # noqa: E402
+from asyncgrpo.report.history import load_run  # noqa: E402
+from asyncgrpo.run_files import RUN_LOCK_FILE, attach_warnings_file, detach_warnings_file  # noqa: E402
+from asyncgrpo.run_lock import DirectoryInUseError, Owner, OwnerLock, boot_id  # noqa: E402
+from asyncgrpo.trainer.run_directory import hold_run_directory, repair_jsonl  # noqa: E402
 
 # -- one live run per directory -------------------------------------------------------------------------
 

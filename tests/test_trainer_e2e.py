@@ -215,7 +215,8 @@ def test_training_steps_change_the_weights_the_server_runs_and_log_the_documente
     # skip_memory_metrics=False: the base Trainer's memory metrics close the run, as its own loop does.
     assert "train_mem_cpu_alloc_delta" in trainer.state.log_history[-1]
     assert not trainer._session.mismatch_watch.warned  # a float32 server agrees with the trainer
-    metrics = [entry for entry in tracker.logged if "train/reward" in entry]
+    # Every step logs its loss (a step's window may hold no finished group, so no reward, on a busy machine).
+    metrics = [entry for entry in tracker.logged if "train/loss" in entry]
     tables = [entry["completions"] for entry in tracker.logged if "completions" in entry]
     assert len(metrics) == len(tables) == 3, tracker.logged
     for step, table in enumerate(tables, start=1):
