@@ -195,6 +195,7 @@ def test_path_conv_equals_its_definition(shape):
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.slow
 def test_tree_conv_kernel_interpreted():
     """The Triton path convolution (the CUDA path) against the per-tap definition, values and
     gradients, on several trie shapes, through Triton's interpreter (tests/tree_conv_check.py)."""
@@ -202,6 +203,7 @@ def test_tree_conv_kernel_interpreted():
     assert len([line for line in lines if line.startswith("ok ")]) == 2 * len(TREE_CONV_CASES), lines
 
 
+@pytest.mark.slow
 def test_tree_conv_kernels_compile_for_hopper():
     """The same kernels through Triton's compiler down to sm_90 machine code, with no GPU: the
     interpreter skips the compiler's passes (tests/tree_conv_compile_check.py)."""

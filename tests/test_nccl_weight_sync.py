@@ -105,6 +105,7 @@ def against_doubles(
     loop.close()
 
 
+@pytest.mark.slow
 def test_weights_arrive_exactly_with_the_protocol_in_order():
     model = tiny_model()
     with against_doubles() as ([url], sender):
@@ -133,6 +134,7 @@ def test_weights_arrive_exactly_with_the_protocol_in_order():
         assert received(url)["log"][-1] == "/shutdown_weight_transfer_engine"
 
 
+@pytest.mark.slow
 def test_two_servers_join_one_group_at_their_rank_offsets():
     """Trainer rank 0, server A's worker rank 1, server B's rank 2: both receive every weight."""
     model = tiny_model()
@@ -145,6 +147,7 @@ def test_two_servers_join_one_group_at_their_rank_offsets():
         backend.close()
 
 
+@pytest.mark.slow
 def test_a_rejected_update_fails_at_once_and_generation_resumes():
     with against_doubles(fault="reject_update") as ([url], sender):
         backend = sender()
@@ -158,6 +161,7 @@ def test_a_rejected_update_fails_at_once_and_generation_resumes():
             backend.sync(tiny_model(), version=2)
 
 
+@pytest.mark.slow
 def test_a_server_that_never_joins_times_out_with_a_clear_error():
     with against_doubles(fault="never_join") as (_, sender):
         started = time.monotonic()
@@ -166,6 +170,7 @@ def test_a_server_that_never_joins_times_out_with_a_clear_error():
         assert time.monotonic() - started < 15
 
 
+@pytest.mark.slow
 def test_a_server_that_stops_receiving_cannot_hang_the_trainer():
     with against_doubles(fault="stall_receive") as ([url], sender):
         backend = sender(timeout_s=4)
@@ -176,6 +181,7 @@ def test_a_server_that_stops_receiving_cannot_hang_the_trainer():
         assert received(url)["log"][-1] == "/resume"
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_weights_sync_from_two_processes(tmp_path):
     """Two CPU processes shard the model with FSDP2; both gather, rank 0 sends. Then the same with a
     LoRA adapter for adapter-only sync: both gather the adapter, rank 0 writes it as vLLM loads it."""
@@ -249,6 +255,7 @@ def test_nccl_weights_arrive_bit_exact_on_a_second_gpu():
         backend.close()
 
 
+@pytest.mark.slow
 def test_reconnect_forms_a_new_group_and_weights_arrive_through_it():
     """What the trainer does after a server restart (which leaves the old group): shut the engine down
     everywhere, join a new group, send the weights again."""
