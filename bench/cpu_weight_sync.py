@@ -70,7 +70,7 @@ def timed_sync(backend, client, loop, model, version: int) -> dict:
     written = disk_write_bytes() - written
     loop.run(client.pause(mode="keep", clear_cache=False))
     paused = time.perf_counter()
-    backend.apply(prepared, version)
+    backend.apply(prepared, version, client.base_urls)
     reloaded = time.perf_counter()
     loop.run(client.resume())
     resumed = time.perf_counter()

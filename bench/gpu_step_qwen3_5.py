@@ -16,17 +16,24 @@ Phases (one device call; a short table is printed last):
      against the checkpoint-to-fit planner's estimate;
   4. the default step on DeepMath-like rows (200-token prompt, 8 completions of 300-1,500 tokens,
      packing ratio ~1.2): MFU, tokens/s, peak memory and a profile by kernel family.
-`--phases start` (run first, alone or with others) measures what a user waits for: seconds from the
-process's start to the end of its first default step (imports, the model, compiling, fla's
-autotuning). Run it twice with the same TRITON_CACHE_DIR: the first is a cold start, the second
-finds the kernels and autotuning results the first kept (asyncgrpo.packing.kernel_cache).
+`--kernels` names the Gated DeltaNet kernels the default step is timed with, in rotation in one
+process (`KERNEL_VARIANTS`: asyncgrpo's convolution and norm, fla's convolution, the model's norm,
+and both of the others: issue 33's code), each profiled.
+`--phases start` measures what a user waits for, seconds from a process's start to the end of its
+first default step (imports, the model, compiling, fla's autotuning): it runs this script twice in
+child processes that share one set of fresh kernel caches (Triton's, which holds fla's autotuning
+results, inductor's and tilelang's, `START_CACHES`): the first is a cold start, the second a warm
+one, which then runs `--warm-phases` (with fla's kernels tuned, where the other phases' device
+calls cut autotuning to one config). It prints `gpu_step_qwen3_5 start cold_s=A warm_s=B` and where
+each start's seconds went.
 The report names the Gated DeltaNet path that ran (`gdn_path`): fla's varlen kernel, or transformers'
 torch rule where fla-core is missing or refuses to train (asyncgrpo.packing.gated_deltanet.fla_refusal).
 Model FLOPs: asyncgrpo.perf (matmul weights of every layer, the full-attention layers' pairs, the
 recurrence's state products); recomputation by checkpointing is not counted.
 
 Run (GPU machine): `python bench/gpu_step_qwen3_5.py --out $OUT`; `--smoke` runs tiny shapes on CPU.
-The last line is `gpu_step_qwen3_5 mfu=X target=0.50` (the default step's MFU and issue 33's target).
+The last line is `gpu_step_qwen3_5 mfu=X target=0.50` (the default step's MFU at the first of
+`--kernels`, and issue 33's target).
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ import argparse
 import importlib.util
 import json
 import os
+import re
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,12 +69,22 @@ from gpu_step import (  # noqa: E402
 )
 from gpu_training import QWEN3_5_2B, SPEED_WORKLOADS, matmul_peak, require_cuda  # noqa: E402
 
-from asyncgrpo.packing import gated_deltanet  # noqa: E402
+from asyncgrpo.packing import gated_deltanet, kernel_choice  # noqa: E402
 from asyncgrpo.packing.planner import TokenBudgetBatcher  # noqa: E402
 from asyncgrpo.packing.tree_attention import BLOCK_SIZE  # noqa: E402
 from asyncgrpo.perf import flop_model  # noqa: E402
 
 TARGET_MFU = 0.50  # issue 33: the default step's MFU against the measured matmul peak
+# name -> (ASYNCGRPO_PATH_CONV, ASYNCGRPO_GATED_NORM) of the Gated DeltaNet kernels a default step runs
+KERNEL_VARIANTS = {
+    "asyncgrpo": ("triton", "triton"),
+    "fla-conv": ("fla", "triton"),
+    "model-norm": ("triton", "model"),
+    "issue33": ("fla", "model"),
+}
+# The caches a start reads (kernel_cache, docs/models.md): one fresh folder each for the cold start,
+# the same ones for the warm start.
+START_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TILELANG_CACHE_DIR")
 
 SMOKE_SHAPE = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -142,6 +162,111 @@ def workload_plans(rng, prompt_len: int, completion_len: int, budget: int, vocab
     return plans, [FixedPlan([row]) for row in plain_rows_within_budget(samples, budget)]
 
 
+def use_kernels(name: str) -> None:
+    """Run the Gated DeltaNet kernels of `KERNEL_VARIANTS[name]` from the next layer call on."""
+    conv, norm = KERNEL_VARIANTS[name]
+    os.environ[kernel_choice.PATH_CONV_ENV], os.environ[kernel_choice.GATED_NORM_ENV] = conv, norm
+
+
+def kernel_variants(trainer, plans, flops, peak: float, names: list[str], rounds: int) -> dict:
+    """The default step with each kernel variant, timed in rotation (one step of each per round, so
+    a drift of the card's clocks falls on all alike), after a warm-up step of each; the median, its
+    MFU and a profile of each."""
+    rows = [row for plan in plans for row in plan.pack()]
+    for name in names:
+        use_kernels(name)
+        timed_steps(trainer, plans, repeats=1, warmup=1)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            use_kernels(name)
+            seconds[name].append(timed_steps(trainer, plans, repeats=1, warmup=0))
+    results = {}
+    for name in names:
+        use_kernels(name)
+        median = statistics.median(seconds[name])
+        results[name] = {"kernels": KERNEL_VARIANTS[name], "seconds": median, "all_seconds": seconds[name],
+                         "mfu": plan_flops(flops, rows) / median / peak,
+                         "profile": profile(trainer, plans, f"default step, kernels {name}")}  # fmt: skip
+        log(f"kernels {name} {KERNEL_VARIANTS[name]}: {median:.3f} s ({results[name]['mfu']:.1%} MFU), "
+            f"rounds {' '.join(f'{x:.3f}' for x in seconds[name])}")  # fmt: skip
+    use_kernels(names[0])
+    return results
+
+
+def measure_start(args, out: Path) -> dict:
+    """Cold then warm start: this script twice (`--start-child`), sharing fresh kernel caches. Each
+    child's log goes to `out`/start_{cold,warm}.log; returns their reports and the sum of the
+    autotuning time Triton printed in each."""
+    root = Path(tempfile.mkdtemp(prefix="gpu_step_qwen3_5-caches-"))
+    env = {**os.environ, **{name: str(root / name.lower()) for name in START_CACHES},
+           "TRITON_PRINT_AUTOTUNING": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    # A user's start: every Triton autotuner tuned, never the one-config shortcut of short device calls.
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and "one_config_autotune" not in p
+    )
+    env.pop("ONE_CONFIG_AUTOTUNE_EXCEPT", None)
+    results: dict = {"caches": str(root)}
+    for label in ("cold", "warm"):
+        phases = ["start"] + ([args.warm_phases] if label == "warm" and args.warm_phases else [])
+        command = [sys.executable, __file__, "--start-child", "--out", str(out / label), "--budget",
+                   str(args.budget), "--phases", ",".join(phases), "--kernels", args.kernels,
+                   "--rounds", str(args.rounds)] + (["--smoke"] if args.smoke else [])  # fmt: skip
+        started = time.perf_counter()
+        limit = args.start_timeout if label == "cold" else args.warm_timeout
+        try:
+            done = subprocess.run(command, env=env, timeout=limit, capture_output=True, text=True)
+            text, code = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as expired:
+            text = (expired.stdout or b"").decode(errors="replace") + (expired.stderr or b"").decode(
+                errors="replace"
+            )
+            code = "timeout"
+        (out / f"start_{label}.log").write_text(text)
+        found = re.findall(r"^start_report (.*)$", text, flags=re.MULTILINE)
+        report = json.loads(found[-1]) if found else {}
+        report.update(exit=code, wall_s=time.perf_counter() - started,
+                      autotune_s=sum(map(float, re.findall(r"finished after ([0-9.]+)s", text))),
+                      autotuned_kernels=len(re.findall(r"finished after", text)))  # fmt: skip
+        results[label] = report
+        log(f"start {label}: {json.dumps(report)}")
+        for line in text.splitlines():  # what the warm child measured next, into this log too
+            if line.startswith(("kernels ", "gpu_step_qwen3_5 mfu", "profile of")) or re.match(
+                r"  \S.*: \d+ ms \(", line
+            ):
+                log(line)
+        if code == "timeout":
+            log(f"start {label}: still running after {limit:.0f} s, stopped")
+    cold, warm = (results[x].get("start_to_first_step_s", float("nan")) for x in ("cold", "warm"))
+    log(f"gpu_step_qwen3_5 start cold_s={cold:.1f} warm_s={warm:.1f}")
+    return results
+
+
+def start_child(output_dir: str, args, report: dict, save):
+    """In a `--start-child` process: seconds from the process's start to the end of each stage up to
+    the first default step, then the second step's seconds, as one `start_report` line."""
+    marks = {"imports_s": seconds_since_process_start()}
+    model = build_model(args.smoke)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    marks["model_s"] = seconds_since_process_start()
+    trainer = make_trainer({}, args.smoke, output_dir, model)
+    marks["trainer_s"] = seconds_since_process_start()
+    plans = deepmath_plans(
+        np.random.default_rng(7), args.budget, 2, trainer._model.config.vocab_size, args.smoke
+    )
+    timed_steps(trainer, plans, repeats=1, warmup=0)
+    marks["start_to_first_step_s"] = seconds_since_process_start()
+    marks["second_step_s"] = timed_steps(trainer, plans, repeats=1, warmup=0)
+    from torch._dynamo.utils import compile_times
+
+    log(compile_times(repr="str"))  # where torch.compile's seconds went, by phase
+    report["start"] = marks
+    save()
+    log("start_report " + json.dumps(marks))
+    return trainer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -150,12 +275,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=480.0, help="skip phases that start after this")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the kernel variants in rotation")
+    parser.add_argument(
+        "--kernels",
+        default="asyncgrpo",
+        help=f"comma-separated kernel variants of the default step: {', '.join(KERNEL_VARIANTS)}",
+    )
+    parser.add_argument("--start-timeout", type=float, default=330.0, help="seconds the cold start may take")
+    parser.add_argument("--warm-timeout", type=float, default=150.0, help="seconds the warm child may take")
+    parser.add_argument("--warm-phases", default="defaults", help="what the warm start child runs next")
+    parser.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)  # measure_start's child
     parser.add_argument(
         "--phases", default="3.4,1,2,defaults",
         help="comma-separated: packing ratios of the tree-vs-plain workloads (3.4, 1, 2), 'memory' (the "
         "activations of one unchecked row against the planner's estimate) and/or 'defaults'; "
-        "lets a short device call run part of the measurement; 'start' (measured first): seconds "
-        "from the process's start to the end of its first default step",
+        "lets a short device call run part of the measurement; 'start' (measured first): a cold and "
+        "a warm start in child processes",
     )  # fmt: skip
     args = parser.parse_args()
     require_cuda(args.smoke)
@@ -176,29 +311,33 @@ def main() -> None:
 
     report["gdn_path"] = gdn_path(device)
     phases = args.phases.split(",")
-    trainer = make_trainer(
-        {}, args.smoke, tempfile.mkdtemp(prefix="gpu_step_qwen3_5-"), build_model(args.smoke)
-    )
-    vocab = trainer._model.config.vocab_size
-    if "start" in phases:  # first, so that nothing else this process does counts in it
-        plans = deepmath_plans(np.random.default_rng(7), args.budget, 2, vocab, args.smoke)
-        timed_steps(trainer, plans, repeats=1, warmup=0)
-        report["start_to_first_step_s"] = seconds_since_process_start()
-        report["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR")
+    kernels = args.kernels.split(",")
+    if set(kernels) - set(KERNEL_VARIANTS):
+        parser.error(f"--kernels: unknown {sorted(set(kernels) - set(KERNEL_VARIANTS))}")
+    use_kernels(kernels[0])
+    if "start" in phases and not args.start_child:  # children of their own, before this one takes the GPU
+        report["start"] = measure_start(args, out)
         save()
-        log(f"gpu_step_qwen3_5 start_to_first_step_s={report['start_to_first_step_s']:.1f} "
-            f"triton_cache_dir={report['triton_cache_dir']}")  # fmt: skip
-        if phases == ["start"]:
+        phases.remove("start")
+        if not phases:
             return
+    output_dir = tempfile.mkdtemp(prefix="gpu_step_qwen3_5-")
+    if args.start_child:
+        trainer = start_child(output_dir, args, report, save)
+        phases.remove("start")
+        if not phases:
+            return
+    else:
+        trainer = make_trainer({}, args.smoke, output_dir, build_model(args.smoke))
+    vocab = trainer._model.config.vocab_size
     peak = matmul_peak(device)
     report["matmul_peak_tflops"] = peak / 1e12
     log(f"{report}")
     flops = flop_model(trainer._model)
     # The comparison first (ratio 3.4, 1, 2): a call cut short by the device's time keeps the most.
     workloads = {"3.4": SPEED_WORKLOADS[2], "1": SPEED_WORKLOADS[0], "2": SPEED_WORKLOADS[1]}
-    if set(phases) - set(workloads) - {"defaults", "memory", "start"}:
-        unknown = sorted(set(phases) - set(workloads) - {"defaults", "memory", "start"})
-        parser.error(f"--phases: unknown {unknown}")
+    if set(phases) - set(workloads) - {"defaults", "memory"}:
+        parser.error(f"--phases: unknown {sorted(set(phases) - set(workloads) - {'defaults', 'memory'})}")
     report["tree_vs_plain"] = []
     for prompt_len, completion_len, _ in (workloads[p] for p in phases if p in workloads):
         if time.perf_counter() - started > args.seconds:
@@ -226,7 +365,8 @@ def main() -> None:
         plans = deepmath_plans(np.random.default_rng(7), args.budget, 2, vocab, args.smoke)
         report["defaults"] = measure(trainer, plans, flops, peak, args, 1)
         log(f"defaults {report['defaults']}")
-        report["defaults"]["profile"] = profile(trainer, plans, "default step")
+        save()
+        report["kernel_variants"] = kernel_variants(trainer, plans, flops, peak, kernels, args.rounds)
         save()
     print_table(report)
 
@@ -240,6 +380,9 @@ def print_table(report: dict) -> None:
         log(f"default step (DeepMath-like, ratio {d['packing_ratio']:.2f}): {d['seconds']:.3f} s, "
             f"MFU {d['mfu']:.1%}, {d['unpacked_tok_s']:,.0f} tok/s, peak {d['peak_memory_gb']:.1f} GB, "
             f"ckpt layers {d['checkpointed_layers']}")  # fmt: skip
+        for name, v in report.get("kernel_variants", {}).items():
+            log(f"  kernels {name} (conv {v['kernels'][0]}, norm {v['kernels'][1]}): {v['seconds']:.3f} s, "
+                f"MFU {v['mfu']:.1%}")  # fmt: skip
     log("| workload (prompt + 8 x completion) | ratio | tree rows | tree s | tree MFU | tree tok/s "
         "| plain rows | plain s | plain MFU | plain tok/s | speedup | FLOP ratio |")  # fmt: skip
     log("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -123,7 +123,7 @@ def full_transfer(model, bucket_bytes: int, repeats: int) -> tuple[int, float]:
         for version in range(1, repeats + 1):
             prepared = backend.prepare(model, version)
             started = time.perf_counter()
-            backend.apply(prepared, version)
+            backend.apply(prepared, version, client.base_urls)
             times.append(time.perf_counter() - started)
             log(f"sync v{version}: {times[-1] * 1e3:.0f} ms for {total / 1e9:.2f} GB")
         import requests

@@ -11,6 +11,7 @@ import numpy as np
 
 from asyncgrpo import AsyncGRPOConfig
 from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.rollout.activity import ActivityBoard
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.types import TurnRecord
 
@@ -72,6 +73,7 @@ class ScriptedLoop:
         self.metrics = MetricsWindow()
         self.max_model_len = 4096
         self.tool_executor = ThreadPoolExecutor(4)
+        self._activity = ActivityBoard()
 
     def render_prompt(self, prompt, tools, group_id):
         return render_prompt_ids(self.tokenizer, prompt, tools)

@@ -47,7 +47,7 @@ def test_every_config_field_has_help_text_and_a_documented_entry():
 # A unit for every numeric field: what its number counts.
 _UNIT = re.compile(
     r"\b(tokens?|seconds?|rollouts?|steps?|versions?|ratio|fraction|factor|mass|probability|turns?|samples?"
-    r"|half-width|coefficient|log-probs)\b",
+    r"|half-width|coefficient|log-probs|MiB)\b",
     flags=re.IGNORECASE,
 )
 
@@ -377,3 +377,32 @@ def test_pointers_into_docs_from_code_and_tests_resolve():
                 if anchor not in {_anchor(h) for h in headings}:
                     broken.append(f"{path.relative_to(ROOT)}: docs/{page}#{anchor}")
     assert not broken, f"pointers into docs/ that lead nowhere: {broken}"
+
+
+def readme_layout() -> dict[str, str]:
+    """The README's "Layout" block: each entry under `asyncgrpo/` (a subpackage `name/` or a module
+    `name.py`, indented two spaces) and what it says the entry holds."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("\n## Layout") :]
+    block = section[section.index("```") + 3 :]
+    block = block[: block.index("```")]
+    entries, inside = {}, False
+    for line in block.splitlines():
+        if line.strip():
+            inside = line == "asyncgrpo/" or (inside and line.startswith("  "))
+        if inside and line.startswith("  ") and not line.startswith("   "):
+            name, _, what = line.strip().partition(" ")
+            entries[name] = what.strip()
+    return entries
+
+
+def test_the_readme_layout_lists_the_package_as_it_is():
+    """Every subpackage and top-level module of asyncgrpo/ is in the README's layout, at its place,
+    and the layout lists nothing that is not there."""
+    package = ROOT / "asyncgrpo"
+    actual = {f"{path.name}/" for path in package.iterdir() if (path / "__init__.py").is_file()}
+    actual |= {path.name for path in package.glob("*.py") if path.name != "__init__.py"}
+    listed = readme_layout()
+    assert len(listed) > 10 and all(listed.values()), listed
+    assert sorted(set(listed) - actual) == [], "the README's layout lists what asyncgrpo/ does not have"
+    assert sorted(actual - set(listed)) == [], "asyncgrpo/ has what the README's layout does not list"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gated_norm_check import GATED_NORM_CASES, gated_norm_definition
 from interpreted import run_interpreted
 from test_gated_deltanet_gpu import random_tree, row_arrays
 from test_logprobs import TEMPERATURE, check_packed_equals_unpacked, completion_sample, random_trie_samples
@@ -23,15 +24,10 @@ from tree_conv_check import TREE_CONV_CASES
 
 from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 from asyncgrpo.logprobs import row_logprobs
-from asyncgrpo.packing import gated_deltanet
-from asyncgrpo.packing.gated_deltanet import (
-    fla_refusal,
-    path_conv_and_activate,
-    recurrent_layout,
-    to_layer_order,
-    to_packed_order,
-    tree_causal_conv1d,
-)
+from asyncgrpo.packing import gated_deltanet, kernel_choice
+from asyncgrpo.packing.gated_deltanet import fla_refusal
+from asyncgrpo.packing.path_conv import path_conv_and_activate, tree_causal_conv1d
+from asyncgrpo.packing.recurrent_layout import recurrent_layout, to_layer_order, to_packed_order
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 
@@ -77,15 +73,18 @@ def test_layout_of_a_hand_drawn_trie():
     ]  # fmt: skip
     # In layer order b0, b1 (rows 5, 6) and c0 (row 8) do not read the rows just before them.
     assert layout.conv_fix_rows.tolist() == [5, 6, 8]
-    # Read the other way (entries r * K + j): the prompt's last token (row 2) is read by itself, by
-    # a0 a1 (rows 3, 4) and by b0 b1 (rows 5, 6).
-    successors = np.split(layout.conv_successors.numpy(), layout.conv_successor_offsets.numpy()[1:-1])
-    assert [divmod(successors[2], 3)[0].tolist(), divmod(successors[2], 3)[1].tolist()] == [
-        [2, 3, 4, 5, 6], [2, 1, 0, 1, 0]
+    # Remote reads (across a segment start, not the rows just before): b0 b1 (rows 5, 6) read the
+    # prompt's tail (rows 1, 2), c0 (row 8) reads a0 a1 (rows 3, 4); a's rows read the prompt's
+    # tail too, but as the rows just before them.
+    assert layout.conv_reader_rows.tolist() == [5, 6, 8]
+    assert layout.conv_read_slot.tolist() == [-1, -1, -1, -1, -1, 0, 1, -1, 2]
+    assert layout.conv_remote_tokens.tolist() == [1, 2, 3, 4]
+    assert layout.conv_remote_slot.tolist() == [-1, 0, 1, 2, 3, -1, -1, -1, -1]
+    entries = np.split(layout.conv_remote_entries.numpy(), layout.conv_remote_offsets.numpy()[1:-1])
+    # (reader slot, tap) of each remote token: 1 <- b0 tap 0; 2 <- b0 tap 1, b1 tap 0; 3, 4 <- c0
+    assert [[divmod(int(e), 3) for e in group] for group in entries] == [
+        [(0, 0)], [(0, 1), (1, 0)], [(2, 0)], [(2, 1)]
     ]  # fmt: skip
-    for token, entries in enumerate(successors):
-        assert np.all(layout.conv_index.numpy().ravel()[entries] == token)
-    assert sum(map(len, successors)) == int((layout.conv_index < none).sum())
     assert [(level.start, level.stop) for level in layout.levels] == [(0, 3), (3, 8), (8, 9)]
     assert [level.parent_rows.tolist() for level in layout.levels] == [[-1], [0, 0], [0]]
     assert [level.cu_seqlens.tolist() for level in layout.levels] == [[0, 3], [0, 2, 5], [0, 1]]
@@ -185,7 +184,7 @@ def test_path_conv_equals_its_definition(shape):
     layout = recurrent_layout(*row_arrays(parents, lengths), 4)
     mixed = torch.randn(layout.num_tokens, 6, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
-    got = path_conv_and_activate(mixed, weight, None, layout, "silu")
+    got = torch.cat(path_conv_and_activate(mixed, weight, None, layout, "silu", (2, 4)), dim=1)
     want = F.silu(tree_causal_conv1d(mixed, weight, None, layout.conv_index))
     torch.testing.assert_close(got, want)
     cotangent = torch.randn_like(got)
@@ -198,17 +197,83 @@ def test_path_conv_equals_its_definition(shape):
 @pytest.mark.slow
 def test_tree_conv_kernel_interpreted():
     """The Triton path convolution (the CUDA path) against the per-tap definition, values and
-    gradients, on several trie shapes, through Triton's interpreter (tests/tree_conv_check.py)."""
+    gradients, on several trie shapes, at two tile sizes, through Triton's interpreter
+    (tests/tree_conv_check.py)."""
     lines = run_interpreted("tree_conv_check.py").splitlines()
-    assert len([line for line in lines if line.startswith("ok ")]) == 2 * len(TREE_CONV_CASES), lines
+    assert len([line for line in lines if line.startswith("ok ")]) == 3 * len(TREE_CONV_CASES), lines
 
 
 @pytest.mark.slow
-def test_tree_conv_kernels_compile_for_hopper():
-    """The same kernels through Triton's compiler down to sm_90 machine code, with no GPU: the
-    interpreter skips the compiler's passes (tests/tree_conv_compile_check.py)."""
+def test_gated_norm_kernel_interpreted():
+    """The fused gated RMS norm (the CUDA path) against its definition in fp64, values and gradients,
+    through Triton's interpreter (tests/gated_norm_check.py)."""
+    lines = run_interpreted("gated_norm_check.py").splitlines()
+    assert len([line for line in lines if line.startswith("ok ")]) == 2 * len(GATED_NORM_CASES), lines
+
+
+@pytest.mark.slow
+def test_gdn_kernels_compile_for_hopper():
+    """The path convolution's and the gated norm's kernels through Triton's compiler down to sm_90
+    machine code, with no GPU: the interpreter skips the compiler's passes
+    (tests/tree_conv_compile_check.py). No variant may spill registers to the stack."""
     lines = run_interpreted("tree_conv_compile_check.py", interpret=False).splitlines()
-    assert len([line for line in lines if line.startswith("compiled ")]) == 3 * 4, lines
+    compiled = [line for line in lines if line.startswith("compiled ")]
+    assert len(compiled) == 3 * 4 + 2 * 2, lines
+    assert all(" stack=0 " in line for line in compiled), compiled
+
+
+@pytest.mark.parametrize("norm_class", gated_deltanet.GATED_RMS_NORMS)
+def test_models_gated_norms_are_the_fused_kernels_function(norm_class):
+    """Each model norm the fused kernel may replace computes the function the kernel is held to
+    (tests/gated_norm_check.py), in fp32; the layers call it on (P, Hv, Dv) core and gate tensors."""
+    module = {
+        "Qwen3_5RMSNormGated": "qwen3_5", "Qwen3_5MoeRMSNormGated": "qwen3_5_moe",
+        "Qwen3NextRMSNormGated": "qwen3_next",
+    }[norm_class]  # fmt: skip
+    cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), norm_class)
+    norm = cls(48, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(48) / 4)
+    x, z = torch.randn(2, 5, 3, 48, dtype=torch.float64)
+    want = gated_norm_definition(x, z, norm.weight.double(), 1e-5)
+    got = gated_deltanet.gated_norm(norm, x.float(), z.float())  # CPU: the module itself
+    torch.testing.assert_close(got.view(5, 3, 48).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_choice_by_environment(monkeypatch):
+    """Off CUDA the layers run F.conv1d and the model's norm whatever the variables say; on CUDA the
+    Triton kernels by default, another choice when asked, and an error naming the fix for an unknown
+    choice or one whose package is missing."""
+    monkeypatch.setattr(kernel_choice, "installed", lambda package: package == "triton")
+    for variable in (kernel_choice.PATH_CONV_ENV, kernel_choice.GATED_NORM_ENV):
+        monkeypatch.delenv(variable, raising=False)
+    assert (
+        kernel_choice.path_conv_choice("cuda") == "triton"
+        and kernel_choice.gated_norm_choice("cuda") == "triton"
+    )
+    monkeypatch.setenv(kernel_choice.PATH_CONV_ENV, "conv1d")
+    monkeypatch.setenv(kernel_choice.GATED_NORM_ENV, "Model")
+    assert (
+        kernel_choice.path_conv_choice("cuda") == "conv1d"
+        and kernel_choice.gated_norm_choice("cuda") == "model"
+    )
+    assert (
+        kernel_choice.path_conv_choice("cpu") == "conv1d"
+        and kernel_choice.gated_norm_choice("cpu") == "model"
+    )
+    monkeypatch.setenv(kernel_choice.PATH_CONV_ENV, "fla")
+    with pytest.raises(ValueError, match="fla is not installed"):
+        kernel_choice.path_conv_choice("cuda")
+    monkeypatch.setenv(kernel_choice.PATH_CONV_ENV, "cudnn")
+    with pytest.raises(ValueError, match="choose one of triton, fla, conv1d"):
+        kernel_choice.path_conv_choice("cuda")
+    monkeypatch.setattr(kernel_choice, "installed", lambda package: False)
+    monkeypatch.delenv(kernel_choice.PATH_CONV_ENV)
+    monkeypatch.delenv(kernel_choice.GATED_NORM_ENV)
+    assert (
+        kernel_choice.path_conv_choice("cuda") == "conv1d"
+        and kernel_choice.gated_norm_choice("cuda") == "model"
+    )
 
 
 def test_group_sharing(models):
@@ -378,7 +443,7 @@ def test_start_up_line_says_which_rule_runs_and_why(monkeypatch, caplog, tmp_pat
             lambda name, *a: found[name] if name in found else find_spec(name, *a),
         )
         monkeypatch.setattr(gated_deltanet, "fla_refusal", lambda device: "Triton 3.6.0 on Hopper: X")
-        gated_deltanet._triton_tree_conv.cache_clear()
+        kernel_choice.installed.cache_clear()
     device = torch.device("cpu" if case == "cpu" else "cuda")
     model = torch.nn.Sequential(FakeGatedDeltaNet())
     with caplog.at_level(logging.INFO, logger=gated_deltanet.__name__):
@@ -387,10 +452,10 @@ def test_start_up_line_says_which_rule_runs_and_why(monkeypatch, caplog, tmp_pat
             gated_deltanet.log_gated_delta_rule_path(torch.nn.Sequential(torch.nn.Linear(2, 2)), device)
             is None
         )
-    gated_deltanet._triton_tree_conv.cache_clear()
+    kernel_choice.installed.cache_clear()
     assert [record.getMessage() for record in caplog.records] == [line]
     assert line.startswith("Gated DeltaNet layers run transformers' torch gated delta rule")
-    assert "path convolution: F.conv1d" in line
+    assert "path convolution: F.conv1d with segment starts fixed up; gated norm: the model's module" in line
     expected = {
         "cpu": ("fla-core's kernels run on CUDA GPUs only (this device is cpu)", logging.INFO),
         "no_fla": ("fla-core is not installed: `pip install 'asyncgrpo[gpu]'` brings the fast path",

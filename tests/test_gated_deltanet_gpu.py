@@ -29,15 +29,10 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from asyncgrpo.logprobs import row_logprobs
-from asyncgrpo.packing import gated_deltanet, tree_attention
-from asyncgrpo.packing.gated_deltanet import (
-    path_conv_and_activate,
-    recurrent_layout,
-    to_layer_order,
-    to_packed_order,
-    tree_causal_conv1d,
-    tree_gated_delta_rule,
-)
+from asyncgrpo.packing import gated_deltanet, kernel_choice, tree_attention
+from asyncgrpo.packing.gated_deltanet import tree_gated_delta_rule
+from asyncgrpo.packing.path_conv import path_conv_and_activate, tree_causal_conv1d
+from asyncgrpo.packing.recurrent_layout import recurrent_layout, to_layer_order, to_packed_order
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 
@@ -206,48 +201,63 @@ def test_tree_rule_equals_each_sample_alone(device, dtype, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("path", ["fla", "triton", "conv1d"])
+@pytest.mark.parametrize("path", ["triton", "fla", "conv1d"])
 def test_path_conv_on_this_gpu(monkeypatch, path, dtype):
-    """The layers' path convolution on CUDA (fla's varlen kernel, the path where fla-core is
-    installed; asyncgrpo's Triton kernel, the path without it; F.conv1d with the segment starts fixed
-    up, the path without Triton), output and gradients against the per-tap definition in fp64: a random
-    trie at the Qwen3.5-2B channel count, its segments shorter and longer than the kernel and than the
-    Triton kernel's 32-row blocks."""
+    """The layers' path convolution on CUDA (asyncgrpo's Triton kernel, the default; fla's varlen
+    kernel; F.conv1d with the segment starts fixed up: `ASYNCGRPO_PATH_CONV`), output and gradients
+    against the per-tap definition in fp64: a random trie at the Qwen3.5-2B channel count, split into
+    q, k and v as the layer splits it, its segments shorter and longer than the kernel and than the
+    Triton kernel's tiles, a dozen of them read by several children."""
     if path == "fla":
-        assert gated_deltanet._fla_causal_conv1d("cuda") is not None, "fla-core is not installed"
-    else:
-        monkeypatch.setattr(gated_deltanet, "_fla_causal_conv1d", lambda device_type: None)
-    if path == "triton":
-        assert gated_deltanet._triton_tree_conv("cuda") is not None, "Triton is not importable"
-    elif path == "conv1d":
-        monkeypatch.setattr(gated_deltanet, "_triton_tree_conv", lambda device_type: None)
+        pytest.importorskip("fla", reason="fla-core is not installed: pip install 'asyncgrpo[gpu]'")
+    monkeypatch.setenv(kernel_choice.PATH_CONV_ENV, path)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     rng = np.random.default_rng(12)
     parents, lengths = random_tree(rng, 40, 150)
     lengths[::7] = rng.integers(1, 3, len(lengths[::7]))  # some segments shorter than K - 1
     layout = recurrent_layout(*row_arrays(parents, lengths), 4, "cuda")
-    channels = 2 * QWEN3_5_2B["linear_num_key_heads"] * QWEN3_5_2B["linear_key_head_dim"] + (
-        QWEN3_5_2B["linear_num_value_heads"] * QWEN3_5_2B["linear_value_head_dim"]
-    )
+    key_dim = QWEN3_5_2B["linear_num_key_heads"] * QWEN3_5_2B["linear_key_head_dim"]
+    widths = (key_dim, key_dim, QWEN3_5_2B["linear_num_value_heads"] * QWEN3_5_2B["linear_value_head_dim"])
+    channels = sum(widths)
     torch.manual_seed(0)
-    mixed = torch.randn(layout.num_tokens, channels, device="cuda").to(dtype)
+    wide = torch.randn(layout.num_tokens, channels + 2 * widths[2], device="cuda").to(dtype)
     weight = torch.randn(channels, 4, device="cuda") / 2
     cotangent = torch.randn(layout.num_tokens, channels, device="cuda")
-    leaves = [mixed.double().requires_grad_(), weight.double().requires_grad_()]
+    leaves = [wide[:, :channels].double().requires_grad_(), weight.double().requires_grad_()]
     want = F.silu(tree_causal_conv1d(*leaves[:1], leaves[1], None, layout.conv_index))
     want_grads = torch.autograd.grad((want * cotangent).sum(), leaves)
-    got_leaves = [mixed.requires_grad_(), weight.requires_grad_()]
+    got_leaves = [wide.requires_grad_(), weight.requires_grad_()]
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):  # as in training
-        got = path_conv_and_activate(got_leaves[0], got_leaves[1], None, layout, "silu")
-    got_grads = torch.autograd.grad((got.float() * cotangent).sum(), got_leaves)
+        outs = path_conv_and_activate(
+            got_leaves[0][:, :channels], got_leaves[1], None, layout, "silu", widths
+        )
+    got = torch.cat(outs, dim=1)
+    got_grads = list(torch.autograd.grad((got.float() * cotangent).sum(), got_leaves))
+    assert got_grads[0][:, channels:].abs().max() == 0  # the rest of the projections' output
+    got_grads[0] = got_grads[0][:, :channels]
     errors = [relative(got, want)] + [relative(g, w) for g, w in zip(got_grads, want_grads)]
     print("GDN_CONV", json.dumps({"dtype": str(dtype), "path": path, "tokens": layout.num_tokens,
+                                  "remote_reads": len(layout.conv_remote_entries),
                                   "out_dmixed_dweight": errors}))  # fmt: skip
-    assert got.dtype == dtype
+    assert got.dtype == dtype and [o.shape[1] for o in outs] == list(widths)
     # fp32: fp32 round-off (TF32 off); bf16: the rounding of the bf16 output and input gradient.
     bound = 1e-5 if dtype == torch.float32 else 1e-2
     for error in errors:
         assert error <= bound, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gated_norm_on_this_gpu(dtype):
+    """The fused gated RMS norm compiled, against its definition in fp64 (tests/gated_norm_check.py):
+    16k (token, head) rows of Qwen3.5-2B's 128-value heads and a small odd shape, the gate read
+    through its strides."""
+    from gated_norm_check import check_case
+
+    heads, dim = QWEN3_5_2B["linear_num_value_heads"], QWEN3_5_2B["linear_value_head_dim"]
+    for shape in ((1021, heads, dim), (9, 2, 48)):
+        errors = check_case(shape, dtype, device="cuda")
+        print("GDN_NORM", json.dumps({"dtype": str(dtype), "shape": shape, "out_dx_dz_dweight": errors}))
 
 
 def qwen3_5_2b_samples(rng) -> list:

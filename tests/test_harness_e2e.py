@@ -1,20 +1,23 @@
 """HarnessAsyncGRPOTrainer end to end against the real vLLM CPU server: a real agent program
 (examples/harness/file_agent.py, the `openai` package) trained through ProcessSessionFactory and the
 capture proxy, its faults counted, the trainer stopped with agents in flight, and one white-box run
-through an OpenEnv HarnessAdapter."""
+through a HarnessAdapter (OpenEnv's interface, here without OpenEnv)."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
+import json
 import math
 import random
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from pathlib import Path
 
-import harness_openenv  # noqa: F401  (OpenEnv on the path first)
 import pytest
 
 pytest.importorskip(
@@ -24,21 +27,18 @@ pytest.importorskip("psutil", reason="psutil is not installed")
 import psutil
 from conftest import make_config
 from datasets import Dataset
-from openenv.core.env_server.mcp_types import Tool
-from openenv.core.harness import (
-    HarnessAdapter,
-    HarnessRolloutResult,
-    ResourceSession,
-    ResourceSessionFactory,
-    ToolResult,
-    ToolTraceEntry,
-    VerifyResult,
-)
 from test_trainer_e2e import restore_server
 from transformers import TrainerCallback
 
 from asyncgrpo import HarnessAsyncGRPOTrainer
-from asyncgrpo.harness import ProcessSessionFactory
+from asyncgrpo.harness import (
+    HarnessRolloutResult,
+    ProcessSessionFactory,
+    Tool,
+    ToolResult,
+    ToolTraceEntry,
+    VerifyResult,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -98,15 +98,13 @@ def agent_tmp(tmp_path, monkeypatch):
 
 
 def harness_config(server, output_dir, **overrides):
-    return make_config(
-        server,
-        output_dir,
+    options = dict(
         token_budget=0,  # a step trains one group: 4 samples (the agent's 2 turns chain into 1 each)
         per_device_train_batch_size=4,
         train_sampling_strategy="sequential",
         chat_template_kwargs=NO_THINKING,
-        **overrides,
     )
+    return make_config(server, output_dir, **{**options, **overrides})
 
 
 @pytest.mark.timeout(300)
@@ -123,6 +121,7 @@ def test_agent_program_trains_on_its_captured_tokens_and_faults_are_counted(
         command=[sys.executable, str(AGENT)],
         verify=written_length,
         timeout_s=HANG_TIMEOUT_S,
+        agent_columns=["mode"],
     )
     trainer = HarnessAsyncGRPOTrainer(
         model=str(tiny_model_dir),
@@ -172,7 +171,11 @@ def test_stopping_the_trainer_ends_the_agents_in_flight(vllm_server, tiny_model_
     # after it never end by themselves (timeout_s far beyond the run): stopping must end them.
     args = harness_config(vllm_server, tmp_path / "run", max_steps=1, max_concurrent_rollouts=8)
     factory = functools.partial(
-        ProcessSessionFactory, command=[sys.executable, str(AGENT)], verify=written_length, timeout_s=3600
+        ProcessSessionFactory,
+        command=[sys.executable, str(AGENT)],
+        verify=written_length,
+        timeout_s=3600,
+        agent_columns=["mode"],
     )
     waiter = WaitForAgentsInFlight()
     trainer = HarnessAsyncGRPOTrainer(
@@ -188,10 +191,187 @@ def test_stopping_the_trainer_ends_the_agents_in_flight(vllm_server, tiny_model_
     assert not list(agent_tmp.iterdir())
 
 
-# -- white-box: an OpenEnv adapter drives the session, the trainer samples each turn -------------------------
+# -- agents that cannot cheat, steal or hang the run ------------------------------------------------------
+
+ADVERSARY = Path(__file__).resolve().parent / "harness_adversary_agent.py"
+EXAMPLE_FUNCTIONS = Path(__file__).resolve().parent.parent / "examples" / "harness" / "functions.py"
+# The trainer's secrets, planted in its environment (which the rollout worker inherits): no agent may see
+# any of them. (torchrun's RANK and WORLD_SIZE would make this run distributed; the unit test plants them.)
+PLANTED = {
+    "HF_TOKEN": "hf_planted_e2e",
+    "WANDB_API_KEY": "wandb-planted-e2e",
+    "AWS_SECRET_ACCESS_KEY": "aws-planted-e2e",
+    "VLLM_API_KEY": "vllm-planted-e2e",  # the shared server wants no key: sending it is harmless
+    "OPENAI_API_KEY": "sk-planted-e2e",
+    "MASTER_ADDR": "10.9.8.7",
+    "MASTER_PORT": "29555",
+}
+# More than a pipe holds: written to the stdin of an agent that never reads it, a blocking write waited
+# for the agent's exit.
+PADDING = "x" * 200_000
+# An agent's timeout, and how long past it a sleeping agent may live (its end is watched every 0.1 s).
+ADVERSARY_TIMEOUT_S, END_SLACK_S = 30, 15
+MAX_AGENTS = GROUP = 2
 
 
-class NoteSession(ResourceSession):
+def example_verify():
+    spec = importlib.util.spec_from_file_location("harness_example_functions", EXAMPLE_FUNCTIONS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.answer_file_is_right
+
+
+def judged_like_the_example(record_dir: str, workdir: Path, transcript, row):
+    """The example's verify, its verdict recorded per rollout; "escape" rollouts get a random reward: a
+    group whose rewards differ brings the step."""
+    reward = example_verify()(workdir, transcript, row)
+    Path(record_dir, f"{uuid.uuid4().hex}.json").write_text(
+        json.dumps({"mode": row["mode"], "reward": reward})
+    )
+    return random.random() if row["mode"] == "escape" else reward
+
+
+def adversary_processes() -> list:
+    """The adversary agents alive (their supervisors, whose command lines name the agent, left out)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if str(ADVERSARY) in cmdline and not any("supervisor.py" in part for part in cmdline):
+            found.append(process)
+    return found
+
+
+class AgentWatch(threading.Thread):
+    """Counts the adversary agents alive, and times the sleeper's end, every 0.1 s until stopped."""
+
+    def __init__(self, report: Path):
+        super().__init__(daemon=True)
+        self.report, self.most_alive, self.sleeper_ended_at = report, 0, None
+        self.done = threading.Event()
+
+    def run(self):
+        sleeper = None
+        while not self.done.wait(0.1):
+            self.most_alive = max(self.most_alive, len(adversary_processes()))
+            claim = self.report / "sleeper.json"
+            if sleeper is None and claim.exists() and claim.read_text():
+                sleeper = json.loads(claim.read_text())["pid"]
+            if sleeper is not None and self.sleeper_ended_at is None and not psutil.pid_exists(sleeper):
+                self.sleeper_ended_at = time.time()
+            elif sleeper is not None and self.sleeper_ended_at is None:
+                try:
+                    if psutil.Process(sleeper).status() == psutil.STATUS_ZOMBIE:
+                        self.sleeper_ended_at = time.time()
+                except psutil.NoSuchProcess:
+                    self.sleeper_ended_at = time.time()
+
+
+class WaitForEveryGroup(TrainerCallback):
+    """The step starts only once every group of the first pass is judged and the sleeper has ended:
+    the run stops after the step, ending the sessions still open. (Without it, groups of the next pass
+    that bring nothing could reach the trainer before the "escape" group, and a whole pass of them
+    without a sample is an error.)"""
+
+    def __init__(self, records: Path, watch: AgentWatch):
+        self.records, self.watch = records, watch
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        def judged(mode: str) -> int:
+            return sum(json.loads(path.read_text())["mode"] == mode for path in self.records.iterdir())
+
+        deadline = time.monotonic() + AGENT_START_BOUND_S + ADVERSARY_TIMEOUT_S
+        modes = ("honest", "cheat", "escape")
+        while time.monotonic() < deadline and not (
+            all(judged(mode) >= GROUP for mode in modes) and self.watch.sleeper_ended_at is not None
+        ):
+            time.sleep(0.1)
+
+
+@pytest.mark.timeout(600)
+def test_agents_cannot_cheat_steal_or_hang_the_run(
+    vllm_server, tiny_model_dir, tmp_path, agent_tmp, monkeypatch
+):
+    for name, value in PLANTED.items():
+        monkeypatch.setenv(name, value)
+    report, records = tmp_path / "report", tmp_path / "records"
+    report.mkdir()
+    records.mkdir()
+    # Groups of 2 in dataset order, at most 4 rollouts at once (two groups), two agents alive at once
+    # (max_agents). The "escape" group's random rewards bring the step's 2 samples.
+    args = harness_config(
+        vllm_server,
+        tmp_path / "run",
+        max_steps=1,
+        max_concurrent_rollouts=4,
+        num_generations=GROUP,
+        per_device_train_batch_size=GROUP,
+    )
+    question = [{"role": "user", "content": "What is 6 times 7? Write the number to answer.txt."}]
+    modes = ["honest", "cheat", "sleepy", "escape"]
+    # Every row's answer is 42; the hint (named for the agent) is the right answer but for the cheat.
+    dataset = Dataset.from_list(
+        [
+            {"prompt": question, "answer": "42", "hint": "7" if mode == "cheat" else "42", "mode": mode}
+            | {"padding": PADDING}
+            for mode in modes
+        ]
+    )
+    factory = functools.partial(
+        ProcessSessionFactory,
+        command=[sys.executable, str(ADVERSARY)],
+        verify=functools.partial(judged_like_the_example, str(records)),
+        timeout_s=ADVERSARY_TIMEOUT_S,
+        env={"REPORT_DIR": str(report)},
+        agent_columns=["hint", "mode", "padding"],
+        max_agents=MAX_AGENTS,
+    )
+    watch = AgentWatch(report)
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        args=args,
+        train_dataset=dataset,
+        harness_session_factory=factory,
+        callbacks=[WaitForEveryGroup(records, watch)],
+    )
+    watch.start()
+    try:
+        trainer.train()
+    finally:
+        watch.done.set()
+        watch.join()
+    history = trainer.state.log_history
+    assert len([entry for entry in history if "loss" in entry]) == 1, "the run went on to its step"
+    # Cheat: the forged answer key and a wrong answer earn nothing; the honest answer earns 1.
+    verdicts = [json.loads(path.read_text()) for path in records.iterdir()]
+    by_mode = {mode: [v["reward"] for v in verdicts if v["mode"] == mode] for mode in modes}
+    # (The worker goes on generating while the trainer steps: a row may be judged again.)
+    assert len(by_mode["cheat"]) >= GROUP and set(by_mode["cheat"]) == {0.0}, by_mode
+    assert len(by_mode["honest"]) >= GROUP and set(by_mode["honest"]) == {1.0}, by_mode
+    assert len(by_mode["sleepy"]) >= GROUP - 1 and set(by_mode["sleepy"]) == {1.0}, by_mode
+    # Steal: no agent saw a trainer secret; each had its session's key and the user's env.
+    dumps = [json.loads(path.read_text()) for path in report.glob("*.env.json")]
+    assert len(dumps) >= GROUP * len(modes)
+    for env in dumps:
+        assert not set(PLANTED.values()) & set(env.values()), sorted(env)
+        assert env["OPENAI_API_KEY"].startswith("asyncgrpo-") and env["REPORT_DIR"] == str(report)
+    # Hang: the sleeper (a 200 KB row, stdin never read) ended at its timeout, counted, and the run went on.
+    started = json.loads((report / "sleeper.json").read_text())["started"]
+    assert watch.sleeper_ended_at is not None
+    assert watch.sleeper_ended_at - started < ADVERSARY_TIMEOUT_S + END_SLACK_S
+    assert sum(entry.get("rollout/harness_timeout_count", 0) for entry in history) >= 1, history
+    # The machine's bound: never more than max_agents agents alive, and rollouts waited for a place.
+    assert watch.most_alive <= MAX_AGENTS
+    assert any(entry.get("rollout/harness_session_wait_s", 0) > 0 for entry in history)
+    # Escape: every process that double-forked out of its agent's session is gone.
+    escapees = [int(path.read_text()) for path in report.glob("escapee-*.pid")]
+    assert len(escapees) >= GROUP and not any(psutil.pid_exists(pid) for pid in escapees)
+    assert not adversary_processes() and not list(agent_tmp.iterdir())
+
+
+# -- white-box: an adapter drives the session, the trainer samples each turn -------------------------
+
+
+class NoteSession:
     def __init__(self, task):
         self.task = task
         self.notes: list[str] = []
@@ -217,12 +397,12 @@ class NoteSession(ResourceSession):
         self.notes = []
 
 
-class NoteSessionFactory(ResourceSessionFactory[NoteSession]):
+class NoteSessionFactory:
     def create(self, task, seed=None, episode_id=None):
         return NoteSession(task)
 
 
-class NoteAdapter(HarnessAdapter):
+class NoteAdapter:
     """A user's white-box harness: model turn, its tool calls, until a turn calls none."""
 
     def run_white_box(self, model_step, session, limits=None):
@@ -258,6 +438,91 @@ def test_white_box_adapter_run_trains_the_turns_the_trainer_sampled(vllm_server,
     assert len(steps) == 1
     assert steps[0]["sampling/sampling_logp_difference/max"] < EXACT_LOGPROB_GAP
     assert any("rewards/harness_reward/mean" in entry for entry in trainer.state.log_history)
+
+
+class ModeNoteSession(NoteSession):
+    """A NoteSession of a dataset row, with a random reward: in mode "hang-verify" its verify never
+    returns, in "hang-tool" its tool never returns."""
+
+    def __init__(self, row):
+        super().__init__(row["prompt"])
+        self.mode = row["mode"]
+
+    def call_tool(self, name, arguments):
+        if self.mode == "hang-tool":
+            threading.Event().wait()
+        return super().call_tool(name, arguments)
+
+    def verify(self, transcript, final_state=None):
+        if self.mode == "hang-verify":
+            threading.Event().wait()
+        return VerifyResult(env_reward=random.random(), done=True)  # rewards that differ: the group trains
+
+
+class ModeNoteSessionFactory:
+    takes_dataset_row = True
+
+    def create(self, task, seed=None, episode_id=None):
+        return ModeNoteSession(task)
+
+
+class NoteFirstAdapter:
+    """A harness that samples one turn and keeps it as a note through the session's tool, whatever the
+    model wrote (as a harness's own bookkeeping step would); in mode "hang-adapter" it never returns."""
+
+    def run_white_box(self, model_step, session, limits=None):
+        if session.mode == "hang-adapter":
+            threading.Event().wait()
+        messages = session.initial_messages()
+        step = model_step(messages, session.list_tools(), limits.sampling)
+        messages.append(step.response.to_message_dict())
+        arguments = {"text": step.response.content or ""}
+        result = session.call_tool("write_note", arguments)
+        return HarnessRolloutResult(
+            messages=messages, tool_trace=[ToolTraceEntry("write_note", arguments, result)]
+        )
+
+    def run_black_box(self, session, limits=None):
+        raise NotImplementedError("this harness is trained white-box only")
+
+
+# The run's deadlines, short: each hanging group ends at its deadline, not at the test's timeout.
+REWARD_DEADLINE_S, TOOL_DEADLINE_S, HARNESS_DEADLINE_S = 3, 3, 6
+
+
+@pytest.mark.timeout(300)
+def test_a_hanging_verify_tool_and_adapter_are_cut_at_their_deadlines_and_counted(
+    vllm_server, tiny_model_dir, tmp_path
+):
+    # A group's rollouts all end at the same deadline, so the groups are scored in dataset order: the
+    # "hang-tool" group (its tool cut, its rollouts scored) brings the step after the other two.
+    args = harness_config(
+        vllm_server,
+        tmp_path / "run",
+        max_steps=1,
+        max_concurrent_rollouts=4,
+        reward_timeout=REWARD_DEADLINE_S,
+        tool_timeout=TOOL_DEADLINE_S,
+    )
+    prompt = [{"role": "user", "content": "Write a note."}]
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        args=args,
+        train_dataset=Dataset.from_list(
+            [{"prompt": prompt, "mode": mode} for mode in ("hang-adapter", "hang-verify", "hang-tool")]
+        ),
+        harness_session_factory=ModeNoteSessionFactory,
+        harness_adapter=NoteFirstAdapter(),
+        harness_timeout_s=HARNESS_DEADLINE_S,
+    )
+    trainer.train()
+    history = trainer.state.log_history
+    assert len([entry for entry in history if "loss" in entry]) == 1, "the run went on to its step"
+    # The hanging adapters and verifies: each rollout unscored and counted; the tools: an error the
+    # model sees, counted, the rollout scored.
+    assert sum(entry.get("rollout/harness_timeout_count", 0) for entry in history) >= 4 + 4, history
+    assert sum(entry.get("rollout/harness_failed_count", 0) for entry in history) >= 4 + 4
+    assert sum(entry.get("tools/timeout_count", 0) for entry in history) >= 4
 
 
 # -- a session spanning a weight sync ------------------------------------------------------------------------
@@ -352,6 +617,7 @@ def test_a_session_spanning_a_weight_sync_trains_each_turn_against_its_own_versi
         command=[sys.executable, str(SPAN_AGENT)],
         verify=noise_reward,
         env={"SPAN_SIGNALS": str(signals)},
+        agent_columns=["mode"],
     )
     trainer = RecordingTrainer(
         model=str(warm_dir),
@@ -395,6 +661,43 @@ def test_a_session_spanning_a_weight_sync_trains_each_turn_against_its_own_versi
     assert spanning, "no trained sample had its turns sampled under versions 0 and 1"
     staleness = [entry.get("sample/staleness_max", 0) for entry in trainer.state.log_history]
     assert max(staleness) >= 1
+
+
+# -- the capture proxy's size cap ----------------------------------------------------------------------------
+
+HUGE_AGENT = Path(__file__).resolve().parent / "harness_huge_agent.py"
+
+
+@pytest.mark.timeout(300)
+def test_a_50_mb_request_is_refused_with_a_413_while_the_other_agents_keep_generating(
+    vllm_server, tiny_model_dir, tmp_path, agent_tmp
+):
+    # One group of 4 agents, started together: one sends a 50 MB body (over the default cap), then asks
+    # as the other three do; the step trains the group's 4 samples, one per agent.
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    args = harness_config(vllm_server, tmp_path / "run", max_steps=1, max_concurrent_rollouts=4)
+    factory = functools.partial(
+        ProcessSessionFactory,
+        command=[sys.executable, str(HUGE_AGENT)],
+        verify=noise_reward,
+        env={"HUGE_CLAIMS": str(claims)},
+    )
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir), args=args, train_dataset=rows("ok", "ok"), harness_session_factory=factory
+    )
+    trainer.train()
+    refused = json.loads((claims / "refused.json").read_text())
+    assert refused["status"] == 413, refused
+    assert (
+        "over the capture proxy's limit" in refused["message"]
+        and "harness_max_request_mb=16" in refused["message"]
+    )
+    history = trainer.state.log_history
+    assert len([entry for entry in history if "loss" in entry]) == 1
+    assert sum(entry.get("rollout/harness_failed_count", 0) for entry in history) == 0
+    assert all(str(HUGE_AGENT) not in (p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
+    assert not list(agent_tmp.iterdir())
 
 
 # -- evaluation through harness sessions ------------------------------------------------------------------

@@ -15,7 +15,6 @@ import random
 import sys
 from pathlib import Path
 
-import harness_openenv  # noqa: F401  (OpenEnv on the path first)
 import pytest
 
 pytest.importorskip(

@@ -1,13 +1,16 @@
-"""The harness's parts without a server: the capture contract (a captured turn to OpenEnv's
-TrainingTrace and back), turns sampled under several policy versions chained into one sample, and
+"""The harness's parts without a server: the capture contract (a captured turn to a TrainingTrace
+and back), turns sampled under several policy versions chained into one sample, the capture
+proxy's size cap and its thread pool (sampling stubbed), the tool metrics, and
 ProcessSessionFactory's sessions (task.json, environment, timeout, cleanup of the process group)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,11 +20,18 @@ pytest.importorskip(
     "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
 )
 
-import harness_openenv  # noqa: E402, F401  (OpenEnv on the path first)
+import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
-from openenv.core.harness import ToolResult, ToolTraceEntry, TrainingTrace  # noqa: E402
 
-from asyncgrpo.harness import CaptureContractError, ProcessSessionFactory  # noqa: E402
+from asyncgrpo.harness import (  # noqa: E402
+    CaptureContractError,
+    ProcessSessionFactory,
+    ToolResult,
+    ToolTraceEntry,
+    TrainingTrace,
+    capture,
+)
+from asyncgrpo.harness.capture import CaptureProxy  # noqa: E402
 from asyncgrpo.harness.openai_chat import template_messages  # noqa: E402
 from asyncgrpo.harness.tool_metrics import captured_tool_calls, white_box_tool_calls  # noqa: E402
 from asyncgrpo.harness.trace import training_turn, turns_from_trace  # noqa: E402
@@ -157,15 +167,21 @@ def test_a_process_session_gets_its_task_and_the_proxys_address_and_is_scored_by
 
     capture = FakeCapture()
     factory = ProcessSessionFactory(
-        [sys.executable, "-c", AGENT_ECHO], verify, sampling={"temperature": 1.0}, capture=capture
+        [sys.executable, "-c", AGENT_ECHO],
+        verify,
+        agent_columns=["hint"],
+        sampling={"temperature": 1.0},
+        capture=capture,
     )
-    row = {"prompt": [{"role": "user", "content": "hi"}], "answer": "42"}
+    row = {"prompt": [{"role": "user", "content": "hi"}], "hint": "a number", "answer": "42"}
     session = factory.create(row, seed=3, episode_id="ep")
     assert session.wait_for_completion() == 0
     assert session.verify([]).env_reward == 0.5
     session.close()
-    expected = {**row, "seed": 3, "episode_id": "ep", "sampling": {"temperature": 1.0}}
-    assert seen["stdin"] == seen["file"] == expected
+    # The prompt and the columns named for the agent; the answer stays with the trainer
+    # (test_harness_safety.py).
+    expected = {"prompt": row["prompt"], "hint": "a number", "seed": 3, "episode_id": "ep"}
+    assert seen["stdin"] == seen["file"] == {**expected, "sampling": {"temperature": 1.0}}
     assert seen["env"] == [capture.base_url, "key-ep", "tiny"]
     assert capture.closed == ["key-ep"] and not list(tmp_path.iterdir())
 
@@ -220,7 +236,6 @@ def test_a_factory_needs_a_command_a_verify_and_the_trainers_capture():
 STAND_IN_WORKER = """
 import sys, threading
 sys.path[:0] = sys.argv[1:3]
-import harness_openenv
 from asyncgrpo.harness import ProcessSessionFactory
 from test_harness_units import FakeCapture, HANGING_PARENT
 agent = [sys.executable, "-c", HANGING_PARENT]
@@ -294,7 +309,8 @@ def test_tool_metrics_of_a_captured_session_count_calls_per_tool_and_unoffered_n
         {"request": offered, "response": reply("write_file")},
     ]
     counts = captured_tool_calls(entries)
-    assert counts.calls == {"write_file": 2, "rm": 1} and counts.total == 3
+    # "rm" is a name the model made up: it is counted, under one name for every undeclared tool.
+    assert counts.calls == {"write_file": 2, "undeclared": 1} and counts.total == 3
     assert counts.per_reply == [2, 1] and counts.unknown_names == 1 and counts.failures is None
     window = MetricsWindow()
     counts.record(window)
@@ -303,16 +319,114 @@ def test_tool_metrics_of_a_captured_session_count_calls_per_tool_and_unoffered_n
     assert logged["tools/call_frequency"] == 3.0  # per rollout
     assert logged["tools/parallel_calls_mean"] == 1.5  # (2 + 1) / 2 replies with calls
     assert logged["tools/unknown_name_count"] == 2.0
-    assert logged["tools/write_file/call_count"] == 4.0 and logged["tools/rm/call_count"] == 2.0
+    assert logged["tools/write_file/call_count"] == 4.0 and logged["tools/undeclared/call_count"] == 2.0
+    assert not [name for name in logged if "/rm/" in name], "a made-up name never becomes a metric name"
     assert not [name for name in logged if "failure" in name], "the agent's tool failures are unknown"
 
 
 def test_tool_metrics_of_a_white_box_session_count_failed_calls():
     ok, failed = ToolResult(data="ok"), ToolResult(error="no such file")
     trace = [ToolTraceEntry("read", {}, ok), ToolTraceEntry("read", {}, failed), ToolTraceEntry("ls", {}, ok)]
+    trace.append(ToolTraceEntry("sudo", {}, ToolResult(error="no such tool")))  # the model's invention
     window = MetricsWindow()
-    white_box_tool_calls(trace).record(window)
+    white_box_tool_calls(trace, declared={"read", "ls"}).record(window)
     logged = window.summarize()
     assert logged["tools/read/call_count"] == 2.0 and logged["tools/read/failure_count"] == 1.0
     assert logged["tools/ls/failure_count"] == 0.0
-    assert logged["tools/failure_frequency"] == pytest.approx(1 / 3)  # 1 failed call of 3
+    assert logged["tools/undeclared/call_count"] == 1.0 and logged["tools/undeclared/failure_count"] == 1.0
+    assert not [name for name in logged if "/sudo/" in name]
+    assert logged["tools/failure_frequency"] == pytest.approx(2 / 4)  # 2 failed calls of 4
+
+
+# -- the capture proxy, its sampling stubbed ---------------------------------------------------------------
+
+# Bounds, not waits: only a failing test reaches them.
+REQUEST_BOUND_S = 60.0
+
+
+def stub_sampler(tokenizer):
+    """generate_one_turn's stand-in: the reply "Hello." to any prompt, at log-prob -0.5 a token."""
+
+    async def sample_turn(prompt_ids):
+        output = tokenizer.encode("Hello.", add_special_tokens=False)
+        return TurnRecord(list(prompt_ids), output, [-0.5] * len(output), finish_reason="stop")
+
+    return sample_turn
+
+
+def ask(text: str) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": text}]}
+
+
+async def run_proxy(tokenizer, max_request_bytes, scenario):
+    """`scenario(post)` against a started proxy; `post(body)` -> (status, JSON reply) for one session."""
+    proxy = CaptureProxy(
+        tokenizer, stub_sampler(tokenizer), "tiny", {"enable_thinking": False}, False, max_request_bytes
+    )
+    endpoint = await proxy.start()
+    headers = {"Authorization": f"Bearer {proxy.open_session('ep')}"}
+    timeout = aiohttp.ClientTimeout(total=REQUEST_BOUND_S)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as client:
+
+            async def post(body):
+                """`body`: a request (sent as JSON, with its length) or a stream of bytes (chunked)."""
+                data = json.dumps(body) if isinstance(body, dict) else body
+                url = f"{endpoint.base_url}/chat/completions"
+                async with client.post(url, data=data, headers=headers) as reply:
+                    return reply.status, await reply.json(content_type=None)
+
+            return await scenario(post), proxy
+    finally:
+        await proxy.stop()
+
+
+def test_a_body_over_the_proxys_cap_gets_a_413_that_says_why_and_the_session_goes_on(tokenizer):
+    cap = 2**20
+
+    async def chunks():  # no Content-Length: the cap holds while the body is read
+        for _ in range(3):
+            yield b"x" * cap
+
+    async def scenario(post):
+        declared = await post(ask("x" * (2 * cap)))
+        chunked = await post(chunks())
+        fine = await post(ask("What is 2 + 2?"))
+        return declared, chunked, fine
+
+    (declared, chunked, fine), proxy = asyncio.run(run_proxy(tokenizer, cap, scenario))
+    for status, reply in (declared, chunked):
+        assert status == 413, reply
+        message = reply["error"]["message"]
+        assert f"limit of {cap} bytes" in message and "harness_max_request_mb=1" in message
+    assert "2097" in declared[1]["error"]["message"], "the declared size is named"
+    status, reply = fine
+    assert status == 200 and reply["choices"][0]["message"]["content"] == "Hello."
+    assert [turn.node_id for turn in proxy.sessions[next(iter(proxy.sessions))].turns] == ["ep-0"]
+
+
+def test_a_request_being_templated_holds_up_no_other_request(tokenizer, monkeypatch):
+    """The chat template runs off the event loop: while one request's template is held (an event
+    the test sets), another request is answered."""
+    render, entered, release = capture.render_prompt_ids, threading.Event(), threading.Event()
+    held_past_bound = []
+
+    def held_render(tokenizer, messages, *args):
+        if messages[-1]["content"] == "slow":
+            entered.set()
+            held_past_bound.append(not release.wait(REQUEST_BOUND_S))
+        return render(tokenizer, messages, *args)
+
+    monkeypatch.setattr(capture, "render_prompt_ids", held_render)
+
+    async def scenario(post):
+        slow = asyncio.ensure_future(post(ask("slow")))
+        assert await asyncio.to_thread(entered.wait, REQUEST_BOUND_S)
+        fast = await post(ask("fast"))
+        answered_while_held = not slow.done()
+        release.set()
+        return fast, answered_while_held, await slow
+
+    (fast, answered_while_held, slow), _ = asyncio.run(run_proxy(tokenizer, 2**20, scenario))
+    assert held_past_bound == [False], "the held request's template was never let go by the test"
+    assert answered_while_held and fast[0] == 200 and slow[0] == 200

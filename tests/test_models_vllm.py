@@ -222,7 +222,7 @@ def test_moe_parity_holds_after_a_weight_sync(moe_server, tmp_path):
     client = VLLMClient(server.url, timeout=120)
     sync = FilesystemWeightSync(client, loop, tmp_path / "weights")
     try:
-        sync.apply(sync.prepare(load_model(str(model_dir)), version=1), version=1)
+        sync.apply(sync.prepare(load_model(str(model_dir)), version=1), version=1, urls=client.base_urls)
         loop.run(client.reset_prefix_cache())
     finally:
         sync.close()

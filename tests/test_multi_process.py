@@ -201,13 +201,15 @@ def test_slurm_example_is_valid_bash_and_its_overrides_parse():
     """The SLURM example parses as bash, and the overrides it hands `asyncgrpo train` are ones the
     command line accepts."""
     script = HERE.parent / "examples" / "slurm" / "train.sbatch"
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    for each in (script, script.with_name("add_server.sbatch")):
+        assert subprocess.run(["bash", "-n", str(each)], capture_output=True).returncode == 0, each
     text = script.read_text()
     assert "-m asyncgrpo.cli train" in text and "--rdzv-backend c10d" in text
+    assert "--vllm_server_urls_file" in text
     overrides = parse_overrides(
-        ["--vllm_server_base_url", "http://a:8000,http://b:8000", "--output_dir", "/x"]
+        ["--vllm_server_base_url", "http://a:8000,http://b:8000", "--vllm_server_urls_file", "/x/servers.txt"]
+        + ["--output_dir", "/x"]
     )
-    config = AsyncGRPOConfig(
-        output_dir=overrides["output_dir"], vllm_server_base_url=overrides["vllm_server_base_url"]
-    )
-    assert config.vllm_server_base_url == ["http://a:8000", "http://b:8000"]
+    config = AsyncGRPOConfig(**overrides)
+    assert config.vllm_server_urls == ["http://a:8000", "http://b:8000"]
+    assert config.vllm_server_urls_file == "/x/servers.txt"

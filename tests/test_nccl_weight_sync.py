@@ -25,7 +25,7 @@ pytest.importorskip(
 import requests  # noqa: E402
 import torch  # noqa: E402
 from conftest import free_port  # noqa: E402
-from weight_transfer_double import GlooTransport, checksum, running_double, unpack  # noqa: E402
+from weight_transfer_double import GlooTransport, checksum, running_double, start_double, unpack  # noqa: E402
 
 from asyncgrpo.cli.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.generation.background import BackgroundLoop  # noqa: E402
@@ -33,6 +33,7 @@ from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.weight_sync.base import serving_tensors  # noqa: E402
 from asyncgrpo.weight_sync.buckets import pack, plan_buckets  # noqa: E402
 from asyncgrpo.weight_sync.nccl import NcclWeightSync, WeightTransferError  # noqa: E402
+from asyncgrpo.weight_sync.transport import NcclTransport  # noqa: E402
 
 
 def received(url: str) -> dict:
@@ -239,14 +240,17 @@ def test_nccl_library_mints_ids_and_runs_collectives_on_one_gpu():
     communicator.close()
 
 
+def model_on_last_gpu(gpus: int, layout: str) -> torch.nn.Module:
+    """The tiny model in bfloat16 on GPU `gpus - 1`, the trainer's; skipped without `gpus` GPUs."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs: {layout}")
+    torch.cuda.set_device(gpus - 1)
+    return tiny_model().to(f"cuda:{gpus - 1}", torch.bfloat16)
+
+
 @pytest.mark.gpu
 def test_nccl_weights_arrive_bit_exact_on_a_second_gpu():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs: the receiver double on GPU 0, the trainer on GPU 1")
-    from asyncgrpo.weight_sync.transport import NcclTransport
-
-    torch.cuda.set_device(1)
-    model = tiny_model().to("cuda:1", torch.bfloat16)
+    model = model_on_last_gpu(2, "the receiver double on GPU 0, the trainer on GPU 1")
     with against_doubles(receiver="nccl", device="cuda:0", transport=NcclTransport) as ([url], sender):
         backend = sender(timeout_s=60, bucket_bytes=1 << 20)
         backend.sync(model, version=1)
@@ -276,6 +280,96 @@ def test_reconnect_forms_a_new_group_and_weights_arrive_through_it():
             "/init_weight_transfer_engine"
         )
         backend.close()
+
+
+def lost_receiver_rejoins(model, transport, receiver: str, devices: tuple[str, str]) -> None:
+    """Two servers in one group; one is killed between syncs. The next sync cannot reach it: it tears
+    the group down on the other and forms it anew without the dead receiver, and the survivor gets the
+    weights exactly. A server back at the dead one's URL then gets a new group with the survivor (the
+    trainer's full sync for a server that joins under NCCL), and both receive the next version."""
+    loop = BackgroundLoop()
+    (first, url_a), (second, url_b) = (start_double(receiver=receiver, device=device) for device in devices)
+    processes = [first, second]
+    client = VLLMClient([url_a, url_b], timeout=60)
+    try:
+        backend = NcclWeightSync(client, loop, transport(), timeout_s=60)
+        assert backend.sync(model, version=1).missed == []
+        second.kill()
+        second.wait(10)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01)
+        assert backend.sync(model, version=2).missed == [url_b]
+        survivor = received(url_a)
+        assert survivor["version"] == policy_label(2) and survivor["checksums"] == expected_checksums(model)
+        assert survivor["log"][-7:] == [
+            "/pause",
+            "/shutdown_weight_transfer_engine",  # the group that held the dead receiver, torn down
+            "/init_weight_transfer_engine",  # and formed anew without it
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/resume",
+        ]
+        assert backend.members == [url_a]
+        back, _ = start_double(receiver=receiver, device=devices[1], port=int(url_b.rsplit(":", 1)[1]))
+        processes.append(back)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01)
+        backend.reconnect()
+        assert backend.sync(model, version=3, urls=[url_a, url_b]).missed == []
+        for url in (url_a, url_b):
+            answer = received(url)
+            assert answer["version"] == policy_label(3) and answer["checksums"] == expected_checksums(model)
+        assert backend.members == [url_a, url_b]
+        backend.close()
+    finally:
+        loop.run(client.close())
+        loop.close()
+        for process in processes:
+            process.kill()
+            process.wait(10)
+
+
+def test_a_lost_receiver_is_dropped_from_the_group_and_a_server_back_joins_a_new_one():
+    lost_receiver_rejoins(tiny_model(), GlooTransport, "gloo", ("cpu", "cpu"))
+
+
+@pytest.mark.gpu
+def test_a_lost_nccl_receiver_is_dropped_from_the_group_and_a_server_back_joins_a_new_one():
+    model = model_on_last_gpu(3, "two receiver doubles on GPUs 0 and 1, the trainer on GPU 2")
+    lost_receiver_rejoins(model, NcclTransport, "nccl", ("cuda:0", "cuda:1"))
+
+
+def test_a_receiver_lost_during_a_broadcast_leaves_the_others_paused_until_a_new_group():
+    """One receiver dies as it is asked to receive. The sync does not fail the run: the group is
+    aborted, the dead server and the one that may hold part of the weights are both reported missed,
+    and the survivor stays paused (it must not generate with half the weights) until the next sync
+    forms a group without the dead one and gives it every tensor."""
+    model = tiny_model()
+    loop = BackgroundLoop()
+    (first, url_a), (second, url_b) = start_double(), start_double(fault="die_on_update")
+    client = VLLMClient([url_a, url_b], timeout=60)
+    try:
+        backend = NcclWeightSync(client, loop, GlooTransport(), timeout_s=20)
+        assert sorted(backend.sync(model, version=1).missed) == sorted([url_a, url_b])
+        assert received(url_a)["log"][-1] == "/finish_weight_update", "not resumed: it stays paused"
+        assert backend.members == []
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01)
+        assert backend.sync(model, version=2, urls=[url_a]).missed == []
+        answer = received(url_a)
+        assert answer["version"] == policy_label(2) and answer["checksums"] == expected_checksums(model)
+        assert answer["log"][-1] == "/resume" and backend.members == [url_a]
+        backend.close()
+    finally:
+        loop.run(client.close())
+        loop.close()
+        for process in (first, second):
+            process.kill()
+            process.wait(10)
 
 
 def test_server_engine_and_version_detection():

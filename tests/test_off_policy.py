@@ -198,3 +198,26 @@ def test_config_fields_and_errors(tmp_path):
         config(vllm_importance_sampling_mode="sequence")
     with pytest.raises(ValueError, match="off_policy_mask_threshold"):
         config(off_policy_mask_threshold=-1.0)
+
+
+def test_the_mismatch_warning_fires_on_the_measured_disagreement_not_on_the_dtype(caplog):
+    """bf16 serving of an fp32 trainer (the usual GPU set-up) is no reason to warn by itself: the run
+    warns once, saying what to check, when the fresh mismatch it measures exceeds what precision
+    explains."""
+    import logging
+
+    from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
+    from asyncgrpo.off_policy import MISMATCH_KL_PRECISION_FLOOR
+    from asyncgrpo.trainer.mismatch_watch import FRESH_MISMATCH, MismatchWatch
+
+    model = build_model(build_tokenizer())  # float32
+    watch = MismatchWatch("bfloat16", model)
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.mismatch_watch"):
+        assert watch.check({FRESH_MISMATCH: 1.2e-4, "loss": 0.1}, step=1) is None  # bf16's own level
+        assert watch.check({"loss": 0.1}, step=2) is None  # a window without fresh samples
+        message = watch.check({FRESH_MISMATCH: 10 * MISMATCH_KL_PRECISION_FLOOR}, step=3)
+        assert watch.check({FRESH_MISMATCH: 1.0}, step=4) is None  # once per run
+    assert [record.getMessage() for record in caplog.records] == [message]
+    assert message.startswith(f"step 3: {FRESH_MISMATCH}=0.01 ")
+    assert "--dtype float32" in message and "moe_routing_replay" in message
+    assert "--dtype" not in MismatchWatch("float32", model).check({FRESH_MISMATCH: 1.0}, step=1)

@@ -234,22 +234,27 @@ class RecordingServers:
     """The adapter calls a sync makes, in order, and which adapter folders exist at each call; a
     `missing` name answers 404, as from a server restarted since it loaded that version."""
 
+    base_urls = ["http://s"]
+
     def __init__(self, directory, missing=()):
         self.directory, self.missing, self.calls = directory, set(missing), []
 
     def _folders(self):
         return sorted(path.name for path in self.directory.iterdir())
 
-    async def load_lora_adapter(self, name, path, load_inplace=False):
+    async def load_lora_adapter(self, name, path, load_inplace=False, urls=None):
         self.calls.append(("load", name, load_inplace, self._folders()))
+        return []  # every server reached
 
-    async def unload_lora_adapter(self, name):
+    async def unload_lora_adapter(self, name, urls=None):
         self.calls.append(("unload", name, self._folders()))
         if name in self.missing:
             raise VLLMRequestError("http://s/v1/unload_lora_adapter", 404, "not found")
+        return []
 
-    async def set_weight_label(self, label):
+    async def set_weight_label(self, label, urls=None):
         self.calls.append(("label", label))
+        return []
 
 
 def test_each_sync_loads_the_next_version_before_unloading_the_oldest_and_deletes_its_folder(
@@ -285,6 +290,25 @@ def test_each_sync_loads_the_next_version_before_unloading_the_oldest_and_delete
         ("unload", "run-v3", ["v3"]),
     ]
     assert not backend.directory.exists()
+
+
+def test_a_server_that_joins_loads_the_newest_adapter_in_place(tiny_model_dir, tmp_path):
+    """Adapter-only sync keeps the newest adapter loaded: a server back after a loss (it lost its
+    adapters) or new loads it, and gets its label; nothing else is loaded or unloaded."""
+    peft_model = trained_like(get_peft_model(load(tiny_model_dir), LoraConfig(r=4, target_modules=TARGETS)))
+    servers = RecordingServers(tmp_path / ".vllm_lora")
+    loop = BackgroundLoop()
+    try:
+        backend = LoraAdapterSync(servers, loop, tmp_path / ".vllm_lora", keep=2)
+        backend.prefix = "run"
+        for version in range(2):
+            backend.sync(peft_model, version)
+        assert backend.can_resend and backend.resend(1, ["http://back"]) == []
+        assert servers.calls[-2:] == [("load", "run-v1", True, ["v0", "v1"]), ("label", policy_label(1))]
+        assert [version for version, _ in backend.loaded] == [0, 1]
+        backend.close()
+    finally:
+        loop.close()
 
 
 class VersionedServer:

@@ -64,9 +64,9 @@ class AtLastStep(TrainerCallback):
         newest = policy_adapter_name(backend.prefix, self.trainer.model_version)
         self.seen = dict(
             newest=newest,
-            models=served_models(args.vllm_server_base_url[0]),
+            models=served_models(args.vllm_server_urls[0]),
             folders=sorted(path.name for path in backend.directory.iterdir()),
-            completion=served(args.vllm_server_base_url[0], newest),
+            completion=served(args.vllm_server_urls[0], newest),
             reference=greedy_reference(merged_copy(self.trainer.model), PROBE, GREEDY.max_tokens),
         )
 

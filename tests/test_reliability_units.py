@@ -23,6 +23,7 @@ pytest.importorskip(
 from asyncgrpo.generation.background import BackgroundLoop  # noqa: E402
 from asyncgrpo.generation.client import auth_headers, parse_policy_label, policy_label  # noqa: E402
 from asyncgrpo.generation.server_info import check_logprobs_mode, parse_server_info  # noqa: E402
+from asyncgrpo.rollout.activity import ActivityBoard  # noqa: E402
 from asyncgrpo.rollout.concurrency import RolloutSlots  # noqa: E402
 from asyncgrpo.rollout.scoring import RewardFunctionError, call_reward_functions  # noqa: E402
 from asyncgrpo.sample import Sample  # noqa: E402
@@ -272,6 +273,22 @@ def test_waiting_for_a_rollout_place_is_bounded():
         await slots.acquire()  # nobody releases
 
     with pytest.raises(RuntimeError, match="none of the 1 running rollouts finished"):
+        asyncio.run(scenario())
+
+
+def test_the_stuck_generation_error_names_what_the_running_rollouts_wait_on():
+    board = ActivityBoard()
+
+    async def scenario():
+        slots = RolloutSlots(1, stall_timeout_s=0.2, describe_waits=board.describe)
+        slots.reserve(2)
+        await slots.acquire()
+        with board.waiting_on("verify()"):
+            await slots.acquire()  # the running rollout waits on a verify that never returns
+
+    with pytest.raises(
+        RuntimeError, match=r"generation is stuck \(of the running rollouts, 1 waiting on verify\(\)"
+    ):
         asyncio.run(scenario())
 
 

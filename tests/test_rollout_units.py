@@ -203,6 +203,20 @@ def test_allowance_starts_one_group_at_a_time_then_uses_the_estimate():
     assert allowance.produced_tokens == 400 and allowance.tokens_per_group_estimate == 300
 
 
+def test_rollouts_without_tokens_leave_the_estimate_alone():
+    """Agents that fail before their first turn make no tokens: counted as rollouts of 0 tokens they
+    would drive the estimate to 0, and groups (a process each rollout, for a harness) would start
+    without limit."""
+    allowance = TokenAllowance(num_generations=4)
+    allowance.group_started()
+    allowance.group_finished([0, 0, 0, 0], queued_tokens=0)
+    assert allowance.tokens_per_group_estimate is None
+    allowance.group_started()
+    assert not allowance.may_start_group(1e9), "still one group at a time"
+    allowance.group_finished([100, 0, 0, 100], queued_tokens=200)
+    assert allowance.tokens_per_group_estimate == 400  # from the two rollouts that made tokens
+
+
 # -- prompt streams ---------------------------------------------------------------------------------------
 
 
@@ -296,7 +310,7 @@ def test_top_logprobs_follow_trained_tokens_and_masked_outputs_stay_context():
 def test_completions_table_prints_prompt_completion_and_reward(capsys):
     from asyncgrpo.cli.tiny_model import build_tokenizer
     from asyncgrpo.sample import Sample
-    from asyncgrpo.trainer.completions_table import print_completions
+    from asyncgrpo.trainer.completions_table import completion_rows, print_completions
 
     tokenizer = build_tokenizer()
     prompt = tokenizer.encode("What is 2 + 2?")
@@ -304,7 +318,11 @@ def test_completions_table_prints_prompt_completion_and_reward(capsys):
     tokens = np.array(prompt + answer)
     trained = np.arange(len(tokens)) >= len(prompt)
     sample = Sample(tokens, trained, np.zeros(len(answer), np.float32), 0.75, 0, reward=1.0)
-    print_completions([sample], tokenizer, step=3)
+    rows = completion_rows([sample], tokenizer, step=3)
+    assert rows == [
+        {"step": 3, "prompt": "What is 2 + 2?", "completion": "4", "reward": 1.0, "advantage": 0.75}
+    ]
+    print_completions(rows, step=3)
     out = capsys.readouterr().out
     assert "completions at step 3" in out and "What is 2 + 2?" in out and "1.000" in out and "+0.750" in out
 
@@ -333,4 +351,24 @@ def test_a_loop_subclass_inherits_only_the_documented_attributes():
         "client",
         "max_model_len",
     }
-    assert set(vars(loop)) == readable | {"_scheduling", "_sampler", "_tool_executor", "_rendered"}
+    private = {"_scheduling", "_sampler", "_tool_executor", "_rendered", "_activity"}
+    assert set(vars(loop)) == readable | private
+
+
+def test_groups_without_reward_signal_are_counted_under_trl_grpos_name_too():
+    """TRL's GRPOTrainer logs the share of groups whose rewards all agree as `frac_reward_zero_std`: a
+    user coming from it finds the same figure under that name (beside `frac_zero_std_groups`)."""
+    from asyncgrpo.rollout.rollout_metrics import record_group_metrics
+    from asyncgrpo.rollout.types import RolloutGroup
+
+    window = MetricsWindow()
+    groups = (([1.0, 1.0], True), ([0.0, 1.0], False), ([0.5, 0.0], False), ([0.0, 0.0], True))
+    for rewards, dropped in groups:
+        group = RolloutGroup(
+            prompts=[], reward_kwargs={}, completions=[], completions_ids=[], completions_sequences=[],
+            tool_call_counts=[], tool_failure_counts=[], model_version=0, group_id=0, row_index=0,
+            env_rewards=[], rollout_rewards=[], rewards=np.array(rewards),
+        )  # fmt: skip
+        record_group_metrics(window, group, [rewards], ["r"], dropped, num_samples=0 if dropped else 2)
+    logged = window.summarize()
+    assert logged["frac_reward_zero_std"] == logged["frac_zero_std_groups"] == 0.5

@@ -7,6 +7,7 @@ import json
 import logging
 import multiprocessing
 import os
+import sys
 from types import SimpleNamespace
 
 from asyncgrpo.run_files import WARNINGS_FILE_ENV, attach_warnings_file
@@ -101,3 +102,31 @@ def test_report_to_receives_the_logs_beside_the_run_directory(tiny_model_dir, tm
 
 def _zero_reward(completions, **kwargs):
     return [0.0] * len(completions)
+
+
+def test_log_completions_reaches_the_trackers_with_tables_and_never_stops_the_run(monkeypatch, caplog):
+    """The completions go, as TRL's GRPO trainer sends them, to W&B (when a run is open) and trackio
+    named in report_to, as a table under "completions"; a tracker that fails is warned about."""
+    from recording_tracker import RecordingTracker
+
+    from asyncgrpo.trainer.completions_table import log_to_trackers
+
+    wandb, trackio = RecordingTracker("wandb"), RecordingTracker("trackio")
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "trackio", trackio)
+    rows = [{"step": 2, "prompt": "p", "completion": "c", "reward": 1.0, "advantage": 0.5}]
+    assert log_to_trackers(rows, ["tensorboard", "wandb", "trackio"]) == ["wandb", "trackio"]
+    for tracker in (wandb, trackio):
+        (logged,) = tracker.logged
+        assert logged["completions"].dataframe.to_dict("records") == rows
+    assert log_to_trackers(rows, ["tensorboard"]) == []
+    wandb.run = None  # W&B without an open run: nothing to log into
+    assert log_to_trackers(rows, ["wandb"]) == []
+
+    def broken(values, step=None):
+        raise RuntimeError("tracker offline")
+
+    trackio.log = broken
+    with caplog.at_level(logging.WARNING):
+        assert log_to_trackers(rows, ["trackio"]) == []
+    assert "did not reach trackio: tracker offline" in caplog.text

@@ -157,3 +157,55 @@ def test_serve_enable_lora_picks_the_lora_flags_from_the_run_settings(monkeypatc
     seen.clear()
     cli.main(["serve", "m", "--max-staleness", "2"])
     assert (seen["o"].enable_lora, seen["o"].max_loras) == (False, None)
+
+
+# -- a first run of `asyncgrpo serve`: no forced offline mode, --dry-run, --for with a MODEL ---------------
+
+
+def test_a_hub_model_is_served_online_and_a_local_one_offline(monkeypatch, tmp_path):
+    """A Hub id must download on a fresh machine: offline mode only when the user set it, or when the
+    model is a local directory (vLLM then needs no Hub, and a lookup would only wait for a timeout)."""
+    monkeypatch.setattr("asyncgrpo.generation.server.model_flags", lambda *_: ([], []))
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    _, env = build_command(ServerOptions(model="Qwen/Qwen3.5-2B", cpu=True))
+    assert "HF_HUB_OFFLINE" not in env
+    _, env = build_command(ServerOptions(model=str(tmp_path), cpu=True))
+    assert env["HF_HUB_OFFLINE"] == "1"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the user's choice stays theirs (inherited, not overridden)
+    _, env = build_command(ServerOptions(model=str(tmp_path), cpu=True))
+    assert "HF_HUB_OFFLINE" not in env
+
+
+def test_dry_run_prints_the_command_and_starts_nothing(monkeypatch, capsys):
+    from asyncgrpo import cli
+
+    started = []
+    monkeypatch.setattr("asyncgrpo.generation.server.serve_foreground", started.append)
+    monkeypatch.setattr("subprocess.Popen", lambda *a, **k: started.append(a))
+    for argv in (
+        ["serve", "--dry-run", "m", "--cpu"],
+        ["serve", "m", "--max-model-len", "512", "--api-server-count", "8", "--dry-run", "--cpu"],
+        ["serve", "--dry-run", "--for", "examples/quickstart.yaml", "--cpu"],
+    ):
+        assert cli.main(argv) == 0, argv
+        printed = capsys.readouterr().out.strip().splitlines()
+        assert len(printed) == 1 and "VLLM_SERVER_DEV_MODE=1" in printed[0], printed
+    assert started == []
+    cli.main(["serve", "--dry-run", "m", "--max-model-len", "512", "--api-server-count", "8", "--cpu"])
+    command = capsys.readouterr().out
+    assert " serve m " in command and "--max-model-len 512" in command
+    assert command.strip().endswith("--api-server-count 8")
+
+
+def test_serve_for_a_config_with_a_model_serves_that_model_alone(capsys):
+    from asyncgrpo import cli
+
+    assert cli.main(["serve", "--for", "examples/quickstart.yaml", "my/model", "--dry-run", "--cpu"]) == 0
+    argv = capsys.readouterr().out.split()
+    assert argv[argv.index("serve") + 1] == "my/model"
+    assert "Qwen/Qwen3.5-2B" not in argv and "my/model" not in argv[argv.index("serve") + 2 :]
+    # A vllm flag's value is never taken for the model: without a model, the config's.
+    for_config = ["serve", "--for", "examples/quickstart.yaml"]
+    assert cli.main([*for_config, "--api-server-count", "8", "--dry-run"]) == 0
+    argv = capsys.readouterr().out.split()
+    assert argv[argv.index("serve") + 1] == "Qwen/Qwen3.5-2B" and argv[-2:] == ["--api-server-count", "8"]

@@ -74,6 +74,8 @@ def test_a_dead_runs_directory_is_removed_and_a_live_ones_kept(tmp_path):
 class ReloadRecorder:
     """The client calls the filesystem sync makes, with what each reload found on disk."""
 
+    base_urls = ["http://server"]
+
     def __init__(self, refuse: bool = False):
         self.refuse = refuse
         self.calls: list[str] = []
@@ -81,15 +83,20 @@ class ReloadRecorder:
 
     async def pause(self, **kwargs):
         self.calls.append("pause")
+        return []  # every server reached
 
     async def resume(self, **kwargs):
         self.calls.append("resume")
+        return []
 
-    async def reload_weights(self, path, version=None, timeout=None):
-        self.calls.append(f"reload {Path(path).name}")
+    async def reload_weights(self, path, version=None, timeout=None, urls=None):
+        self.calls.append(
+            f"reload {Path(path).name}" + (f" on {' '.join(urls)}" if urls != self.base_urls else "")
+        )
         if self.refuse:
             raise VLLMRequestError("http://server", 500, "No such file or directory")
         self.reloaded.append(load_file(Path(path) / "model.safetensors"))
+        return []
 
 
 class ImmediateLoop:
@@ -113,6 +120,25 @@ def test_a_sync_writes_under_the_owned_directory_and_close_removes_it(tmp_path):
     assert sorted(path.name for path in (owned / "versions").iterdir()) == ["v2"]
     sync.close()
     assert not owned.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_server_that_joins_reloads_the_version_the_others_run(tmp_path):
+    """A server back after a loss, or new, is given the served version from what the sync kept,
+    without the model: it alone is paused, reloads those files and is resumed."""
+    model = torch.nn.Linear(3, 2)
+    client = ReloadRecorder()
+    sync = SharedMemoryWeightSync(client, ImmediateLoop(), timeout_s=5.0, root=tmp_path)
+    sync.sync(model, 1)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    sync.sync(model, 2)
+    served = dict(client.reloaded[-1])
+    with torch.no_grad():
+        model.weight.add_(1.0)  # trained on since version 2: the server must get version 2 all the same
+    assert sync.can_resend and sync.resend(2, ["http://back"]) == []
+    assert client.calls[-3:] == ["pause", "reload v2 on http://back", "resume"]
+    assert torch.equal(client.reloaded[-1]["weight"], served["weight"])
+    sync.close()
 
 
 def test_a_refused_reload_says_how_to_fall_back(tmp_path):

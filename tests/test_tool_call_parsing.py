@@ -1,14 +1,16 @@
-"""Tool calls read from a model's turn, without a server: each call format (Hermes, Mistral, Qwen3.5's
-XML, Llama 3's bare JSON), which format a chat template declares, and reasoning split from content; the
-other way, the tool schemas built from Python functions and the tools rendered into the prompt by the
-tiny tokenizer's template."""
+"""Tool calls read from a model's turn, without a server: the Hermes, Mistral, Qwen3.5 XML and Llama 3
+formats on hand-written turns (every family with its real chat template: tests/test_chat_families.py),
+which format a chat template declares, and reasoning split from content; the other way, the tool
+schemas built from Python functions and the tools rendered into the prompt by the tiny tokenizer's
+template."""
 
 from __future__ import annotations
 
 from agent_fakes import LLAMA3_LIKE, MISTRAL_LIKE, QWEN3_5_LIKE, Counter, multiply
 
-from asyncgrpo.rollout.chat import QWEN3_TRAINING_TEMPLATE, render_prompt_ids, tool_schema
+from asyncgrpo.rollout.chat import render_prompt_ids, tool_schema
 from asyncgrpo.rollout.tool_calls import parse_tool_calls, parse_turn, split_reasoning, tool_call_format
+from asyncgrpo.rollout.training_templates import QWEN3_TRAINING_TEMPLATE
 
 # -- parsing -----------------------------------------------------------------------------------------------
 
@@ -54,6 +56,17 @@ def test_xml_format_of_qwen3_5_is_read_in_order():
     assert calls[2].name is None and "<function=NAME>" in calls[2].error
 
 
+def test_deepseek_v3_1_writes_the_name_before_the_separator_and_no_fence():
+    # DeepSeek-V3.1's form (V3/R1's fenced form is read with R1's real template in test_chat_families).
+    text = (
+        'Let me.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>multiply<｜tool▁sep｜>{"a": 2, "b": 3}<｜tool▁call▁end｜>'
+        '<｜tool▁call▁begin｜>multiply<｜tool▁sep｜>{"a": 4,<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
+    content, (good, broken) = parse_tool_calls(text, "deepseek")
+    assert content == "Let me." and (good.name, good.arguments) == ("multiply", {"a": 2, "b": 3})
+    assert broken.name == "multiply" and "not valid JSON" in broken.error
+
+
 def test_llama3_json_format_is_one_bare_object():
     content, calls = parse_tool_calls(' {"name": "add", "parameters": {"a": 1}}', "llama3_json")
     assert content == "" and [(c.name, c.arguments) for c in calls] == [("add", {"a": 1})]
@@ -67,7 +80,7 @@ def test_call_format_is_the_one_the_template_declares():
     assert tool_call_format(QWEN3_5_LIKE) == "xml"
     assert tool_call_format(MISTRAL_LIKE) == "mistral"
     assert tool_call_format(LLAMA3_LIKE) == "llama3_json"
-    assert tool_call_format(None) == "hermes"
+    assert tool_call_format(None) is None  # no template, no format: a run with tools refuses it
 
 
 def test_reasoning_is_split_like_parse_response():

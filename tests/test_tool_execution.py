@@ -17,11 +17,12 @@ from agent_fakes import ScriptedLoop, assert_each_generated_token_trained_once, 
 from asyncgrpo import AsyncGRPOConfig
 from asyncgrpo.cli.tiny_model import build_tokenizer
 from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.rollout.activity import ActivityBoard
 from asyncgrpo.rollout.agent import record_tool_rollout_metrics, run_tool_loop, turn_text
-from asyncgrpo.rollout.chat import QWEN3_TRAINING_TEMPLATE
 from asyncgrpo.rollout.sequences import build_training_sequences
 from asyncgrpo.rollout.tool_calls import parse_tool_calls
 from asyncgrpo.rollout.tools import run_tool_calls
+from asyncgrpo.rollout.training_templates import QWEN3_TRAINING_TEMPLATE
 from asyncgrpo.rollout.types import Rollout
 
 # -- running calls -----------------------------------------------------------------------------------------
@@ -81,6 +82,56 @@ def test_a_tools_latency_is_its_own_time():
     assert (
         0.2 <= stats["tools/nap/latency_s"] < 1.0 and stats["tools/latency_s"] == stats["tools/nap/latency_s"]
     )
+
+
+HANG = threading.Event()  # set at the end of the test that uses it, so the abandoned thread ends
+
+
+def hang(x: int) -> int:
+    """
+    Never returns by itself.
+
+    Args:
+        x: Ignored.
+    """
+    HANG.wait()
+    return x
+
+
+async def hang_async(x: int) -> int:
+    """
+    Never returns by itself, async.
+
+    Args:
+        x: Ignored.
+    """
+    await asyncio.Event().wait()
+    return x
+
+
+def test_a_tool_past_tool_timeout_becomes_an_error_the_model_sees_and_is_counted():
+    window = MetricsWindow()
+    board = ActivityBoard()
+    _, calls = parse_tool_calls(
+        '<tool_call>{"name": "hang", "arguments": {"x": 1}}</tool_call>'
+        '<tool_call>{"name": "hang_async", "arguments": {"x": 1}}</tool_call>'
+        '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    )
+    executor = ThreadPoolExecutor(2)
+    try:
+        messages, failures = asyncio.run(
+            run_tool_calls(
+                calls, [hang, hang_async, multiply], executor, lambda: window, timeout_s=0.2, activity=board
+            )
+        )
+    finally:
+        HANG.set()
+        executor.shutdown(wait=True)
+    timed_out = "Error: the tool did not return within tool_timeout=0.2 s"
+    assert [m["content"] for m in messages] == [timed_out, timed_out, "6"]
+    assert failures == 2 and board.describe() == ""
+    stats = window.summarize()
+    assert stats["tools/timeout_count"] == 2 and stats["tools/hang/failure_count"] == 1
 
 
 def test_rollout_tool_frequencies_hand_values():

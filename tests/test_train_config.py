@@ -4,9 +4,11 @@ demo config trained through `asyncgrpo train` against a real vLLM server."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-import harness_openenv  # noqa: F401  (OpenEnv on the path: the harness example config)
 import pytest
 import yaml
 
@@ -359,10 +361,50 @@ def test_the_harness_example_names_a_local_process_agent_and_its_verify(tmp_path
     factory = run.harness_session_factory(sampling={"temperature": 1.0})
     assert isinstance(factory, ProcessSessionFactory) and factory.timeout_s == 120
     assert Path(factory.command[1]) == REPO / "examples" / "harness" / "file_agent.py"  # made absolute
-    (tmp_path / "task.json").write_text(json.dumps({"answer": "42"}))
-    assert factory.verify(tmp_path, []) == 0.0
-    (tmp_path / "answer.txt").write_text("42")
-    assert factory.verify(tmp_path, []) == 1.0
+    assert factory.command[0] == sys.executable, "`python` is the trainer's interpreter, not the PATH's"
+    assert factory.verify_takes_row and factory.agent_columns == []  # the agent never sees the answer
+    row = {"prompt": [], "answer": "42"}
+    assert factory.verify(tmp_path, [], row) == 0.0
+    (tmp_path / "answer.txt").write_text("7")
+    (tmp_path / "task.json").write_text(json.dumps({"answer": "7"}))  # a forged key changes nothing
+    assert factory.verify(tmp_path, [], row) == 0.0
+    (tmp_path / "answer.txt").write_text("The answer is 42.")
+    assert factory.verify(tmp_path, [], row) == 1.0
+    (tmp_path / "answer.txt").write_text(" ".join(str(n) for n in range(100)))  # every number: not right
+    assert factory.verify(tmp_path, [], row) == 0.0
+    raw = read_config(REPO / "examples" / "harness.yaml")
+    raw["harness_session_factory"].update(agent_columns=["hint"], max_agents=3)
+    raw["harness_timeout_s"] = 60
+    run = build_run_config(raw)
+    factory = run.harness_session_factory(sampling={})
+    assert factory.agent_columns == ["hint"] and factory.max_live_sessions == 3
+    assert run.harness_timeout_s == 60.0
+
+
+# What a user of this environment runs, in a fresh interpreter: the path holds this checkout and
+# nothing else the tests might add.
+PLAIN_HARNESS_USE = """
+import sys
+import openai  # what the example agent imports (the harness extra)
+from asyncgrpo import HarnessAsyncGRPOTrainer
+from asyncgrpo.harness import ProcessSessionFactory
+from asyncgrpo.cli import main
+assert main(["train", "examples/harness.yaml", "--check"]) == 0
+assert "openenv" not in sys.modules, "the harness needs no OpenEnv"
+"""
+
+
+def test_the_harness_and_its_example_config_load_in_the_environment_as_installed():
+    done = subprocess.run(
+        [sys.executable, "-c", PLAIN_HARNESS_USE],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "examples/harness.yaml: valid" in done.stdout
 
 
 @pytest.mark.parametrize(
@@ -370,6 +412,7 @@ def test_the_harness_example_names_a_local_process_agent_and_its_verify(tmp_path
     [
         ({"harness_session_factory": "examples.functions:IncrementEnv", "tools": []}, "remove tools"),
         ({"rollout_reward_fn": "examples.functions:math_reward_func"}, "needs harness_session_factory"),
+        ({"harness_timeout_s": 60}, "needs harness_session_factory"),
         ({"harness_session_factory": {"command": ["a"], "verify": "x:y", "timeout": 3}}, "timeout"),
         ({"harness_session_factory": {"command": "python agent.py", "verify": "x:y"}}, "command"),
     ],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ pytest.importorskip(
 import torch  # noqa: E402
 from conftest import make_config  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from recording_tracker import RecordingTracker  # noqa: E402
 from reward_examples import (  # noqa: E402
     MULTI_TASK_DATASET,
     async_reward_func,
@@ -46,6 +48,7 @@ EXPECTED_METRICS = [
     "reward_trained",
     "reward_group_std",
     "frac_zero_std_groups",
+    "frac_reward_zero_std",
     "completions/mean_length",
     "completions/min_length",
     "completions/max_length",
@@ -168,10 +171,24 @@ def shared_server_weights_restored(request, tiny_model_dir):
 
 
 def test_training_steps_change_the_weights_the_server_runs_and_log_the_documented_metrics(
-    vllm_server, tiny_model_dir, tmp_path
+    vllm_server, tiny_model_dir, tmp_path, monkeypatch
 ):
+    """Also: report_to reaches a tracker through transformers' own callback (trackio's, on a recording
+    stand-in of the trackio module), and log_completions sends it the completions as a table."""
+    tracker = RecordingTracker("trackio")
+    monkeypatch.setitem(sys.modules, "trackio", tracker)
     before_server = server_greedy(vllm_server.url)
-    args = make_config(vllm_server, tmp_path, max_steps=3, learning_rate=3e-2, max_grad_norm=0.0)
+    args = make_config(
+        vllm_server,
+        tmp_path,
+        max_steps=3,
+        learning_rate=3e-2,
+        max_grad_norm=0.0,
+        skip_memory_metrics=False,
+        report_to=["trackio"],
+        log_completions=True,
+        num_completions_to_print=3,
+    )
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
     initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     try:
@@ -195,6 +212,17 @@ def test_training_steps_change_the_weights_the_server_runs_and_log_the_documente
     first = trainer.state.log_history[0]
     assert first["batch/microbatches_per_step"] == 1 and first["batch/samples_per_step"] > 0
     assert 0.0 <= first["frac_zero_std_groups"] <= 1.0
+    # skip_memory_metrics=False: the base Trainer's memory metrics close the run, as its own loop does.
+    assert "train_mem_cpu_alloc_delta" in trainer.state.log_history[-1]
+    assert not trainer._session.mismatch_watch.warned  # a float32 server agrees with the trainer
+    metrics = [entry for entry in tracker.logged if "train/reward" in entry]
+    tables = [entry["completions"] for entry in tracker.logged if "completions" in entry]
+    assert len(metrics) == len(tables) == 3, tracker.logged
+    for step, table in enumerate(tables, start=1):
+        frame = table.dataframe
+        assert list(frame.columns) == ["step", "prompt", "completion", "reward", "advantage"]
+        assert 0 < len(frame) <= 3 and set(frame["step"]) == {step}
+        assert all(isinstance(text, str) and text for text in frame["prompt"])
 
 
 def test_one_epoch_ends_training_once_every_prompt_is_counted(vllm_server, tiny_model_dir, tmp_path):

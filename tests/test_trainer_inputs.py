@@ -47,7 +47,7 @@ def test_unknown_config_value_is_rejected():
         ({"num_generations": 1}, "at least 2 rollouts"),
         ({"vllm_importance_sampling_clip_min": 2.0}, "clip_min <= 1"),
         ({"weight_sync_backend": "carrier-pigeon"}, "weight_sync_backend"),
-        ({"remove_unused_columns": True}, "remove_unused_columns must stay False"),
+        ({"remove_unused_columns": True}, "remove_unused_columns=True is not supported"),
         ({"use_liger_kernel": True}, "use_liger_kernel=True is not supported"),
         ({"vllm_server_base_url": "localhost:8000"}, "must start with http"),
         ({"score_centering": True, "num_sampler_logprobs": 0}, "num_sampler_logprobs > 0"),
@@ -73,9 +73,13 @@ def test_trl_defaults():
     assert args.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
-def test_several_server_urls():
+def test_several_server_urls_and_the_field_keeps_what_the_user_set():
     args = AsyncGRPOConfig(output_dir="x", vllm_server_base_url="http://a:8000, http://b:8000")
     assert args.vllm_server_urls == ["http://a:8000", "http://b:8000"]
+    assert args.vllm_server_base_url == "http://a:8000, http://b:8000"  # TRL's scripts read it as set
+    listed = AsyncGRPOConfig(output_dir="x", vllm_server_base_url=["http://a:8000", "http://b:8000 "])
+    assert listed.vllm_server_urls == ["http://a:8000", "http://b:8000"]
+    assert listed.vllm_server_base_url == ["http://a:8000", "http://b:8000 "]
 
 
 def test_non_conversational_prompts_are_rejected(tiny_model_dir, tmp_path):
@@ -116,7 +120,7 @@ def test_context_and_sequence_parallelism_are_rejected_by_the_config():
 
 
 def test_deepspeed_is_rejected():
-    with pytest.raises(ValueError, match="DeepSpeed is not supported"):
+    with pytest.raises(ValueError, match="deepspeed=.* is not supported: use FSDP2"):
         AsyncGRPOConfig(output_dir="x", deepspeed={"zero_optimization": {"stage": 2}})
 
 
@@ -284,7 +288,7 @@ def test_weight_sync_barrier_is_the_wait_for_the_other_processes(monkeypatch):
         return [value, value]
 
     monkeypatch.setattr(
-        session_module, "sync_policy", lambda backend, model, version: (SyncTimings(0.25, 0.5), 1000)
+        session_module, "sync_policy", lambda backend, model, version, urls: (SyncTimings(0.25, 0.5), 1000)
     )
     window = MetricsWindow()
     session = session_module.GenerationSession(

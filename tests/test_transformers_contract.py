@@ -66,3 +66,17 @@ def test_every_private_method_the_trainer_uses_is_listed():
     assert not unlisted, (
         f"asyncgrpo/trainer/ uses private Trainer methods not checked here: {sorted(unlisted)}"
     )
+
+
+def test_the_version_check_asks_for_the_release_the_package_pins():
+    """The trainer's own check says the lowest release pyproject.toml allows, not an older one."""
+    import tomllib
+
+    from packaging.version import Version
+
+    from asyncgrpo.trainer.checks import MIN_TRANSFORMERS
+
+    pyproject = tomllib.loads((TRAINER_PACKAGE.parents[1] / "pyproject.toml").read_text())
+    (pin,) = [spec for spec in pyproject["project"]["dependencies"] if re.match(r"transformers\b", spec)]
+    (lowest,) = re.findall(r">=\s*([\d.]+)", pin)
+    assert Version(MIN_TRANSFORMERS) == Version(lowest), (MIN_TRANSFORMERS, pin)

@@ -194,8 +194,9 @@ def test_attention_sink_model_refused():
         vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="attention sinks"):
+    with pytest.raises(ValueError, match="attention sinks") as refusal:
         enable_tree_attention(GptOssForCausalLM(config))
+    assert_says_what_exists(str(refusal.value))
 
 
 def test_recurrent_model_other_than_gated_deltanet_refused():
@@ -203,8 +204,20 @@ def test_recurrent_model_other_than_gated_deltanet_refused():
     from transformers import MambaConfig, MambaForCausalLM
 
     model = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4))
-    with pytest.raises(ValueError, match="not supported yet"):
+    with pytest.raises(ValueError, match="not supported yet") as refusal:
         enable_tree_attention(model)
+    assert_says_what_exists(str(refusal.value))
+    model = tiny_qwen3()
+    model.config.layer_types = ["full_attention", "mamba"]
+    with pytest.raises(ValueError, match="'mamba' layers") as refusal:
+        enable_tree_attention(model)
+    assert_says_what_exists(str(refusal.value))
+
+
+def assert_says_what_exists(message: str) -> None:
+    """A refusal of a model names no way around it that does not exist (there is no switch to train
+    without tree packing: every row is tree-packed) and points at the families that train."""
+    assert "without tree packing" not in message and "docs/models.md" in message, message
 
 
 def test_attention_dropout_refused():

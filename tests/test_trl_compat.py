@@ -148,8 +148,8 @@ def test_request_timeout_bounds_generation_requests_not_the_other_calls():
                     await client.complete([1, 2], SamplingParams(max_tokens=2), seed=0)
                 generation_s = time.monotonic() - started
                 started = time.monotonic()
-                with pytest.raises(VLLMUnavailableError):
-                    await client.pause(timeout=0.5)  # weight_sync_timeout reaches the sync's calls
+                # weight_sync_timeout reaches the sync's calls: the server is skipped within it
+                assert await client.pause(timeout=0.5) == [url]
                 return generation_s, time.monotonic() - started
         finally:
             await runner.cleanup()

@@ -12,14 +12,10 @@ from agent_fakes import QWEN3_5_LIKE, assert_each_generated_token_trained_once, 
 
 from asyncgrpo.cli.tiny_model import build_tokenizer
 from asyncgrpo.metrics import MetricsWindow
-from asyncgrpo.rollout.chat import (
-    QWEN3_TRAINING_TEMPLATE,
-    RewriteDetector,
-    render_prompt_ids,
-    use_training_template,
-)
+from asyncgrpo.rollout.chat import RewriteDetector, render_prompt_ids
 from asyncgrpo.rollout.rollout_metrics import record_rollout_metrics
 from asyncgrpo.rollout.sequences import build_training_sequences
+from asyncgrpo.rollout.training_templates import QWEN3_TRAINING_TEMPLATE, use_training_template
 from asyncgrpo.rollout.types import Rollout, TurnRecord
 
 # A Qwen3-style template: earlier assistant turns lose their <think> block once a later user turn exists.

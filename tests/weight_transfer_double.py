@@ -9,7 +9,8 @@ checked against: per-tensor SHA-256 of the received bytes, the version, and the 
 The receiver speaks gloo on CPU (so the protocol is tested on any machine, with `GlooTransport` as
 the trainer's data plane) or NCCL on a GPU (the real data plane, with the trainer's `NcclTransport`).
 Faults: `reject_update` (400 before receiving), `never_join` (init accepted, group never joined),
-`stall_receive` (update accepted, broadcast never received).
+`stall_receive` (update accepted, broadcast never received), `die_on_update` (the process exits when
+asked to receive: a receiver lost during a broadcast).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import base64
 import hashlib
+import os
 import socket
 import subprocess
 import sys
@@ -189,6 +191,8 @@ def make_app(receiver: Receiver, fault: str) -> web.Application:
             return web.json_response({"error": "update_info: unknown parameter 'bogus'"}, status=400)
         if fault == "stall_receive":
             await asyncio.sleep(3600)
+        if fault == "die_on_update":
+            os._exit(1)
         state["weights"] = await asyncio.to_thread(receiver.receive, body["update_info"])
         return web.json_response({"message": "Weights updated"})
 
@@ -200,6 +204,12 @@ def make_app(receiver: Receiver, fault: str) -> web.Application:
     async def shutdown(request):
         await logged(request)
         return web.json_response({})
+
+    async def weight_info(request):
+        return web.json_response({"weight_version": state["version"] or "default"})
+
+    async def health(request):
+        return web.Response()
 
     async def received(request):
         checksums = {name: checksum(tensor) for name, tensor in state["weights"].items()}
@@ -214,21 +224,34 @@ def make_app(receiver: Receiver, fault: str) -> web.Application:
     app.router.add_post("/update_weights", update)
     app.router.add_post("/finish_weight_update", finish)
     app.router.add_post("/shutdown_weight_transfer_engine", shutdown)
+    app.router.add_get("/weight_info", weight_info)
+    app.router.add_get("/health", health)
     app.router.add_get("/received", received)
     return app
+
+
+def start_double(
+    fault: str = "none", receiver: str = "gloo", device: str = "cpu", port: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start the double in its own process (on `port`, default a free one): (the process, its URL)."""
+    if port is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    command = [sys.executable, __file__, "--port", str(port), "--fault", fault, "--receiver", receiver]
+    process = subprocess.Popen(command + ["--device", device], stdout=subprocess.PIPE, text=True)
+    if process.stdout.readline().strip() != "READY":
+        process.kill()
+        raise AssertionError("the double did not start")
+    return process, f"http://127.0.0.1:{port}"
 
 
 @contextmanager
 def running_double(fault: str = "none", receiver: str = "gloo", device: str = "cpu"):
     """Start the double in its own process; yields its base URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, __file__, "--port", str(port), "--fault", fault, "--receiver", receiver]
-    process = subprocess.Popen(command + ["--device", device], stdout=subprocess.PIPE, text=True)
+    process, url = start_double(fault, receiver, device)
     try:
-        assert process.stdout.readline().strip() == "READY", "the double did not start"
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         process.kill()
         process.wait(timeout=10)
@@ -240,7 +263,9 @@ def main() -> None:
     parser.add_argument("--receiver", choices=["gloo", "nccl"], default="gloo")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
-        "--fault", choices=["none", "reject_update", "never_join", "stall_receive"], default="none"
+        "--fault",
+        choices=["none", "reject_update", "never_join", "stall_receive", "die_on_update"],
+        default="none",
     )
     args = parser.parse_args()
     web.run_app(

@@ -49,25 +49,33 @@ def _server_api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
-def _serve(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
+def _serve(argv: list[str]) -> int:
     try:
-        return _serve_checked(args, extra, argv)
+        return _serve_checked(argv)
     except ValueError as error:  # refused before anything starts: say why and how to fix it
         print(f"asyncgrpo serve: {error}", file=sys.stderr)
         return 2
 
 
-def _serve_checked(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
-    from asyncgrpo.generation.server import ServerOptions, lora_flags_for_run, serve_foreground
+def _serve_checked(argv: list[str]) -> int:
+    from asyncgrpo.generation.server import (
+        ServerOptions,
+        build_command,
+        format_command,
+        lora_flags_for_run,
+        serve_foreground,
+    )
 
+    # Parsed without a MODEL positional, which would swallow the value of a vllm flag
+    # (`--api-server-count 8`): the model is the first argument, if it is not a flag.
+    args, extra = _serve_parser().parse_known_args(argv)
+    model = extra.pop(0) if extra and not extra[0].startswith("-") else None
     if args.for_config is not None:
         from asyncgrpo.cli.train_command import run_serve_for
 
-        # Reparsed without the MODEL positional, which would swallow the value of a vllm flag
-        # (`--api-server-count 8`): with --for, the config names the model.
-        args, extra = _serve_for_parser().parse_known_args(argv)
         names = ("port", "host", "max_model_len", "dtype", "max_lora_rank", "max_loras")
         given = {name: getattr(args, name) for name in names} | {
+            "model": model,
             "enable_lora": args.enable_lora or None,
             "return_routed_experts": args.moe_routing_replay or None,
             "api_key": _server_api_key(args),
@@ -76,15 +84,15 @@ def _serve_checked(args: argparse.Namespace, extra: list[str], argv: list[str]) 
         return run_serve_for(
             args.for_config, given, args.cpu, args.cpu_kv_cache_gib, extra, dry_run=args.dry_run
         )
-    if args.model is None:
-        print("asyncgrpo serve: give a MODEL, or --for CONFIG.yaml")
+    if model is None:
+        print("asyncgrpo serve: give a MODEL (first, before vllm's flags), or --for CONFIG.yaml")
         return 2
     if args.enable_lora:  # flags not given explicitly come from the run's settings
         derived = lora_flags_for_run(args.lora_rank, args.max_staleness)
         args.max_lora_rank = args.max_lora_rank or derived["max_lora_rank"]
         args.max_loras = args.max_loras or derived["max_loras"]
     options = ServerOptions(
-        model=args.model,
+        model=model,
         port=args.port or 8000,
         host=args.host or "127.0.0.1",
         max_model_len=args.max_model_len,
@@ -99,6 +107,9 @@ def _serve_checked(args: argparse.Namespace, extra: list[str], argv: list[str]) 
         api_key=_server_api_key(args),
         insecure_no_api_key=args.insecure_no_api_key,
     )
+    if args.dry_run:
+        print(format_command(*build_command(options)))
+        return 0
     return serve_foreground(options)
 
 
@@ -129,7 +140,7 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="CONFIG.yaml",
         help="derive the flags from a training config (its model, dtype, URL, LoRA, top-k/top-p, "
-        "token_budget); flags given here win, unknown arguments go to vllm",
+        "token_budget); a MODEL and flags given here win, unknown arguments go to vllm",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the command without running it")
     parser.add_argument("--port", type=int, default=None, help="default 8000, or the config's URL with --for")
@@ -183,8 +194,8 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _serve_for_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncgrpo serve --for")
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncgrpo serve")
     _add_serve_flags(parser)
     return parser
 
@@ -208,7 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="start `vllm serve` with the flags the trainer needs (unknown arguments go to vllm)",
     )
-    serve.add_argument("model", nargs="?", default=None)
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a Hub id or a local model directory (with --for: replaces the config's model)",
+    )
     _add_serve_flags(serve)
     serve.set_defaults(run=_serve)
 
@@ -246,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "serve":
-        return _serve(args, extra, (sys.argv[1:] if argv is None else argv)[1:])
+        return _serve((sys.argv[1:] if argv is None else argv)[1:])
     if args.command == "train":
         return _train(args, extra)
     if extra:

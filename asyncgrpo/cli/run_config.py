@@ -34,13 +34,23 @@ RUN_KEYS = {
     "harness_session_factory": "train an agent program (HarnessAsyncGRPOTrainer): import path of a callable "
     "returning an OpenEnv ResourceSessionFactory, or the local-process harness (see HARNESS_PROCESS_KEYS)",
     "rollout_reward_fn": "with harness_session_factory: import path of f(outcome) -> reward or None",
+    "harness_timeout_s": "with harness_session_factory: seconds a session's own code may take per call "
+    "(create, a white-box adapter's run, close; default 1800)",
 }
 HARNESS_PROCESS_KEYS = {
-    "command": "the agent's argv, a list (run in a fresh working directory per rollout)",
-    "verify": "import path of verify(workdir, transcript) -> reward or None",
+    "command": "the agent's argv, a list (run in a fresh working directory per rollout); a first element "
+    "`python` or `python3` is the trainer's own interpreter, so the agent has the trainer environment's "
+    "packages whether or not it is activated",
+    "verify": "import path of verify(workdir, transcript, row) -> reward or None",
     "timeout_s": "seconds an agent may run (default 300)",
-    "env": "environment variables added to the agent's",
+    "env": "environment variables added to the agent's minimal environment",
+    "agent_columns": "the dataset columns the agent sees beside the prompt, a list (default: none)",
+    "max_agents": "agent processes alive at once (default: from the machine's cores and memory)",
 }
+# A config file cannot name the trainer's interpreter; these names in a harness command mean it. On the
+# PATH they may name another Python (the system's, when the trainer's venv is not activated) that lacks
+# the packages the agent imports.
+BARE_PYTHON_NAMES = {"python", "python3"}
 DATASET_KEYS = {
     "name": "a Hub dataset id (load_dataset(name))",
     "subset": "the Hub dataset's configuration name",
@@ -74,6 +84,7 @@ class RunConfig:
     warm_start: dict | None = None
     harness_session_factory: Any = None  # a callable returning a ResourceSessionFactory
     rollout_reward_fn: Callable | None = None
+    harness_timeout_s: float | None = None
     raw: dict = field(default_factory=dict)  # the merged mapping, as written to the run directory
 
 
@@ -212,6 +223,7 @@ def build_run_config(raw: dict) -> RunConfig:
         warm_start=warm_start,
         harness_session_factory=harness,
         rollout_reward_fn=rollout_reward_fn,
+        harness_timeout_s=float(raw["harness_timeout_s"]) if "harness_timeout_s" in raw else None,
         raw=raw,
     )
 
@@ -236,8 +248,9 @@ def _harness(raw: dict) -> tuple[Any, Callable | None]:
     """(the harness session factory, the rollout reward function) of the config, or (None, None)."""
     spec = raw.get("harness_session_factory")
     if spec is None:
-        if "rollout_reward_fn" in raw:
-            raise ConfigError("rollout_reward_fn needs harness_session_factory (it scores harness rollouts)")
+        for key in ("rollout_reward_fn", "harness_timeout_s"):
+            if key in raw:
+                raise ConfigError(f"{key} needs harness_session_factory (it is a harness setting)")
         return None, None
     clashing = [key for key in ("tools", "environment_factory", "loop_class") if key in raw]
     if clashing:
@@ -254,6 +267,8 @@ def _harness(raw: dict) -> tuple[Any, Callable | None]:
         raise ConfigError(f"harness_session_factory.command: expected a list of strings, got {command!r}")
     from asyncgrpo.harness import ProcessSessionFactory
 
+    if command[0] in BARE_PYTHON_NAMES:
+        command = [sys.executable, *command[1:]]
     options = {"command": command, "verify": resolve(spec.get("verify"), "harness_session_factory.verify")}
     if "timeout_s" in spec:
         options["timeout_s"] = float(spec["timeout_s"])
@@ -261,6 +276,12 @@ def _harness(raw: dict) -> tuple[Any, Callable | None]:
         options["env"] = {
             str(k): str(v) for k, v in _expect(spec["env"], dict, "harness_session_factory.env").items()
         }
+    if "agent_columns" in spec:
+        options["agent_columns"] = _expect(
+            spec["agent_columns"], list, "harness_session_factory.agent_columns"
+        )
+    if "max_agents" in spec:
+        options["max_agents"] = _expect(spec["max_agents"], int, "harness_session_factory.max_agents")
     return functools.partial(ProcessSessionFactory, **options), reward_fn
 
 
@@ -427,6 +448,7 @@ def build_trainer(run: RunConfig):
             train_dataset=load_training_dataset(run.dataset) if run.dataset is not None else None,
             harness_session_factory=run.harness_session_factory,
             rollout_reward_fn=run.rollout_reward_fn,
+            **({} if run.harness_timeout_s is None else {"harness_timeout_s": run.harness_timeout_s}),
             reward_funcs=run.reward_funcs or None,
             peft_config=peft_config,
             eval_dataset=load_eval_dataset(run.eval_dataset) if run.eval_dataset is not None else None,

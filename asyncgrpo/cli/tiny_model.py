@@ -33,19 +33,38 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from asyncgrpo.rollout.chat import QWEN3_TRAINING_TEMPLATE
+from asyncgrpo.rollout.training_templates import QWEN3_TRAINING_TEMPLATE
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Qwen3 registers these as added (not special) tokens: they survive skip_special_tokens=True.
-MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 # The placeholders of Qwen3.5's image-text-to-text config; text-only training never emits them.
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 ARCHES = ("qwen3", "qwen3_5", "qwen3_5_vl", "qwen3_moe")
 
+
+@dataclass(frozen=True)
+class ChatTokens:
+    """What a chat family writes its conversations with: the chat template, the tokens it marks up
+    turns with (`special` ones are dropped when a turn is decoded with skip_special_tokens, `markup`
+    ones are kept), and its end-of-turn, padding and beginning-of-text tokens."""
+
+    chat_template: str
+    special: tuple[str, ...]
+    markup: tuple[str, ...]
+    eos: str
+    pad: str
+    bos: str | None = None
+
+
 # Qwen3's chat conventions without its rewriting of earlier assistant turns' reasoning: the template
 # is prefix-preserving (appending a message never changes how earlier ones render), which is what a
-# multi-turn tool loop needs to extend one training sample instead of forking.
-CHAT_TEMPLATE = QWEN3_TRAINING_TEMPLATE
+# multi-turn tool loop needs to extend one training sample instead of forking. Qwen3 registers the
+# markup as added (not special) tokens: they survive skip_special_tokens=True.
+QWEN3_CHAT = ChatTokens(
+    chat_template=QWEN3_TRAINING_TEMPLATE,
+    special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    markup=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"),
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+)
 
 
 @dataclass(frozen=True)
@@ -86,32 +105,35 @@ def _tokenizer_corpus() -> list[str]:
 
 
 def build_tokenizer(
-    vocab_size: int = TinyModelSpec.vocab_size, vision: bool = False
+    vocab_size: int = TinyModelSpec.vocab_size, vision: bool = False, chat: ChatTokens = QWEN3_CHAT
 ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (every string encodes; no unknown token) with ChatML specials;
-    `vision` adds the image/video placeholders an image-text-to-text config points to."""
+    """A byte-level BPE tokenizer (every string encodes; no unknown token) of at most `vocab_size`
+    ids, written with `chat`'s conventions (Qwen3's ChatML unless told); `vision` adds the
+    image/video placeholders an image-text-to-text config points to."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(MARKUP_TOKENS),
+        vocab_size=vocab_size - len(chat.special) - len(chat.markup),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    named = {chat.eos, chat.pad, chat.bos}
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        eos_token=chat.eos,
+        pad_token=chat.pad,
+        bos_token=chat.bos,
+        additional_special_tokens=[token for token in chat.special if token not in named],
         padding_side="left",
         model_max_length=TinyModelSpec.max_position_embeddings,
     )
-    fast.add_tokens(MARKUP_TOKENS)
+    fast.add_tokens(list(chat.markup))
     if vision:
         fast.add_tokens(VISION_TOKENS, special_tokens=True)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat.chat_template
     return fast
 
 

@@ -52,7 +52,7 @@ def server_options_for(run: RunConfig, cpu: bool | None = None):
     from asyncgrpo.generation.server import ServerOptions
 
     args = run.args
-    url = urlparse(args.vllm_server_urls[0])
+    url = urlparse(args.vllm_server_urls[0] if args.vllm_server_urls else "http://localhost:8000")
     extra = []
     if args.top_p < 1 or args.top_k > 0 or (args.min_p or 0) > 0:
         extra.append("--return-sampling-mask")  # the candidate set the trainer renormalizes over
@@ -82,8 +82,8 @@ def server_options_for(run: RunConfig, cpu: bool | None = None):
 def run_serve_for(
     config_path: str, given: dict, cpu: bool, cpu_kv_cache_gib: int, extra: list[str], dry_run: bool = False
 ) -> int:
-    """`asyncgrpo serve --for CONFIG`: flags from the config; `given` (port, host, max_model_len, dtype
-    typed on the command line, None when not) win over them."""
+    """`asyncgrpo serve --for CONFIG [MODEL]`: flags from the config; `given` (the model, port, host,
+    max_model_len, dtype... typed on the command line, None when not) win over them."""
     from asyncgrpo.generation.server import build_command, format_command, serve_foreground
 
     try:

@@ -1,4 +1,4 @@
-"""Config fields of the completions table printed at each log."""
+"""Config fields of the completions table printed (and sent to table-showing trackers) at each log."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ class CompletionsTableFields:
     log_completions: bool = field(
         default=False,
         metadata={
-            "help": "Print a table of recent completions (prompt, completion, reward) at each log. False: "
-            "the log holds metrics only; turn it on to read what the policy writes."
+            "help": "Print a table of recent completions (prompt, completion, reward) at each log, and send "
+            "it to the trackers of report_to that show tables (W&B, trackio). False: the log holds metrics "
+            "only; turn it on to read what the policy writes."
         },
     )
     num_completions_to_print: int | None = field(

@@ -86,6 +86,16 @@ class GenerationFields:
         },
     )
 
+    harness_max_request_mb: float = field(
+        default=16.0,
+        metadata={
+            "help": "The largest request body, in MiB, that a harness agent may send to the trainer's "
+            "capture proxy (HarnessAsyncGRPOTrainer); a larger one is refused with a 413 that says so, "
+            "before it is read. 16: a chat history of a million tokens of text, JSON-escaped, fits; a body "
+            "past it cannot fit a model's context and would only cost the worker memory and parsing time."
+        },
+    )
+
     def _resolve_generation(self) -> None:
         if isinstance(self.chat_template_kwargs, str):
             self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
@@ -115,3 +125,5 @@ class GenerationFields:
             fail(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             fail("max_tool_calling_iterations must be >= 0 or None (unlimited)")
+        if not self.harness_max_request_mb > 0:
+            fail(f"harness_max_request_mb={self.harness_max_request_mb} must be > 0 (MiB of a request body)")

@@ -63,6 +63,16 @@ class PipelineFields:
             "never answers must not stall training silently. 600: generous, for remote judges."
         },
     )
+    tool_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Seconds one tool call may take: a tool or environment method of the built-in tool "
+            "loop, and a white-box harness session's tool. A call past it becomes an error the model sees "
+            "(the rollout goes on) and counts in tools/timeout_count, instead of holding its rollout's "
+            "place forever; a sync tool's thread cannot be stopped and is left to finish. 600: generous, "
+            "for tools that call remote services."
+        },
+    )
     weight_sync_backend: str = field(
         default="auto",
         metadata={
@@ -88,5 +98,7 @@ class PipelineFields:
             fail(f"rollout_worker_timeout={self.rollout_worker_timeout} must be > 0")
         if self.reward_timeout <= 0:
             fail(f"reward_timeout={self.reward_timeout} must be > 0 (seconds one reward call may take)")
+        if self.tool_timeout <= 0:
+            fail(f"tool_timeout={self.tool_timeout} must be > 0 (seconds one tool call may take)")
         if self.weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
             fail(f"weight_sync_backend={self.weight_sync_backend!r} must be one of {WEIGHT_SYNC_BACKENDS}")

@@ -1,4 +1,5 @@
-"""Config fields of the vLLM servers: where they listen and how long a wait for them may take."""
+"""Config fields of the vLLM servers: where they listen, how the set of them may change during a run,
+and how long a wait for them may take."""
 
 from __future__ import annotations
 
@@ -14,6 +15,29 @@ class ServerFields:
         metadata={
             "help": "One URL, several separated by commas, or a list: requests go to the least busy. "
             "http://localhost:8000: where `vllm serve` listens by default."
+        },
+    )
+    vllm_server_urls_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "A file of vLLM server URLs, one per line ('#' starts a comment), re-read every few "
+            "seconds during training: a server added to it joins the run once it answers (checked against "
+            "the first server's flags, model and dtype, given the current weights, then given work), one "
+            "taken out of it leaves the run. SLURM jobs and Kubernetes pods write it as servers come and go "
+            "(docs/scaling.md). None: the servers are vllm_server_base_url's for the whole run (which may "
+            "then be empty: the run starts with the first server the file lists)."
+        },
+    )
+    max_lost_server_fraction: float = field(
+        default=1.0,
+        metadata={
+            "help": "The fraction of the run's servers that may be lost at once (not answering, or back but "
+            "not yet given the weights) before the run stops with an error naming them. A lost server "
+            "costs its share of generation, not the run: its requests go to the others, and it rejoins "
+            "when it answers again. 1.0: any number; only having no server at all for vllm_server_timeout "
+            "stops the run. Lower it when losing many at once means something is wrong that a long run "
+            "should not hide (a bad node pool, a network split): 0.25 stops a run of 16 servers once 5 are "
+            "lost, instead of training on at a fraction of its speed."
         },
     )
     vllm_server_timeout: float = field(
@@ -41,10 +65,6 @@ class ServerFields:
     )
 
     def _resolve_server(self) -> None:
-        if isinstance(self.vllm_server_base_url, str):
-            self.vllm_server_base_url = [
-                url.strip() for url in self.vllm_server_base_url.split(",") if url.strip()
-            ]
         if self.request_timeout is None:
             self.request_timeout = self.vllm_server_timeout
         if self.weight_sync_timeout is None:
@@ -52,12 +72,24 @@ class ServerFields:
 
     @property
     def vllm_server_urls(self) -> list[str]:
-        return list(self.vllm_server_base_url)
+        """The servers' URLs, parsed from `vllm_server_base_url`, which keeps what the user set (TRL's
+        scripts read it back as the string they gave)."""
+        given = self.vllm_server_base_url
+        parts = given.split(",") if isinstance(given, str) else given
+        return [url.strip() for url in parts if url.strip()]
 
     def _validate_server(self, fail) -> None:
-        if not self.vllm_server_base_url:
-            fail("vllm_server_base_url is empty: give the URL of a running `vllm serve`")
-        for url in self.vllm_server_base_url:
+        if not self.vllm_server_urls and not self.vllm_server_urls_file:
+            fail(
+                "vllm_server_base_url is empty: give the URL of a running `vllm serve`, or a "
+                "vllm_server_urls_file that will list one"
+            )
+        if not 0.0 < self.max_lost_server_fraction <= 1.0:
+            fail(
+                f"max_lost_server_fraction={self.max_lost_server_fraction} must be in (0, 1]: the fraction "
+                "of the servers that may be lost at once (1.0: any number)"
+            )
+        for url in self.vllm_server_urls:
             if not url.startswith(("http://", "https://")):
                 fail(f"vllm_server_base_url {url!r} must start with http:// or https://")
         for name in ("vllm_server_timeout", "request_timeout", "weight_sync_timeout"):

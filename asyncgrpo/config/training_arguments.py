@@ -1,5 +1,7 @@
-"""TrainingArguments fields whose default this trainer changes, and the TrainingArguments settings it
-cannot honour (its own loop replaces the base Trainer's data loader, schedule and parallelism).
+"""TrainingArguments fields whose default this trainer changes, and the checks of TrainingArguments
+settings: each field's rule (training_arguments_table.py: honoured, a warning, or refused) and the
+limits of the honoured ones (its own loop replaces the base Trainer's data loader, schedule and
+parallelism).
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from asyncgrpo.config.training_arguments_table import apply_training_argument_rules
 
 
 @dataclass
@@ -85,13 +89,16 @@ class TrainingArgumentsDefaults:
     activation_checkpointing: bool | None = field(
         default=None,
         metadata={
-            "help": "Accepted for TRL compatibility, not used (default None): this trainer shards with FSDP2 "
-            "itself and recomputes activations through gradient_checkpointing."
+            "help": "Accepted for TRL compatibility; no effect (default None; any other value warns once): "
+            "this trainer shards with FSDP2 itself and recomputes activations through gradient_checkpointing."
         },
     )
     activation_checkpointing_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "Accepted for TRL compatibility, not used (see activation_checkpointing); None."},
+        metadata={
+            "help": "Accepted for TRL compatibility; no effect (see activation_checkpointing); None, any "
+            "other value warns once: gradient_checkpointing_kwargs passes options to the recomputation."
+        },
     )
 
     def _resolve_training_arguments(self) -> None:
@@ -104,20 +111,7 @@ class TrainingArgumentsDefaults:
             self.gradient_checkpointing_to_fit = on_gpu
 
     def _validate_training_arguments(self, fail) -> None:
-        if not self.ignore_data_skip:
-            fail(
-                "ignore_data_skip must stay True: resume fast-forwards the rollout worker "
-                "(rollout_state.json)"
-            )
-        if self.remove_unused_columns:
-            fail(
-                "remove_unused_columns must stay False: every dataset column is passed to the reward "
-                "functions"
-            )
-        if self.use_liger_kernel:
-            fail("use_liger_kernel=True is not supported: the loss needs its own log-prob computation")
-        if self.deepspeed:
-            fail("DeepSpeed is not supported: use FSDP2 for sharded training")
+        apply_training_argument_rules(self, fail)
         self._validate_schedule(fail)
         self._validate_parallelism(fail)
 
@@ -126,10 +120,24 @@ class TrainingArgumentsDefaults:
         (it depends on forks and dropped groups): nothing may be sized from it."""
         if self.max_steps > 0:
             return
-        if any(0 < steps < 1 for steps in (self.logging_steps, self.save_steps)):
+        fractions = {
+            name: getattr(self, name)
+            for name in ("logging_steps", "save_steps", "eval_steps")
+            if getattr(self, name) is not None and 0 < getattr(self, name) < 1
+        }
+        if fractions:
+            given = ", ".join(f"{name}={value}" for name, value in fractions.items())
             fail(
-                "logging_steps/save_steps given as a fraction of training need max_steps > 0: the number of "
-                "steps in an epoch is not known in advance"
+                f"{given}: logging_steps/save_steps/eval_steps given as a fraction of training need "
+                "max_steps > 0: the number of steps in an epoch is not known in advance; give a whole number "
+                "of steps"
+            )
+        if 0 < self.warmup_steps < 1:
+            fail(
+                f"warmup_steps={self.warmup_steps} is a fraction of the run's steps, which are not known "
+                "in advance without max_steps (they depend on forks and dropped groups): the warm-up would "
+                "never end. Give warmup_steps as a whole number of optimizer steps (e.g. 10), or set "
+                "max_steps > 0"
             )
         schedule = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
         if schedule not in ("constant", "constant_with_warmup"):
@@ -143,9 +151,9 @@ class TrainingArgumentsDefaults:
         config = self.parallelism_config
         if config is None:
             return
-        for name in ("cp_size", "sp_size"):
+        for name in ("cp_size", "sp_size", "tp_size"):
             if (getattr(config, name, 1) or 1) > 1:
                 fail(
-                    f"parallelism_config.{name}={getattr(config, name)} is not supported: context and "
-                    "sequence parallelism do not apply to tree-packed rows; use FSDP2 (data parallel) only"
+                    f"parallelism_config.{name}={getattr(config, name)} is not supported: context, sequence "
+                    "and tensor parallelism do not apply to tree-packed rows; use FSDP2 (data parallel) only"
                 )

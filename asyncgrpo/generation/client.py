@@ -9,25 +9,35 @@ Failure policy: connection errors and 5xx answers are transient (a server restar
 timing out) and retried with bounded exponential backoff, each retry counted
 (`rollout/vllm_retry_count`); a 4xx is the caller's mistake and fails at once, quoting the server.
 Nothing waits longer than `timeout` seconds: a generation request that times out is retried a few
-times, everything else raises.
+times, everything else raises. With several servers, a server that refuses or drops a connection is
+lost for the request, which goes to another one at once (generation/server_set.py); a weight sync's
+calls skip a server they cannot reach and say which (the trainer then counts it lost).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import msgspec
 
+from asyncgrpo.generation.control import UNREACHABLE_AFTER_S, ServerControl, _all_finished
+from asyncgrpo.generation.errors import (
+    VLLMAuthenticationError,
+    VLLMError,
+    VLLMRequestError,
+    VLLMServerLostError,
+    VLLMUnavailableError,
+)
 from asyncgrpo.generation.responses import Completion, parse_completion_response, parse_generate_response
 from asyncgrpo.generation.server_auth import auth_headers, unauthorized_message
 from asyncgrpo.generation.server_info import ServerInfo, parse_server_info
 from asyncgrpo.generation.server_load import ServerLoad, parse_server_load
-from asyncgrpo.generation.vllm_worker_extension import RELOAD_METHOD, WORKER_EXTENSION
+from asyncgrpo.generation.server_set import RETRY_DOWN_AFTER_S, ServerSet
 
 logger = logging.getLogger(__name__)
 
@@ -36,27 +46,6 @@ RETRY_WARNING_INTERVAL_S = 10.0
 # 5xx answers that no retry will fix: the engine process is gone.
 _DEAD_ENGINE_MARKERS = ("EngineDeadError", "EngineCore encountered an issue", "Engine loop is not running")
 _json_decoder = msgspec.json.Decoder()
-
-
-class VLLMError(RuntimeError):
-    """A vLLM server could not do what was asked."""
-
-
-class VLLMRequestError(VLLMError):
-    """The server rejected a request (4xx): retrying would not help."""
-
-    def __init__(self, url: str, status: int, server_message: str):
-        self.url, self.status, self.server_message = url, status, server_message
-        super().__init__(f"vLLM server rejected {url} with HTTP {status}: {server_message}")
-
-
-class VLLMUnavailableError(VLLMError):
-    """The server did not answer usefully within the time allowed."""
-
-
-class VLLMAuthenticationError(VLLMError):
-    """The server wants an API key this client does not send (HTTP 401). Not a `VLLMRequestError`:
-    callers that read a 4xx as "route missing" must not take a refused key for that."""
 
 
 @dataclass(frozen=True)
@@ -127,16 +116,6 @@ def policy_cache_salt(version: int) -> str:
     return f"asyncgrpo-policy-{version}"
 
 
-async def _all_finished(calls) -> list[Any]:
-    """Await the calls together; every one runs to its end even when another fails (a failed pause
-    must not leave the other servers un-resumed), and the first error is raised after all finished."""
-    answers = await asyncio.gather(*calls, return_exceptions=True)
-    for answer in answers:
-        if isinstance(answer, BaseException):
-            raise answer
-    return list(answers)
-
-
 def serve_hint(url: str) -> str:
     port = url.rstrip("/").rsplit(":", 1)[-1] if url.count(":") >= 2 else "8000"
     return (
@@ -145,7 +124,7 @@ def serve_hint(url: str) -> str:
     )
 
 
-class VLLMClient:
+class VLLMClient(ServerControl):
     """Talks to one or more vLLM servers (`base_urls`); generation goes to the least busy one.
 
     Create it anywhere, use it inside one event loop: the HTTP session is opened on first use in
@@ -163,16 +142,32 @@ class VLLMClient:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("VLLMClient needs at least one server URL")
-        self.base_urls = [url.rstrip("/") for url in urls]
+        self.servers = ServerSet([url.rstrip("/") for url in urls])
         self.timeout = float(timeout)
         self.model = model
         self.generation_timeout_retries = generation_timeout_retries
         self.request_timeout = request_timeout  # per generation request; None: `timeout`
         self.retry_count = 0
-        self._in_flight = dict.fromkeys(self.base_urls, 0)
-        self._tie_breaker = itertools.count()
+        self.moved_count = 0  # generation requests sent again to another server: theirs was lost
+        self._last_move_warning = float("-inf")
         self._session: aiohttp.ClientSession | None = None
         self._reload_methods: dict[str, str] = {}  # url -> the collective_rpc method that reloads
+
+    @property
+    def base_urls(self) -> list[str]:
+        """The servers this client uses: generation goes to the least busy, control calls to all."""
+        return self.servers.urls
+
+    def set_servers(self, urls: list[str], admissions: dict[str, int], live: list[str] | None = None) -> None:
+        """The trainer's choice of servers (generation/server_set.py); requests in flight on a server
+        that left `live` go to another one."""
+        self.servers.update([url.rstrip("/") for url in urls], admissions, live)
+
+    def mark_down(self, url: str | None) -> None:
+        """Avoid `url` (it failed, or runs weights the trainer did not push) until the trainer admits
+        it again, or RETRY_DOWN_AFTER_S has passed."""
+        if url is not None:
+            self.servers.mark_down(url)
 
     async def __aenter__(self) -> "VLLMClient":
         return self
@@ -206,15 +201,16 @@ class VLLMClient:
         timeout: float | None = None,
         retry: bool = True,
         retry_server_errors: bool = True,
-        unreachable: list[str] | None = None,
+        unreachable_after: float | None = None,
     ) -> bytes:
         """One HTTP call with the retry policy of this module; returns the body of a 2xx.
 
         `retry=False` is for calls that must not be repeated (joining a collective, receiving a
         broadcast): any failure raises at once. `retry_server_errors=False` still waits out an
         unreachable server but takes a 5xx answer as final (a reload the server rejects is not
-        going to succeed on the next try). Each connection failure that was retried is appended to
-        `unreachable` when given: the server answering afterwards may be a restarted one."""
+        going to succeed on the next try). `unreachable_after`: connection failures are retried
+        for that many seconds at most, then VLLMServerLostError says the server is gone (None:
+        until the deadline, as any failure)."""
         url = base_url + path
         budget = self.timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
@@ -223,6 +219,7 @@ class VLLMClient:
         headers = {"Content-Type": "application/json"} if body is not None else None
         backoff, timeouts_left = 0.25, timeout_retries
         last_warning = loop.time()
+        lost_since: float | None = None  # the first connection failure
         while True:
             attempt_budget = max(deadline - loop.time(), 0.001) if timeout_retries == 0 else budget
             try:
@@ -243,17 +240,20 @@ class VLLMClient:
                     if response.status < 500:
                         raise VLLMRequestError(url, response.status, message)
                     if any(marker in message for marker in _DEAD_ENGINE_MARKERS):
-                        raise VLLMUnavailableError(
+                        raise VLLMServerLostError(
+                            base_url,
                             f"the vLLM engine behind {url} has died and will not recover: {message} "
-                            "(its log has the cause); restart the server"
+                            "(its log has the cause); restart the server",
                         )
                     if not retry_server_errors:
                         raise VLLMRequestError(url, response.status, message)
                     error: str = f"HTTP {response.status}: {message}"
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
-                if unreachable is not None:
-                    unreachable.append(error)
+                if unreachable_after is not None:
+                    lost_since = loop.time() if lost_since is None else lost_since
+                    if loop.time() - lost_since >= unreachable_after:
+                        raise VLLMServerLostError(base_url, f"vLLM server {url} is unreachable: {error}")
             except asyncio.TimeoutError:
                 if timeouts_left <= 0 or not retry:
                     raise VLLMUnavailableError(
@@ -289,18 +289,14 @@ class VLLMClient:
         except msgspec.DecodeError:  # some control endpoints answer plain text
             return data.decode(errors="replace")
 
-    async def _on_all(self, method: str, path: str, payload: Any = None, **kwargs) -> list[Any]:
-        """The same call on every server at once (pause, reload, metrics...). Every server's call
-        runs to its end even when another's fails (a failed pause must not leave the others
-        un-resumed); the first error is raised after all have finished."""
-        return await _all_finished(self._json(method, url, path, payload, **kwargs) for url in self.base_urls)
-
-    def _least_busy(self) -> str:
-        if len(self.base_urls) == 1:
-            return self.base_urls[0]
-        lowest = min(self._in_flight.values())
-        candidates = [url for url, count in self._in_flight.items() if count == lowest]
-        return candidates[next(self._tie_breaker) % len(candidates)]
+    async def _on_all(
+        self, method: str, path: str, payload: Any = None, urls: list[str] | None = None, **kwargs
+    ) -> list[Any]:
+        """The same call on every server (`urls`, default all) at once. Every server's call runs to
+        its end even when another's fails (a failed pause must not leave the others un-resumed); the
+        first error is raised after all have finished."""
+        targets = self.base_urls if urls is None else urls
+        return await _all_finished(self._json(method, url, path, payload, **kwargs) for url in targets)
 
     # -- start-up and capabilities ---------------------------------------------------------------
 
@@ -331,17 +327,17 @@ class VLLMClient:
                     )
                 await asyncio.sleep(1.0)
 
-    async def models(self) -> list[dict[str, Any]]:
-        return (await self._json("GET", self.base_urls[0], "/v1/models"))["data"]
+    async def models(self, url: str | None = None) -> list[dict[str, Any]]:
+        return (await self._json("GET", url or self.base_urls[0], "/v1/models"))["data"]
 
     async def model_name(self) -> str:
         if self.model is None:
             self.model = (await self.models())[0]["id"]
         return self.model
 
-    async def max_model_len(self) -> int:
+    async def max_model_len(self, urls: list[str] | None = None) -> int:
         """The smallest `max_model_len` over the servers: a request must fit on any of them."""
-        answers = await self._on_all("GET", "/v1/models")
+        answers = await self._on_all("GET", "/v1/models", urls=urls)
         return min(int(answer["data"][0]["max_model_len"]) for answer in answers)
 
     async def weight_labels(self, urls: list[str] | None = None) -> list[str]:
@@ -351,27 +347,37 @@ class VLLMClient:
         )
         return [str(answer.get("weight_version")) for answer in answers]
 
+    async def probe(self, url: str, timeout: float) -> str:
+        """Whether a server serves (`/health`: a dead engine fails it) and which weights it runs (its
+        weight-version label), asked once: no retry, each call within `timeout` seconds (the
+        trainer's watch over its servers, trainer/server_roster.py). Raises VLLMError."""
+        await self._request("GET", url, "/health", retry=False, timeout=timeout)
+        answer = await self._json("GET", url, "/weight_info", retry=False, timeout=timeout)
+        return str(answer.get("weight_version"))
+
     async def version(self) -> str:
         return (await self._json("GET", self.base_urls[0], "/version"))["version"]
 
-    async def server_info(self) -> ServerInfo | None:
-        """What the first server was started with (`/server_info`, dev mode); None when it does
-        not say. Every server of a run is expected to be started alike."""
+    async def server_info(self, url: str | None = None) -> ServerInfo | None:
+        """What a server (default: the first) was started with (`/server_info`, dev mode); None when
+        it does not say. Every server of a run is expected to be started alike (a server joining a
+        run is checked against the first: generation/server_info.py, `server_differences`)."""
         try:
             answer = await self._json(
-                "GET", self.base_urls[0], "/server_info", params={"config_format": "json"}
+                "GET", url or self.base_urls[0], "/server_info", params={"config_format": "json"}
             )
         except VLLMRequestError:
             return None
         return parse_server_info(answer if isinstance(answer, dict) else None)
 
-    async def world_sizes(self) -> list[int]:
-        """Worker processes (TP x PP x DP) of each server, in `base_urls` order."""
-        return [int(answer["world_size"]) for answer in await self._on_all("GET", "/get_world_size")]
+    async def world_sizes(self, urls: list[str] | None = None) -> list[int]:
+        """Worker processes (TP x PP x DP) of each server, in `base_urls` order (or `urls`')."""
+        answers = await self._on_all("GET", "/get_world_size", urls=urls)
+        return [int(answer["world_size"]) for answer in answers]
 
-    async def supports_token_generate(self) -> bool:
+    async def supports_token_generate(self, urls: list[str] | None = None) -> bool:
         """Whether `/inference/v1/generate` is enabled (`--enable-scale-out`) on every server."""
-        for url in self.base_urls:
+        for url in self.base_urls if urls is None else urls:
             try:
                 await self._json("POST", url, "/inference/v1/generate", {"token_ids": []})
             except VLLMRequestError as error:
@@ -412,6 +418,7 @@ class VLLMClient:
         unreachable: list[str] = []
         url, body = await self._generation_call("/v1/completions", payload, cache_salt, unreachable)
         completion = parse_completion_response(body, sampling.num_top_logprobs)
+        completion.server_url = url
         if unreachable:
             # This route does not say which weights sampled the tokens: after losing the server once,
             # ask which weights it runs now (a restarted server answers with vLLM's own label).
@@ -439,143 +446,99 @@ class VLLMClient:
             "sampling_params": fields,
             "model": model or await self.model_name(),
         }
-        _, body = await self._generation_call("/inference/v1/generate", payload, cache_salt)
-        return parse_generate_response(body, sampling.num_top_logprobs)
+        url, body = await self._generation_call("/inference/v1/generate", payload, cache_salt)
+        completion = parse_generate_response(body, sampling.num_top_logprobs)
+        completion.server_url = url
+        return completion
 
     async def _generation_call(
         self, path: str, payload: dict[str, Any], cache_salt: str | None, unreachable: list[str] | None = None
     ) -> tuple[str, bytes]:
-        """(the server that answered, its answer)."""
+        """(the server that answered, its answer). A server lost under the request (it refused or
+        dropped the connection, its engine died, or the trainer took it out of the run) is avoided
+        and the request sent again to another one (`moved_count`); with none left it waits for one,
+        at most `timeout` seconds from the first failure. Each failure is appended to `unreachable`
+        when given: the server answering afterwards may be a restarted one."""
         if cache_salt is not None:  # both generation routes take it at the top level
             payload["cache_salt"] = cache_salt
-        url = self._least_busy()
-        self._in_flight[url] += 1
-        try:
-            body = await self._request(
-                "POST", url, path, payload, timeout_retries=self.generation_timeout_retries,
-                timeout=self.request_timeout, unreachable=unreachable,
-            )  # fmt: skip
-            return url, body
-        finally:
-            self._in_flight[url] -= 1
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        failing_since: float | None = None
+        reason = "no server is in the run"
+        while True:
+            url = self.servers.pick()
+            if url is not None:
+                # With another server to go to, a failed connection sends the request there at once;
+                # alone, the server gets the time to ride out a dropped connection.
+                patience = 0.0 if len(self.servers.usable()) > 1 else UNREACHABLE_AFTER_S
+                self.servers.started(url, task)
+                try:
+                    body = await self._request(
+                        "POST", url, path, payload, timeout_retries=self.generation_timeout_retries,
+                        timeout=self.request_timeout, unreachable_after=patience,
+                    )  # fmt: skip
+                    return url, body
+                except VLLMServerLostError as error:
+                    reason = str(error)
+                except asyncio.CancelledError:
+                    if not self.servers.was_dropped(task) or task.uncancel() > 0:
+                        raise  # a real cancellation, not the trainer taking the server out
+                    reason = f"vLLM server {url} was taken out of the run"
+                finally:
+                    self.servers.finished(url, task)
+                self._moved(url, reason, unreachable)
+            failing_since = loop.time() if failing_since is None else failing_since
+            left = failing_since + self.timeout - loop.time()
+            if left <= 0:
+                hint = serve_hint(self.base_urls[0]) if self.base_urls else "restart the run's servers"
+                raise VLLMUnavailableError(
+                    f"no vLLM server could take a generation request for {self.timeout:.0f} s (servers: "
+                    f"{', '.join(self.base_urls) or 'none left'}; last failure: {reason}); {hint}"
+                )
+            if url is None:
+                await self.servers.wait_for_change(min(left, RETRY_DOWN_AFTER_S))
+
+    def _moved(self, url: str, reason: str, unreachable: list[str] | None) -> None:
+        """A request lost its server: count it, avoid the server, warn now and then."""
+        self.servers.mark_down(url)
+        self.moved_count += 1
+        if unreachable is not None:
+            unreachable.append(reason)
+        now = time.monotonic()
+        if now - self._last_move_warning > RETRY_WARNING_INTERVAL_S:
+            self._last_move_warning = now
+            logger.warning("%s; its requests go to the other servers", reason)
 
     # -- load --------------------------------------------------------------------------------------
 
     async def load(self) -> ServerLoad | None:
-        """The servers' combined load from `/metrics`; None when a server has no usable metrics."""
-        try:
-            texts = await asyncio.gather(
-                *(
-                    self._request("GET", url, "/metrics", timeout=min(self.timeout, 30.0))
-                    for url in self.base_urls
-                )
-            )
-            return ServerLoad.combine([parse_server_load(text.decode()) for text in texts])
-        except (VLLMRequestError, ValueError):
-            return None
-
-    # -- control (dev mode: VLLM_SERVER_DEV_MODE=1) --------------------------------------------------
-
-    async def pause(
-        self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None
-    ) -> None:
-        """Stop scheduling. `keep` freezes running requests (they continue on resume), `wait`
-        lets them finish first, `abort` ends them. `clear_cache=True` also empties the KV and
-        prefix caches, which under `keep` preempts every frozen request: on resume each one
-        recomputes its whole KV. The trainer does not need that: requests carry their policy
-        version as `cache_salt` (see `policy_cache_salt`), so no request reuses a prefix computed
-        by older weights than its own version's."""
-        clear = "true" if clear_cache else "false"
-        await self._on_all("POST", "/pause", params={"mode": mode, "clear_cache": clear}, timeout=timeout)
-
-    async def resume(self, timeout: float | None = None) -> None:
-        await self._on_all("POST", "/resume", timeout=timeout)
-
-    async def is_paused(self) -> bool:
-        return all(answer["is_paused"] for answer in await self._on_all("GET", "/is_paused"))
-
-    async def reset_prefix_cache(self) -> None:
-        await self._on_all("POST", "/reset_prefix_cache")
-
-    async def set_weight_label(self, label: str) -> None:
-        """Label the weights every server runs (what `weight_labels` reports) without loading any."""
-        await self._on_all("POST", "/update_weight_version", {"new_version": label})
-
-    async def reload_weights(
-        self, weights_dir: str, version: str | None = None, timeout: float | None = None
-    ) -> None:
-        """Load new weights from a directory of safetensors (HF names) on every server. Prefix-cache
-        entries of the old weights stay, under their own `cache_salt`; callers that send no salt
-        must `reset_prefix_cache` (it succeeds only once no request holds blocks). A server started
-        with asyncgrpo's worker extension reloads through it (`_reload_method`)."""
-
-        async def reload(url: str) -> Any:
-            method = await self._reload_method(url)
-            payload = {"method": method, "kwargs": {"weights_path": str(weights_dir)}}
-            return await self._json(
-                "POST", url, "/collective_rpc", payload, retry_server_errors=False, timeout=timeout
-            )
-
-        calls = [_all_finished(reload(url) for url in self.base_urls)]
-        if version is not None:  # only a label: set it alongside, not after, while the servers wait
-            calls.append(
-                self._on_all("POST", "/update_weight_version", {"new_version": version}, timeout=timeout)
-            )
-        await asyncio.gather(*calls)
-
-    async def _reload_method(self, url: str) -> str:
-        """vLLM's `reload_weights`, or the worker extension's reload on a server started with it (it
-        repacks fused-MoE weights that vLLM's own reload leaves unpacked on CPU). Read once per server
-        from `/server_info`: the extension is a start-up flag."""
-        if url not in self._reload_methods:
-            try:
-                answer = await self._json("GET", url, "/server_info", params={"config_format": "json"})
-            except VLLMRequestError:
-                answer = None
-            info = parse_server_info(answer if isinstance(answer, dict) else None)
-            extended = info is not None and info.worker_extension == WORKER_EXTENSION
-            self._reload_methods[url] = RELOAD_METHOD if extended else "reload_weights"
-        return self._reload_methods[url]
-
-    # -- native weight transfer (`--weight-transfer-config`): never retried, each call joins a
-    # collective or a protocol step that must happen exactly once --------------------------------
-
-    async def init_weight_transfer_engine(self, init_infos: list[dict[str, Any]]) -> None:
-        """Join every server's workers to the transfer group (one `init_info` per server, in
-        `base_urls` order). Blocks until the whole group has joined, the trainer included."""
-        await asyncio.gather(
+        """The combined load, from `/metrics`, of the servers that answer (one that does not is
+        lost or restarting: skipped); None when one has no usable metrics. Raises
+        VLLMUnavailableError when none answers."""
+        urls = self.servers.usable()
+        texts = await asyncio.gather(
             *(
-                self._request("POST", url, "/init_weight_transfer_engine", {"init_info": info}, retry=False)
-                for url, info in zip(self.base_urls, init_infos, strict=True)
+                self._request("GET", url, "/metrics", timeout=min(self.timeout, 30.0), retry=False)
+                for url in urls
+            ),
+            return_exceptions=True,
+        )
+        loads = []
+        for text in texts:
+            if isinstance(text, VLLMRequestError):
+                return None
+            if isinstance(text, VLLMUnavailableError):
+                continue
+            if isinstance(text, BaseException):
+                raise text
+            try:
+                loads.append(parse_server_load(text.decode()))
+            except ValueError:
+                return None
+        if not loads:
+            raise VLLMUnavailableError(
+                f"no vLLM server answered /metrics ({', '.join(urls) or 'none usable'})"
             )
-        )
-
-    async def start_weight_update(self) -> None:
-        await self._on_all("POST", "/start_weight_update", retry=False)
-
-    async def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None:
-        """Receive the broadcast described by `update_info` (names, dtype_names, shapes); returns
-        when the servers have loaded every tensor, so the trainer must broadcast meanwhile."""
-        await self._on_all(
-            "POST", "/update_weights", {"update_info": update_info}, retry=False, timeout=timeout
-        )
-
-    async def finish_weight_update(self, version: str, timeout: float | None = None) -> None:
-        await self._on_all(
-            "POST", "/finish_weight_update", {"weight_version": version}, retry=False, timeout=timeout
-        )
-
-    async def shutdown_weight_transfer_engine(self, timeout: float | None = None) -> None:
-        await self._on_all("POST", "/shutdown_weight_transfer_engine", retry=False, timeout=timeout)
-
-    async def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> None:
-        """Load an adapter from `path` (readable by the servers) as model `name`; `load_inplace`
-        replaces one already loaded under that name (and loads it where it is not)."""
-        payload = {"lora_name": name, "lora_path": str(path), "load_inplace": load_inplace}
-        await self._on_all("POST", "/v1/load_lora_adapter", payload)
-
-    async def unload_lora_adapter(self, name: str) -> None:
-        await self._on_all("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        return ServerLoad.combine(loads)
 
 
 def _server_message(body: bytes) -> str:
@@ -595,3 +558,14 @@ def _server_message(body: bytes) -> str:
         if "message" in decoded:
             return str(decoded["message"])
     return str(decoded)[:2000]
+
+
+__all__ = [  # the errors live in errors.py; callers import them from here, with the client
+    "SamplingParams",
+    "VLLMAuthenticationError",
+    "VLLMClient",
+    "VLLMError",
+    "VLLMRequestError",
+    "VLLMServerLostError",
+    "VLLMUnavailableError",
+]

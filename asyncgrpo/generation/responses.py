@@ -45,6 +45,7 @@ class Completion:
     # each forwarded token (prompt, then every output token but the last) was routed to,
     # (prompt + n - 1, layers, top_k) in the narrowest unsigned type; None when not returned.
     routed_experts: np.ndarray | None = None
+    server_url: str | None = None  # the server that answered (set by the client)
 
     @property
     def num_tokens(self) -> int:

@@ -146,7 +146,12 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
         argv += ["--enforce-eager", "--no-enable-chunked-prefill"]
     else:
         argv += ["--weight-transfer-config", '{"backend": "nccl"}']
-    env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if Path(options.model).is_dir() and "HF_HUB_OFFLINE" not in os.environ:
+        # A local model needs nothing from the Hub, and vLLM's lookups there would only wait for a
+        # network timeout on a machine without one. A Hub id must be free to download; a user's own
+        # HF_HUB_OFFLINE reaches the server unchanged (it inherits this environment).
+        env["HF_HUB_OFFLINE"] = "1"
     if on_cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_gib)
     if options.enable_lora:

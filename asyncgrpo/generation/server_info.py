@@ -87,3 +87,31 @@ def check_logprobs_mode(info: ServerInfo | None, url: str) -> None:
         f"of the distribution actually sampled: restart it with `--logprobs-mode {REQUIRED_LOGPROBS_MODE}` "
         "(`asyncgrpo serve` adds it)"
     )
+
+
+# What a server joining a run must share with the run's first server: its samples are trained with
+# the others', and the weight sync and the requests are built for the first one's settings.
+_JOIN_FLAGS = {
+    "dtype": "--dtype",
+    "logprobs_mode": "--logprobs-mode",
+    "transfer_backend": "--weight-transfer-config",
+    "return_sampling_mask": "--return-sampling-mask",
+    "max_lora_rank": "--max-lora-rank",
+    "max_loras": "--max-loras",
+    "device": "the device",
+    "worker_extension": "--worker-extension-cls",
+    "return_routed_experts": "--enable-return-routed-experts",
+}
+
+
+def server_differences(reference: ServerInfo | None, candidate: ServerInfo | None) -> list[str]:
+    """How a server that joins a run differs from the run's first server (`reference`), one phrase
+    per setting (empty: it may join). A server that does not say (no dev mode) cannot be checked,
+    and cannot take the weights either: it never matches one that says."""
+    if reference is None or candidate is None:
+        return [] if reference is candidate else ["/server_info (VLLM_SERVER_DEV_MODE=1)"]
+    return [
+        f"{flag} {getattr(candidate, field)!r}, not {getattr(reference, field)!r}"
+        for field, flag in _JOIN_FLAGS.items()
+        if getattr(candidate, field) != getattr(reference, field)
+    ]

@@ -10,6 +10,13 @@ The trace's turns become the rollout's TurnRecords, chained into samples by exac
 group's baseline. An agent that fails (exits non-zero, runs past its timeout, never calls the model,
 or a session that cannot be created or verified) is an unscorable rollout, warned about and counted
 (`rollout/harness_failed_count`); a trace that breaks the capture contract stops the run.
+
+Every call into the session's code has a deadline (harness/deadlines.py): `verify()` and
+`rollout_reward_fn` `reward_timeout`, each white-box tool call `tool_timeout`, the rest (`create()`,
+the adapter's run, the trace, `close()`) the trainer's `harness_timeout_s`. A call past its deadline
+makes the rollout unscorable and counts in `rollout/harness_timeout_count` (a tool's: a tool error
+the model sees, and `tools/timeout_count`). A factory that states `max_live_sessions` (a process per
+session) has at most that many sessions alive at once (harness/session_gate.py).
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from openenv.core.harness import HarnessAdapter, HarnessRunLimits, TraceEntry
-
 from asyncgrpo.harness.capture import CaptureProxy
+from asyncgrpo.harness.contract import HarnessRunLimits
+from asyncgrpo.harness.deadlines import DeadlineExceeded, ToolDeadlineSession, call_with_deadline
+from asyncgrpo.harness.session_gate import SessionGate
 from asyncgrpo.harness.tool_metrics import ToolCallCounts, captured_tool_calls, white_box_tool_calls
 from asyncgrpo.harness.trace import CaptureContractError, turns_from_trace
 from asyncgrpo.harness.white_box import WhiteBoxSampler
@@ -38,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 # A white-box adapter's turn limit when max_tool_calling_iterations is unset (TRL's).
 DEFAULT_WHITE_BOX_TURNS = 8
+# How long the trainer waits on a session's own code at each call (create, the adapter's run, the
+# trace, close) by default: as long as a server request may take, so it never cuts a working session.
+DEFAULT_HARNESS_TIMEOUT_S = 1800.0
+HARNESS_TIMEOUT = "harness_timeout_s"
 
 
 @dataclass
@@ -47,7 +59,7 @@ class HarnessRolloutOutcome:
 
     env_reward: float | None
     completion: list[dict[str, Any]]
-    trace: list[TraceEntry]
+    trace: list[dict[str, Any]]  # the capture's trace entries (TrainingTrace.to_trace_entries)
     tool_call_count: int
     tool_failure_count: int
     tool_calls_by_name: dict[str, int]
@@ -59,12 +71,17 @@ class HarnessSettings:
     """The trainer's harness arguments, as the rollout process receives them."""
 
     session_factory: Callable[..., Any]
-    adapter: HarnessAdapter | None = None
+    adapter: Any = None  # an OpenEnv HarnessAdapter (or one of the same shape): white-box
     rollout_reward_fn: Callable[[HarnessRolloutOutcome], float | None] | None = None
+    timeout_s: float = DEFAULT_HARNESS_TIMEOUT_S
 
 
 class SessionFailure(Exception):
     """The agent or its session failed: the rollout is unscorable (not a training error)."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass
@@ -75,6 +92,8 @@ class _SessionResult:
     env_reward: float | None = None
     tools: ToolCallCounts = field(default_factory=ToolCallCounts)
     failure: str | None = None
+    timed_out: bool = False  # a call ran past its deadline (the failure says which)
+    tool_timeouts: int = 0
 
 
 class HarnessRolloutLoop(AsyncRolloutLoop):
@@ -85,8 +104,9 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         self._proxy: CaptureProxy | None = None
         self._session_pool: ThreadPoolExecutor | None = None
         self._live_sessions: set = set()
-        self._sessions_lock = threading.Lock()
+        self._sessions_lock = threading.Lock()  # held for set operations only, never while a session starts
         self._closing = False
+        self._gate = SessionGate(None)
 
     async def setup(self) -> None:
         config = self.config
@@ -95,6 +115,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         )
         if self.harness.adapter is not None:
             self._factory = self.harness.session_factory()
+            self._bound_live_sessions()
             return
         self._proxy = CaptureProxy(
             self.tokenizer,
@@ -102,6 +123,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             self.model_name,
             config.chat_template_kwargs,
             config.parse_reasoning,
+            max_request_bytes=int(config.harness_max_request_mb * 2**20),
         )
         endpoint = await self._proxy.start()
         sampling = {
@@ -115,17 +137,27 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         if _accepts(self.harness.session_factory, "capture"):
             kwargs["capture"] = endpoint
         self._factory = self.harness.session_factory(**kwargs)
+        self._bound_live_sessions()
+
+    def _bound_live_sessions(self) -> None:
+        """The gate on live sessions, from the factory's `max_live_sessions` (None: no bound)."""
+        limit = getattr(self._factory, "max_live_sessions", None)
+        self._gate = SessionGate(limit)
+        if limit is not None:
+            logger.info("harness: at most %d sessions (agent processes) alive at once (max_agents)", limit)
 
     async def close(self) -> None:
         """End every live session (their agents and children), then the proxy."""
         with self._sessions_lock:
             self._closing = True
             sessions = list(self._live_sessions)
-        await asyncio.gather(*(asyncio.to_thread(_close_quietly, session) for session in sessions))
+        await asyncio.gather(*(asyncio.to_thread(self._close_quietly, session) for session in sessions))
         if self._session_pool is not None:
             self._session_pool.shutdown(wait=False, cancel_futures=True)
-        if callable(getattr(self._factory, "close", None)):  # a factory's own processes (a reaper)
-            await asyncio.to_thread(self._factory.close)
+        if callable(getattr(self._factory, "close", None)):  # its own resources (the agents' lifeline)
+            await asyncio.to_thread(
+                self._bounded, self._factory.close, self.harness.timeout_s, "the factory's close()"
+            )
         if self._proxy is not None:
             await self._proxy.stop()
 
@@ -134,11 +166,21 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         task = row if getattr(self._factory, "takes_dataset_row", False) else prompt
         version = self._sampler.model_version_value.value
         started = time.monotonic()
-        result = await asyncio.get_running_loop().run_in_executor(
-            self._session_pool, self._run_session, task, group_id, version, asyncio.get_running_loop()
-        )
+        with self._activity.waiting_on(f"a place for a harness session ({self._gate.what})"):
+            waited_s = await self._gate.acquire()
+        try:
+            if self._gate.limit is not None:
+                self.metrics.record("rollout/harness_session_wait_s", waited_s)
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._session_pool, self._run_session, task, group_id, version, asyncio.get_running_loop()
+            )
+        finally:
+            self._gate.release()
         metrics = self.metrics
         metrics.record("rollout/harness_failed_count", int(result.failure is not None), Reduce.SUM)
+        metrics.record("rollout/harness_timeout_count", int(result.timed_out), Reduce.SUM)
+        if result.tool_timeouts:
+            metrics.record("tools/timeout_count", result.tool_timeouts, Reduce.SUM)
         if result.failure is not None:
             logger.warning(
                 "harness rollout for dataset prompt %s is unscorable after %.1f s: %s",
@@ -164,15 +206,27 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
 
     def _run_session(self, task, group_id: int, version: int, event_loop) -> _SessionResult:
         episode_id = uuid.uuid4().hex
+        if self._closing:
+            return _SessionResult(failure="the trainer is stopping")
+        timeout = self.harness.timeout_s
+        try:
+            # One seed per group: every rollout of a prompt gets the same task.
+            session = self._bounded(
+                lambda: self._factory.create(task, seed=group_id, episode_id=episode_id),
+                timeout,
+                "the session factory's create()",
+            )
+        except DeadlineExceeded as error:
+            return _SessionResult(failure=str(error), timed_out=True)
+        except Exception as error:
+            return _SessionResult(failure=f"the session could not be created: {error!r}")
         with self._sessions_lock:
-            if self._closing:
-                return _SessionResult(failure="the trainer is stopping")
-            try:
-                # One seed per group: every rollout of a prompt gets the same task.
-                session = self._factory.create(task, seed=group_id, episode_id=episode_id)
-            except Exception as error:
-                return _SessionResult(failure=f"the session could not be created: {error!r}")
-            self._live_sessions.add(session)
+            stopping = self._closing
+            if not stopping:
+                self._live_sessions.add(session)
+        if stopping:  # close() has taken its list of sessions already: this one is ours to close
+            self._close_quietly(session)
+            return _SessionResult(failure="the trainer is stopping")
         try:
             if self.harness.adapter is not None:
                 return self._white_box(session, event_loop)
@@ -180,13 +234,28 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         except CaptureContractError:
             raise
         except SessionFailure as failure:
-            return _SessionResult(failure=str(failure))
+            return _SessionResult(failure=str(failure), timed_out=failure.timed_out)
+        except DeadlineExceeded as error:
+            return _SessionResult(failure=f"{error}{_output_of(session)}", timed_out=True)
         except Exception as error:  # the session's own code (verify, the adapter) failed
             return _SessionResult(failure=f"the session failed: {error!r}")
         finally:
             with self._sessions_lock:
                 self._live_sessions.discard(session)
-            _close_quietly(session)
+            self._close_quietly(session)
+
+    def _bounded(
+        self, function: Callable[[], Any], timeout_s: float, what: str, setting: str = HARNESS_TIMEOUT
+    ):
+        """`function()` under its deadline, and on the activity board while it runs."""
+        with self._activity.waiting_on(what):
+            return call_with_deadline(function, timeout_s, what, setting)
+
+    def _close_quietly(self, session) -> None:
+        try:
+            self._bounded(session.close, self.harness.timeout_s, "the session's close()")
+        except Exception:
+            logger.warning("closing a harness session failed", exc_info=True)
 
     def _loop_owning(self, session, version: int) -> _SessionResult:
         if not callable(getattr(session, "fetch_training_trace", None)):
@@ -195,14 +264,20 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                 "session's captured turns (OpenEnv's TrainableSession); give a harness_adapter to sample "
                 "each turn in the trainer instead"
             )
+        # A session with a timeout of its own (ProcessSession's timeout_s) ends its agent by itself; the
+        # harness's deadline is then a backstop beyond it.
+        own_timeout = getattr(session, "timeout_s", None)
+        deadline = self.harness.timeout_s + (own_timeout if isinstance(own_timeout, (int, float)) else 0.0)
         try:
-            exit_code = session.wait_for_completion()
+            exit_code = self._bounded(session.wait_for_completion, deadline, "the agent's run")
         except TimeoutError as error:
-            raise SessionFailure(f"{error}{_output_of(session)}") from None
+            raise SessionFailure(f"{error}{_output_of(session)}", timed_out=True) from None
         if exit_code:
             raise SessionFailure(f"the agent exited with code {exit_code}{_output_of(session)}")
         try:
-            trace = session.fetch_training_trace()
+            trace = self._bounded(
+                session.fetch_training_trace, self.harness.timeout_s, "fetch_training_trace()"
+            )
         except ValueError as error:  # pydantic's ValidationError among them: the producer broke the contract
             if isinstance(error, CaptureContractError):
                 raise
@@ -227,14 +302,25 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                 "max_tokens": self.config.max_completion_length,
             },
         )
-        result = self.harness.adapter.run_white_box(sampler, session, limits)
+        guarded = ToolDeadlineSession(session, self.config.tool_timeout, self._activity)
+        try:
+            result = self._bounded(
+                lambda: self.harness.adapter.run_white_box(sampler, guarded, limits),
+                self.harness.timeout_s,
+                "the harness adapter's run_white_box()",
+            )
+        except DeadlineExceeded as error:
+            return _SessionResult(failure=str(error), timed_out=True, tool_timeouts=guarded.timeouts)
         if not sampler.turns:
             raise SessionFailure("the harness adapter finished without sampling a turn")
-        tools = white_box_tool_calls(result.tool_trace)
-        return self._score(session, sampler.turns, list(result.messages), [], tools)
+        tools = white_box_tool_calls(result.tool_trace, sampler.offered)
+        scored = self._score(session, list(sampler.turns), list(result.messages), [], tools)
+        scored.tool_timeouts = guarded.timeouts
+        return scored
 
     def _score(self, session, turns, completion, entries, tools: ToolCallCounts) -> _SessionResult:
-        verified = session.verify(completion)
+        timeout = self.config.reward_timeout
+        verified = self._bounded(lambda: session.verify(completion), timeout, "verify()", "reward_timeout")
         env_reward = None if verified.env_reward is None else float(verified.env_reward)
         reward = env_reward
         if self.harness.rollout_reward_fn is not None:
@@ -247,7 +333,12 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                 tool_failure_count=sum((tools.failures or {}).values()),
                 tool_calls_by_name=dict(tools.calls),
             )
-            reward = self.harness.rollout_reward_fn(outcome)
+            reward = self._bounded(
+                lambda: self.harness.rollout_reward_fn(outcome),
+                timeout,
+                "rollout_reward_fn",
+                "reward_timeout",
+            )
         return _SessionResult(turns, completion, reward, env_reward, tools)
 
 
@@ -257,13 +348,6 @@ def _accepts(factory: Callable, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-
-
-def _close_quietly(session) -> None:
-    try:
-        session.close()
-    except Exception:
-        logger.warning("closing a harness session failed", exc_info=True)
 
 
 def _output_of(session) -> str:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from asyncgrpo.rollout.agent import turn_text
-from asyncgrpo.rollout.tool_calls import ParsedTurn, parse_turn, tool_call_format
+from asyncgrpo.rollout.tool_calls import ParsedTurn, parse_turn, require_call_format, tool_call_format
 from asyncgrpo.rollout.types import TurnRecord
 
 
@@ -46,7 +46,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def parse_sampled_turn(tokenizer, turn: TurnRecord, with_tools: bool, parse_reasoning: bool) -> ParsedTurn:
     """The sampled turn's content, tool calls and reasoning, read as the built-in tool loop reads them."""
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    fmt = tool_call_format(template)
+    fmt = require_call_format(template, "the served model") if with_tools else tool_call_format(template)
     return parse_turn(turn_text(tokenizer, turn.output_ids, fmt), fmt, with_tools, parse_reasoning)
 
 

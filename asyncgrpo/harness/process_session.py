@@ -1,121 +1,148 @@
 """ProcessSessionFactory: a local process per rollout, for agents without a sandbox service.
 
-Each session makes a fresh working directory holding `task.json` (the dataset row: the prompt's
-messages under "prompt" and the row's other columns, plus the session's "seed", "episode_id" and the
-run's "sampling"), starts `command` there with the same JSON on stdin and `OPENAI_BASE_URL`,
-`OPENAI_API_KEY` (the session's own key) and `OPENAI_MODEL` pointing at the trainer's capture proxy,
-and waits for it to exit. `verify(workdir, transcript)` scores what the agent left behind. The
-process leads its own process group, so closing the session ends the agent and every process it
-started; the directory is removed with it. The factory's reaper (harness/reaper.py) ends the groups
-of a rollout worker that dies without closing its sessions.
+Each session makes a private folder (mode 0700) holding the agent's working directory (`work/`), its
+temporary folder (`tmp/`) and its output log (`output.log`, mode 0600, capped). The working directory
+starts with `task.json`: the prompt's messages under "prompt", the row's columns named in
+`agent_columns` (none by default: the answer columns stay with the trainer), and the session's
+"seed", "episode_id" and the run's "sampling". The agent starts there with the same JSON on stdin
+(the file itself, so nothing waits on the agent reading it), a minimal environment
+(harness/agent_environment.py) with `OPENAI_BASE_URL`, `OPENAI_API_KEY` (the session's own key) and
+`OPENAI_MODEL` pointing at the trainer's capture proxy, under a supervisor process
+(harness/supervisor.py) that ends every process the agent starts when the agent exits, when the
+session closes, or when the factory closes or its process dies. `verify(workdir, transcript, row)`
+scores what the agent left behind against the trainer's own copy of the dataset row.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from openenv.core.harness import (
-    ResourceSession,
-    ResourceSessionFactory,
-    ToolResult,
-    TrainingTrace,
-    VerifyResult,
-)
-
+from asyncgrpo.harness.agent_environment import agent_environment, default_max_agents
 from asyncgrpo.harness.capture import CaptureEndpoint
-from asyncgrpo.harness.reaper import GroupReaper
+from asyncgrpo.harness.contract import ToolResult, TrainingTrace, VerifyResult
 
 # How long an agent may run, by default: a few model turns and tool calls of a small agent, with
 # room for a slow, shared server. Longer agents set `timeout_s`.
 DEFAULT_TIMEOUT_S = 300.0
 # How much of the agent's output a failure warning quotes (its end: where the error is).
 OUTPUT_TAIL_CHARS = 2000
-# The agent's output, beside its working directory (not in it: verify reads the directory).
-OUTPUT_FILE_SUFFIX = ".output.log"
+# What an agent's log keeps at most (its latest output): many turns of a chatty agent, and a log a
+# looping agent cannot grow without bound.
+OUTPUT_CAP_BYTES = 2**20
+# How long closing a session waits for the supervisor to end the agent's processes before it kills
+# the supervisor's process group itself. Ending takes a few system calls per process; only a
+# supervisor stopped or killed by its agent needs the fallback.
+END_BOUND_S = 30.0
+SUPERVISOR = Path(__file__).with_name("supervisor.py")
+POLL_LIMIT_MS = 2**31 - 1  # poll()'s largest timeout
+# task.json keys the session writes itself: a column of these names cannot be given to the agent.
+SESSION_KEYS = ("prompt", "seed", "episode_id", "sampling")
 
 
-class ProcessSession(ResourceSession):
-    """One running agent process. Loop-owning: it has no tools of its own to offer a harness."""
+class ProcessSession:
+    """One running agent process: an OpenEnv `ResourceSession` and `TrainableSession` by shape.
+    Loop-owning: it has no tools of its own to offer a harness."""
 
     def __init__(
         self,
         command: list[str],
         task: dict[str, Any],
-        verify: Callable[[Path, list[dict[str, Any]]], float | None],
+        row: dict[str, Any],
+        verify: Callable[..., float | None],
+        verify_takes_row: bool,
         timeout_s: float,
         capture: CaptureEndpoint,
         episode_id: str,
-        env: dict[str, str] | None,
-        reaper: GroupReaper,
+        env: dict[str, str],
+        lifeline: int,
     ):
         self.task = task
-        self._reaper = reaper
-        self._verify = verify
+        self.row = row
+        self._verify, self._verify_takes_row = verify, verify_takes_row
         self.timeout_s = timeout_s
         self._capture = capture
-        self.workdir = Path(tempfile.mkdtemp(prefix="asyncgrpo-harness-"))
-        self.output_path = self.workdir.with_name(self.workdir.name + OUTPUT_FILE_SUFFIX)
-        self._api_key = capture.open_session(episode_id)
-        payload = json.dumps(task, default=str)  # a column json cannot write (a date) as its text
-        (self.workdir / "task.json").write_text(payload)
-        environment = {
-            **os.environ,
-            **(env or {}),
-            "OPENAI_BASE_URL": capture.base_url,
-            "OPENAI_API_KEY": self._api_key,
-            "OPENAI_MODEL": capture.model,
-        }
-        self._output = self.output_path.open("wb")
+        self._lock = threading.Lock()  # the supervisor is reaped under it, and signalled only before
+        self._pidfd: int | None = None
+        self.root = Path(tempfile.mkdtemp(prefix="asyncgrpo-harness-"))  # mode 0700: private
+        self.workdir = self.root / "work"
+        self.output_path = self.root / "output.log"
+        self._api_key: str | None = None
         try:
-            self.process = subprocess.Popen(
-                command,
-                cwd=self.workdir,
-                env=environment,
-                stdin=subprocess.PIPE,
-                stdout=self._output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: close() ends its children too
+            self._api_key = capture.open_session(episode_id)
+            self.workdir.mkdir()
+            (self.root / "tmp").mkdir()
+            task_file = self.workdir / "task.json"
+            # default=str: a column json cannot write (a date) goes as its text
+            task_file.write_text(json.dumps(task, default=str))
+            environment = agent_environment(
+                self.root / "tmp",
+                env,
+                {
+                    "OPENAI_BASE_URL": capture.base_url,
+                    "OPENAI_API_KEY": self._api_key,
+                    "OPENAI_MODEL": capture.model,
+                },
             )
-        except OSError:
+            log = os.open(self.output_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                with task_file.open("rb") as stdin:
+                    self.process = subprocess.Popen(
+                        [sys.executable, "-I", "-S", str(SUPERVISOR), str(lifeline), str(OUTPUT_CAP_BYTES)]
+                        + ["--", *command],
+                        cwd=self.workdir,
+                        env=environment,
+                        stdin=stdin,
+                        stdout=log,
+                        stderr=log,
+                        pass_fds=(lifeline,),
+                        start_new_session=True,  # its own process group, apart from the worker's signals
+                    )
+            finally:
+                os.close(log)
+            # Not reaped until this session reaps it: the pid is the supervisor's while the descriptor lives.
+            self._pidfd = os.pidfd_open(self.process.pid)
+        except BaseException:
             self.close()
             raise
-        reaper.watch(self.process.pid)  # the group ends with the worker, even a worker killed outright
-        try:
-            self.process.stdin.write(payload.encode())
-            self.process.stdin.close()
-        except BrokenPipeError:
-            pass  # the agent does not read stdin (or exited already): its exit code tells
+        self.started = time.monotonic()
 
     # -- the loop-owning session (OpenEnv's TrainableSession) ---------------------------------------------
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
-        """The agent's exit code; TimeoutError (the agent ended) when it runs past the timeout."""
-        try:
-            return self.process.wait(timeout=timeout_s if timeout_s is not None else self.timeout_s)
-        except subprocess.TimeoutExpired:
-            self._kill()
-            raise TimeoutError(f"the agent ran past timeout_s={self.timeout_s:g} s and was ended") from None
+        """The agent's exit code; TimeoutError (the agent ended) when it runs past the timeout, counted
+        from the agent's start (`timeout_s` of the factory when not given)."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        if not self._exited_within(self.started + limit - time.monotonic()):
+            self._end()
+            raise TimeoutError(f"the agent ran past timeout_s={limit:g} s and was ended")
+        with self._lock:
+            return self.process.wait()
 
     def fetch_training_trace(self) -> TrainingTrace:
         return self._capture.training_trace(self._api_key)
 
     def output_tail(self) -> str:
         """The end of what the agent wrote to stdout and stderr."""
-        if not self._output.closed:  # closed when the trainer stopping closed the session first
-            self._output.flush()
         try:
-            text = self.output_path.read_bytes()[-OUTPUT_TAIL_CHARS:]
+            with self.output_path.open("rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - OUTPUT_TAIL_CHARS))
+                return log.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
-        return text.decode(errors="replace")
 
     # -- ResourceSession --------------------------------------------------------------------------------
 
@@ -131,24 +158,61 @@ class ProcessSession(ResourceSession):
         )
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
-        reward = self._verify(self.workdir, transcript)
+        if self._verify_takes_row:
+            reward = self._verify(self.workdir, transcript, self.row)
+        else:
+            reward = self._verify(self.workdir, transcript)
         return VerifyResult(env_reward=None if reward is None else float(reward), done=True)
 
     def close(self) -> None:
-        """End the agent and its children, forget its key, remove its files. Safe to call twice."""
+        """End the agent and every process it started, forget its key, remove its files. Safe to call
+        twice, and from another thread than the one waiting for the agent."""
         if getattr(self, "process", None) is not None:
-            self._kill()
-            self.process.wait()
-            self._reaper.forget(self.process.pid)
-        self._output.close()
-        self._capture.close_session(self._api_key)
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        self.output_path.unlink(missing_ok=True)
+            self._end()
+        with self._lock:  # one closer takes the descriptor
+            pidfd, self._pidfd = self._pidfd, None
+        if pidfd is not None:
+            os.close(pidfd)
+        if self._api_key is not None:
+            self._capture.close_session(self._api_key)
+        shutil.rmtree(self.root, ignore_errors=True)
 
-    def _kill(self) -> None:
-        # The group, even when its leader has exited: a child it left running is still in it.
+    # -- the supervisor -----------------------------------------------------------------------------------
+
+    def _exited_within(self, seconds: float) -> bool:
+        """Whether the supervisor exits within `seconds` (it is not reaped: only _end and
+        wait_for_completion reap it, under the lock)."""
+        pidfd = self._pidfd
+        if self.process.returncode is not None or pidfd is None:  # reaped (close() came first)
+            return True
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)  # readable once the process has exited
+        return bool(poller.poll(min(POLL_LIMIT_MS, max(0, int(seconds * 1000)))))
+
+    def _end(self) -> None:
+        """Have the supervisor end the agent's processes, then reap it. Every signal goes out before the
+        reap: a pid or group id is never reused while its process is not reaped, so no signal here
+        can reach another program's process."""
+        with self._lock:
+            if self.process.returncode is not None:
+                return  # reaped: the supervisor ended every process of the agent's before it exited
+            if self._pidfd is None:  # the session failed to start: nothing ran but the supervisor
+                self.process.kill()
+                self.process.wait()
+                return
+            self._signal(signal.SIGTERM)
+            self._signal(signal.SIGCONT)  # an agent may have stopped its supervisor
+            if not self._exited_within(END_BOUND_S):
+                self._signal(signal.SIGKILL)
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)  # what is left in its group, if anything
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.process.wait()
+
+    def _signal(self, signum: int) -> None:
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            signal.pidfd_send_signal(self._pidfd, signum)
         except ProcessLookupError:
             pass
 
@@ -162,25 +226,41 @@ def _absolute_if_file(part: str) -> str:
         return part
 
 
-class ProcessSessionFactory(ResourceSessionFactory[ProcessSession]):
-    """Sessions running `command` in a fresh directory per rollout (docs/harness.md).
+def takes_row(verify: Callable) -> bool:
+    """Whether `verify` takes a third positional argument (the dataset row)."""
+    try:
+        parameters = list(inspect.signature(verify).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
-    `verify(workdir, transcript)` returns the reward (None: the rollout cannot be scored);
-    `timeout_s` bounds each agent's run; `env` adds environment variables. An element of `command`
-    that names an existing file (the agent's script, relative to where the trainer runs) is made
-    absolute: the agent runs in its own working directory. `sampling` (the run's
-    sampling settings) and `capture` (the trainer's proxy) are given by the trainer:
-    `functools.partial(ProcessSessionFactory, command=[...], verify=...)` is a
-    `harness_session_factory`."""
+
+class ProcessSessionFactory:
+    """Sessions running `command` in a fresh directory per rollout (docs/harness.md); an OpenEnv
+    `ResourceSessionFactory` by shape.
+
+    `verify(workdir, transcript, row)` returns the reward (None: the rollout cannot be scored); `row`
+    is the trainer's own copy of the dataset row, answers included (a verify of two parameters,
+    `verify(workdir, transcript)`, works too). The agent sees the prompt and only the columns named
+    in `agent_columns`. `timeout_s` bounds each agent's run, from its start; `env` adds environment
+    variables to the agent's minimal environment; `max_agents` bounds the agents alive at once (None:
+    from the machine, harness/agent_environment.py). An element of `command` that names an existing
+    file (the agent's script, relative to where the trainer runs) is made absolute: the agent runs in
+    its own working directory. `sampling` (the run's sampling settings) and `capture` (the trainer's
+    proxy) are given by the trainer: `functools.partial(ProcessSessionFactory, command=[...],
+    verify=...)` is a `harness_session_factory`."""
 
     takes_dataset_row = True  # create() gets the whole dataset row, not the prompt alone
 
     def __init__(
         self,
         command: list[str],
-        verify: Callable[[Path, list[dict[str, Any]]], float | None],
+        verify: Callable[..., float | None],
         timeout_s: float = DEFAULT_TIMEOUT_S,
         env: dict[str, str] | None = None,
+        agent_columns: Sequence[str] | None = None,
+        max_agents: int | None = None,
         sampling: dict[str, Any] | None = None,
         capture: CaptureEndpoint | None = None,
     ):
@@ -190,19 +270,35 @@ class ProcessSessionFactory(ResourceSessionFactory[ProcessSession]):
             )
         if not callable(verify):
             raise ValueError(
-                f"verify must be a function verify(workdir, transcript) -> float | None, got {verify!r}"
+                f"verify must be a function verify(workdir, transcript, row) -> float | None, got {verify!r}"
             )
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 (seconds an agent may run)")
+        columns = list(agent_columns or [])
+        if isinstance(agent_columns, str) or not all(isinstance(name, str) for name in columns):
+            raise ValueError(f"agent_columns must be a list of column names, got {agent_columns!r}")
+        reserved = [name for name in columns if name in SESSION_KEYS]
+        if reserved:
+            raise ValueError(
+                f"agent_columns names {reserved}: task.json sets {', '.join(SESSION_KEYS)} itself (the "
+                "prompt always goes to the agent); rename the dataset column"
+            )
+        if max_agents is not None and max_agents < 1:
+            raise ValueError(f"max_agents={max_agents} must be >= 1 (agent processes alive at once)")
         # The agent runs in its own directory: a relative path to an existing file (the agent's script,
         # given from the directory the trainer runs in) would name nothing there.
         self.command = [_absolute_if_file(part) for part in command]
         self.verify = verify
+        self.verify_takes_row = takes_row(verify)
         self.timeout_s = timeout_s
-        self.env = dict(env or {})
+        self.env = {str(name): str(value) for name, value in (env or {}).items()}
+        self.agent_columns = columns
+        # Read by the harness rollout loop: sessions of this factory alive at once.
+        self.max_live_sessions = max_agents if max_agents is not None else default_max_agents()
         self.sampling = dict(sampling or {})
         self.capture = capture
-        self.reaper = GroupReaper()  # started with the first session
+        self._lifeline: tuple[int, int] | None = None  # made with the first session
+        self._lifeline_lock = threading.Lock()
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> ProcessSession:
         if self.capture is None:
@@ -211,18 +307,42 @@ class ProcessSessionFactory(ResourceSessionFactory[ProcessSession]):
                 "harness_session_factory (the trainer binds its proxy), not an instance made by hand"
             )
         row = dict(task) if isinstance(task, dict) else {"prompt": task}
-        payload = {**row, "seed": seed, "episode_id": episode_id, "sampling": self.sampling}
+        missing = [name for name in self.agent_columns if name not in row]
+        if missing:
+            raise ValueError(
+                f"agent_columns names {missing}, which the dataset row lacks (it has {sorted(row)})"
+            )
+        payload = {
+            "prompt": row.get("prompt"),
+            **{name: row[name] for name in self.agent_columns},
+            "seed": seed,
+            "episode_id": episode_id,
+            "sampling": self.sampling,
+        }
         return ProcessSession(
             self.command,
             payload,
+            copy.deepcopy(row),  # the verifier's copy: nothing the agent does reaches it
             self.verify,
+            self.verify_takes_row,
             self.timeout_s,
             self.capture,
             episode_id or "",
             self.env,
-            self.reaper,
+            self._lifeline_read_end(),
         )
 
     def close(self) -> None:
-        """End the reaper process (the rollout loop calls this after closing every session)."""
-        self.reaper.close()
+        """Close the lifeline: every supervisor still running ends its agent's processes (the rollout
+        loop calls this after closing every session; a dying worker's kernel does it too)."""
+        with self._lifeline_lock:
+            if self._lifeline is not None:
+                for fd in self._lifeline:
+                    os.close(fd)
+                self._lifeline = None
+
+    def _lifeline_read_end(self) -> int:
+        with self._lifeline_lock:
+            if self._lifeline is None:
+                self._lifeline = os.pipe()  # not inheritable: only the supervisors are given the read end
+            return self._lifeline[0]

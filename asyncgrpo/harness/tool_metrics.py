@@ -4,7 +4,8 @@ Loop-owning, the agent runs its tools itself: the capture sees the calls the mod
 reply's `tool_calls`) and the tools the agent offered (each request's `tools`), not whether a tool
 failed or how long it ran. White-box, the adapter's tool trace says which calls returned an error.
 The names are the built-in tool loop's (docs/metrics.md, "Tools"); what each mode cannot know is
-not logged.
+not logged. A call's name is the model's to choose: only the names of tools the session declared
+become metric names, every other call counts under UNDECLARED, so the model cannot make up metrics.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from typing import Any
 
 from asyncgrpo.metrics import MetricsWindow, Reduce
 
+# The per-tool name under which calls to a tool the session did not declare are counted.
+UNDECLARED = "undeclared"
+
 
 @dataclass
 class ToolCallCounts:
-    """A rollout's tool calls: per tool name, calls and failed calls (None: failures unknown), the
-    number of calls of each reply that made any, and calls to a tool the request did not offer."""
+    """A rollout's tool calls: per declared tool name (UNDECLARED for the others), calls and failed
+    calls (None: failures unknown), the number of calls of each reply that made any, and calls to a
+    tool the request did not offer."""
 
     calls: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] | None = None
@@ -61,17 +66,20 @@ def captured_tool_calls(entries: list[dict[str, Any]]) -> ToolCallCounts:
             counts.per_reply.append(len(calls))
         for call in calls:
             name = (call.get("function") or {}).get("name") or ""
-            counts.calls[name] = counts.calls.get(name, 0) + 1
-            counts.unknown_names += name not in offered
+            declared = name in offered
+            key = name if declared else UNDECLARED
+            counts.calls[key] = counts.calls.get(key, 0) + 1
+            counts.unknown_names += not declared
     return counts
 
 
-def white_box_tool_calls(tool_trace) -> ToolCallCounts:
-    """The tool calls of a white-box session, from its adapter's `tool_trace` (OpenEnv
-    `ToolTraceEntry`s: a call failed when its result carries an error)."""
+def white_box_tool_calls(tool_trace, declared: set[str]) -> ToolCallCounts:
+    """The tool calls of a white-box session, from its adapter's `tool_trace` (`ToolTraceEntry`s: a
+    call failed when its result carries an error); `declared`: the names of the tools the session
+    listed."""
     counts = ToolCallCounts(failures={})
     for entry in tool_trace:
-        name = entry.tool_name
+        name = entry.tool_name if entry.tool_name in declared else UNDECLARED
         counts.calls[name] = counts.calls.get(name, 0) + 1
         counts.failures[name] = counts.failures.get(name, 0) + int(entry.result.error is not None)
     return counts

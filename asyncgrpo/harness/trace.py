@@ -1,12 +1,13 @@
-"""The capture contract: a captured turn as an OpenEnv `TrainingTurn`, and back as the `TurnRecord`
-the sample builder (rollout/sequences.py) chains by exact token prefix.
+"""The capture contract: a captured turn as a `TrainingTurn` (OpenEnv's type, harness/contract.py),
+and back as the `TurnRecord` the sample builder (rollout/sequences.py) chains by exact token prefix.
 
 What the loss needs of every trained token, and what a turn must therefore carry: the prompt ids and
 completion ids as the engine saw them (never re-tokenized), the sampler's log-prob of each completion
 token, the sampler's top-N at each (`num_sampler_logprobs`, when the loss centers on them) and the
-policy version that sampled the turn. OpenEnv's `TrainingTurn` checks the first three when it is
-built; the rest travels in its `metadata` under the keys below. A trace that breaks the contract
-stops the run (`CaptureContractError`): training on misaligned tokens still trains, on garbage.
+policy version that sampled the turn. The first three are checked when a turn is captured and again
+when any session's trace is read (a producer of its own may skip the check); the rest travels in its
+`metadata` under the keys below. A trace that breaks the contract stops the run
+(`CaptureContractError`): training on misaligned tokens still trains, on garbage.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from openenv.core.harness import TrainingTrace, TrainingTurn
 
+from asyncgrpo.harness.contract import TrainingTrace, TrainingTurn, check_training_turn
 from asyncgrpo.rollout.types import TurnRecord
 
 # metadata keys of a TrainingTurn that carry what OpenEnv's fields do not
@@ -52,7 +53,7 @@ def training_turn(
             response=response,
             metadata=metadata,
         )
-    except ValueError as error:  # pydantic's ValidationError is one
+    except ValueError as error:
         raise CaptureContractError(f"captured turn {node_id} breaks the capture contract: {error}") from error
 
 
@@ -70,6 +71,10 @@ def turns_from_trace(trace: TrainingTrace, default_version: int, top_n: int) -> 
                 "carry the ids the engine saw and sampled (a proxy that re-tokenizes or drops them cannot "
                 "be trained on)"
             )
+        try:
+            check_training_turn(prompt, output, turn.per_token_logps, turn.loss_mask)
+        except ValueError as error:
+            raise CaptureContractError(f"{tag} breaks the capture contract: {error}") from error
         mask = turn.loss_mask[len(prompt) :]
         top_ids = top_logprobs = None
         if TOP_IDS_KEY in turn.metadata:

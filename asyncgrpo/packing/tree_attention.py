@@ -19,13 +19,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from asyncgrpo.packing.gated_deltanet import (
-    LINEAR_ATTENTION,
-    RecurrentLayout,
-    enable_tree_recurrence,
-    is_gated_deltanet,
-    recurrent_layout,
-)
+from asyncgrpo.packing.gated_deltanet import LINEAR_ATTENTION, enable_tree_recurrence, is_gated_deltanet
+from asyncgrpo.packing.recurrent_layout import RecurrentLayout, recurrent_layout
 
 TREE_ATTENTION = "asyncgrpo_tree"  # the name registered in transformers' AttentionInterface
 BLOCK_SIZE = 128  # FlexAttention's default sparse block: rows are padded to a multiple of it
@@ -322,6 +317,13 @@ AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
 AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)  # for ordinary (non-packed) forwards
 
 
+# What a refusal tells the user: there is no untree-packed path to fall back on.
+CANNOT_TRAIN = (
+    "asyncgrpo trains every model through tree packing, so it cannot train this one yet (the families it "
+    "trains, and what each needs: docs/models.md)"
+)
+
+
 def _text_config(model: PreTrainedModel):
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -334,7 +336,7 @@ def check_tree_packable(model: PreTrainedModel) -> None:
     if sinks or getattr(config, "model_type", "") == "gpt_oss":
         raise ValueError(
             f"{type(model).__name__} has attention sinks ({sinks[0] if sinks else 'gpt_oss'}), which tree "
-            "attention does not implement yet: train this model without tree packing"
+            "attention does not implement yet: " + CANNOT_TRAIN
         )
     for layer_type in dict.fromkeys(getattr(config, "layer_types", None) or []):
         if layer_type == LINEAR_ATTENTION and any(is_gated_deltanet(m) for m in model.modules()):
@@ -343,7 +345,7 @@ def check_tree_packable(model: PreTrainedModel) -> None:
             raise ValueError(
                 f"{type(model).__name__} has '{layer_type}' layers; tree packing supports full and "
                 "sliding-window attention and Gated DeltaNet layers (Mamba / other linear-attention / other "
-                "token mixers are not supported yet): train this model without tree packing"
+                "token mixers are not supported yet): " + CANNOT_TRAIN
             )
     gated_deltanets = [name for name, module in model.named_modules() if is_gated_deltanet(module)]
     for name, module in model.named_modules():
@@ -353,7 +355,7 @@ def check_tree_packable(model: PreTrainedModel) -> None:
             raise ValueError(
                 f"{type(model).__name__} has a {type(module).__name__} layer ({name}); tree packing "
                 "supports only attention layers (recurrent / linear-attention layers are not supported "
-                "yet): train this model without tree packing"
+                "yet): " + CANNOT_TRAIN
             )
     windows = layer_windows(config)
     if "sliding_attention" in windows and windows["sliding_attention"] is None:
@@ -375,6 +377,6 @@ def enable_tree_attention(model: PreTrainedModel) -> PreTrainedModel:
     if _text_config(model)._attn_implementation != TREE_ATTENTION:
         raise ValueError(
             f"{type(model).__name__} cannot switch its attention implementation (its attention does not go "
-            "through transformers' AttentionInterface): train this model without tree packing"
+            "through transformers' AttentionInterface): " + CANNOT_TRAIN
         )
     return model

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from asyncgrpo.off_policy import MISMATCH_KL_PRECISION_FLOOR
 from asyncgrpo.report.history import History
 
 # Bottleneck: the trainer "waits" when more than a fifth of its step time is rollout_wait_s. Generation
@@ -37,7 +38,10 @@ DUPLICATE_JUMP, DUPLICATE_RISE, ENTROPY_FALL = 0.8, 0.1, 0.2
 # below which the two agree to bf16 precision whatever its trend: a k3 of 1e-3 nats (a per-token
 # log-prob gap of about 0.045), or that gap itself where an older run logged only the difference.
 MISMATCH_GROWTH = 2.0
-MISMATCH_FLOOR = {"sampling/mismatch_kl/mean": 1e-3, "sampling/sampling_logp_difference/mean": 0.045}
+MISMATCH_FLOOR = {
+    "sampling/mismatch_kl/mean": MISMATCH_KL_PRECISION_FLOOR,
+    "sampling/sampling_logp_difference/mean": 0.045,
+}
 
 
 @dataclass

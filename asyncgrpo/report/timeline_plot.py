@@ -83,9 +83,12 @@ def _rows(trace: dict, steps: list[int]) -> tuple[list[tuple[str, list[dict]]], 
     several_workers = sum(name.startswith("rollout worker") for name in process.values()) > 1
     requests: dict[tuple[int, int], list[dict]] = {}
     scoring, held, paused = [], [], []
+    servers: dict[str, list[dict]] = {}  # a row per server: its `serving` bars, gaps where it was out
     for item in shown:
         name = lane[(item["pid"], item["tid"])]
-        if name.startswith("request "):
+        if name.startswith("server "):
+            servers.setdefault(name, []).append(item)
+        elif name.startswith("request "):
             row = (item["pid"], min(int(name.split()[1]), REQUEST_ROWS - 1))
             requests.setdefault(row, []).append(item)
         elif item["name"] == "score":
@@ -103,6 +106,7 @@ def _rows(trace: dict, steps: list[int]) -> tuple[list[tuple[str, list[dict]]], 
         for pid, index in sorted(requests)
     ]
     rows += [("scoring", scoring), ("back-pressure", held), ("servers paused", paused)]
+    rows += sorted(servers.items())
     return rows, start, end
 
 

@@ -9,7 +9,8 @@ context.
 
 Two views of the conversation are kept. The one that is re-rendered holds each assistant turn's text
 verbatim, so a prefix-preserving template reproduces exactly the tokens that were sampled and the
-next turn extends the same sample. The one reward functions get (`completion`) is structured the way
+next turn extends the same sample; its tool messages also carry a `tool_call_id` (Mistral's templates
+require one). The one reward functions get (`completion`) is structured the way
 TRL's is: content as generated less the tool-call blocks (its `<think>` block too, moved to
 `reasoning_content`, when `parse_reasoning` is on), `tool_calls` as {"type": "function", "function":
 {"name", "arguments"}}, and one {"role": "tool", "name", "content"} message per call.
@@ -28,6 +29,7 @@ from asyncgrpo.rollout.tool_calls import (
     REASONING_MARKERS,
     ToolCall,
     parse_turn,
+    require_call_format,
     tool_call_format,
     typed_arguments,
 )
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 
 
 @functools.lru_cache(maxsize=8)
-def _format_of(template: str) -> str:
+def _format_of(template: str) -> str | None:
     return tool_call_format(template)
 
 
@@ -88,13 +90,22 @@ def turn_text(tokenizer, output_ids: list[int], fmt: str) -> str:
 
 
 def type_text_arguments(calls: list[ToolCall], tools: list[Callable]) -> None:
-    """Convert the text arguments of "xml"-format calls to their tools' schema types, in place."""
+    """Convert the text arguments of xml- and glm45-format calls to their tools' schema types, in place."""
     by_name = {tool_name(tool): tool for tool in tools}
     for call in calls:
         if call.text_arguments and call.name in by_name:
             parameters = tool_schema(by_name[call.name])["function"].get("parameters", {})
             call.arguments = typed_arguments(call.arguments, parameters.get("properties", {}))
             call.text_arguments = False
+
+
+def tool_call_id(call: ToolCall, number: int) -> str:
+    """The id a tool message names its call by: the one the model wrote, when it is the 9
+    alphanumeric characters Mistral's templates require, else `call` and the call's number in the
+    rollout (templates that show no ids ignore it)."""
+    if call.id is not None and len(call.id) == 9 and call.id.isalnum():
+        return call.id
+    return f"call{number:05d}"
 
 
 def assistant_message(text: str, parsed) -> dict[str, Any]:
@@ -112,6 +123,8 @@ async def run_tool_loop(
     config = loop.config
     template = loop.tokenizer.chat_template if isinstance(loop.tokenizer.chat_template, str) else ""
     fmt = _format_of(template)
+    if tools and fmt is None:  # the trainer refuses this at start; a custom loop may still get here
+        require_call_format(template, getattr(loop, "model_name", "the model"))
     limit = config.max_tool_calling_iterations
     conversation = [dict(message) for message in prompt]
     completion: list[dict[str, Any]] = []
@@ -132,12 +145,22 @@ async def run_tool_loop(
         if limit is not None and tool_turns >= limit:
             exhausted = True
             break
-        results, failed = await run_tool_calls(parsed.calls, tools, loop.tool_executor, lambda: loop.metrics)
+        results, failed = await run_tool_calls(
+            parsed.calls,
+            tools,
+            loop.tool_executor,
+            lambda: loop.metrics,
+            timeout_s=config.tool_timeout,
+            activity=loop._activity,
+        )
         tool_turns += 1
+        completion.extend(results)
+        conversation.extend(
+            {**result, "tool_call_id": tool_call_id(call, calls + number)}
+            for number, (call, result) in enumerate(zip(parsed.calls, results), start=1)
+        )
         calls += len(parsed.calls)
         failures += failed
-        completion.extend(results)
-        conversation.extend(results)
         prompt_ids = render_prompt_ids(loop.tokenizer, conversation, tools, config.chat_template_kwargs)
         if len(prompt_ids) >= loop.max_model_len:
             break  # no room left to answer the tool results: the rollout ends here, clipped

@@ -24,6 +24,9 @@ class WorkerChannels:
         Any  # Queue of (timeline events, events dropped), worker -> trainer (asyncgrpo/timeline.py)
     )
     exception_info_queue: Any  # Queue of (name, message, traceback) of the error that stopped the worker
+    # Queue of (live server URLs, {url: admission}), trainer -> worker: the run's servers changed
+    # (trainer/server_roster.py); the worker takes its share of them (rollout/worker_shares.py)
+    servers_queue: Any
     failed_event: Any  # Event the worker sets once it has put its error on exception_info_queue
     ready_event: Any  # Event the worker sets once it reached the servers and ran setup()
     # Event the trainer sets once the servers run the starting weights: the worker starts up while
@@ -39,6 +42,9 @@ class WorkerChannels:
     worker_index: int = 0
     num_workers: int = 1
     committed_tokens: Any = None
+    # The live servers when the worker was made (None: the config's vllm_server_base_url); later
+    # changes come through servers_queue.
+    server_urls: list[str] | None = None
 
     @classmethod
     def create(
@@ -48,6 +54,7 @@ class WorkerChannels:
         worker_index: int = 0,
         num_workers: int = 1,
         committed_tokens: Any = None,
+        server_urls: list[str] | None = None,
     ) -> WorkerChannels:
         """New channels from a multiprocessing context (the trainer's "spawn" context), owned by
         this process. Workers of one run share `committed_tokens`."""
@@ -56,6 +63,7 @@ class WorkerChannels:
             metrics_queue=context.Queue(),
             timeline_queue=context.Queue(),
             exception_info_queue=context.Queue(),
+            servers_queue=context.Queue(),
             failed_event=context.Event(),
             ready_event=context.Event(),
             start_event=context.Event(),
@@ -69,6 +77,7 @@ class WorkerChannels:
             committed_tokens=committed_tokens
             if committed_tokens is not None
             else context.Array("d", num_workers, lock=False),
+            server_urls=server_urls,
         )
 
     def others_committed_tokens(self) -> float:
@@ -102,5 +111,6 @@ class WorkerChannels:
             self.metrics_queue,
             self.timeline_queue,
             self.exception_info_queue,
+            self.servers_queue,
         ):
             channel.cancel_join_thread()

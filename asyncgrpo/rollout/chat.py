@@ -8,8 +8,9 @@ usable docstring: the model still sees its name and typed parameters.
 
 A tool loop re-renders the whole conversation every turn. A template that rewrites earlier turns
 (Qwen3 drops the reasoning of assistant turns before the last user query) makes a turn's prompt
-differ from the tokens kept so far, which forks the training sample (rollout/sequences.py). For
-known families a prefix-preserving training template replaces the model's when tools are on.
+differ from the tokens kept so far, which forks the training sample (rollout/sequences.py). Known
+families get a prefix-preserving training template when tools are on (rollout/training_templates.py);
+RewriteDetector warns about the others.
 """
 
 from __future__ import annotations
@@ -95,80 +96,6 @@ def render_prompt_ids(
         **(chat_template_kwargs or {}),
     )
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-
-
-# -- training templates for known families -----------------------------------------------------------------
-
-# Qwen3's chat template without its rewriting of earlier assistant turns: every message renders the
-# same whatever follows it. Assistant content is rendered verbatim (reasoning included), structured
-# tool calls in Qwen3's `<tool_call>` form, tool results as `<tool_response>` blocks of a user turn.
-# With enable_thinking=False the generation prompt holds an empty think block; past assistant turns
-# render it too, so the history reproduces what the model was prompted with.
-QWEN3_TRAINING_TEMPLATE = """\
-{%- if tools %}
-{{- '<|im_start|>system\\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
-{{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
-{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- elif message.role == 'assistant' %}
-{%- set content = message.content if message.content is string else '' %}
-{%- if message.reasoning_content is string and message.reasoning_content %}
-{%- set content = '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') %}
-{%- endif %}
-{%- if enable_thinking is defined and enable_thinking is false and not content.startswith('<think>') %}
-{%- set content = '<think>\\n\\n</think>\\n\\n' + content %}
-{%- endif %}
-{{- '<|im_start|>assistant\\n' + content }}
-{%- for tool_call in message.tool_calls or [] %}
-{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
-{%- if loop.first and content or not loop.first %}{{- '\\n' }}{%- endif %}
-{{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
-{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
-{{- '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- '<|im_start|>assistant\\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
-{%- endif %}"""
-
-
-def _is_qwen3_template(template: str) -> bool:
-    # Qwen3 (and Qwen3-style fine-tunes) find the last real user query to decide whose reasoning to drop.
-    # Qwen3.5 and later do too, but call tools in another format (`<function=NAME>` blocks) and render
-    # images: the Qwen3 training template would teach them a format they do not know.
-    return (
-        "<tool_call>" in template
-        and "last_query_index" in template
-        and "reasoning_content" in template
-        and "<function=" not in template
-    )
-
-
-def use_training_template(tokenizer) -> bool:
-    """Replace a known family's history-rewriting template by its prefix-preserving training
-    template (called when tools are on). Returns whether it did."""
-    template = tokenizer.chat_template
-    if isinstance(template, str) and _is_qwen3_template(template):
-        tokenizer.chat_template = QWEN3_TRAINING_TEMPLATE
-        logger.info(
-            "tools are on: the Qwen3 chat template is replaced by its prefix-preserving training template"
-        )
-        return True
-    return False
 
 
 class RewriteDetector:

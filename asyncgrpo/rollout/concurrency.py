@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
 from asyncgrpo.generation.server_load import ServerLoad
 
@@ -46,11 +47,21 @@ def next_cap(
     return min(cap, max_concurrent_rollouts), False
 
 
+def rescaled_cap(cap: int, servers_before: int, servers_after: int, max_concurrent_rollouts: int) -> int:
+    """The cap when a worker's servers go from `servers_before` to `servers_after`: the load-driven cap
+    was learned on that many servers, so it scales with their number (the polls move it from there).
+    With no server before or after it stays: nothing can run, and it is where the servers restart."""
+    if servers_before <= 0 or servers_after <= 0:
+        return cap
+    return max(1, min(max_concurrent_rollouts, round(cap * servers_after / servers_before)))
+
+
 class TokenAllowance:
     """Worker-side bookkeeping of the staleness budget.
 
     `produced` counts the tokens of samples queued for training (what the trainer will consume);
-    a group in flight is estimated at `num_generations` x the mean tokens per rollout seen so far.
+    a group in flight is estimated at `num_generations` x the mean tokens per rollout seen so far
+    (rollouts that made tokens: until one has, groups start one at a time).
     """
 
     def __init__(self, num_generations: int):
@@ -84,10 +95,13 @@ class TokenAllowance:
 
     def group_finished(self, rollout_tokens: list[int], queued_tokens: int) -> None:
         """A group left generation: its rollouts' sizes refine the estimate; `queued_tokens` (0 for a
-        dropped group) now wait for the trainer."""
+        dropped group) now wait for the trainer. A rollout of no tokens (an agent that failed before
+        its first turn) says nothing of a rollout's size: counted as 0, failures would drive the estimate
+        to 0 and let groups start without limit, each a set of processes for a harness."""
         self.groups_in_flight -= 1
-        self._rollout_tokens += sum(rollout_tokens)
-        self._rollouts += len(rollout_tokens)
+        sized = [tokens for tokens in rollout_tokens if tokens > 0]
+        self._rollout_tokens += sum(sized)
+        self._rollouts += len(sized)
         self.produced_tokens += queued_tokens
 
 
@@ -98,7 +112,9 @@ class RolloutSlots:
     sees them before their tasks run and never starts more groups than there is room for.
     """
 
-    def __init__(self, limit: int, stall_timeout_s: float = math.inf):
+    def __init__(
+        self, limit: int, stall_timeout_s: float = math.inf, describe_waits: Callable[[], str] = lambda: ""
+    ):
         self.limit = limit
         self.running = 0
         self.waiting = 0
@@ -106,6 +122,8 @@ class RolloutSlots:
         # No rollout finishing for this long means generation is stuck (every request is bounded
         # by vllm_server_timeout): waiting for a place then fails instead of hanging.
         self.stall_timeout_s = stall_timeout_s
+        # What the running rollouts wait on (rollout/activity.py), for the error to name it.
+        self.describe_waits = describe_waits
         self._changed = asyncio.Condition()
 
     async def _wait(self, predicate, what: str) -> None:
@@ -115,9 +133,15 @@ class RolloutSlots:
                 None if math.isinf(self.stall_timeout_s) else self.stall_timeout_s,
             )
         except asyncio.TimeoutError:
+            waits = self.describe_waits()
+            state = (
+                f"of the running rollouts, {waits}; the others wait on the server or the loop's own code"
+                if waits
+                else "a server or a tool that never answers?"
+            )
             raise RuntimeError(
                 f"waited {self.stall_timeout_s:g} s {what} but none of the {self.running} running rollouts "
-                "finished: generation is stuck (a server or a tool that never answers?)"
+                f"finished: generation is stuck ({state})"
             ) from None
 
     def reserve(self, count: int) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from asyncgrpo.generation.client import SamplingParams, VLLMClient
 from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.rollout.activity import ActivityBoard
 from asyncgrpo.rollout.agent import run_tool_loop
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.chat import render_prompt_ids
@@ -67,6 +68,7 @@ class AsyncRolloutLoop:
         self._sampler: PolicySampler | None = None
         self._tool_executor: ThreadPoolExecutor | None = None
         self._rendered: dict[int, tuple[Any, list[int]]] = {}
+        self._activity = ActivityBoard()  # what running rollouts wait on, for the stuck-generation error
 
     # -- hooks ---------------------------------------------------------------------------------------
 

@@ -70,6 +70,8 @@ def record_group_metrics(
     if not dropped and num_samples:
         metrics.record("reward_group_std", float(np.std(scored_totals)), weight=num_samples)
     metrics.record("frac_zero_std_groups", 1.0 if dropped else 0.0)
+    # TRL's GRPOTrainer name for the same share: what a user coming from it looks for.
+    metrics.record("frac_reward_zero_std", 1.0 if dropped else 0.0)
     if dropped and len(scored_totals):
         metrics.record("reward_zero_std_groups", float(np.mean(scored_totals)))
     seen: set[tuple] = set()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 
 from asyncgrpo.generation.client import (
     SamplingParams,
@@ -33,6 +32,10 @@ ADAPTER_MISSING_RETRIES = 30
 
 class ServerLostWeightsError(RuntimeError):
     """A server answered with weights the trainer did not push (it restarted from its checkpoint)."""
+
+    def __init__(self, message: str, url: str | None = None):
+        super().__init__(message)
+        self.url = url  # the server that answered
 
 
 class RoutingNotReturnedError(RuntimeError):
@@ -85,7 +88,7 @@ class PolicySampler:
         """One sampled response as a TurnRecord, labelled with the policy version that sampled it."""
         seed = self._request_seeds.getrandbits(62)
         completion, version = await self.sample(prompt_ids, sampling, seed)
-        version = self.sampled_version(completion.weight_labels, version)
+        version = self.sampled_version(completion.weight_labels, version, completion.server_url)
         if self.routing_replay and completion.routed_experts is None:
             raise RoutingNotReturnedError(
                 "moe_routing_replay=True but the vLLM server returned no routed experts: "
@@ -105,16 +108,17 @@ class PolicySampler:
             routed_experts=completion.routed_experts if self.routing_replay else None,
         )
 
-    def sampled_version(self, weight_labels: tuple[str, ...], version: int) -> int:
-        """The policy version that sampled a response sent under `version`, from the weight labels
-        the server reported for its tokens (see VLLMClient.complete; none: `version`)."""
+    def sampled_version(self, weight_labels: tuple[str, ...], version: int, url: str | None = None) -> int:
+        """The policy version that sampled a response sent under `version` (by server `url`), from the
+        weight labels the server reported for its tokens (see VLLMClient.complete; none: `version`)."""
         if not weight_labels:
             return version
         versions = [parse_policy_label(label) for label in weight_labels]
         if None in versions:
             raise ServerLostWeightsError(
-                f"tokens sampled by weights labelled {weight_labels}: a server restarted and runs weights "
-                "the trainer did not push"
+                f"tokens sampled by weights labelled {weight_labels}: vLLM server {url} restarted and runs "
+                "weights the trainer did not push",
+                url,
             )
         # With adapters, the adapter the request named sampled every token.
         return version if self.lora_name else min(versions)
@@ -140,24 +144,3 @@ class PolicySampler:
                 if self.model_version_value.value == version:
                     await asyncio.sleep(1.0)
                 version = self.model_version_value.value
-
-    async def wait_for_trainer_weights(self, timeout_s: float) -> None:
-        """Until every server reports a weight label the trainer set; at most `timeout_s`
-        (vllm_server_timeout)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            labels = await self.client.weight_labels()
-            if all(parse_policy_label(label) is not None for label in labels):
-                return
-            if time.monotonic() > deadline:
-                lost = [
-                    url
-                    for url, label in zip(self.client.base_urls, labels)
-                    if parse_policy_label(label) is None
-                ]
-                raise ServerLostWeightsError(
-                    f"vLLM server(s) {', '.join(lost)} came back without the trainer's weights and the "
-                    "trainer did not push them within "
-                    f"vllm_server_timeout={timeout_s:g} s"
-                )
-            await asyncio.sleep(1.0)

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncgrpo import timeline
-from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
+from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.agent import record_tool_rollout_metrics
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.chat import RewriteDetector
-from asyncgrpo.rollout.concurrency import RolloutSlots, TokenAllowance, initial_cap, next_cap
+from asyncgrpo.rollout.concurrency import TokenAllowance
 from asyncgrpo.rollout.environments import EnvironmentPool
 from asyncgrpo.rollout.idle_clock import IdleClock
 from asyncgrpo.rollout.messages import GroupResult
@@ -39,8 +39,9 @@ from asyncgrpo.rollout.scoring import (
     sum_rewards,
 )
 from asyncgrpo.rollout.sequences import build_training_sequences
+from asyncgrpo.rollout.server_share import ServerShare, initial_servers
 from asyncgrpo.rollout.types import Rollout, RolloutGroup
-from asyncgrpo.rollout.worker_shares import owns_stream_index, share_of_range, worker_servers
+from asyncgrpo.rollout.worker_shares import owns_stream_index, share_of_range
 from asyncgrpo.sample import Sample
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ class RolloutScheduler:
                 loop.environment_factory, self._tool_executor, lambda: loop.metrics
             )
         self.client = loop.client = VLLMClient(
-            worker_servers(config.vllm_server_urls, channels.worker_index, channels.num_workers),
+            initial_servers(channels, config.vllm_server_urls),
             timeout=config.vllm_server_timeout,
             model=loop.model_name,
             request_timeout=config.request_timeout,
@@ -154,7 +155,8 @@ class RolloutScheduler:
                     await asyncio.sleep(START_POLL_INTERVAL_S)
             loops = [
                 self._generate_loop(),
-                self._load_loop(),
+                self.share.load_loop(self.loop.load_poll_interval_s),
+                self.share.servers_loop(),
                 self._metrics_loop(),
                 *(self._score_loop(index) for index in range(SCORE_CONCURRENCY)),
             ]
@@ -181,20 +183,20 @@ class RolloutScheduler:
     async def _start_state(self) -> None:
         config = self.config
         self.allowance = TokenAllowance(config.num_generations)
-        load = await self.client.load()
-        cap = initial_cap(
-            load.kv_cache_tokens if load else 0, self.max_model_len, config.max_concurrent_rollouts
+        self.share = ServerShare(
+            self.client,
+            self.channels,
+            config.max_concurrent_rollouts,
+            stall_timeout_s=config.vllm_server_timeout,
+            metrics=lambda: self.loop.metrics,
+            describe_waits=self.loop._activity.describe,
         )
-        self.concurrency_cap = cap
-        self.slots = RolloutSlots(
-            min(cap, config.max_concurrent_rollouts), stall_timeout_s=config.vllm_server_timeout
-        )
+        await self.share.start(self.max_model_len)
+        self.slots = self.share.slots
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
-        self._finished_since_raise = 0
         self._generated_tokens = 0
         self._last_flush = time.monotonic()
-        self._last_preemptions = load.preemptions if load else 0
-        self._reported_retries = 0
+        self._reported_retries = self._reported_moves = 0
         self._next_group_id = self.channels.worker_index  # then every num_workers-th (worker_shares.py)
         self._warned_skip = False
         self._idle = IdleClock(time.monotonic())
@@ -356,12 +358,12 @@ class RolloutScheduler:
                 try:
                     rollout, prompt, env_reward = await self._generate_episode(row, group_id)
                     break
-                except ServerLostWeightsError:
+                except ServerLostWeightsError as error:
                     # A server answered with weights the trainer never pushed: it restarted from its
-                    # checkpoint. Wait until every server runs the trainer's weights again (the trainer
-                    # pushes them), then sample anew.
+                    # checkpoint. It is avoided until the trainer gives it the weights again (the
+                    # client waits for a server, within vllm_server_timeout); the rollout starts anew.
                     self.loop.metrics.record("rollout/regenerated_count", 1, Reduce.SUM)
-                    await self.sampler.wait_for_trainer_weights(self.config.vllm_server_timeout)
+                    self.client.mark_down(error.url)
         finally:
             timeline.interval("rollout", started_us, timeline.now_us(), lane=lane, group=group_id)
             self._request_lanes.give_back(lane)
@@ -369,7 +371,7 @@ class RolloutScheduler:
             self.channels.requests_running.value = self._idle.running
             await self.slots.release()
         duration = time.monotonic() - started
-        self._finished_since_raise += 1
+        self.share.finished_since_raise += 1
         self._generated_tokens += sum(len(turn.output_ids) for turn in rollout.turns)
         return rollout, duration, prompt, env_reward
 
@@ -489,48 +491,6 @@ class RolloutScheduler:
             self.channels.heartbeat_value.value = time.time()
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
-    async def _load_loop(self) -> None:
-        """Read the servers' load now and every `load_poll_interval_s` (a class attribute of the
-        loop), and move the cap."""
-        while True:
-            try:
-                load = await self.client.load()
-            except VLLMUnavailableError as error:
-                # A server down (restarting?): keep the cap. Generation waits for it, within
-                # vllm_server_timeout, and fails naming it if it does not come back.
-                logger.warning(
-                    "reading the vLLM servers' load: %s; keeping the concurrency cap at %d",
-                    error,
-                    self.concurrency_cap,
-                )
-                await asyncio.sleep(self.loop.load_poll_interval_s)
-                continue
-            if load is None:
-                cap = self.config.max_concurrent_rollouts
-            else:
-                cap, raised = next_cap(
-                    self.concurrency_cap,
-                    load,
-                    self._finished_since_raise,
-                    self.config.max_concurrent_rollouts,
-                )
-                if raised:
-                    self._finished_since_raise = 0
-                metrics = self.loop.metrics
-                metrics.record("rollout/vllm_kv_cache_usage_frac", load.kv_cache_usage)
-                metrics.record("rollout/vllm_running_requests", load.running)
-                metrics.record("rollout/vllm_queued_requests", load.waiting)
-                metrics.record(
-                    "rollout/vllm_preemption_count",
-                    max(0, load.preemptions - self._last_preemptions),
-                    Reduce.SUM,
-                )
-                self._last_preemptions = load.preemptions
-            if cap != self.concurrency_cap:
-                self.concurrency_cap = cap
-                await self.slots.set_limit(cap)
-            await asyncio.sleep(self.loop.load_poll_interval_s)
-
     async def _metrics_loop(self) -> None:
         while True:  # the gauges reach the trainer even while no group finishes
             await asyncio.sleep(METRICS_FLUSH_INTERVAL_S)
@@ -552,11 +512,12 @@ class RolloutScheduler:
         )
         self._generated_tokens, self._last_flush = 0, now
         metrics.record("rollout/concurrency", self.slots.running)
-        metrics.record("rollout/concurrency_cap", self.concurrency_cap)
+        metrics.record("rollout/concurrency_cap", self.share.cap)
         metrics.record("rollout/score_queue_size", self.score_queue.qsize())
-        retries = self.client.retry_count
+        retries, moves = self.client.retry_count, self.client.moved_count
         metrics.record("rollout/vllm_retry_count", retries - self._reported_retries, Reduce.SUM)
-        self._reported_retries = retries
+        metrics.record("rollout/server_lost_regenerated_count", moves - self._reported_moves, Reduce.SUM)
+        self._reported_retries, self._reported_moves = retries, moves
         idle_s, elapsed_s = self._idle.take(now)
         metrics.add("perf/generation_idle_frac", Stat(Reduce.RATE, idle_s, elapsed_s))
         self.channels.metrics_queue.put(metrics.stats())

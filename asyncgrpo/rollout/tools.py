@@ -3,8 +3,10 @@
 Calls run one after another in the order the model emitted them (a later call may depend on an
 earlier one's effect, e.g. two moves in a game). Sync tools run on the worker's thread pool and
 async tools are awaited, so a slow tool holds back only its own rollout. Whatever goes wrong (an
-unknown name, malformed call JSON, a tool that raises) becomes a tool message the model sees and a
-counted failure; it never stops the run.
+unknown name, malformed call JSON, a tool that raises, a call past `tool_timeout`) becomes a tool
+message the model sees and a counted failure; it never stops the run. A call past its deadline is
+abandoned (an async tool cancelled; a sync tool's thread cannot be stopped and finishes on its own),
+so a tool that never returns holds its rollout for `tool_timeout` at most.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import asyncio
 import functools
 import inspect
 import json
+import math
 import time
 from concurrent.futures import Executor
 from typing import Any, Callable
 
 from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.rollout.activity import ActivityBoard
 from asyncgrpo.rollout.chat import tool_name
 from asyncgrpo.rollout.tool_calls import ToolCall
 
@@ -59,9 +63,13 @@ async def run_tool_calls(
     tools: list[Callable],
     executor: Executor,
     metrics: Callable[[], MetricsWindow],
+    timeout_s: float = math.inf,
+    activity: ActivityBoard | None = None,
 ) -> tuple[list[dict[str, str]], int]:
     """(one tool message per call, in order; the number of failed calls). `metrics` returns the
-    loop's current window (it is replaced at every flush)."""
+    loop's current window (it is replaced at every flush); `timeout_s` bounds each call; `activity`
+    is told which tool a call waits on."""
+    activity = activity or ActivityBoard()
     by_name = {tool_name(tool): tool for tool in tools}
     messages, failures = [], 0
     metrics().record("tools/parallel_calls_mean", len(calls))
@@ -82,7 +90,16 @@ async def run_tool_calls(
         started = time.monotonic()
         failed = False
         try:
-            content = _as_text(await call_maybe_async(tool, executor, **call.arguments))
+            with activity.waiting_on(f"tool {call.name!r}"):
+                result = await asyncio.wait_for(
+                    call_maybe_async(tool, executor, **call.arguments),
+                    None if math.isinf(timeout_s) else timeout_s,
+                )
+            content = _as_text(result)
+        except asyncio.TimeoutError:
+            failed = True
+            metrics().record("tools/timeout_count", 1, Reduce.SUM)
+            content = f"Error: the tool did not return within tool_timeout={timeout_s:g} s"
         except Exception as error:  # the tool's failure is the model's observation, not the run's end
             failed = True
             content = f"Error: {type(error).__name__}: {error}"

@@ -167,13 +167,14 @@ class RolloutWorker:
         num_workers: int = 1,
         committed_tokens: Any = None,
         results: queue.Queue | None = None,
+        server_urls: list[str] | None = None,
     ):
         self.loop_cls = loop_cls
         self.worker_timeout = worker_timeout
         self._context = multiprocessing.get_context("spawn")
         self.loop_kwargs = loop_kwargs  # the loop's constructor arguments, but for `channels`
         self.channels = WorkerChannels.create(
-            self._context, initial_allowance, worker_index, num_workers, committed_tokens
+            self._context, initial_allowance, worker_index, num_workers, committed_tokens, server_urls
         )
         self.name = "asyncgrpo-rollout" if num_workers == 1 else f"asyncgrpo-rollout-{worker_index}"
         self.process: multiprocessing.Process | None = None
@@ -253,6 +254,10 @@ class RolloutWorker:
     def publish_model_version(self, version: int) -> None:
         self.channels.model_version_value.value = int(version)
 
+    def publish_servers(self, urls: list[str], admissions: dict[str, int]) -> None:
+        """The run's live servers changed: the worker takes its share of `urls`."""
+        self.channels.servers_queue.put((list(urls), dict(admissions)))
+
     def drain_metrics(self) -> list[dict]:
         return _drain(self._metrics)
 
@@ -289,6 +294,7 @@ class RolloutWorkerPool:
         num_workers: int,
         initial_allowance: float,
         worker_timeout: float,
+        server_urls: list[str] | None = None,
     ):
         context = multiprocessing.get_context("spawn")
         committed_tokens = context.Array("d", num_workers, lock=False)
@@ -303,6 +309,7 @@ class RolloutWorkerPool:
                 num_workers=num_workers,
                 committed_tokens=committed_tokens,
                 results=self._results,
+                server_urls=server_urls,
             )
             for index in range(num_workers)
         ]
@@ -356,6 +363,10 @@ class RolloutWorkerPool:
     def publish_model_version(self, version: int) -> None:
         for worker in self.workers:
             worker.publish_model_version(version)
+
+    def publish_servers(self, urls: list[str], admissions: dict[str, int]) -> None:
+        for worker in self.workers:
+            worker.publish_servers(urls, admissions)
 
     def drain_metrics(self) -> list[dict]:
         return [window for worker in self.workers for window in worker.drain_metrics()]

@@ -46,6 +46,8 @@ from asyncgrpo.trainer.checks import (
     check_reward_funcs,
     check_transformers_version,
 )
+from asyncgrpo.trainer.compile import layer_compile_options
+from asyncgrpo.trainer.completions_table import log_to_trackers, print_completions
 from asyncgrpo.trainer.device_clock import DeviceClock
 from asyncgrpo.trainer.distributed import local_value
 from asyncgrpo.trainer.epoch_callbacks import EpochCallbacks
@@ -134,11 +136,16 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             model = self._load_model(model, args)
         model = prepare_policy_model(model, args, peft_config)
         agentic = bool(tools) or environment_factory is not None or self._agent_loop
-        processing_class = prepare_tokenizer(processing_class, model_id, args, agentic)
+        # The built-in tool loop (or the agent harness) reads the calls; a loop_cls with its own
+        # generate_one may read them itself, and the worker refuses an unreadable format if it does not.
+        reads_tool_calls = self._agent_loop or getattr(self.loop_cls, "generate_one", None) is (
+            AsyncRolloutLoop.generate_one
+        )
+        processing_class = prepare_tokenizer(processing_class, model_id, args, agentic, reads_tool_calls)
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
         # base Trainer would compile the whole model, whose forward this trainer does not call.
-        self._compile_layers = args.torch_compile
+        self._compile_layers = layer_compile_options(args)
         if args.torch_compile:
             args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
         self.reward_funcs = list(reward_funcs)
@@ -256,6 +263,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             "train_steps_per_second": steps / max(runtime, 1e-9),
             "train_loss": train_loss,
         }
+        self._memory_tracker.stop_and_update_metrics(metrics)  # skip_memory_metrics=False: as the base loop
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
@@ -328,7 +336,11 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         on_main = self._processes.is_main
         batch = self._processes.broadcast(self._session.next_batch(accumulation) if on_main else None)
         while isinstance(batch, ServersLostWeights):
-            self._join_eval(None)  # it ran on the lost server: it is discarded, not logged
+            self._join_eval(None)  # it may have run on a lost server: it is discarded, not logged
+            if self._served_step != self.state.global_step:
+                # Every server gets the model as it is now: a new version (weight_sync_steps > 1).
+                self._session.model_version += 1
+                self._served_step = self.state.global_step
             self._session.restore_server_weights(self.accelerator.unwrap_model(model), batch)
             batch = self._processes.broadcast(self._session.next_batch(accumulation) if on_main else None)
         if batch is None:
@@ -498,11 +510,11 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         if self.control.should_log:
             with timeline.span("log"):
                 logs = self._metrics.flush()
-                if self.args.log_completions:
-                    self._metrics.print_completions(
-                        self.processing_class, self.state.global_step, self.args.num_completions_to_print
-                    )
+                if self._session.mismatch_watch is not None:  # rank 0
+                    self._session.mismatch_watch.check(logs, self.state.global_step)
                 self.log(logs)
+                if self.args.log_completions:
+                    self._log_completions()
         if self.control.should_evaluate:
             self._start_eval(trial)
             if self.control.should_save or self.args.save_strategy == SaveStrategy.BEST:
@@ -511,6 +523,15 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             with timeline.span("checkpoint"):
                 self._save_checkpoint(model, trial)
                 self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _log_completions(self) -> None:
+        """`log_completions`: the recent completions printed, and sent as a table to the trackers of
+        `report_to` that show tables (W&B, trackio), on the main process."""
+        step = self.state.global_step
+        rows = self._metrics.take_completions(self.processing_class, step, self.args.num_completions_to_print)
+        if rows and self.state.is_world_process_zero:
+            print_completions(rows, step)
+            log_to_trackers(rows, self.args.report_to)
 
     # -- helpers --------------------------------------------------------------------------------------------
 

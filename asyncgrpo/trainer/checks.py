@@ -10,7 +10,8 @@ import torch
 import transformers
 from packaging.version import Version
 
-MIN_TRANSFORMERS = "5.2.0"
+# The lowest release pyproject.toml allows (tests/test_transformers_contract.py checks they agree).
+MIN_TRANSFORMERS = "5.17.0"
 
 
 def check_transformers_version() -> None:

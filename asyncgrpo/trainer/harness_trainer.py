@@ -11,7 +11,12 @@ import functools
 from typing import Any, Callable
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.harness.loop import HarnessRolloutLoop, HarnessRolloutOutcome, HarnessSettings
+from asyncgrpo.harness.loop import (
+    DEFAULT_HARNESS_TIMEOUT_S,
+    HarnessRolloutLoop,
+    HarnessRolloutOutcome,
+    HarnessSettings,
+)
 from asyncgrpo.trainer.async_grpo_trainer import AsyncGRPOTrainer
 
 
@@ -26,7 +31,10 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
     `HarnessRolloutOutcome` into the reward (default: the session's `verify()` reward); None leaves the
     rollout unscored. `reward_funcs` add to it, as in AsyncGRPOTrainer. `eval_dataset` (by name, as in
     AsyncGRPOTrainer) is evaluated through harness sessions too: the same factory and agent, in the
-    trainer's process, on the held-out rows, with the step's weights."""
+    trainer's process, on the held-out rows, with the step's weights. `harness_timeout_s` bounds each
+    call into the session's own code that no other setting bounds (`create()`, a white-box adapter's
+    run, `fetch_training_trace()`, `close()`); `verify()` and `rollout_reward_fn` have
+    `reward_timeout`, tools `tool_timeout` (docs/harness.md, "What an agent can and cannot do")."""
 
     _agent_loop = True
 
@@ -45,6 +53,7 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
         peft_config=None,
         *,
         eval_dataset=None,
+        harness_timeout_s: float = DEFAULT_HARNESS_TIMEOUT_S,
     ):
         if not callable(harness_session_factory):
             raise ValueError(
@@ -56,10 +65,17 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
             raise ValueError(
                 "train_dataset is required: each row's 'prompt' (and columns) is a session's task"
             )
+        if not harness_timeout_s > 0:
+            raise ValueError(
+                f"harness_timeout_s={harness_timeout_s} must be > 0 (seconds a session's own code may take "
+                "per call)"
+            )
         # An instance attribute: the rollout worker builds its loop from this (a picklable partial).
         self.loop_cls = functools.partial(
             HarnessRolloutLoop,
-            harness=HarnessSettings(harness_session_factory, harness_adapter, rollout_reward_fn),
+            harness=HarnessSettings(
+                harness_session_factory, harness_adapter, rollout_reward_fn, float(harness_timeout_s)
+            ),
         )
         super().__init__(
             model,

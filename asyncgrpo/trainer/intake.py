@@ -25,8 +25,8 @@ from asyncgrpo.trainer.prompt_ledger import PromptLedger
 logger = logging.getLogger(__name__)
 
 WAIT_LOG_INTERVAL_S = 30.0
-# While the trainer waits for samples, how often it asks the servers whether they still run its
-# weights (a restarted server does not, and rollouts wait for the trainer to push them again).
+# While the trainer waits for samples, how often it looks at its servers (trainer/server_roster.py):
+# a lost one may be back, a new one listed, and rollouts wait for the trainer to give them weights.
 SERVER_CHECK_INTERVAL_S = 5.0
 
 
@@ -39,10 +39,11 @@ class TrainingComplete(Exception):
 
 
 class ServersLostWeights(Exception):
-    """vLLM servers that answer again but no longer run the trainer's weights (restarted)."""
+    """vLLM servers that answer but do not run the trainer's weights (back after a loss, restarted, or
+    new), which only a sync with every training process can give them (NCCL)."""
 
     def __init__(self, urls: list[str]):
-        super().__init__(f"vLLM server(s) {', '.join(urls)} restarted and lost the trainer's weights")
+        super().__init__(f"vLLM server(s) {', '.join(urls)} need the trainer's weights")
         self.urls = urls
 
 

@@ -3,7 +3,7 @@
 The model: loaded from an id in the configured dtype, its vision tower frozen, the MoE load-balancing
 coefficient resolved against it, wrapped with PEFT when asked, tree attention enabled. The tokenizer:
 loaded from the model id when none is given, with a pad token and, when rollouts use tools or
-environments, a prefix-preserving training chat template.
+environments, a prefix-preserving training chat template and a tool-call format the tool loop reads.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from asyncgrpo.models import freeze_outside_language_model, load_model, router_a
 from asyncgrpo.packing.gated_deltanet import log_gated_delta_rule_path
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.peft_adapters import wrap_with_peft
-from asyncgrpo.rollout.chat import use_training_template
+from asyncgrpo.rollout.tool_calls import require_call_format
+from asyncgrpo.rollout.training_templates import use_training_template
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,11 @@ def prepare_policy_model(model: PreTrainedModel, args: AsyncGRPOConfig, peft_con
     return model
 
 
-def prepare_tokenizer(processing_class, model_id: str, args: AsyncGRPOConfig, agentic: bool):
-    """The tokenizer to train with; `agentic`: rollouts use tools or an environment."""
+def prepare_tokenizer(
+    processing_class, model_id: str, args: AsyncGRPOConfig, agentic: bool, reads_tool_calls: bool
+):
+    """The tokenizer to train with; `agentic`: rollouts use tools or an environment; `reads_tool_calls`:
+    asyncgrpo's tool loop reads the model's calls (not a loop_cls whose generate_one does)."""
     if processing_class is None:
         revision = (args.model_init_kwargs or {}).get("revision")  # the tokenizer's too, as in TRL
         processing_class = AutoTokenizer.from_pretrained(
@@ -58,4 +62,6 @@ def prepare_tokenizer(processing_class, model_id: str, args: AsyncGRPOConfig, ag
         processing_class.pad_token = processing_class.eos_token
     if agentic:
         use_training_template(processing_class)  # known families only; unknown ones are watched for forks
+        if reads_tool_calls:  # never a run whose calls are never read, each rollout ending after a turn
+            require_call_format(processing_class.chat_template, model_id)
     return processing_class

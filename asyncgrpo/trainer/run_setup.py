@@ -138,6 +138,6 @@ class RunSetup:
                 load_sharded_optimizer(self, resume_from_checkpoint)
         else:
             model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
-        if self._compile_layers:
-            compile_decoder_layers(self.accelerator.unwrap_model(model))
+        if self._compile_layers is not None:
+            compile_decoder_layers(self.accelerator.unwrap_model(model), **self._compile_layers)
         return model

@@ -16,6 +16,7 @@ from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.packing.tree_attention import padded_length
 from asyncgrpo.perf import FlopModel, device_peak_flops, flop_model
 from asyncgrpo.sample import Sample
+from asyncgrpo.trainer.completions_table import completion_rows
 from asyncgrpo.trainer.intake import StepBatch
 from asyncgrpo.trainer.overlap import overlap_figures
 
@@ -120,13 +121,12 @@ class StepMetrics:
             if not (isinstance(value, float) and math.isnan(value))
         }
 
-    def print_completions(self, processing_class, step: int, count: int | None) -> None:
-        """`log_completions`: a table of the newest `count` samples (all kept when None or 0)."""
-        from asyncgrpo.trainer.completions_table import print_completions  # rich: only when asked for
-
+    def take_completions(self, processing_class, step: int, count: int | None) -> list[dict]:
+        """`log_completions`: the rows of the newest `count` samples (all kept when None or 0), which
+        leave the window."""
         samples = self.recent_samples
-        print_completions(samples[-(count or len(samples)) :], processing_class, step)
         self.recent_samples = []
+        return completion_rows(samples[-(count or len(samples)) :], processing_class, step)
 
 
 def record_window_overlap(window: MetricsWindow) -> None:

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from asyncgrpo.generation.client import policy_label
 from asyncgrpo.sharded import full_tensor
-from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_tensors
+from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, join_gathers, serving_tensors
 
 
 class FilesystemWeightSync(WeightSyncBackend):
@@ -57,15 +57,25 @@ class FilesystemWeightSync(WeightSyncBackend):
         os.replace(staging, target)  # a reader never sees a half-written version
         return target
 
-    def apply(self, prepared: Path, version: int) -> None:
+    can_resend = True  # the served version's files stay until the next one replaces them
+
+    def apply(self, prepared: Path, version: int, urls: list[str]) -> list[str]:
         self._reloading = prepared
-        self.loop.run(
-            self.client.reload_weights(str(prepared), version=policy_label(version), timeout=self.timeout_s)
+        missed = self.loop.run(
+            self.client.reload_weights(
+                str(prepared), version=policy_label(version), timeout=self.timeout_s, urls=urls
+            )
         )
         self._reloading = None
         previous, self._current = self._current, prepared
         if previous is not None and previous != self._current:
             shutil.rmtree(previous, ignore_errors=True)
+        return missed
+
+    def resend(self, version: int, urls: list[str]) -> list[str]:
+        timings = SyncTimings()
+        self._apply_paused(self._current, version, urls, timings)
+        return timings.missed
 
     def close(self) -> None:
         if self.directory is None:

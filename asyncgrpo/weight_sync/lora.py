@@ -74,12 +74,20 @@ class LoraAdapterSync(WeightSyncBackend):
         if is_sender:
             self.directory.mkdir(parents=True, exist_ok=True)
 
-    def sync(self, model: torch.nn.Module, version: int) -> SyncTimings:
+    can_resend = True  # the newest adapter's folder stays while it is loaded
+
+    def sync(self, model: torch.nn.Module, version: int, urls: list[str] | None = None) -> SyncTimings:
         started = time.perf_counter()
         prepared = self.prepare(model, version)
-        if self.is_sender:
-            self.apply(prepared, version)
-        return SyncTimings(transfer_s=time.perf_counter() - started)
+        missed = (
+            self.apply(prepared, version, self.client.base_urls if urls is None else urls)
+            if self.is_sender
+            else []
+        )
+        return SyncTimings(transfer_s=time.perf_counter() - started, missed=missed)
+
+    def resend(self, version: int, urls: list[str]) -> list[str]:
+        return self.apply(self.loaded[-1][1], version, urls)
 
     def prepare(self, model: torch.nn.Module, version: int) -> Path | None:
         tensors = {name: full_tensor(tensor) for name, tensor in adapter_tensors(model)}
@@ -101,24 +109,28 @@ class LoraAdapterSync(WeightSyncBackend):
         os.replace(staging, target)
         return target
 
-    def apply(self, prepared: Path, version: int) -> None:
-        # The same version again: pushed to a restarted server, which lost its adapters. Loading in
-        # place gives it the adapter and leaves the others serving the same weights.
+    def apply(self, prepared: Path, version: int, urls: list[str]) -> list[str]:
+        # The same version again: pushed to a server back from a restart, which lost its adapters.
+        # Loading in place gives it the adapter and leaves the others serving the same weights.
         again = bool(self.loaded) and self.loaded[-1][0] == version
         name = policy_adapter_name(self.prefix, version)
-        self.loop.run(self.client.load_lora_adapter(name, str(prepared), load_inplace=again))
+        missed = self.loop.run(
+            self.client.load_lora_adapter(name, str(prepared), load_inplace=again, urls=urls)
+        )
         # The label the trainer checks to detect restarted servers (the base weights never change).
-        self.loop.run(self.client.set_weight_label(policy_label(version)))
+        reached = [url for url in urls if url not in missed]
+        missed += self.loop.run(self.client.set_weight_label(policy_label(version), urls=reached))
         if not again:
             self.loaded.append((version, prepared))
         while len(self.loaded) > self.keep:
             self._retire(*self.loaded.popleft())
+        return missed
 
     def _retire(self, version: int, folder: Path) -> None:
-        try:
+        try:  # a server that cannot be reached is skipped: the trainer counts it lost
             self.loop.run(self.client.unload_lora_adapter(policy_adapter_name(self.prefix, version)))
         except VLLMRequestError as error:
-            if error.status != 404:  # 404: a server restarted since it loaded this version never had it
+            if error.status != 404:  # 404: a server that joined or restarted since then never had it
                 raise
         shutil.rmtree(folder, ignore_errors=True)
 

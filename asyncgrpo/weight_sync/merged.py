@@ -99,15 +99,18 @@ def merged_for_serving(peft_model) -> Iterator[ServedWeights]:
                 local.copy_(copy)
 
 
-def sync_policy(backend: WeightSyncBackend, model: torch.nn.Module, version: int) -> tuple[SyncTimings, int]:
-    """One weight sync of `model` as policy `version`, in the form `backend` sends: the adapter
-    alone, the merged weights of a PEFT model, or the model's own weights. Returns the timings and
-    the bytes sent (`perf/weight_sync_bytes`: what adapter-only sync saves)."""
+def sync_policy(
+    backend: WeightSyncBackend, model: torch.nn.Module, version: int, urls: list[str] | None = None
+) -> tuple[SyncTimings, int]:
+    """One weight sync of `model` as policy `version` to `urls` (default: the client's servers), in the
+    form `backend` sends: the adapter alone, the merged weights of a PEFT model, or the model's own
+    weights. Returns the timings and the bytes sent (`perf/weight_sync_bytes`: what adapter-only sync
+    saves)."""
     if isinstance(backend, LoraAdapterSync):
-        timings, sent = backend.sync(model, version), backend.payload_tensors(model)
+        timings, sent = backend.sync(model, version, urls), backend.payload_tensors(model)
     elif is_peft_model(model):
         with merged_for_serving(model) as merged:
-            timings, sent = backend.sync(merged, version), serving_tensors(merged)
+            timings, sent = backend.sync(merged, version, urls), serving_tensors(merged)
     else:
-        timings, sent = backend.sync(model, version), serving_tensors(model)
+        timings, sent = backend.sync(model, version, urls), serving_tensors(model)
     return timings, sum(tensor_bytes(tensor.shape, tensor.dtype) for _, tensor in sent)

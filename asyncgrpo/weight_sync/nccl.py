@@ -1,14 +1,19 @@
 """NCCL weight sync over vLLM's native weight-transfer protocol (`--weight-transfer-config
 '{"backend":"nccl"}'`), with the trainer as rank 0 of a group that holds every server's workers.
 
-Once, at start, every server joins the group at its `rank_offset` while the trainer joins as rank 0.
+Every server of the sync joins the group at its `rank_offset` while the trainer joins as rank 0: at
+start, and again whenever the set of servers changes (a server lost, back, or new), since a group
+that holds a dead receiver would stall every broadcast: it is torn down and formed anew without it.
 Per sync, while the servers are paused, rank 0 broadcasts the weights in buckets as the servers
 receive them. Every HTTP call and every collective has a deadline, and on any failure the group is
-aborted and the servers resumed. The protocol, step by step: docs/architecture.md#weight-sync.
+aborted. A failure that a lost server explains leaves the others paused (they may hold part of the
+weights) and out of the run until a full sync with a new group gives them the weights again; any
+other failure stops the run. The protocol, step by step: docs/architecture.md#weight-sync.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import re
@@ -20,7 +25,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from asyncgrpo.generation.client import policy_label
+from asyncgrpo.generation.client import VLLMRequestError, VLLMUnavailableError, policy_label
 from asyncgrpo.sharded import full_tensor
 from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_tensors
 from asyncgrpo.weight_sync.buckets import (
@@ -67,27 +72,29 @@ class NcclWeightSync(WeightSyncBackend):
         self.timeout_s = float(timeout_s)
         self.bucket_bytes = int(bucket_bytes)
         self._broken: str | None = None
+        self.members: list[str] = []  # the servers whose workers are in the group
+        self._regroup_due = False  # a member restarted: the group must be formed again
         if is_sender:
-            self._connect()
+            self._connect(list(self.client.base_urls))
 
-    def _connect(self) -> None:
-        world_sizes = self.loop.run(self.client.world_sizes(), timeout=self.timeout_s)
+    def _connect(self, urls: list[str]) -> None:
+        world_sizes = self.loop.run(self.client.world_sizes(urls), timeout=self.timeout_s)
         world_size = 1 + sum(world_sizes)
-        fields = self.transport.rendezvous_fields(urlparse(self.client.base_urls[0]).hostname or "127.0.0.1")
-        init_infos, offset = [], 1
-        for workers in world_sizes:
-            init_infos.append(
-                {
-                    **fields,
-                    "rank_offset": offset,
-                    "world_size": world_size,
-                    "packed": True,
-                    "packed_buffer_size_bytes": self.bucket_bytes,
-                    "packed_num_buffers": DEFAULT_NUM_BUFFERS,
-                }
-            )
+        fields = self.transport.rendezvous_fields(urlparse(urls[0]).hostname or "127.0.0.1")
+        init_infos, offset = {}, 1
+        for url, workers in zip(urls, world_sizes, strict=True):
+            init_infos[url] = {
+                **fields,
+                "rank_offset": offset,
+                "world_size": world_size,
+                "packed": True,
+                "packed_buffer_size_bytes": self.bucket_bytes,
+                "packed_num_buffers": DEFAULT_NUM_BUFFERS,
+            }
             offset += workers
-        logger.info("joining %d vLLM worker(s) for NCCL weight transfer", world_size - 1)
+        logger.info(
+            "joining %d vLLM worker(s) of %d server(s) for NCCL weight transfer", world_size - 1, len(urls)
+        )
         joined = self.loop.submit(self.client.init_weight_transfer_engine(init_infos))
         try:
             _run_alongside(
@@ -96,6 +103,21 @@ class NcclWeightSync(WeightSyncBackend):
         except BaseException:
             self.transport.abort()
             raise
+        self.members, self._regroup_due = list(urls), False
+
+    def _regroup(self, urls: list[str]) -> None:
+        """Tear the group down (on the members still in the sync: the others are lost) and form it
+        anew with `urls`."""
+        if self.members:
+            survivors = [url for url in self.members if url in urls]
+            if survivors:
+                self._best_effort(
+                    self.client.shutdown_weight_transfer_engine(survivors, timeout=CLEANUP_TIMEOUT_S)
+                )
+            self.transport.abort()  # not close(): a dead peer must not be waited for
+            self.members = []
+        if urls:
+            self._connect(urls)
 
     def prepare(self, model: torch.nn.Module, version: int) -> PreparedWeights | None:
         if not self.is_sender:
@@ -109,42 +131,78 @@ class NcclWeightSync(WeightSyncBackend):
         }
         return PreparedWeights(tensors, update_info)
 
-    def apply(self, prepared: PreparedWeights, version: int) -> None:
+    def apply(self, prepared: PreparedWeights, version: int, urls: list[str]) -> list[str]:
         if self._broken:
             raise WeightTransferError(
                 f"NCCL weight transfer is unusable after an earlier failure: {self._broken}"
             )
+        if not urls:  # no server to send to: the gathers still run, in step with the other processes
+            for _name, tensor in prepared.tensors:
+                full_tensor(tensor)
+            return []
         try:
-            self.loop.run(self.client.start_weight_update(), timeout=self.timeout_s)
+            if self._regroup_due or self.members != urls:
+                self._regroup(urls)
+            self.loop.run(
+                self.client.start_weight_update(urls, timeout=self.timeout_s), timeout=self.timeout_s
+            )
             received = self.loop.submit(
-                self.client.update_weights(prepared.update_info, timeout=self.timeout_s)
+                self.client.update_weights(prepared.update_info, urls, timeout=self.timeout_s)
             )
             _run_alongside(
                 received, lambda: self._broadcast(prepared.tensors), self.timeout_s, "sending weights"
             )
-            self.loop.run(self.client.finish_weight_update(policy_label(version)), timeout=self.timeout_s)
+            self.loop.run(
+                self.client.finish_weight_update(policy_label(version), urls, timeout=self.timeout_s),
+                timeout=self.timeout_s,
+            )
         except BaseException as error:
-            self._broken = f"{type(error).__name__}: {error}"
+            failure = f"{type(error).__name__}: {error}"
             self.transport.abort()
+            self.members = []  # the next sync forms a new group
             self._best_effort(
-                self.client.finish_weight_update(policy_label(version), timeout=CLEANUP_TIMEOUT_S)
+                self.client.finish_weight_update(policy_label(version), urls, timeout=CLEANUP_TIMEOUT_S)
             )
             if not isinstance(error, Exception):
                 raise  # an interrupt stays an interrupt (after the cleanup above)
-            raise WeightTransferError(
-                f"weight sync v{version} failed ({self._broken}); the vLLM server may be stuck in the "
-                "transfer: restart it before training on"
-            ) from error
+            lost = self._unreachable(urls)
+            if not lost:
+                self._broken = failure
+                raise WeightTransferError(
+                    f"weight sync v{version} failed ({failure}); the vLLM server may be stuck in the "
+                    "transfer: restart it before training on"
+                ) from error
+            logger.warning(
+                "weight sync v%d failed (%s): vLLM server(s) %s were lost during it; the others may hold "
+                "part of the weights and stay paused until a new group gives them the whole",
+                version,
+                failure,
+                ", ".join(lost),
+            )
+            return list(urls)
+        return []
+
+    def _unreachable(self, urls: list[str]) -> list[str]:
+        """The servers among `urls` that do not answer now (an error answer is an answer)."""
+
+        async def answers(url: str) -> bool:
+            try:
+                await self.client.probe(url, CLEANUP_TIMEOUT_S)
+            except VLLMUnavailableError:
+                return False
+            except VLLMRequestError:
+                pass
+            return True
+
+        async def all_answers() -> list[bool]:
+            return list(await asyncio.gather(*(answers(url) for url in urls)))
+
+        return [url for url, answered in zip(urls, self.loop.run(all_answers())) if not answered]
 
     def reconnect(self) -> None:
-        """A server restarted and left the transfer group: tear the group down everywhere (best
-        effort on the servers that kept it) and form a new one with every server."""
-        if not self.is_sender:
-            return
-        self._best_effort(self.client.shutdown_weight_transfer_engine(timeout=CLEANUP_TIMEOUT_S))
-        self.transport.close()
-        self._broken = None
-        self._connect()
+        """A server restarted and left the transfer group: the next sync forms a new one (torn down
+        first on the servers that kept it)."""
+        self._regroup_due = True
 
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Gather (a collective under FSDP2, on the default stream, before the tensor reaches the
@@ -166,8 +224,10 @@ class NcclWeightSync(WeightSyncBackend):
     def close(self) -> None:
         if not self.is_sender:
             return
-        if not self._broken:
-            self._best_effort(self.client.shutdown_weight_transfer_engine(timeout=CLEANUP_TIMEOUT_S))
+        if not self._broken and self.members:
+            self._best_effort(
+                self.client.shutdown_weight_transfer_engine(self.members, timeout=CLEANUP_TIMEOUT_S)
+            )
         self.transport.close()
 
 

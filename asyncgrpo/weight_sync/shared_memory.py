@@ -136,9 +136,9 @@ class SharedMemoryWeightSync(FilesystemWeightSync):
             logger.info("weight sync: safetensors in RAM under %s, reloaded by the servers", self.owned)
         super().__init__(client, loop, directory, is_sender=is_sender, timeout_s=timeout_s)
 
-    def apply(self, prepared: Path, version: int) -> None:
+    def apply(self, prepared: Path, version: int, urls: list[str]) -> list[str]:
         try:
-            super().apply(prepared, version)
+            return super().apply(prepared, version, urls)
         except VLLMRequestError as error:  # the server answered, and refused: say what to change
             raise VLLMRequestError(
                 error.url,

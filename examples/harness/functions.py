@@ -1,13 +1,20 @@
-"""The harness example's verify: the reward is read from the agent's working directory."""
+"""The harness example's verify: the agent's answer, read from its working directory, against the
+trainer's own copy of the dataset row."""
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 
 
-def answer_in_files(workdir: Path, transcript) -> float:
-    """1 when a file the agent wrote holds the row's `answer` (task.json has the row), else 0."""
-    answer = str(json.loads((workdir / "task.json").read_text())["answer"])
-    written = [path for path in workdir.iterdir() if path.name != "task.json" and path.is_file()]
-    return float(any(answer in path.read_text(errors="replace") for path in written))
+def answer_file_is_right(workdir: Path, transcript, row) -> float:
+    """1 when the agent's answer.txt holds the row's `answer` and no other number, else 0.
+
+    The answer comes from `row`, the trainer's copy of the dataset row: the agent never sees the
+    `answer` column (only the columns `agent_columns` names reach its task.json), and nothing it
+    writes in its working directory can change what this compares with. "No other number": an agent
+    that writes every number it can think of is not right."""
+    answer = workdir / "answer.txt"
+    if not answer.is_file():
+        return 0.0
+    return float(re.findall(r"-?\d+", answer.read_text(errors="replace")) == [str(row["answer"])])
