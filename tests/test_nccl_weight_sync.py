@@ -332,6 +332,7 @@ def lost_receiver_rejoins(model, transport, receiver: str, devices: tuple[str, s
             process.wait(10)
 
 
+@pytest.mark.slow
 def test_a_lost_receiver_is_dropped_from_the_group_and_a_server_back_joins_a_new_one():
     lost_receiver_rejoins(tiny_model(), GlooTransport, "gloo", ("cpu", "cpu"))
 
@@ -342,6 +343,7 @@ def test_a_lost_nccl_receiver_is_dropped_from_the_group_and_a_server_back_joins_
     lost_receiver_rejoins(model, NcclTransport, "nccl", ("cuda:0", "cuda:1"))
 
 
+@pytest.mark.slow
 def test_a_receiver_lost_during_a_broadcast_leaves_the_others_paused_until_a_new_group():
     """One receiver dies as it is asked to receive. The sync does not fail the run: the group is
     aborted, the dead server and the one that may hold part of the weights are both reported missed,
