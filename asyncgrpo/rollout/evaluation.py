@@ -38,7 +38,7 @@ class EvalSampler(PolicySampler):
         super().__init__(*args, **kwargs)
         self.labels_seen: set[str] = set()
 
-    def sampled_version(self, weight_labels: tuple[str, ...], version: int) -> int:
+    def sampled_version(self, weight_labels: tuple[str, ...], version: int, url: str | None = None) -> int:
         self.labels_seen.update(weight_labels)
         return version
 
