@@ -51,7 +51,7 @@ browser:
 test: $(STAMP) browser lint
 	$(PY) -m pytest -q --durations=15
 
-# The unit tests only: no vLLM server is started.
+# The daily loop: the tests that need no vLLM server and are not marked slow (docs/testing.md).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not vllm and not slow"
 

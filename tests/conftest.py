@@ -12,15 +12,19 @@ import os
 # network timeout (~24 s each). Set before transformers and huggingface_hub read it at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import signal  # noqa: E402
+import asyncio  # noqa: E402
+import json
+import signal
 import socket
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from asyncgrpo import AsyncGRPOConfig
+from asyncgrpo import AsyncGRPOConfig, cpu_use
 from asyncgrpo.cli.tiny_model import build_tokenizer, save_tiny_model
 
 if TYPE_CHECKING:  # the server module needs msgspec, which a GPU host may lack: imported where used
@@ -33,9 +37,23 @@ def pytest_configure(config):
     # A CI timeout stops pytest with SIGTERM: turn it into KeyboardInterrupt so fixtures tear down
     # and no vLLM server outlives the run.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # One intra-op thread on CPU: the tests' models are tiny, so a second thread buys little, and while
+    # anything else holds a core (a vLLM server generating or starting, a rollout worker, another job)
+    # every parallel op waits at its barrier for the thread that lost its core: the IncrementEnv warm
+    # start took minutes instead of seconds that way (docs/testing.md).
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
+    # The modules that need no server run first, each module's tests in their order: the servers the
+    # session will need start meanwhile (servers_launched_ahead).
+    needs_server = {}
+    for item in items:
+        needs_server[item.path] = (
+            needs_server.get(item.path, False) or item.get_closest_marker("vllm") is not None
+        )
+    items.sort(key=lambda item: needs_server[item.path])
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
@@ -51,7 +69,11 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
+def tiny_model_dir(tmp_path_factory, running_server) -> Path:
+    # With a server kept running (ASYNCGRPO_TEST_SERVER), the copy it serves: tests name the served
+    # model by its directory.
+    if running_server is not None:
+        return running_server.model_dir
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
@@ -68,6 +90,7 @@ class ServerPool:
         self.model_dir = model_dir
         self.log_dir = log_dir
         self._servers: dict[tuple, VLLMServer] = {}
+        self._starting: set[tuple] = set()  # launched ahead, not waited for yet
 
     def get(
         self,
@@ -96,9 +119,27 @@ class ServerPool:
     def get_together(self, *specs: dict) -> list[VLLMServer]:
         """Several servers (each spec: `get`'s arguments, `extra_args` as a tuple), the missing ones
         launched side by side: two starts on the two cores take about as long as one."""
+        keys = [self._key(**spec) for spec in specs]
+        launched = self._launch_missing(keys)
+        waiting = launched + [key for key in dict.fromkeys(keys) if key in self._starting]
+        self._starting.difference_update(waiting)
+        try:
+            for key in waiting:
+                self._servers[key].wait_ready()
+        except BaseException:
+            for key in waiting:
+                self.release_key(key)
+            raise
+        return [self._servers[key] for key in keys]
+
+    def launch_ahead(self, *specs: dict) -> None:
+        """Start the missing servers of `specs` without waiting for them: the first `get` of each
+        waits until it answers (or raises why it did not start)."""
+        self._starting.update(self._launch_missing([self._key(**spec) for spec in specs]))
+
+    def _launch_missing(self, keys: list[tuple]) -> list[tuple]:
         from asyncgrpo.generation.server import ServerOptions, VLLMServer
 
-        keys = [self._key(**spec) for spec in specs]
         launched = []
         for key in keys:
             if key in self._servers:
@@ -120,14 +161,7 @@ class ServerPool:
             server.launch()
             self._servers[key] = server
             launched.append(key)
-        try:
-            for key in launched:
-                self._servers[key].wait_ready()
-        except BaseException:
-            for key in launched:
-                self.release_key(key)
-            raise
-        return [self._servers[key] for key in keys]
+        return launched
 
     @staticmethod
     def _key(
@@ -141,11 +175,17 @@ class ServerPool:
     ) -> tuple:
         return (tuple(extra_args), enable_lora, max_lora_rank, max_loras, model_dir, dtype, api_key)
 
+    def adopt(self, server, **spec) -> None:
+        """Use `server`, started outside this session, as the pool's server for `spec` (`get`'s
+        arguments): it is never launched nor stopped here."""
+        self._servers[self._key(**spec)] = server
+
     def release(self, *extra_args: str, **kwargs) -> None:
         """Stop a server with unusual flags once its tests are done, to free its ~3 GB."""
         self.release_key(self._key(extra_args, **kwargs))
 
     def release_key(self, key: tuple) -> None:
+        self._starting.discard(key)
         server = self._servers.pop(key, None)
         if server is not None:
             server.stop()
@@ -154,27 +194,94 @@ class ServerPool:
         for server in self._servers.values():
             server.stop()
         self._servers.clear()
+        self._starting.clear()
+
+
+# The fast loop for daily work (docs/testing.md): a server kept running between pytest runs stands in
+# for the session's default server when this variable holds its URL, so a run of one test file against
+# it pays for no server start.
+RUNNING_SERVER_VARIABLE = "ASYNCGRPO_TEST_SERVER"
+RUNNING_SERVER_COMMAND = (
+    "asyncgrpo tiny-model DIR && asyncgrpo serve DIR --cpu --dtype float32 "
+    f"--max-model-len {MAX_MODEL_LEN} --port PORT"
+)
+
+
+class RunningServer:
+    """A server this session did not start: used like the pool's own, never stopped by it."""
+
+    def __init__(self, url: str, model_dir: Path, pid: int | None):
+        self.url = url
+        self.model_dir = model_dir  # the tiny model's copy it serves
+        # The root of its processes on this machine (the timeline test follows the server's processes).
+        self.process = SimpleNamespace(pid=pid)
+
+    def stop(self) -> None:
+        """It belongs to whoever started it."""
+
+
+def running_default_server(url: str, tiny_model: Path) -> RunningServer:
+    """The server at `url`, once its `/server_info` shows the flags of the pool's default server and
+    its model directory holds the files of `tiny_model` (a test run against another server would fail
+    for reasons that are not the code's)."""
+    url = url.rstrip("/")
+    how = f"start one with `{RUNNING_SERVER_COMMAND}` and set {RUNNING_SERVER_VARIABLE}=http://127.0.0.1:PORT"
+    try:
+        with urllib.request.urlopen(f"{url}/server_info?config_format=json", timeout=30) as answer:
+            config = json.load(answer)["vllm_config"]
+    except (OSError, ValueError, KeyError) as error:
+        raise RuntimeError(f"{url} answers no keyless dev-mode /server_info ({error}); {how}") from error
+    model = config.get("model_config") or {}
+    served = Path(str(model.get("model")))
+    dtype = str(model.get("dtype")).removeprefix("torch.")
+    settings = {"dtype": dtype, "max_model_len": model.get("max_model_len")}
+    problems = [
+        f"its {name} is {settings[name]!r}, not {wanted!r}"
+        for name, wanted in (("dtype", "float32"), ("max_model_len", MAX_MODEL_LEN))
+        if settings[name] != wanted
+    ]
+    if config.get("lora_config"):
+        problems.append("it serves LoRA adapters")
+    differ = [
+        file.name
+        for file in sorted(tiny_model.iterdir())
+        if not (served / file.name).is_file() or (served / file.name).read_bytes() != file.read_bytes()
+    ]
+    if differ:
+        problems.append(f"its model ({served}) is not the tiny model: {', '.join(differ)} differ")
+    if problems:
+        raise RuntimeError(f"{url} is not the suite's default server: {'; '.join(problems)}; {how}")
+    asyncio.run(_serve_the_tiny_model(url, served))  # a run stopped mid-test may have left other weights
+    pids = cpu_use.server_pids([url])
+    parents = {pid: stat.parent for pid in pids if (stat := cpu_use.read_stat(pid)) is not None}
+    roots = [pid for pid, parent in parents.items() if parent not in parents]
+    return RunningServer(url, served, roots[0] if roots else None)
 
 
 @pytest.fixture(scope="session")
-def vllm_servers(tiny_model_dir, tmp_path_factory):
+def running_server(tmp_path_factory) -> RunningServer | None:
+    """The server ASYNCGRPO_TEST_SERVER names, checked against a tiny model built here; None without it."""
+    url = os.environ.get(RUNNING_SERVER_VARIABLE)
+    if not url:
+        return None
+    return running_default_server(url, save_tiny_model(tmp_path_factory.mktemp("tiny-model-check")))
+
+
+async def _serve_the_tiny_model(url: str, model_dir: Path) -> None:
+    from asyncgrpo.generation.client import VLLMClient, policy_label
+
+    async with VLLMClient(url, timeout=60) as client:
+        await client.reload_weights(str(model_dir), version=policy_label(0))
+        await client.reset_prefix_cache()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tiny_model_dir, tmp_path_factory, running_server):
     pool = ServerPool(tiny_model_dir, tmp_path_factory.mktemp("vllm-logs"))
+    if running_server is not None:
+        pool.adopt(running_server)
     yield pool
     pool.stop_all()
-
-
-@pytest.fixture(scope="session")
-def vllm_server(vllm_servers) -> VLLMServer:
-    """The default server on the tiny model: what most integration tests share."""
-    return vllm_servers.get()
-
-
-@pytest.fixture(scope="session")
-def lora_server(vllm_servers) -> VLLMServer:
-    """A server that loads LoRA adapters at run time (rank <= 8, two at once), shared by the LoRA tests
-    of several modules. Those tests change adapters; the one that syncs merged weights into it puts the
-    base weights back (restore_server)."""
-    return vllm_servers.get(enable_lora=True, max_lora_rank=8, max_loras=2)
 
 
 # The key of the suite's keyed server (tests send it as VLLM_API_KEY). Made up for the tests: it
@@ -182,11 +289,48 @@ def lora_server(vllm_servers) -> VLLMServer:
 TEST_API_KEY = "asyncgrpo-test-key-3f9c2a7d51e8"
 
 
+# The servers that live as long as the session, by the fixture that gives each (`get`'s arguments).
+SESSION_SERVERS = {
+    "vllm_server": {},
+    "lora_server": dict(enable_lora=True, max_lora_rank=8, max_loras=2),
+    "keyed_server": dict(api_key=TEST_API_KEY),
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def servers_launched_ahead(request):
+    """A server start keeps one core busy for about a minute (three processes in turn, each importing
+    vLLM) while the test that asked for it waits, the other core idle. So the session's servers that its
+    tests will ask for are launched before its first test, with no waiting: they start while the
+    modules that need no server run (those run first), and are up when the first test asks."""
+    wanted = [
+        spec
+        for name, spec in SESSION_SERVERS.items()
+        if any(name in item.fixturenames for item in request.session.items)
+    ]
+    if wanted:
+        request.getfixturevalue("vllm_servers").launch_ahead(*wanted)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_servers) -> VLLMServer:
+    """The default server on the tiny model: what most integration tests share."""
+    return vllm_servers.get(**SESSION_SERVERS["vllm_server"])
+
+
+@pytest.fixture(scope="session")
+def lora_server(vllm_servers) -> VLLMServer:
+    """A server that loads LoRA adapters at run time (rank <= 8, two at once), shared by the LoRA tests
+    of several modules. Those tests change adapters; the one that syncs merged weights into it puts the
+    base weights back (restore_server)."""
+    return vllm_servers.get(**SESSION_SERVERS["lora_server"])
+
+
 @pytest.fixture(scope="session")
 def keyed_server(vllm_servers) -> VLLMServer:
     """The tiny model's server started with an API key (`asyncgrpo serve --api-key-file`'s guard on
     every route but liveness): the security tests and the server-restart fault test share it."""
-    return vllm_servers.get(api_key=TEST_API_KEY)
+    return vllm_servers.get(**SESSION_SERVERS["keyed_server"])
 
 
 def make_config(server, output_dir, config_class=AsyncGRPOConfig, **overrides) -> AsyncGRPOConfig:

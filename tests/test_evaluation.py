@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing
 from pathlib import Path
 
 import numpy as np
@@ -153,6 +152,7 @@ from conftest import make_config  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from test_trainer_e2e import restore_server  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+from worker_side import first_token_reward, listed_passes  # noqa: E402 (the worker imports them)
 
 from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
 
@@ -164,19 +164,6 @@ def rows(n: int, split: str, **columns) -> Dataset:
     }
     data.update(columns)
     return Dataset.from_dict(data)
-
-
-def first_token_reward(completion_ids, split, **kwargs):
-    """The first generated token's id: with greedy decoding, a function of the weights alone. Raises in
-    the rollout worker (a child process) if an eval prompt ever reaches it."""
-    if multiprocessing.parent_process() is not None and "eval" in split:
-        raise AssertionError("an eval prompt reached the rollout worker")
-    return [float(ids[0]) if ids else 0.0 for ids in completion_ids]
-
-
-def listed_passes(completions, passes, **kwargs):
-    """1.0 for the first `passes` rollouts of a prompt, 0.0 for the rest: a known count per prompt."""
-    return [1.0 if index < passes[0] else 0.0 for index in range(len(completions))]
 
 
 class NegateHeadAtStep(TrainerCallback):

@@ -149,6 +149,7 @@ def default_cuda_model():
     return model, reference
 
 
+@pytest.mark.slow
 def test_head_kernels_match_the_torch_passes_in_tritons_interpreter():
     """The Triton passes' logic on every CPU run (CI has no GPU), through Triton's interpreter: the
     same checks as the GPU test below over a small vocabulary."""

@@ -194,6 +194,7 @@ def test_path_conv_equals_its_definition(shape):
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.slow
 def test_tree_conv_kernel_interpreted():
     """The Triton path convolution (the CUDA path) against the per-tap definition, values and
     gradients, on several trie shapes, at two tile sizes, through Triton's interpreter
@@ -202,6 +203,7 @@ def test_tree_conv_kernel_interpreted():
     assert len([line for line in lines if line.startswith("ok ")]) == 3 * len(TREE_CONV_CASES), lines
 
 
+@pytest.mark.slow
 def test_gated_norm_kernel_interpreted():
     """The fused gated RMS norm (the CUDA path) against its definition in fp64, values and gradients,
     through Triton's interpreter (tests/gated_norm_check.py)."""
@@ -209,6 +211,7 @@ def test_gated_norm_kernel_interpreted():
     assert len([line for line in lines if line.startswith("ok ")]) == 2 * len(GATED_NORM_CASES), lines
 
 
+@pytest.mark.slow
 def test_gdn_kernels_compile_for_hopper():
     """The path convolution's and the gated norm's kernels through Triton's compiler down to sm_90
     machine code, with no GPU: the interpreter skips the compiler's passes

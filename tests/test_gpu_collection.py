@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # What a GPU host was seen to lack (docs/gpu-performance.md, "GPU tests").
 ABSENT_ON_GPU_HOSTS = ("msgspec", "datasets", "vllm")
@@ -29,6 +31,7 @@ sys.exit(pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovid
 """
 
 
+@pytest.mark.slow
 def test_gpu_tests_collect_without_the_packages_a_gpu_host_lacks():
     result = subprocess.run(
         [sys.executable, "-c", _COLLECT_WITHOUT.format(absent=ABSENT_ON_GPU_HOSTS)],

@@ -221,6 +221,7 @@ def softcapped_gemma2():
 
 
 @pytest.mark.parametrize("build", [sliding_qwen3, softcapped_gemma2])
+@pytest.mark.slow
 def test_sliding_window_and_softcap_models(build):
     """Per-layer sliding windows (a dict of masks), attention and final logit softcapping."""
     plain = build()

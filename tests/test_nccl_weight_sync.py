@@ -106,6 +106,7 @@ def against_doubles(
     loop.close()
 
 
+@pytest.mark.slow
 def test_weights_arrive_exactly_with_the_protocol_in_order():
     model = tiny_model()
     with against_doubles() as ([url], sender):
@@ -134,6 +135,7 @@ def test_weights_arrive_exactly_with_the_protocol_in_order():
         assert received(url)["log"][-1] == "/shutdown_weight_transfer_engine"
 
 
+@pytest.mark.slow
 def test_two_servers_join_one_group_at_their_rank_offsets():
     """Trainer rank 0, server A's worker rank 1, server B's rank 2: both receive every weight."""
     model = tiny_model()
@@ -146,6 +148,7 @@ def test_two_servers_join_one_group_at_their_rank_offsets():
         backend.close()
 
 
+@pytest.mark.slow
 def test_a_rejected_update_fails_at_once_and_generation_resumes():
     with against_doubles(fault="reject_update") as ([url], sender):
         backend = sender()
@@ -159,6 +162,7 @@ def test_a_rejected_update_fails_at_once_and_generation_resumes():
             backend.sync(tiny_model(), version=2)
 
 
+@pytest.mark.slow
 def test_a_server_that_never_joins_times_out_with_a_clear_error():
     with against_doubles(fault="never_join") as (_, sender):
         started = time.monotonic()
@@ -167,6 +171,7 @@ def test_a_server_that_never_joins_times_out_with_a_clear_error():
         assert time.monotonic() - started < 15
 
 
+@pytest.mark.slow
 def test_a_server_that_stops_receiving_cannot_hang_the_trainer():
     with against_doubles(fault="stall_receive") as ([url], sender):
         backend = sender(timeout_s=4)
@@ -177,6 +182,7 @@ def test_a_server_that_stops_receiving_cannot_hang_the_trainer():
         assert received(url)["log"][-1] == "/resume"
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_weights_sync_from_two_processes(tmp_path):
     """Two CPU processes shard the model with FSDP2; both gather, rank 0 sends. Then the same with a
     LoRA adapter for adapter-only sync: both gather the adapter, rank 0 writes it as vLLM loads it."""
@@ -253,6 +259,7 @@ def test_nccl_weights_arrive_bit_exact_on_a_second_gpu():
         backend.close()
 
 
+@pytest.mark.slow
 def test_reconnect_forms_a_new_group_and_weights_arrive_through_it():
     """What the trainer does after a server restart (which leaves the old group): shut the engine down
     everywhere, join a new group, send the weights again."""
@@ -325,6 +332,7 @@ def lost_receiver_rejoins(model, transport, receiver: str, devices: tuple[str, s
             process.wait(10)
 
 
+@pytest.mark.slow
 def test_a_lost_receiver_is_dropped_from_the_group_and_a_server_back_joins_a_new_one():
     lost_receiver_rejoins(tiny_model(), GlooTransport, "gloo", ("cpu", "cpu"))
 
@@ -335,6 +343,7 @@ def test_a_lost_nccl_receiver_is_dropped_from_the_group_and_a_server_back_joins_
     lost_receiver_rejoins(model, NcclTransport, "nccl", ("cuda:0", "cuda:1"))
 
 
+@pytest.mark.slow
 def test_a_receiver_lost_during_a_broadcast_leaves_the_others_paused_until_a_new_group():
     """One receiver dies as it is asked to receive. The sync does not fail the run: the group is
     aborted, the dead server and the one that may hold part of the weights are both reported missed,

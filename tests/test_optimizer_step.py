@@ -95,6 +95,7 @@ def test_accelerates_wrapper_takes_the_device_path():
     assert not hasattr(optimizer, "grad_scale")
 
 
+@pytest.mark.slow
 def test_triton_adamw_matches_torch_adamw_in_tritons_interpreter():
     """The Triton update's logic on every CPU run, through Triton's interpreter: the same checks as
     the GPU test below, what the kernel does not cover (amsgrad, FSDP2's sharded parameters) left to

@@ -394,6 +394,7 @@ assert "openenv" not in sys.modules, "the harness needs no OpenEnv"
 """
 
 
+@pytest.mark.slow
 def test_the_harness_and_its_example_config_load_in_the_environment_as_installed():
     done = subprocess.run(
         [sys.executable, "-c", PLAIN_HARNESS_USE],

@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip(
@@ -30,8 +29,15 @@ from reward_examples import (  # noqa: E402
     math_reward_func,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from worker_side import (  # noqa: E402 (what the rollout worker imports: tests/worker_side.py says why)
+    CurriculumConfig,
+    CurriculumRolloutLoop,
+    positive_if_even_start,
+    prompts,
+    token_parity_reward,
+)
 
-from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
 from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState  # noqa: E402
 
@@ -122,16 +128,6 @@ EXPECTED_METRICS = [
     "perf/wall_clock_trained_tokens_per_s",
 ]
 PROBE = [952, 648, 198, 287, 260, 294, 10, 18, 30, 950, 198, 952, 653, 198]
-
-
-def token_parity_reward(completion_ids, **kwargs):
-    return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
-
-
-def prompts(n: int = 40) -> Dataset:
-    return Dataset.from_dict(
-        {"prompt": [[{"role": "user", "content": f"Say something about {i}."}] for i in range(n)]}
-    )
 
 
 def server_greedy(url: str) -> list[int]:
@@ -265,37 +261,12 @@ def test_documented_reward_examples_train(vllm_server, tiny_model_dir, tmp_path)
         assert f"rewards/{function.__name__}/mean" in logged
 
 
-# TRL's documented CurriculumRolloutLoop, defined at module level (the worker process re-imports it).
-from dataclasses import dataclass  # noqa: E402
-
-from asyncgrpo.trainer.async_grpo_trainer import AsyncRolloutLoop  # noqa: E402
-
-
-@dataclass
-class CurriculumConfig(AsyncGRPOConfig):
-    pass_rate_cap: float = 0.9
-
-
-class CurriculumRolloutLoop(AsyncRolloutLoop):
-    def filter_prompt(self, row_index, row, epoch):
-        return self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
-
-    async def setup(self):
-        self.pass_rates = {}
-
-    def compute_advantages(self, group):
-        scored = group.rewards[~np.isnan(group.rewards)]
-        if len(scored):
-            self.pass_rates[group.row_index] = float(np.mean(scored > 0))
-        return super().compute_advantages(group)
+# TRL's documented CurriculumRolloutLoop, defined at module level (the worker process re-imports it): in
+# tests/worker_side.py, with its config subclass, so that the worker imports no test module.
 
 
 class CurriculumTrainer(AsyncGRPOTrainer):
     loop_cls = CurriculumRolloutLoop
-
-
-def positive_if_even_start(completion_ids, **kwargs):
-    return [1.0 if ids and ids[0] % 2 == 0 else 0.0 for ids in completion_ids]
 
 
 def test_documented_curriculum_loop_with_config_subclass(vllm_server, tiny_model_dir, tmp_path):

@@ -97,6 +97,7 @@ def train_on(pool: RolloutWorkerPool, ledger: PromptLedger, done) -> list[tuple[
     return taken
 
 
+@pytest.mark.slow
 def test_two_workers_killed_and_resumed_train_every_prompt_once(instant_servers):
     ledger = PromptLedger()
     pool = make_pool(instant_servers, resume=(0, []))
