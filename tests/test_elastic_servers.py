@@ -117,14 +117,20 @@ def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
     monkeypatch.setattr(timeline, "TimelineRecorder", EveryStepKept)
     trained = record_trained(monkeypatch)
     back = threading.Event()
+    restart_failures: list[BaseException] = []
 
     def bring_back() -> None:
         """The killed server again on its port, and a new one, started side by side; the new one is
-        listed once it answers, as a SLURM job or a pod's readiness hook would."""
-        first.launch()
-        third.launch()
-        first.wait_ready()
-        third.wait_ready()
+        listed once it answers, as a SLURM job or a pod's readiness hook would. A start that fails
+        is kept for the run's next step to raise (with the server's log), not left to the deadline."""
+        try:
+            first.launch()
+            third.launch()
+            first.wait_ready()
+            third.wait_ready()
+        except BaseException as error:
+            restart_failures.append(error)
+            raise
         server_list.write_text(server_list.read_text() + f"{url_c}\n")
         back.set()
 
@@ -137,8 +143,14 @@ def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
                 first.process.wait()
                 self.killed_at = time.time()
                 threading.Thread(target=bring_back, daemon=True).start()
+            if restart_failures:
+                raise AssertionError("the servers could not be started again") from restart_failures[0]
             if self.killed_at and self.grown_at_step is None:
-                assert time.time() - self.killed_at < JOIN_DEADLINE_S, "the servers never joined the run"
+                assert time.time() - self.killed_at < JOIN_DEADLINE_S, (
+                    f"the servers never joined the run (server list: {server_list.read_text()!r}); "
+                    f"last lines of the restarted server's log:\n{first.log_tail()}\n"
+                    f"and of the new server's:\n{third.log_tail()}"
+                )
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if back.is_set() and self.grown_at_step is None and (logs or {}).get("rollout/servers_live") == 3:
