@@ -241,6 +241,27 @@ def adversary_processes() -> list:
     return found
 
 
+def agents_alive() -> int:
+    """The adversary agents alive, one per session: an agent's own children (the escapee, which a
+    supervisor adopts as its subreaper) share its command line and count with it; a process that no
+    supervisor holds counts alone (it escaped the session)."""
+    sessions = set()
+    for process in adversary_processes():
+        try:
+            holder = next(
+                (
+                    parent.pid
+                    for parent in process.parents()
+                    if any("supervisor.py" in part for part in parent.cmdline())
+                ),
+                None,
+            )
+        except psutil.Error:  # it ended meanwhile
+            continue
+        sessions.add(holder if holder is not None else ("alone", process.pid))
+    return len(sessions)
+
+
 class AgentWatch(threading.Thread):
     """Counts the adversary agents alive, and times the sleeper's end, every 0.1 s until stopped."""
 
@@ -252,7 +273,7 @@ class AgentWatch(threading.Thread):
     def run(self):
         sleeper = None
         while not self.done.wait(0.1):
-            self.most_alive = max(self.most_alive, len(adversary_processes()))
+            self.most_alive = max(self.most_alive, agents_alive())
             claim = self.report / "sleeper.json"
             if sleeper is None and claim.exists() and claim.read_text():
                 sleeper = json.loads(claim.read_text())["pid"]

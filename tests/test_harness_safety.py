@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import queue
 import stat
 import sys
 import threading
@@ -189,6 +190,23 @@ def test_a_call_past_its_deadline_is_abandoned_and_the_calls_own_errors_pass_thr
     with pytest.raises(DeadlineExceeded, match=r"verify\(\) did not return within reward_timeout=0.2 s"):
         call_with_deadline(release.wait, 0.2, "verify()", "reward_timeout")
     release.set()
+
+
+def test_a_result_that_comes_after_the_deadline_is_handed_over_to_be_released():
+    """A create() that returns late has started an agent: its session goes to the owner to close."""
+    release, handed = threading.Event(), queue.Queue()
+
+    def slow_create():
+        release.wait()
+        return "the late session"
+
+    with pytest.raises(DeadlineExceeded):
+        call_with_deadline(slow_create, 0.2, "create()", "harness_timeout_s", on_late_result=handed.put)
+    release.set()
+    assert handed.get(timeout=30) == "the late session"
+    # In time, the result is the caller's and nothing is handed over.
+    assert call_with_deadline(lambda: 5, 5.0, "create()", "harness_timeout_s", on_late_result=handed.put) == 5
+    assert handed.empty()
 
 
 class HangingToolSession:

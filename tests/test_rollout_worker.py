@@ -191,7 +191,9 @@ def test_groups_nobody_scores_are_dropped_and_counted(vllm_server, tiny_model_di
 
 
 def test_a_raising_reward_stops_the_trainer_side_with_the_original_traceback(vllm_server, tiny_model_dir):
-    worker = make_worker(vllm_server.url, tiny_model_dir, [exploding_reward])
+    # TRL's behaviour, kept by reward_error_tolerance=0: the first exception ends the run (the
+    # tolerated failures: tests/test_faults.py).
+    worker = make_worker(vllm_server.url, tiny_model_dir, [exploding_reward], reward_error_tolerance=0)
     worker.start(ready_timeout=120)
     started = time.monotonic()
     with pytest.raises(RolloutWorkerError) as error:

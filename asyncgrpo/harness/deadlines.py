@@ -34,22 +34,44 @@ class DeadlineExceeded(Exception):
         self.what = what
 
 
-def call_with_deadline(function: Callable[[], Result], timeout_s: float, what: str, setting: str) -> Result:
+def call_with_deadline(
+    function: Callable[[], Result],
+    timeout_s: float,
+    what: str,
+    setting: str,
+    on_late_result: Callable[[Result], None] | None = None,
+) -> Result:
     """`function()`'s result or exception, or DeadlineExceeded after `timeout_s` seconds (naming
-    `what` and the `setting` that bounds it)."""
+    `what` and the `setting` that bounds it). A result that arrives after the deadline goes to
+    `on_late_result`, from the call's thread: what holds resources (a session whose agent was started)
+    is then released by its owner's code instead of being left to run."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     context = contextvars.copy_context()
+    lock = threading.Lock()  # the deadline and the result: exactly one of them wins
+    abandoned = False
 
     def run() -> None:
         try:
-            future.set_result(context.run(function))
+            result = context.run(function)
         except BaseException as error:  # handed to the caller, whatever it is
-            future.set_exception(error)
+            with lock:
+                if not abandoned:
+                    future.set_exception(error)
+            return
+        with lock:
+            late = abandoned
+            if not late:
+                future.set_result(result)
+        if late and on_late_result is not None:
+            on_late_result(result)
 
     threading.Thread(target=run, name=f"harness-call {what}"[:60], daemon=True).start()
     # Not future.result(timeout): its TimeoutError is the builtin, which the call may raise itself.
-    done, _ = concurrent.futures.wait([future], timeout=None if math.isinf(timeout_s) else timeout_s)
-    if not done:
+    concurrent.futures.wait([future], timeout=None if math.isinf(timeout_s) else timeout_s)
+    with lock:
+        if not future.done():
+            abandoned = True
+    if abandoned:
         raise DeadlineExceeded(what, timeout_s, setting)
     return future.result()
 

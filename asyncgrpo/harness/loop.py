@@ -211,10 +211,13 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         timeout = self.harness.timeout_s
         try:
             # One seed per group: every rollout of a prompt gets the same task.
+            # A create() that returns past its deadline has started an agent nobody waits for: it is
+            # closed then, so max_agents bounds the agents alive, not only the sessions waited on.
             session = self._bounded(
                 lambda: self._factory.create(task, seed=group_id, episode_id=episode_id),
                 timeout,
                 "the session factory's create()",
+                on_late_result=self._close_quietly,
             )
         except DeadlineExceeded as error:
             return _SessionResult(failure=str(error), timed_out=True)
@@ -245,11 +248,16 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             self._close_quietly(session)
 
     def _bounded(
-        self, function: Callable[[], Any], timeout_s: float, what: str, setting: str = HARNESS_TIMEOUT
+        self,
+        function: Callable[[], Any],
+        timeout_s: float,
+        what: str,
+        setting: str = HARNESS_TIMEOUT,
+        on_late_result: Callable[[Any], None] | None = None,
     ):
         """`function()` under its deadline, and on the activity board while it runs."""
         with self._activity.waiting_on(what):
-            return call_with_deadline(function, timeout_s, what, setting)
+            return call_with_deadline(function, timeout_s, what, setting, on_late_result)
 
     def _close_quietly(self, session) -> None:
         try:
