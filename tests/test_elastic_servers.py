@@ -135,7 +135,7 @@ def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
         back.set()
 
     class LoseRejoinGrow(TrainerCallback):
-        killed_at = grown_at_step = None
+        killed_at = grown_at_step = stop_at_step = None
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 2 and self.killed_at is None:
@@ -151,17 +151,21 @@ def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
                 # starved the starts past their timeout in the full suite. On a cluster a server
                 # starts on a machine of its own: slower steps stand in for that.
                 time.sleep(1.0)
-            if self.killed_at and self.grown_at_step is None:
+            if self.killed_at and self.stop_at_step is None:
                 assert time.time() - self.killed_at < JOIN_DEADLINE_S, (
-                    f"the servers never joined the run (server list: {server_list.read_text()!r}); "
-                    f"last lines of the restarted server's log:\n{first.log_tail()}\n"
+                    f"the servers never joined the run, or the new one never generated (joined at step "
+                    f"{self.grown_at_step}; server list: {server_list.read_text()!r}); last lines of the "
+                    f"restarted server's log:\n{first.log_tail()}\n"
                     f"and of the new server's:\n{third.log_tail()}"
                 )
+            # Once the new server has generated (the samples queued before it joined come first), three
+            # more weight versions with all three.
+            if self.grown_at_step is not None and self.stop_at_step is None and requests_served(url_c) > 0:
+                self.stop_at_step = args.max_steps = state.global_step + 3
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if back.is_set() and self.grown_at_step is None and (logs or {}).get("rollout/servers_live") == 3:
                 self.grown_at_step = state.global_step
-                args.max_steps = state.global_step + 3  # three more weight versions with all three
 
     callback = LoseRejoinGrow()
     try:
@@ -180,7 +184,7 @@ def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
         )
         trainer.train()
 
-        assert callback.grown_at_step is not None and trainer.state.global_step == callback.grown_at_step + 3
+        assert callback.stop_at_step is not None and trainer.state.global_step == callback.stop_at_step
         rollout_ids = [rollout for _, rollout in trained]
         assert len(set(rollout_ids)) == len(rollout_ids), "a sample was trained twice"
         history = trainer.state.log_history
