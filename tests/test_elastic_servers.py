@@ -36,6 +36,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # Bound on the servers' coming back and joining: starts of two servers side by side on a loaded
 # machine, plus the checks and the weights; a run that never grows fails here instead of hanging.
 JOIN_DEADLINE_S = 900
+# Steps the run trains with the one server left before it waits for the others to start.
+TRAINED_ALONE_STEPS = 3
 
 
 def noise_reward(completions, **kwargs):
@@ -145,12 +147,15 @@ def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
                 threading.Thread(target=bring_back, daemon=True).start()
             if restart_failures:
                 raise AssertionError("the servers could not be started again") from restart_failures[0]
-            if self.killed_at and not back.is_set():
-                # The run trains on with one server while the two start; here all share two cores,
-                # and a run at full speed (its server generating flat out, the trainer stepping)
-                # starved the starts past their timeout in the full suite. On a cluster a server
-                # starts on a machine of its own: slower steps stand in for that.
-                time.sleep(1.0)
+            if self.killed_at and state.global_step >= 2 + TRAINED_ALONE_STEPS:
+                # The run has trained on with one server; now it waits for the two starts. Here all
+                # share two cores, and a run at full speed (its server generating flat out, the
+                # trainer stepping) starved the starts past their timeout in the full suite, or made
+                # them take minutes. On a cluster a server starts on a machine of its own.
+                while (
+                    not (back.is_set() or restart_failures) and time.time() - self.killed_at < JOIN_DEADLINE_S
+                ):
+                    back.wait(1.0)
             if self.killed_at and self.stop_at_step is None:
                 assert time.time() - self.killed_at < JOIN_DEADLINE_S, (
                     f"the servers never joined the run, or the new one never generated (joined at step "
@@ -189,6 +194,8 @@ def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
         assert len(set(rollout_ids)) == len(rollout_ids), "a sample was trained twice"
         history = trainer.state.log_history
         assert sum(entry.get("rollout/servers_lost_count", 0) for entry in history) >= 1, "the loss counted"
+        alone = [entry for entry in history if entry.get("rollout/servers_live") == 1]
+        assert len(alone) >= TRAINED_ALONE_STEPS - 1, "the run trained on with the server left"
         assert sum(entry.get("rollout/servers_joined_count", 0) for entry in history) >= 2, "A back, C new"
         # Whether a request was in flight on A when it died is timing; that it is logged is not.
         assert any("rollout/server_lost_regenerated_count" in entry for entry in history)
