@@ -40,16 +40,15 @@ class Tile:
     warps: int
 
 
-# Forward: each tap's load reads 128 contiguous channels of a row (256 bytes in bf16), 8 per thread;
-# 32 rows at 4 warps (126 registers compiled for sm_90). Backward: 32 rows of 64 channels at 2 warps,
-# of which the last K - 1 are the next tile's (10% of the rows computed twice): the fastest of the
-# tiles bench/gdn_kernels.py timed on an H100 (1.51 ms a Qwen3.5-2B row against 1.91 ms at 32 x 128 x
-# 4 warps and 1.81-2.46 ms at 64 rows; bench/RESULTS.md, "Issue 47, the device calls"). The backward
-# is bound by instructions issued, not bytes (the shifts and the dw reductions), so smaller programs,
-# more of them per multiprocessor, hide more of it. Registers and instructions per tile:
-# tests/tree_conv_compile_check.py's compiles.
+# Each tap's load reads 128 contiguous channels of a row (256 bytes in bf16), 8 per thread. Forward:
+# 32 rows at 4 warps (126 registers compiled for sm_90). Backward: 32 rows at 4 warps (152
+# registers, 3 programs per multiprocessor), of which the last K - 1 are the next tile's: 10% of the
+# rows computed twice. On an H100, 32 rows x 64 channels at 2 warps ran the backward alone 21% faster
+# (bench/gdn_kernels.py), but the whole Qwen3.5-2B step measured with it was slower (0.930 against
+# 0.878 s, one sample each, on two calls whose matmul peaks differed by 2%): the default stays the
+# tile of the better whole step (bench/RESULTS.md, "Issue 47, the device calls").
 FORWARD_TILE = Tile(rows=32, channels=128, warps=4)
-BACKWARD_TILE = Tile(rows=32, channels=64, warps=2)
+BACKWARD_TILE = Tile(rows=32, channels=128, warps=4)
 REMOTE_CHANNELS = 512  # channels per program of the remote-read kernel (a few rows in all)
 
 
