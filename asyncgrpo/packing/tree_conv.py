@@ -41,12 +41,11 @@ class Tile:
 
 
 # Each tap's load reads 128 contiguous channels of a row (256 bytes in bf16), 8 per thread. Forward:
-# 32 rows at 4 warps (126 registers compiled for sm_90). Backward: 32 rows at 4 warps (152
-# registers, 3 programs per multiprocessor), of which the last K - 1 are the next tile's: 10% of the
-# rows computed twice. On an H100, 32 rows x 64 channels at 2 warps ran the backward alone 21% faster
-# (bench/gdn_kernels.py), but the whole Qwen3.5-2B step measured with it was slower (0.930 against
-# 0.878 s, one sample each, on two calls whose matmul peaks differed by 2%): the default stays the
-# tile of the better whole step (bench/RESULTS.md, "Issue 47, the device calls").
+# 32 rows at 4 warps. Backward: 32 rows at 4 warps, of which the last K - 1 are the next tile's (a
+# tenth of the rows computed twice). Register counts: tests/tree_conv_compile_check.py's compiles.
+# A smaller backward tile (32 rows x 64 channels, 2 warps) was faster alone on an H100 but not in the
+# whole Qwen3.5-2B step measured with it: the default is the tile of the better whole step
+# (bench/RESULTS.md, "Issue 47, the device calls").
 FORWARD_TILE = Tile(rows=32, channels=128, warps=4)
 BACKWARD_TILE = Tile(rows=32, channels=128, warps=4)
 REMOTE_CHANNELS = 512  # channels per program of the remote-read kernel (a few rows in all)
