@@ -48,12 +48,18 @@ lint: $(STAMP)
 browser:
 	bash scripts/ensure_chromium.sh
 
+# Two pytest-xdist workers, one per core of the 2-core machine the suite is measured on: each takes
+# whole modules (groups of them where they share a server: tests/conftest.py) in the suite's order.
+# More workers start more servers (~2 GB each): raise TEST_WORKERS only with the memory for it.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test: $(STAMP) browser lint
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 $(PARALLEL)
 
 # The daily loop: the tests that need no vLLM server and are not marked slow (docs/testing.md).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not vllm and not slow"
+	$(PY) -m pytest -q -m "not vllm and not slow" $(PARALLEL)
 
 bench: $(STAMP)
 	for script in bench/*.py; do $(PY) $$script || exit 1; done

@@ -45,15 +45,86 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+def in_parallel_worker() -> bool:
+    """This process is one of several pytest-xdist workers (`make test` runs two)."""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+# Servers of the session pool that one worker should hold for all the modules that use it.
+_SHARED_BY_MODULES = ("lora_server", "keyed_server")
+
+
+def worker_groups(items) -> dict[Path, str]:
+    """{module: the xdist group it runs in}: a module is a group of its own, except that modules using
+    the same session server of `_SHARED_BY_MODULES`, and the modules marked `many_servers`, are joined
+    into one group (transitively), so that one worker starts that server once and no two modules that
+    each start several servers of their own run side by side (memory: ~2 GB a server)."""
+    labels: dict[Path, set[str]] = {}
+    for item in items:
+        module_labels = labels.setdefault(item.path, set())
+        module_labels.update(name for name in _SHARED_BY_MODULES if name in item.fixturenames)
+        if item.get_closest_marker("many_servers") is not None:
+            module_labels.add("many_servers")
+    joined: dict[str, str] = {}  # label -> the label that stands for its component
+
+    def root(label: str) -> str:
+        while joined.get(label, label) != label:
+            label = joined[label]
+        return label
+
+    for module_labels in labels.values():
+        first, *rest = sorted(module_labels) or [None]
+        for label in rest:
+            joined[root(label)] = root(first)
+    components: dict[str, set[str]] = {}
+    for label in {label for module_labels in labels.values() for label in module_labels}:
+        components.setdefault(root(label), set()).add(label)
+    return {
+        path: "+".join(sorted(components[root(min(module_labels))])) if module_labels else path.stem
+        for path, module_labels in labels.items()
+    }
+
+
+def in_group(item: pytest.Item, group: str) -> None:
+    """Put `item` in xdist group `group`: the "@group" suffix of its node id is what the scheduler of
+    `--dist loadgroup` reads. pytest-xdist 3.8 adds it from the `xdist_group` marker by setting the
+    node's `_nodeid`, which pytest 9 no longer reads (its node ids live in `_id`): set here instead,
+    and checked, so that a pytest that changes it again fails collection instead of scattering a
+    module's tests over the workers."""
+    from _pytest.nodeid import coerce_node_id
+
+    item._id = coerce_node_id(f"{item.nodeid}@{group}")
+    if not item.nodeid.endswith(f"@{group}"):
+        raise pytest.UsageError(f"cannot put {item.nodeid} in an xdist group (tests/conftest.py, in_group)")
+
+
+# {session server: the last test of the session that uses it} (the session's order).
+_last_users: dict[str, pytest.Item] = {}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    # The modules that need no server run first, each module's tests in their order: the servers the
-    # session will need start meanwhile (servers_launched_ahead).
     needs_server = {}
     for item in items:
         needs_server[item.path] = (
             needs_server.get(item.path, False) or item.get_closest_marker("vllm") is not None
         )
-    items.sort(key=lambda item: needs_server[item.path])
+    if in_parallel_worker():
+        # Workers take whole groups in this order (`make test` passes --no-loadscope-reorder): the
+        # modules with servers first, the joined group leading, and the many short modules that need
+        # none last, where they even out the two workers' ends.
+        groups = worker_groups(items)
+        for item in items:
+            in_group(item, groups[item.path])
+        joined = {path: group != path.stem for path, group in groups.items()}
+        items.sort(key=lambda item: (not needs_server[item.path], not joined[item.path]))
+    else:
+        # One process: the modules that need no server run first, each module's tests in their order,
+        # and the servers the session will need start meanwhile (servers_launched_ahead).
+        items.sort(key=lambda item: needs_server[item.path])
+    _last_users.clear()
+    for item in items:
+        _last_users.update({name: item for name in _SHARED_BY_MODULES if name in item.fixturenames})
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
@@ -264,6 +335,9 @@ def running_server(tmp_path_factory) -> RunningServer | None:
     url = os.environ.get(RUNNING_SERVER_VARIABLE)
     if not url:
         return None
+    if in_parallel_worker():
+        # Two workers' tests would change its weights under each other.
+        pytest.exit(f"{RUNNING_SERVER_VARIABLE} is for one pytest process: run pytest without -n", 2)
     return running_default_server(url, save_tiny_model(tmp_path_factory.mktemp("tiny-model-check")))
 
 
@@ -280,8 +354,22 @@ def vllm_servers(tiny_model_dir, tmp_path_factory, running_server):
     pool = ServerPool(tiny_model_dir, tmp_path_factory.mktemp("vllm-logs"))
     if running_server is not None:
         pool.adopt(running_server)
+    _session_pools.append(pool)
     yield pool
+    _session_pools.remove(pool)
     pool.stop_all()
+
+
+_session_pools: list[ServerPool] = []  # the session's pool, once a test has asked for it
+
+
+def pytest_runtest_teardown(item, nextitem):
+    # The LoRA and keyed servers stop after the last test that uses them, not at the session's end:
+    # a parallel worker goes on to other modules, and their ~2 GB each are better given back.
+    for name, last in _last_users.items():
+        if item is last and _session_pools:
+            pool = _session_pools[0]
+            pool.release_key(pool._key(**SESSION_SERVERS[name]))
 
 
 # The key of the suite's keyed server (tests send it as VLLM_API_KEY). Made up for the tests: it
@@ -299,13 +387,16 @@ SESSION_SERVERS = {
 
 @pytest.fixture(scope="session", autouse=True)
 def servers_launched_ahead(request):
-    """A server start keeps one core busy for about a minute (three processes in turn, each importing
-    vLLM) while the test that asked for it waits, the other core idle. So the session's servers that its
-    tests will ask for are launched before its first test, with no waiting: they start while the
-    modules that need no server run (those run first), and are up when the first test asks."""
+    """A server start keeps one core busy for half a minute (two processes in turn, each importing
+    vLLM) while the test that asked for it waits. So the session's servers that its tests will ask for
+    are launched before its first test, with no waiting: in one process they start while the modules
+    that need no server run (those run first), and are up when the first test asks. A parallel worker
+    does not know which modules it will be sent: it launches the default server alone, which every
+    worker's first modules use; the others start when a test first asks."""
+    names = ["vllm_server"] if in_parallel_worker() else list(SESSION_SERVERS)
     wanted = [
-        spec
-        for name, spec in SESSION_SERVERS.items()
+        SESSION_SERVERS[name]
+        for name in names
         if any(name in item.fixturenames for item in request.session.items)
     ]
     if wanted:

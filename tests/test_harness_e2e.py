@@ -70,12 +70,19 @@ def rows(*modes: str) -> Dataset:
     )
 
 
-def agent_processes() -> list:
-    """Agent processes of this checkout still alive."""
+def agent_processes(agent_tmp: Path) -> list:
+    """This test's agent processes still alive: those of the example agent whose working directory
+    lies under the test's agent folder (another test module may run the same agent meanwhile, in a
+    parallel worker)."""
     found = []
     for process in psutil.process_iter(["cmdline"]):
-        if str(AGENT) in (process.info["cmdline"] or []):
-            found.append(process)
+        if str(AGENT) not in (process.info["cmdline"] or []):
+            continue
+        try:
+            if process.cwd().startswith(str(agent_tmp)):
+                found.append(process)
+        except psutil.Error:  # it ended meanwhile
+            continue
     return found
 
 
@@ -142,7 +149,7 @@ def test_agent_program_trains_on_its_captured_tokens_and_faults_are_counted(
     assert any(math.isfinite(entry.get("rewards/harness_reward/mean", math.nan)) for entry in history)
     # The agent's draft and review turns (how they chain into samples: test_harness_units.py).
     assert [entry["rollout/turns_max"] for entry in steps] == [2.0]
-    assert not agent_processes()
+    assert not agent_processes(agent_tmp)
     assert not list(agent_tmp.iterdir()), "every session's directory is removed"
 
 
@@ -150,12 +157,13 @@ class WaitForAgentsInFlight(TrainerCallback):
     """Ends the step only once agent processes are running, so the trainer stops with sessions in
     flight (not by luck of timing)."""
 
-    def __init__(self):
+    def __init__(self, agent_tmp: Path):
+        self.agent_tmp = agent_tmp
         self.seen = 0
 
     def on_step_end(self, args, state, control, **kwargs):
         deadline = time.monotonic() + AGENT_START_BOUND_S
-        while not (running := agent_processes()) and time.monotonic() < deadline:
+        while not (running := agent_processes(self.agent_tmp)) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.seen = len(running)
 
@@ -177,7 +185,7 @@ def test_stopping_the_trainer_ends_the_agents_in_flight(vllm_server, tiny_model_
         timeout_s=3600,
         agent_columns=["mode"],
     )
-    waiter = WaitForAgentsInFlight()
+    waiter = WaitForAgentsInFlight(agent_tmp)
     trainer = HarnessAsyncGRPOTrainer(
         model=str(tiny_model_dir),
         args=args,
@@ -187,7 +195,7 @@ def test_stopping_the_trainer_ends_the_agents_in_flight(vllm_server, tiny_model_
     )
     trainer.train()
     assert waiter.seen > 0, "the trainer must stop with agents running"
-    assert not agent_processes()
+    assert not agent_processes(agent_tmp)
     assert not list(agent_tmp.iterdir())
 
 
@@ -760,5 +768,5 @@ def test_a_harness_run_evaluates_its_held_out_prompts_through_harness_sessions(
     assert len(evals) == 1 and math.isfinite(evals[0]["eval_reward"]), trainer.state.log_history
     # Training sessions are verified in the rollout worker; the 3 rows x 2 held-out sessions here.
     assert len(VERIFIED_HERE) == 3 * 2
-    assert not agent_processes()
+    assert not agent_processes(agent_tmp)
     assert not list(agent_tmp.iterdir())

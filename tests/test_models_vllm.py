@@ -22,7 +22,7 @@ from asyncgrpo.cli.tiny_model import save_tiny_model  # noqa: E402
 from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
 from asyncgrpo.models import load_model  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.many_servers]
 
 PROBE = [952, 648, 198, 287, 260, 294, 10, 18, 30, 950, 198, 952, 653, 198] * 3
 

@@ -25,6 +25,9 @@ from asyncgrpo.cli.run_config import parse_overrides  # noqa: E402
 from asyncgrpo.config import AsyncGRPOConfig  # noqa: E402
 from asyncgrpo.generation.client import VLLMClient, parse_policy_label  # noqa: E402
 
+# The two-node test starts two servers of its own beside the session's.
+pytestmark = pytest.mark.many_servers
+
 HERE = Path(__file__).parent
 
 

@@ -372,3 +372,35 @@ def test_groups_without_reward_signal_are_counted_under_trl_grpos_name_too():
         record_group_metrics(window, group, [rewards], ["r"], dropped, num_samples=0 if dropped else 2)
     logged = window.summarize()
     assert logged["frac_reward_zero_std"] == logged["frac_zero_std_groups"] == 0.5
+
+
+def test_the_rollout_process_gets_the_configs_values_without_transformers_training_arguments(tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    from worker_side import CurriculumConfig
+
+    from asyncgrpo.rollout.worker import plain_settings
+
+    config = CurriculumConfig(
+        output_dir=str(tmp_path),
+        vllm_server_base_url="http://127.0.0.1:1,http://127.0.0.1:2",
+        pass_rate_cap=0.25,
+    )
+    settings = plain_settings(config)
+    assert settings.pass_rate_cap == 0.25, "a subclass's field"
+    assert settings.num_generations == config.num_generations and settings.seed == config.seed
+    assert settings.vllm_server_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"], "a property"
+    assert (
+        settings.lr_scheduler_type == config.lr_scheduler_type.value
+        and type(settings.lr_scheduler_type) is str
+    )
+    assert settings.save_strategy == config.save_strategy.value and type(settings.save_strategy) is str
+    assert settings.accelerator_config.split_batches is False, "a nested dataclass: a plain object"
+    # A fresh interpreter unpickles it without importing transformers (nor torch).
+    unpickle = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print(sorted(sys.modules))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", unpickle], input=pickle.dumps(settings), capture_output=True, check=True
+    ).stdout.decode()
+    assert "'transformers'" not in loaded and "'torch'" not in loaded

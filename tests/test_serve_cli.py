@@ -17,7 +17,7 @@ pytest.importorskip(
 
 from conftest import free_port  # noqa: E402
 
-from asyncgrpo.generation.server import ServerOptions, build_command  # noqa: E402
+from asyncgrpo.generation.server import ServerOptions, build_command, server_environment  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +37,15 @@ def test_cpu_command_and_environment():
     assert "--enforce-eager" in argv and "--weight-transfer-config" not in argv
     assert argv[-2:] == ["--seed", "3"] and "--max-model-len 512" in joined
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # The model runs inside the engine core (no worker process of its own) unless the user says.
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_a_users_multiprocessing_choice_reaches_a_cpu_server_unchanged(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    _, env = build_command(ServerOptions(model="m", cpu=True))
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert server_environment(env)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_gpu_and_lora_command():
@@ -46,7 +55,7 @@ def test_gpu_and_lora_command():
     assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
     assert "--enforce-eager" not in argv
     assert argv[argv.index("--max-lora-rank") + 1] == "32" and argv[argv.index("--max-loras") + 1] == "6"
-    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
 
 
 def test_routing_replay_asks_for_routed_experts_on_gpu_and_is_refused_on_cpu():

@@ -35,6 +35,9 @@ from asyncgrpo.generation.server_auth import (
 )
 from asyncgrpo.redaction import redact_argv, redact_env
 
+# "0" keeps a CPU server's model in its engine core process (build_command).
+VLLM_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
 # The values vLLM accepts for --max-lora-rank.
 SERVABLE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -154,6 +157,14 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
         env["HF_HUB_OFFLINE"] = "1"
     if on_cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_gib)
+        if VLLM_MULTIPROCESSING_ENV not in os.environ:
+            # On CPU vLLM runs its model in a worker process beside the engine core unless told
+            # otherwise; that process imports vLLM once more at start, and its queue reader spins a
+            # core for a second after every engine step. With this variable the single-process
+            # executor runs the model inside the engine core instead (docs/testing.md, "What a
+            # vLLM CPU server costs"). A user's own setting wins; tensor parallelism still spawns
+            # its workers.
+            env[VLLM_MULTIPROCESSING_ENV] = "0"
     if options.enable_lora:
         argv += ["--enable-lora"]
         if options.max_lora_rank is not None:

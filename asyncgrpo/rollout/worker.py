@@ -12,6 +12,7 @@ can be left behind by the other: the worker watches the trainer's pid and always
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -22,6 +23,8 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from enum import Enum
+from types import SimpleNamespace
 from typing import Any
 
 from asyncgrpo.parent_watch import exit_when_parent_dies
@@ -34,6 +37,38 @@ logger = logging.getLogger(__name__)
 
 class RolloutWorkerError(RuntimeError):
     """The rollout process failed, hung or died; training cannot continue."""
+
+
+def plain_settings(config) -> SimpleNamespace:
+    """Every field of the trainer's `config` (a dataclass: AsyncGRPOConfig or a subclass) as an
+    attribute of a plain object, Enum members as their values and nested dataclasses as plain objects
+    too: what the rollout process gets as `config`. The config itself would make the process import
+    transformers' TrainingArguments to unpickle it, about 4 CPU-seconds at each start for nothing the
+    loop reads (docs/agents.md)."""
+    values = {
+        field.name: _plain(getattr(config, field.name))
+        for field in dataclasses.fields(config)
+        if hasattr(config, field.name)
+    }
+    # Values derived from fields (asyncgrpo's own and a subclass's properties, such as
+    # vllm_server_urls); transformers' (device, world_size...) would set up torch.distributed.
+    for cls in type(config).__mro__:
+        if cls.__module__.split(".")[0] in ("transformers", "builtins"):
+            continue
+        for name, attribute in vars(cls).items():
+            if isinstance(attribute, property) and name not in values:
+                values[name] = _plain(getattr(config, name))
+    return SimpleNamespace(**values)
+
+
+def _plain(value):
+    if isinstance(value, Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain_settings(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    return value
 
 
 def check_picklable(objects: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from asyncgrpo.generation.server_info import check_logprobs_mode, check_routing_
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
-from asyncgrpo.rollout.worker import RolloutWorkerPool, check_worker_payload
+from asyncgrpo.rollout.worker import RolloutWorkerPool, check_worker_payload, plain_settings
 from asyncgrpo.routing_replay import moe_routers
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.checkpoint import ResumePoint
@@ -121,7 +121,7 @@ class GenerationSession:
         self.worker = RolloutWorkerPool(
             trainer.loop_cls,
             dict(
-                config=args,
+                config=plain_settings(args),
                 model_name=served_name,
                 dataset=trainer.train_dataset,
                 reward_funcs=trainer.reward_funcs,
