@@ -23,20 +23,23 @@ from asyncgrpo.report.core_use import core_samples  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-# Seconds added to each optimizer step, or to each reward call: many times what the tiny model takes
-# to train a step or to generate a group on CPU, so that side dominates whatever the machine's load.
-SLOW_S = 1.5
+# Seconds added to each reward call, or to each optimizer step: many times what the tiny model takes
+# to generate a group or to train a step on CPU, so that side dominates whatever the machine's load.
+# The trainer's is longer: on a loaded machine (the suite's two workers and a busy core beside them)
+# generating a step's groups took longer than 1.5 s, and the servers never idled.
+SLOW_REWARD_S = 1.5
+SLOW_TRAINER_S = 4.0
 STEPS = 3
 
 
 def slow_reward(completion_ids, **kwargs):
-    time.sleep(SLOW_S)
+    time.sleep(SLOW_REWARD_S)
     return token_parity_reward(completion_ids)
 
 
 class SlowTrainer(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        time.sleep(SLOW_S)
+        time.sleep(SLOW_TRAINER_S)
 
 
 # A share of the run a side idles for that the other side's slowness explains: with a slow trainer the
