@@ -50,7 +50,7 @@ browser:
 
 # Two pytest-xdist workers, one per core of the 2-core machine the suite is measured on: each takes
 # whole modules (groups of them where they share a server: tests/conftest.py) in the suite's order.
-# More workers start more servers (~2 GB each): raise TEST_WORKERS only with the memory for it.
+# More workers start more servers: raise TEST_WORKERS only with the memory for it (docs/testing.md).
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 

@@ -58,7 +58,7 @@ def worker_groups(items) -> dict[Path, str]:
     """{module: the xdist group it runs in}: a module is a group of its own, except that modules using
     the same session server of `_SHARED_BY_MODULES`, and the modules marked `many_servers`, are joined
     into one group (transitively), so that one worker starts that server once and no two modules that
-    each start several servers of their own run side by side (memory: ~2 GB a server)."""
+    each start several servers of their own run side by side (memory: docs/testing.md)."""
     labels: dict[Path, set[str]] = {}
     for item in items:
         module_labels = labels.setdefault(item.path, set())

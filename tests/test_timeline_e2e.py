@@ -25,8 +25,9 @@ pytestmark = pytest.mark.vllm
 
 # Seconds added to each reward call, or to each optimizer step: many times what the tiny model takes
 # to generate a group or to train a step on CPU, so that side dominates whatever the machine's load.
-# The trainer's is longer: on a loaded machine (the suite's two workers and a busy core beside them)
-# generating a step's groups took longer than 1.5 s, and the servers never idled.
+# The trainer's is longer: on a loaded machine (the suite's two workers and a busy process beside them)
+# generating a step's groups took longer than the reward's figure, and the servers never idled
+# (bench/RESULTS.md, "make_test").
 SLOW_REWARD_S = 1.5
 SLOW_TRAINER_S = 4.0
 STEPS = 3

@@ -43,8 +43,8 @@ def plain_settings(config) -> SimpleNamespace:
     """Every field of the trainer's `config` (a dataclass: AsyncGRPOConfig or a subclass) as an
     attribute of a plain object, Enum members as their values and nested dataclasses as plain objects
     too: what the rollout process gets as `config`. The config itself would make the process import
-    transformers' TrainingArguments to unpickle it, about 4 CPU-seconds at each start for nothing the
-    loop reads (docs/agents.md)."""
+    transformers' TrainingArguments to unpickle it, seconds of CPU at each start for nothing the loop
+    reads (docs/agents.md, bench/RESULTS.md "make_test")."""
     values = {
         field.name: _plain(getattr(config, field.name))
         for field in dataclasses.fields(config)
