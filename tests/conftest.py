@@ -365,11 +365,10 @@ _session_pools: list[ServerPool] = []  # the session's pool, once a test has ask
 
 def pytest_runtest_teardown(item, nextitem):
     # The LoRA and keyed servers stop after the last test that uses them, not at the session's end:
-    # a parallel worker goes on to other modules, and their ~2 GB each are better given back.
+    # a parallel worker goes on to other modules, and the memory is better given back.
     for name, last in _last_users.items():
         if item is last and _session_pools:
-            pool = _session_pools[0]
-            pool.release_key(pool._key(**SESSION_SERVERS[name]))
+            _session_pools[0].release(**SESSION_SERVERS[name])
 
 
 # The key of the suite's keyed server (tests send it as VLLM_API_KEY). Made up for the tests: it
