@@ -14,33 +14,41 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from transformers import TrainerCallback
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import make_config  # noqa: E402
-from test_trainer_e2e import prompts, token_parity_reward  # noqa: E402
+from worker_side import prompts, token_parity_reward  # noqa: E402
 
-import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
-from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
+# The rollout worker, a spawned process, runs this file's top level again (as `__mp_main__`): what it
+# needs comes from tests/worker_side.py, and the trainer's imports wait in main().
 
 
-class MarkSteps(TrainerCallback):
-    def __init__(self, output_dir: Path, mode: str):
-        self.output_dir, self.mode = output_dir, mode
+def marker(output: Path, mode: str):
+    """The callback that marks each step's end and holds the run as `mode` says."""
+    from transformers import TrainerCallback
 
-    def on_step_end(self, args, state, control, **kwargs):
-        (self.output_dir / f"at-step-{state.global_step}").touch()
-        if self.mode == "hold-at-2" and state.global_step == 2:
-            while True:  # alive and holding everything it started, as a long step would
-                time.sleep(1)
-        if self.mode == "wait-at-2" and state.global_step == 2:
-            while not (self.output_dir / "release").exists():
-                time.sleep(0.2)
+    class MarkSteps(TrainerCallback):
+        def __init__(self, output_dir: Path, mode: str):
+            self.output_dir, self.mode = output_dir, mode
+
+        def on_step_end(self, args, state, control, **kwargs):
+            (self.output_dir / f"at-step-{state.global_step}").touch()
+            if self.mode == "hold-at-2" and state.global_step == 2:
+                while True:  # alive and holding everything it started, as a long step would
+                    time.sleep(1)
+            if self.mode == "wait-at-2" and state.global_step == 2:
+                while not (self.output_dir / "release").exists():
+                    time.sleep(0.2)
+
+    return MarkSteps(output, mode)
 
 
 def main() -> None:
+    from conftest import make_config
+
+    import asyncgrpo.trainer.checkpoint as checkpoint_module
+    from asyncgrpo import AsyncGRPOTrainer
+
     url, model_dir, output_dir, max_steps, mode = sys.argv[1:6]
     output = Path(output_dir)
     config = make_config(
@@ -48,7 +56,7 @@ def main() -> None:
         learning_rate=1e-3, vllm_server_timeout=120,
     )  # fmt: skip
     trainer = AsyncGRPOTrainer(
-        model_dir, token_parity_reward, config, train_dataset=prompts(60), callbacks=[MarkSteps(output, mode)]
+        model_dir, token_parity_reward, config, train_dataset=prompts(60), callbacks=[marker(output, mode)]
     )
     if mode == "slow-save-at-3":
         write_resume_point = checkpoint_module.save_resume_point

@@ -14,17 +14,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch.distributed as dist
-from datasets import Dataset
-from transformers import TrainerCallback
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import make_config  # noqa: E402
-from test_trainer_e2e import prompts, token_parity_reward  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from worker_side import parity_or_listed_passes, prompts, token_parity_reward  # noqa: E402
 
-from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
+# The rollout worker, a spawned process, runs this file's top level again (as `__mp_main__`): what it
+# needs comes from tests/worker_side.py, and the trainer's imports wait in main().
 
 # Of the 2 rollouts of each eval prompt, how many pass: the eval figures are counted by hand whatever the
 # servers sample (eval_reward 3/6, pass@1 (0 + 1/2 + 1) / 3, pass@2 2/3).
@@ -43,29 +40,32 @@ def eval_prompts() -> Dataset:
     )
 
 
-def parity_or_listed_passes(completion_ids, passes=None, **kwargs):
-    """Training rows: token_parity_reward, a signal to train on. Eval rows (their `passes` column): 1.0
-    for the prompt's first `passes` rollouts, 0.0 for the rest."""
-    if passes is None:
-        return token_parity_reward(completion_ids)
-    return [1.0 if index < passes[0] else 0.0 for index in range(len(completion_ids))]
+def evaluate_at_step(step: int):
+    """A callback that calls trainer.evaluate() itself (its `trainer` set once the trainer exists)."""
+    from transformers import TrainerCallback
 
+    class EvaluateAtStep(TrainerCallback):
+        """Calls trainer.evaluate() on every rank, as a user's callback would, on the weights of step `step`
+        (as the next step begins: at a step's end, its log's flag would be reset by the evaluation's log,
+        as in transformers' Trainer)."""
 
-class EvaluateAtStep(TrainerCallback):
-    """Calls trainer.evaluate() on every rank, as a user's callback would, on the weights of step `step`
-    (as the next step begins: at a step's end, its log's flag would be reset by the evaluation's log,
-    as in transformers' Trainer)."""
+        def __init__(self, step: int):
+            self.step = step
+            self.trainer = None
 
-    def __init__(self, step: int):
-        self.step = step
-        self.trainer = None
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == self.step:
+                self.trainer.evaluate(metric_key_prefix="mid")
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            self.trainer.evaluate(metric_key_prefix="mid")
+    return EvaluateAtStep(step)
 
 
 def main() -> None:
+    import torch.distributed as dist
+    from conftest import make_config
+
+    from asyncgrpo import AsyncGRPOTrainer
+
     url, model_dir, output_dir, max_steps = sys.argv[1:5]
     resume = sys.argv[5] if len(sys.argv) > 5 else None
     evaluating = os.environ.get("ASYNCGRPO_TEST_EVAL") == "1"
@@ -85,7 +85,7 @@ def main() -> None:
     reward, eval_dataset, callbacks = token_parity_reward, None, []
     if evaluating:
         reward, eval_dataset = parity_or_listed_passes, eval_prompts()
-        callbacks = [EvaluateAtStep(MID_EVAL_STEP)]
+        callbacks = [evaluate_at_step(MID_EVAL_STEP)]
     trainer = AsyncGRPOTrainer(
         model_dir,
         reward,

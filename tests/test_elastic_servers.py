@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
 import threading
 import time
@@ -23,8 +22,9 @@ pytest.importorskip(
 
 from conftest import MAX_MODEL_LEN, free_port, make_config  # noqa: E402
 from test_faults import record_trained  # noqa: E402
-from test_trainer_e2e import PROBE, hf_greedy, prompts, server_greedy  # noqa: E402
+from test_trainer_e2e import PROBE, hf_greedy, prompts, restore_server, server_greedy  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+from worker_side import noise_reward  # noqa: E402 (what the rollout worker imports: tests/worker_side.py says why)
 
 from asyncgrpo import AsyncGRPOTrainer, timeline  # noqa: E402
 from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_label  # noqa: E402
@@ -38,12 +38,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.many_servers]
 JOIN_DEADLINE_S = 900
 # Steps the run trains with the one server left before it waits for the others to start.
 TRAINED_ALONE_STEPS = 3
-
-
-def noise_reward(completions, **kwargs):
-    """Rewards that never saturate: the run must outlast the servers' restarts, and a policy that
-    solves the task ends training (docs/reliability.md)."""
-    return [random.random() for _ in completions]
 
 
 def sampled(url: str) -> tuple[str, list[int], list[float]]:
@@ -110,7 +104,7 @@ class EveryStepKept(timeline.TimelineRecorder):
 
 
 def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
-    tiny_model_dir, tmp_path, monkeypatch
+    vllm_server, tiny_model_dir, tmp_path, monkeypatch
 ):
     def server(name: str, port: int) -> VLLMServer:
         options = ServerOptions(
@@ -118,8 +112,9 @@ def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
         )
         return VLLMServer(options, log_path=tmp_path / f"{name}.log")
 
-    first, second, third = server("a", free_port()), server("b", free_port()), server("c", free_port())
-    url_a, url_b, url_c = first.url, second.url, third.url
+    # B, the server that stays, is the session's: one start fewer. Its weights are put back at the end.
+    first, third = server("a", free_port()), server("c", free_port())
+    url_a, url_b, url_c = first.url, vllm_server.url, third.url
     server_list = tmp_path / "servers.txt"
     server_list.write_text("# servers that join while the run goes on\n")
     synced: list[tuple[int, list[str], list[str]]] = []  # (version, servers, those it missed)
@@ -192,9 +187,7 @@ def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
     callback = LoseRejoinGrow()
     try:
         first.launch()
-        second.launch()
         first.wait_ready()
-        second.wait_ready()
         original = sampled(url_a)
         args = make_config(
             first, tmp_path / "out", vllm_server_base_url=f"{url_a},{url_b}", num_rollout_workers=2,
@@ -240,5 +233,6 @@ def test_a_run_loses_a_server_takes_it_back_and_grows_by_one_listed_mid_run(
         bars_c, _ = server_lane(trace, url_c)
         assert bars_c and bars_c[0][0] > callback.killed_at * 1e6
     finally:
-        for each in (first, second, third):
+        for each in (first, third):
             each.stop()
+        restore_server(url_b, tiny_model_dir)

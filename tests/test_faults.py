@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import itertools
 import json
 import math
 import multiprocessing
@@ -31,16 +30,19 @@ pytest.importorskip(
 )
 
 from conftest import TEST_API_KEY, make_config  # noqa: E402
-from test_trainer_e2e import (
-    PROBE,
-    hf_greedy,
-    prompts,
-    restore_server,
-    server_greedy,
-    token_parity_reward,
-)  # noqa: E402
+from test_trainer_e2e import PROBE, hf_greedy, restore_server, server_greedy  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+from worker_side import (  # noqa: E402 (what the rollout worker imports: tests/worker_side.py says why)
+    MixedRows,
+    StuckThreadThenFail,
+    broken_judge,
+    flaky_judge,
+    hanging_reward,
+    inf_reward,
+    prompts,
+    token_parity_reward,
+)
 
 import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
 import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
@@ -62,15 +64,6 @@ def shared_server_weights_restored(request, tiny_model_dir):
     yield
     if "vllm_server" in request.fixturenames:
         restore_server(request.getfixturevalue("vllm_server").url, tiny_model_dir)
-
-
-def hanging_reward(completions, **kwargs):
-    Path(os.environ["ASYNCGRPO_TEST_HANG_MARK"]).write_text(str(time.time()))  # when the call began
-    time.sleep(3600)
-
-
-def inf_reward(completions, **kwargs):
-    return [math.inf] + [0.0] * (len(completions) - 1)
 
 
 def server_logprobs(url: str) -> np.ndarray:
@@ -113,20 +106,6 @@ def test_an_inf_reward_is_an_error_and_the_served_weights_stay_finite(vllm_serve
         trainer.train()
     assert np.all(np.isfinite(server_logprobs(vllm_server.url)))
     assert server_greedy(vllm_server.url) == hf_greedy(trainer.model.eval())
-
-
-_JUDGE_CALLS = itertools.count()  # per process: the rollout worker's own count
-
-
-def flaky_judge(completions, completion_ids, **kwargs):
-    """A remote judge that answers 503 on two calls in 25 (8%), the rest scored."""
-    if next(_JUDGE_CALLS) % 25 in (1, 3):
-        raise ConnectionError("the judge answered 503 Service Unavailable")
-    return token_parity_reward(completion_ids)
-
-
-def broken_judge(completions, **kwargs):
-    raise ValueError("the judge's API key was revoked")
 
 
 def test_a_reward_that_fails_now_and_then_costs_its_groups_not_the_run(vllm_server, tiny_model_dir, tmp_path):
@@ -207,23 +186,12 @@ def test_a_stuck_thread_cannot_keep_a_failed_worker_alive():
     assert (name, message) == ("RuntimeError", "boom after starting a thread that never ends")
 
 
-class StuckThreadThenFail:
-    """A rollout loop whose run() starts a non-daemon thread that never ends, then fails."""
-
-    def __init__(self, **kwargs):
-        pass
-
-    def run(self):
-        threading.Thread(target=time.sleep, args=(3600,)).start()
-        raise RuntimeError("boom after starting a thread that never ends")
-
-
 # -- bad data -----------------------------------------------------------------------------------------
 
 
 def test_bad_rows_later_in_the_dataset_are_skipped_and_counted(vllm_server, tiny_model_dir, tmp_path):
     rows = [[{"role": "user", "content": f"Say something about {i}."}] for i in range(8)]
-    dataset = _MixedRows([{"prompt": row} for row in rows])
+    dataset = MixedRows([{"prompt": row} for row in rows])
     dataset.rows[3] = {"prompt": "a plain string, not messages"}
     dataset.rows[6] = {"prompt": [{"content": "a message without a role"}]}
     args = make_config(vllm_server, tmp_path, num_train_epochs=1, max_steps=-1)
@@ -239,25 +207,6 @@ def test_bad_rows_later_in_the_dataset_are_skipped_and_counted(vllm_server, tiny
             f"bad row {bad_row} was consumed, not retried"
         )
     assert history_sum(trainer, "rollout/skipped_prompts") >= 2
-
-
-class _MixedRows:
-    """A map-style dataset whose rows do not share one schema (Arrow cannot hold a bad row)."""
-
-    def __init__(self, rows):
-        self.rows = rows
-        self.column_names = ["prompt"]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return {"prompt": [row["prompt"] for row in self.rows[index]]}
-        return self.rows[index]
-
-    def __iter__(self):
-        return iter(self.rows)
 
 
 # -- paths and checkpoints ---------------------------------------------------------------------------

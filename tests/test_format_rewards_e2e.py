@@ -29,6 +29,7 @@ pytest.importorskip(
 
 from reward_examples import boxed_reward_func, format_reward_func  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
+from worker_side import RecordingLoop, question  # noqa: E402 (what the rollout worker imports: tests/worker_side.py says why)
 
 from asyncgrpo.cli.demo import answer_probability, supervised_steps  # noqa: E402
 from asyncgrpo.cli.run_config import build_run_config, load_training_dataset, read_config  # noqa: E402
@@ -36,8 +37,7 @@ from asyncgrpo.cli.tiny_model import build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.metrics import MetricsWindow  # noqa: E402
 from asyncgrpo.rollout.chat import render_prompt_ids  # noqa: E402
-from asyncgrpo.rollout.loop import AsyncRolloutLoop  # noqa: E402
-from asyncgrpo.rollout.worker import RolloutWorker  # noqa: E402
+from asyncgrpo.rollout.worker import RolloutWorker, plain_settings  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -59,10 +59,6 @@ WRONG_ON_PURPOSE = "Solve the equation $3x - 5 = 10$."  # its ground truth is 5
 # took 100 steps at seed 0.
 TAUGHT_PROBABILITY, WARM_START_MAX_STEPS, STEPS_PER_CHECK = 0.95, 400, 25
 MIN_GROUPS, RESULTS_TIMEOUT_S = 8, 300
-
-
-def question(prompt: list[dict]) -> str:
-    return prompt[-1]["content"]
 
 
 @pytest.fixture(scope="module")
@@ -111,22 +107,6 @@ def serve_weights(url: str, model_dir: Path) -> None:
     asyncio.run(run())
 
 
-class RecordingLoop(AsyncRolloutLoop):
-    """Writes each scored group (question, ground truths, sampled token ids, summed rewards) to
-    output_dir/groups.jsonl, before its result is sent."""
-
-    def compute_advantages(self, group):
-        record = {
-            "question": question(group.prompts[0]),
-            "ground_truth": group.reward_kwargs["ground_truth"],
-            "completion_ids": group.completions_ids,
-            "rewards": group.rewards.tolist(),
-        }
-        with (Path(self.config.output_dir) / "groups.jsonl").open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
-        return super().compute_advantages(group)
-
-
 def results_covering_every_row(worker, rows: int) -> list:
     """Group results until every row of the dataset has been scored and MIN_GROUPS have come."""
     results, deadline = [], time.monotonic() + RESULTS_TIMEOUT_S
@@ -170,7 +150,7 @@ def test_format_and_reference_rewards_score_what_the_model_wrote(
     worker = RolloutWorker(
         RecordingLoop,
         dict(
-            config=run.args,
+            config=plain_settings(run.args),  # as the trainer sends it
             model_name=str(tiny_model_dir),  # the name the shared server serves its model under
             dataset=dataset,
             reward_funcs=run.reward_funcs,

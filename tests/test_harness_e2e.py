@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import json
 import math
-import random
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -25,19 +22,25 @@ pytest.importorskip(
 )
 pytest.importorskip("psutil", reason="psutil is not installed")
 import psutil
+import worker_side  # what the rollout worker imports: tests/worker_side.py says why
 from conftest import make_config
 from datasets import Dataset
 from test_trainer_e2e import restore_server
 from transformers import TrainerCallback
+from worker_side import (
+    ModeNoteSessionFactory,
+    NoteAdapter,
+    NoteFirstAdapter,
+    NoteSessionFactory,
+    counted_written_length,
+    judged_like_the_example,
+    noise_verdict,
+    written_length,
+)
 
 from asyncgrpo import HarnessAsyncGRPOTrainer
 from asyncgrpo.harness import (
-    HarnessRolloutResult,
     ProcessSessionFactory,
-    Tool,
-    ToolResult,
-    ToolTraceEntry,
-    VerifyResult,
 )
 
 pytestmark = pytest.mark.vllm
@@ -52,13 +55,6 @@ EXACT_LOGPROB_GAP = 1e-3
 # The fault run's timeout: what the "hang" agents cost, and the bound on every other agent of that run
 # (an agent took about 5 s to start on a loaded 2-core machine, the `openai` import most of it).
 HANG_TIMEOUT_S = 30
-
-
-def written_length(workdir: Path, transcript) -> float:
-    """The reward: the length of what the agent wrote into files, modulo 5: it varies between the
-    rollouts of a random tiny model, so groups bring samples."""
-    files = [path for path in workdir.iterdir() if path.name != "task.json"]
-    return float(sum(len(path.read_text(errors="replace")) for path in files) % 5)
 
 
 def rows(*modes: str) -> Dataset:
@@ -202,7 +198,6 @@ def test_stopping_the_trainer_ends_the_agents_in_flight(vllm_server, tiny_model_
 # -- agents that cannot cheat, steal or hang the run ------------------------------------------------------
 
 ADVERSARY = Path(__file__).resolve().parent / "harness_adversary_agent.py"
-EXAMPLE_FUNCTIONS = Path(__file__).resolve().parent.parent / "examples" / "harness" / "functions.py"
 # The trainer's secrets, planted in its environment (which the rollout worker inherits): no agent may see
 # any of them. (torchrun's RANK and WORLD_SIZE would make this run distributed; the unit test plants them.)
 PLANTED = {
@@ -220,23 +215,6 @@ PADDING = "x" * 200_000
 # An agent's timeout, and how long past it a sleeping agent may live (its end is watched every 0.1 s).
 ADVERSARY_TIMEOUT_S, END_SLACK_S = 30, 15
 MAX_AGENTS = GROUP = 2
-
-
-def example_verify():
-    spec = importlib.util.spec_from_file_location("harness_example_functions", EXAMPLE_FUNCTIONS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.answer_file_is_right
-
-
-def judged_like_the_example(record_dir: str, workdir: Path, transcript, row):
-    """The example's verify, its verdict recorded per rollout; "escape" rollouts get a random reward: a
-    group whose rewards differ brings the step."""
-    reward = example_verify()(workdir, transcript, row)
-    Path(record_dir, f"{uuid.uuid4().hex}.json").write_text(
-        json.dumps({"mode": row["mode"], "reward": reward})
-    )
-    return random.random() if row["mode"] == "escape" else reward
 
 
 def adversary_processes() -> list:
@@ -400,58 +378,6 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
 # -- white-box: an adapter drives the session, the trainer samples each turn -------------------------
 
 
-class NoteSession:
-    def __init__(self, task):
-        self.task = task
-        self.notes: list[str] = []
-
-    def initial_messages(self):
-        return list(self.task)
-
-    def list_tools(self):
-        schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
-        return [Tool(name="write_note", description="Keep a note.", input_schema=schema)]
-
-    def call_tool(self, name, arguments):
-        self.notes.append(str(arguments.get("text", "")))
-        return ToolResult(data="ok")
-
-    def verify(self, transcript, final_state=None):
-        text = "".join(self.notes) + "".join(
-            str(m.get("content") or "") for m in transcript if m["role"] == "assistant"
-        )
-        return VerifyResult(env_reward=min(len(text), 60) / 10, done=True)
-
-    def close(self):
-        self.notes = []
-
-
-class NoteSessionFactory:
-    def create(self, task, seed=None, episode_id=None):
-        return NoteSession(task)
-
-
-class NoteAdapter:
-    """A user's white-box harness: model turn, its tool calls, until a turn calls none."""
-
-    def run_white_box(self, model_step, session, limits=None):
-        messages, trace = session.initial_messages(), []
-        tools = session.list_tools()
-        for _ in range(limits.max_turns):
-            step = model_step(messages, tools, limits.sampling)
-            messages.append(step.response.to_message_dict())
-            if not step.response.tool_calls:
-                break
-            for call in step.response.tool_calls:
-                result = session.call_tool(call.name, call.args)
-                trace.append(ToolTraceEntry(call.name, call.args, result))
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": str(result.data)})
-        return HarnessRolloutResult(messages=messages, tool_trace=trace)
-
-    def run_black_box(self, session, limits=None):
-        raise NotImplementedError("this harness is trained white-box only")
-
-
 @pytest.mark.timeout(300)
 def test_white_box_adapter_run_trains_the_turns_the_trainer_sampled(vllm_server, tiny_model_dir, tmp_path):
     args = harness_config(vllm_server, tmp_path / "run", max_steps=1, max_staleness=0)
@@ -467,52 +393,6 @@ def test_white_box_adapter_run_trains_the_turns_the_trainer_sampled(vllm_server,
     assert len(steps) == 1
     assert steps[0]["sampling/sampling_logp_difference/max"] < EXACT_LOGPROB_GAP
     assert any("rewards/harness_reward/mean" in entry for entry in trainer.state.log_history)
-
-
-class ModeNoteSession(NoteSession):
-    """A NoteSession of a dataset row, with a random reward: in mode "hang-verify" its verify never
-    returns, in "hang-tool" its tool never returns."""
-
-    def __init__(self, row):
-        super().__init__(row["prompt"])
-        self.mode = row["mode"]
-
-    def call_tool(self, name, arguments):
-        if self.mode == "hang-tool":
-            threading.Event().wait()
-        return super().call_tool(name, arguments)
-
-    def verify(self, transcript, final_state=None):
-        if self.mode == "hang-verify":
-            threading.Event().wait()
-        return VerifyResult(env_reward=random.random(), done=True)  # rewards that differ: the group trains
-
-
-class ModeNoteSessionFactory:
-    takes_dataset_row = True
-
-    def create(self, task, seed=None, episode_id=None):
-        return ModeNoteSession(task)
-
-
-class NoteFirstAdapter:
-    """A harness that samples one turn and keeps it as a note through the session's tool, whatever the
-    model wrote (as a harness's own bookkeeping step would); in mode "hang-adapter" it never returns."""
-
-    def run_white_box(self, model_step, session, limits=None):
-        if session.mode == "hang-adapter":
-            threading.Event().wait()
-        messages = session.initial_messages()
-        step = model_step(messages, session.list_tools(), limits.sampling)
-        messages.append(step.response.to_message_dict())
-        arguments = {"text": step.response.content or ""}
-        result = session.call_tool("write_note", arguments)
-        return HarnessRolloutResult(
-            messages=messages, tool_trace=[ToolTraceEntry("write_note", arguments, result)]
-        )
-
-    def run_black_box(self, session, limits=None):
-        raise NotImplementedError("this harness is trained white-box only")
 
 
 # The run's deadlines, short: each hanging group ends at its deadline, not at the test's timeout.
@@ -557,12 +437,6 @@ def test_a_hanging_verify_tool_and_adapter_are_cut_at_their_deadlines_and_counte
 # -- a session spanning a weight sync ------------------------------------------------------------------------
 
 SPAN_AGENT = Path(__file__).resolve().parent / "harness_span_agent.py"
-
-
-def noise_reward(workdir: Path, transcript) -> float:
-    """A reward that differs between any two rollouts, so no group is dropped for equal rewards: this
-    run is about which version sampled each turn, not about learning."""
-    return random.random()
 
 
 class SyncBetweenTurns(TrainerCallback):
@@ -644,7 +518,7 @@ def test_a_session_spanning_a_weight_sync_trains_each_turn_against_its_own_versi
     factory = functools.partial(
         ProcessSessionFactory,
         command=[sys.executable, str(SPAN_AGENT)],
-        verify=noise_reward,
+        verify=noise_verdict,
         env={"SPAN_SIGNALS": str(signals)},
         agent_columns=["mode"],
     )
@@ -709,7 +583,7 @@ def test_a_50_mb_request_is_refused_with_a_413_while_the_other_agents_keep_gener
     factory = functools.partial(
         ProcessSessionFactory,
         command=[sys.executable, str(HUGE_AGENT)],
-        verify=noise_reward,
+        verify=noise_verdict,
         env={"HUGE_CLAIMS": str(claims)},
     )
     trainer = HarnessAsyncGRPOTrainer(
@@ -731,19 +605,12 @@ def test_a_50_mb_request_is_refused_with_a_413_while_the_other_agents_keep_gener
 
 # -- evaluation through harness sessions ------------------------------------------------------------------
 
-VERIFIED_HERE: list[str] = []  # sessions verified in this process: the trainer's, so evaluation's only
-
-
-def counted_written_length(workdir: Path, transcript) -> float:
-    VERIFIED_HERE.append(workdir.name)
-    return written_length(workdir, transcript)
-
 
 @pytest.mark.timeout(300)
 def test_a_harness_run_evaluates_its_held_out_prompts_through_harness_sessions(
     vllm_server, tiny_model_dir, tmp_path, agent_tmp
 ):
-    VERIFIED_HERE.clear()
+    worker_side.VERIFIED_HERE.clear()
     args = harness_config(
         vllm_server,
         tmp_path / "run",
@@ -767,6 +634,6 @@ def test_a_harness_run_evaluates_its_held_out_prompts_through_harness_sessions(
     evals = [entry for entry in trainer.state.log_history if "eval_reward" in entry]
     assert len(evals) == 1 and math.isfinite(evals[0]["eval_reward"]), trainer.state.log_history
     # Training sessions are verified in the rollout worker; the 3 rows x 2 held-out sessions here.
-    assert len(VERIFIED_HERE) == 3 * 2
+    assert len(worker_side.VERIFIED_HERE) == 3 * 2
     assert not agent_processes(agent_tmp)
     assert not list(agent_tmp.iterdir())

@@ -24,6 +24,10 @@ import torch
 from conftest import make_config
 from datasets import Dataset
 from test_trainer_e2e import restore_server
+from worker_side import (  # what the rollout worker imports: tests/worker_side.py says why
+    RIGHT_LETTER,
+    pick_the_right_letter,
+)
 
 from asyncgrpo import HarnessAsyncGRPOTrainer
 from asyncgrpo.cli.demo import answer_probability, supervised_steps
@@ -35,19 +39,13 @@ pytestmark = pytest.mark.vllm
 
 AGENT = Path(__file__).resolve().parent / "harness_letter_agent.py"
 NO_THINKING = {"enable_thinking": False}
-LETTERS, RIGHT = "ABCD", "C"
+LETTERS, RIGHT = "ABCD", RIGHT_LETTER
 PROMPTS = [
     "Pick one letter: A, B, C or D.",
     "Answer with a single letter, A to D.",
     "Choose A, B, C or D.",
     "One letter please: A, B, C, D.",
 ]
-
-
-def pick_the_right_letter(workdir: Path, transcript) -> float:
-    """The reward: 1 when the agent's answer.txt holds the right letter (surrounding spaces ignored)."""
-    answer = workdir / "answer.txt"
-    return float(answer.is_file() and answer.read_text().strip() == RIGHT)
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:

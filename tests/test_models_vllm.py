@@ -16,6 +16,7 @@ pytest.importorskip("msgspec", reason="msgspec is not installed")
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from test_trainer_e2e import restore_server  # noqa: E402
+from worker_side import token_parity_reward  # noqa: E402 (what the rollout worker imports: tests/worker_side.py says why)
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from asyncgrpo.cli.tiny_model import save_tiny_model  # noqa: E402
@@ -25,10 +26,6 @@ from asyncgrpo.models import load_model  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.many_servers]
 
 PROBE = [952, 648, 198, 287, 260, 294, 10, 18, 30, 950, 198, 952, 653, 198] * 3
-
-
-def parity_reward(completion_ids, **kwargs):
-    return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
 def long_prompts(n: int = 8) -> Dataset:
@@ -98,7 +95,7 @@ def test_gated_deltanet_family_trains_against_the_server(arch, gated_deltanet_se
         vllm_server_timeout=120,
         seed=0,
     )
-    trainer = AsyncGRPOTrainer(str(model_dir), parity_reward, args, train_dataset=long_prompts())
+    trainer = AsyncGRPOTrainer(str(model_dir), token_parity_reward, args, train_dataset=long_prompts())
     output = trainer.train()
     completion, served = served_probe(server.url)
     assert output.global_step == 2

@@ -378,10 +378,14 @@ def test_the_rollout_process_gets_the_configs_values_without_transformers_traini
     import pickle
     import subprocess
     import sys
+    from dataclasses import dataclass
 
-    from worker_side import CurriculumConfig
-
+    from asyncgrpo import AsyncGRPOConfig
     from asyncgrpo.rollout.worker import plain_settings
+
+    @dataclass
+    class CurriculumConfig(AsyncGRPOConfig):
+        pass_rate_cap: float = 0.9
 
     config = CurriculumConfig(
         output_dir=str(tmp_path),
@@ -404,3 +408,18 @@ def test_the_rollout_process_gets_the_configs_values_without_transformers_traini
         [sys.executable, "-c", unpickle], input=pickle.dumps(settings), capture_output=True, check=True
     ).stdout.decode()
     assert "'transformers'" not in loaded and "'torch'" not in loaded
+
+
+def test_what_the_suite_hands_the_rollout_worker_imports_neither_torch_nor_the_trainer():
+    """tests/worker_side.py holds the integration tests' rewards and loops so that a spawned rollout
+    worker imports nothing it would not import anyway: a heavy import there costs every run's start."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    heavy = ["torch", "transformers.training_args", "asyncgrpo.config", "asyncgrpo.trainer", "accelerate"]
+    probe = f"import sys; import worker_side; print([name for name in {heavy!r} if name in sys.modules])"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], cwd=Path(__file__).parent, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert loaded == "[]", f"tests/worker_side.py imports {loaded}"

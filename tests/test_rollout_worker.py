@@ -20,39 +20,28 @@ pytest.importorskip(
     "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
 )
 
-from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
+from worker_side import (  # noqa: E402 (what the rollout worker imports: tests/worker_side.py says why)
+    FastPollLoop,
+    counting_prompts,
+    even_token_reward,
+    exploding_reward,
+    nobody_scores,
+)
 
 from asyncgrpo.config import AsyncGRPOConfig  # noqa: E402
 from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.metrics import MetricsWindow  # noqa: E402
 from asyncgrpo.rollout.loop import AsyncRolloutLoop  # noqa: E402
 from asyncgrpo.rollout.scoring import group_advantages  # noqa: E402
-from asyncgrpo.rollout.worker import RolloutWorker, RolloutWorkerError, RolloutWorkerPool  # noqa: E402
+from asyncgrpo.rollout.worker import (  # noqa: E402
+    RolloutWorker,
+    RolloutWorkerError,
+    RolloutWorkerPool,
+    plain_settings,
+)
 
 pytestmark = pytest.mark.vllm
-
-
-def even_token_reward(completion_ids, **kwargs):
-    """A deterministic reward the test can recompute: the fraction of even token ids."""
-    return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
-
-
-def nobody_scores(completions, **kwargs):
-    return [None] * len(completions)
-
-
-def exploding_reward(completions, **kwargs):
-    raise ZeroDivisionError("the judge divided by zero on purpose")
-
-
-def prompts_dataset(n: int = 16) -> Dataset:
-    return Dataset.from_dict(
-        {
-            "prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(n)],
-            "target": list(range(n)),
-        }
-    )
 
 
 def label_server(url: str, version: int = 0) -> None:
@@ -91,9 +80,9 @@ def make_worker(
     options.update(config_overrides)
     config = AsyncGRPOConfig(**options)
     loop_kwargs = dict(
-        config=config,
+        config=plain_settings(config),  # as the trainer sends it
         model_name=str(model_dir),
-        dataset=prompts_dataset(),
+        dataset=counting_prompts(),
         reward_funcs=reward_funcs,
         processing_class=tokenizer,
         eos_token_ids=[tokenizer.eos_token_id],
@@ -284,12 +273,6 @@ def test_two_workers_split_the_prompts_share_the_budget_and_resume_exactly(vllm_
             started,
             unseen,
         )
-
-
-class FastPollLoop(AsyncRolloutLoop):
-    """Polls /metrics every second instead of every 5 s, so the test sees several adjustments."""
-
-    load_poll_interval_s = 1.0
 
 
 @pytest.fixture(scope="module")

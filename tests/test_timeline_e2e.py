@@ -17,25 +17,21 @@ from conftest import make_config  # noqa: E402
 from test_trainer_e2e import prompts, restore_server, token_parity_reward  # noqa: E402
 from timeline_checks import assert_nested, names_by_process  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+from worker_side import slow_reward  # noqa: E402 (what the rollout worker imports: tests/worker_side.py says why)
 
 from asyncgrpo import AsyncGRPOTrainer, cpu_use  # noqa: E402
 from asyncgrpo.report.core_use import core_samples  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-# Seconds added to each reward call, or to each optimizer step: many times what the tiny model takes
-# to generate a group or to train a step on CPU, so that side dominates whatever the machine's load.
+# Seconds added to each reward call (worker_side.SLOW_REWARD_S), or to each optimizer step: many times
+# what the tiny model takes to generate a group or to train a step on CPU, so that side dominates
+# whatever the machine's load.
 # The trainer's is longer: on a loaded machine (the suite's two workers and a busy process beside them)
 # generating a step's groups took longer than the reward's figure, and the servers never idled
 # (bench/RESULTS.md, "make_test").
-SLOW_REWARD_S = 1.5
 SLOW_TRAINER_S = 4.0
 STEPS = 3
-
-
-def slow_reward(completion_ids, **kwargs):
-    time.sleep(SLOW_REWARD_S)
-    return token_parity_reward(completion_ids)
 
 
 class SlowTrainer(TrainerCallback):
@@ -43,23 +39,30 @@ class SlowTrainer(TrainerCallback):
         time.sleep(SLOW_TRAINER_S)
 
 
-# A share of the run a side idles for that the other side's slowness explains: with a slow trainer the
-# trainer waits only for the first samples (under a tenth of the run); with a slow reward it waits for
-# scoring at every step but the one its start-up backlog feeds (about half of the run).
+# A share of a step a side idles for that the other side's slowness explains: with a slow trainer the
+# trainer waits only for the first samples (the first step's wait, which grows with the machine's load:
+# over a quarter of a 3-step run on a loaded machine) and hardly at all once samples are queued ahead;
+# with a slow reward it waits for scoring at every step but the one its start-up backlog feeds (about
+# half of the run).
 IDLE_SHARE = 0.3
 # With a slow trainer the step is mostly the trainer's compute (its sleep included).
 BUSY_SHARE = 0.5
 
 
+def logged_windows(trainer) -> list[dict[str, float]]:
+    """The run's logging windows, in order (one per `logging_steps` steps)."""
+    return [entry for entry in trainer.state.log_history if "perf/step_s" in entry]
+
+
 def run_window(trainer) -> dict[str, float]:
     """The run's one logging window (logging_steps = STEPS): every figure over the whole run."""
-    windows = [entry for entry in trainer.state.log_history if "perf/step_s" in entry]
+    windows = logged_windows(trainer)
     assert len(windows) == 1
     return windows[0]
 
 
 def run(server, model_dir, output_dir, reward, callbacks=(), **overrides) -> AsyncGRPOTrainer:
-    args = make_config(server, output_dir, max_steps=STEPS, logging_steps=STEPS, **overrides)
+    args = make_config(server, output_dir, **(dict(max_steps=STEPS, logging_steps=STEPS) | overrides))
     trainer = AsyncGRPOTrainer(
         str(model_dir), reward, args, train_dataset=prompts(), callbacks=list(callbacks)
     )
@@ -81,17 +84,22 @@ def test_slow_trainer_shows_generation_idle_and_the_timeline_holds_every_phase(
         [SlowTrainer()],
         save_strategy="steps",
         save_steps=2,
+        logging_steps=1,
     )
-    window = run_window(trainer)
-    # The trainer hardly waits; the servers idle more than it does (how much more moves with the
-    # machine's load: generation slows on a busy machine, 0.45-0.83 seen); the step is mostly compute.
-    assert window["perf/trainer_idle_frac"] < IDLE_SHARE
-    assert window["perf/generation_idle_frac"] > window["perf/trainer_idle_frac"]
-    assert window["perf/overlap_efficiency"] > BUSY_SHARE
-    assert window["perf/sync_pause_s"] > 0
-    assert window["perf/fixed_cost_s"] == pytest.approx(
-        window["perf/step_s"] * (1 - window["perf/overlap_efficiency"])
-    )
+    windows = logged_windows(trainer)
+    assert len(windows) == STEPS
+    # Past the first step (the pipeline's fill) the trainer hardly waits; the servers idle more than it
+    # does (how much more moves with the machine's load: generation slows on a busy machine, 0.45-0.83
+    # seen); the step is mostly compute.
+    for window in windows[1:]:
+        assert window["perf/trainer_idle_frac"] < IDLE_SHARE, windows
+        assert window["perf/generation_idle_frac"] > window["perf/trainer_idle_frac"], windows
+        assert window["perf/overlap_efficiency"] > BUSY_SHARE, windows
+    for window in windows:
+        assert window["perf/sync_pause_s"] > 0
+        assert window["perf/fixed_cost_s"] == pytest.approx(
+            window["perf/step_s"] * (1 - window["perf/overlap_efficiency"])
+        )
 
     trace = json.loads((tmp_path / "timeline.json").read_text())
     assert_nested(trace)

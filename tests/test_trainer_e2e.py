@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,14 +31,13 @@ from reward_examples import (  # noqa: E402
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from worker_side import (  # noqa: E402 (what the rollout worker imports: tests/worker_side.py says why)
-    CurriculumConfig,
     CurriculumRolloutLoop,
     positive_if_even_start,
     prompts,
     token_parity_reward,
 )
 
-from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState  # noqa: E402
 
@@ -262,7 +262,13 @@ def test_documented_reward_examples_train(vllm_server, tiny_model_dir, tmp_path)
 
 
 # TRL's documented CurriculumRolloutLoop, defined at module level (the worker process re-imports it): in
-# tests/worker_side.py, with its config subclass, so that the worker imports no test module.
+# tests/worker_side.py, so that the worker imports no test module. Its config subclass stays here: the
+# worker gets the config's values, not the class.
+
+
+@dataclass
+class CurriculumConfig(AsyncGRPOConfig):
+    pass_rate_cap: float = 0.9
 
 
 class CurriculumTrainer(AsyncGRPOTrainer):

@@ -111,6 +111,12 @@ def test_seeds_make_requests_reproducible_and_distinct(vllm_server, prompt_ids):
     assert first.token_ids.tolist() != other.token_ids.tolist()
 
 
+# Tokens each of the 32 requests of the load tests must generate: their decoding runs for seconds on the
+# tiny model (hundreds of steps of the whole batch), long enough for a pause or a /metrics poll to land
+# while every request is in flight, and no longer: each token is CPU the rest of the suite waits for.
+LONG_TOKENS = 300
+
+
 async def generated_tokens(http: aiohttp.ClientSession, url: str) -> float:
     """The server's count of tokens generated since it started (`vllm:generation_tokens_total`)."""
     async with http.get(f"{url}/metrics") as response:
@@ -125,10 +131,10 @@ async def generated_tokens(http: aiohttp.ClientSession, url: str) -> float:
 
 
 async def pause_while_generating(client: VLLMClient, http: aiohttp.ClientSession, url: str, prompt_ids):
-    """Start 32 requests that must generate 900 tokens each (min_tokens = max_tokens), pause once the
+    """Start 32 requests that must generate LONG_TOKENS each (min_tokens = max_tokens), pause once the
     server's token counter shows them generating, check that nothing is generated while paused, resume.
     Returns (completions, tokens generated after the resume)."""
-    sampling = SamplingParams(max_tokens=900, min_tokens=900, temperature=1.0)
+    sampling = SamplingParams(max_tokens=LONG_TOKENS, min_tokens=LONG_TOKENS, temperature=1.0)
     before = await generated_tokens(http, url)
     requests = [asyncio.create_task(client.complete(prompt_ids, sampling, seed=seed)) for seed in range(32)]
     for _ in range(1200):
@@ -161,7 +167,7 @@ async def pause_while_generating(client: VLLMClient, http: aiohttp.ClientSession
 
 
 def test_pause_with_request_in_flight_then_resume_completes(vllm_server, prompt_ids):
-    # In flight by construction: 32 x 900 tokens of work, and the pause comes as soon as the server's
+    # In flight by construction: 32 x LONG_TOKENS of work, and the pause comes as soon as the server's
     # counter shows generation under way. That the requests really were in flight is checked, not
     # assumed: they must generate tokens after the resume. On a machine so loaded that all of them
     # finished before the pause landed, nothing was tested: the scenario is run again (at most 3 times).
@@ -177,14 +183,14 @@ def test_pause_with_request_in_flight_then_resume_completes(vllm_server, prompt_
 
     completions, after_resume = run(scenario())
     assert after_resume > 0
-    assert all(completion.num_tokens == 900 for completion in completions)
+    assert all(completion.num_tokens == LONG_TOKENS for completion in completions)
     assert all(completion.finish_reason == "length" for completion in completions)
 
 
 def test_metrics_move_under_load(vllm_server, prompt_ids):
-    # 32 requests of 900 tokens each (min_tokens: none ends early) run together for seconds, so the
+    # 32 requests of LONG_TOKENS each (min_tokens: none ends early) run together for seconds, so the
     # load is seen however slowly /metrics answers on a loaded machine.
-    sampling = SamplingParams(max_tokens=900, min_tokens=900, temperature=1.0)
+    sampling = SamplingParams(max_tokens=LONG_TOKENS, min_tokens=LONG_TOKENS, temperature=1.0)
 
     async def scenario():
         async with VLLMClient(vllm_server.url, timeout=120) as client:

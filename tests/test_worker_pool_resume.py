@@ -5,7 +5,6 @@ each new worker takes up exactly the prompts of its share that were not trained 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import tempfile
 import time
@@ -21,11 +20,12 @@ pytest.importorskip(
 
 from datasets import Dataset  # noqa: E402
 from instant_vllm import start_instant_server  # noqa: E402
+from worker_side import noisy_reward  # noqa: E402 (what the rollout worker imports: tests/worker_side.py says why)
 
 from asyncgrpo.cli.tiny_model import build_tokenizer  # noqa: E402
 from asyncgrpo.config import AsyncGRPOConfig  # noqa: E402
 from asyncgrpo.rollout.loop import AsyncRolloutLoop  # noqa: E402
-from asyncgrpo.rollout.worker import RolloutWorkerPool  # noqa: E402
+from asyncgrpo.rollout.worker import RolloutWorkerPool, plain_settings  # noqa: E402
 from asyncgrpo.trainer.prompt_ledger import PromptLedger  # noqa: E402
 
 WORKERS = 2
@@ -35,11 +35,6 @@ TOP_N = 2
 TAKEN_BEFORE_THE_KILL = 30
 # Spawning a worker imports torch and transformers: slow on a loaded machine, never the thing tested.
 READY_TIMEOUT_S = 300
-
-
-def noisy_reward(completion_ids, **kwargs):
-    """Distinct rewards within a group, so every group has samples to train."""
-    return [random.random() for _ in completion_ids]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +60,7 @@ def make_pool(urls, resume: tuple[int, list[int]]) -> RolloutWorkerPool:
     )
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Q{i}?"}] for i in range(PROMPTS)]})
     loop_kwargs = dict(
-        config=config,
+        config=plain_settings(config),  # as the trainer sends it
         model_name="fake",
         dataset=dataset,
         reward_funcs=[noisy_reward],
