@@ -29,9 +29,10 @@ from reward_examples import (  # noqa: E402
     length_reward_func,
     math_reward_func,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from worker_side import (  # noqa: E402 (what the rollout worker imports: tests/worker_side.py says why)
     CurriculumRolloutLoop,
+    only_flagged_rows_vary,
     positive_if_even_start,
     prompts,
     token_parity_reward,
@@ -232,6 +233,37 @@ def test_one_epoch_ends_training_once_every_prompt_is_counted(vllm_server, tiny_
     assert trainer._ledger.epoch_prompts >= 6 and trainer.state.epoch >= 1.0
     watermark, resolved_after = trainer._ledger.state()
     assert watermark + len(resolved_after) >= trainer._ledger.epoch_prompts, "a counted prompt is resolved"
+
+
+class EpochEnds(TrainerCallback):
+    def __init__(self):
+        self.epochs: list[float] = []
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.epochs.append(state.epoch)
+
+
+def test_an_epoch_whose_last_prompts_bring_no_step_ends_whole(vllm_server, tiny_model_dir, tmp_path):
+    """Training ends when the last prompts are consumed while a step waits for samples: here one row
+    brings 4 samples, fewer tokens than a step takes, and the other rows' groups score alike and are
+    dropped. Those prompts count: the epoch ends whole for on_epoch_end and the state (1.0 or more, not the
+    figure of the last step taken; a full suite once saw 1.875 of 2 epochs that way)."""
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"Say something about {i}."}] for i in range(6)],
+            "varies": [True] + [False] * 5,
+        }
+    )
+    ends = EpochEnds()
+    args = make_config(vllm_server, tmp_path, num_train_epochs=1, max_steps=-1)
+    trainer = AsyncGRPOTrainer(
+        str(tiny_model_dir), only_flagged_rows_vary, args, train_dataset=dataset, callbacks=[ends]
+    )
+    trainer.train()
+    assert trainer.state.global_step == 0, "4 samples of one prompt fill no step of token_budget=256"
+    # (A prompt of the next epoch may have been consumed too: it counts toward the epoch figure.)
+    assert trainer._ledger.epoch_prompts >= 6
+    assert ends.epochs == [trainer.state.epoch] and trainer.state.epoch >= 1.0
 
 
 # -- TRL's documented code examples, with only the import changed --------------------------------

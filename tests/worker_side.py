@@ -56,6 +56,12 @@ class CurriculumRolloutLoop(AsyncRolloutLoop):
         return super().compute_advantages(group)
 
 
+def only_flagged_rows_vary(completions, varies, **kwargs):
+    """0, 1, 2... in the groups of the rows whose `varies` column is true (they bring samples), 0.0 in
+    every other group (equal rewards: dropped, no sample)."""
+    return [float(index) if flag else 0.0 for index, flag in enumerate(varies)]
+
+
 def positive_if_even_start(completion_ids, **kwargs):
     return [1.0 if ids and ids[0] % 2 == 0 else 0.0 for ids in completion_ids]
 

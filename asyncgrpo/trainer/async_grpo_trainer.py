@@ -243,6 +243,9 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
                 try:
                     self._train_step(model, trial, epochs)
                 except TrainingComplete:  # the last prompts were consumed while the step waited
+                    # They count: the epoch training ends in is whole (2.0 of 2 epochs, not the last
+                    # step's 1.875), as on_epoch_end and the run's last log see it.
+                    self._count_consumed_prompts()
                     break
                 if self.control.should_training_stop:
                     break
@@ -497,14 +500,18 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         self.state.num_input_tokens_seen += input_tokens_seen(self.args, forwarded, padded)
         self._session.collect_worker_metrics()
 
+    def _count_consumed_prompts(self) -> None:
+        """The state's epoch and the progress bar, from the steps taken and the prompts consumed."""
+        self.state.epoch = self._processes.broadcast(self._epoch() if self._processes.is_main else None)
+        self._progress.advance_to(
+            self.state.global_step if self.args.max_steps > 0 else self._ledger.epoch_prompts
+        )
+
     def _end_step(self, epochs: EpochCallbacks) -> None:
         """The step counted (global step, epoch, progress), then the step-end callbacks."""
         args = self.args
         self.state.global_step += 1
-        self.state.epoch = self._processes.broadcast(self._epoch() if self._processes.is_main else None)
-        self._progress.advance_to(
-            self.state.global_step if args.max_steps > 0 else self._ledger.epoch_prompts
-        )
+        self._count_consumed_prompts()
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         self.control = epochs.after_step(args, self.state, self.control)
 
