@@ -395,8 +395,11 @@ def test_white_box_adapter_run_trains_the_turns_the_trainer_sampled(vllm_server,
     assert any("rewards/harness_reward/mean" in entry for entry in trainer.state.log_history)
 
 
-# The run's deadlines, short: each hanging group ends at its deadline, not at the test's timeout.
-REWARD_DEADLINE_S, TOOL_DEADLINE_S, HARNESS_DEADLINE_S = 3, 3, 6
+# The run's deadlines, short: each hanging group ends at its deadline, not at the test's timeout. The
+# harness's holds a "hang-tool" rollout (a sampled turn, then its tool cut at TOOL_DEADLINE_S) with room
+# for a loaded machine: at 6 s, with the suite and a busy process beside it, those rollouts were cut too
+# and no group was left to train.
+REWARD_DEADLINE_S, TOOL_DEADLINE_S, HARNESS_DEADLINE_S = 3, 3, 20
 
 
 @pytest.mark.timeout(300)
