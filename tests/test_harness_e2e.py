@@ -214,7 +214,13 @@ PLANTED = {
 PADDING = "x" * 200_000
 # An agent's timeout, and how long past it a sleeping agent may live (its end is watched every 0.1 s).
 ADVERSARY_TIMEOUT_S, END_SLACK_S = 30, 15
-MAX_AGENTS = GROUP = 2
+# One agent alive at once, groups of two, a group's rollouts started when a place among
+# max_concurrent_rollouts (two) frees: the agents run one after another in dataset order, so the groups
+# end in that order whatever the machine's load. The "escape" group, the only one whose rewards differ,
+# ends last of the first pass: the step trains it, after the sleeper's group (and its timeout count).
+# (Two agents at once let a slow "escape" agent be overtaken by the next pass's groups, which bring
+# nothing: a whole pass without a sample is an error.)
+MAX_AGENTS, GROUP = 1, 2
 
 
 def adversary_processes() -> list:
@@ -273,27 +279,6 @@ class AgentWatch(threading.Thread):
                     self.sleeper_ended_at = time.time()
 
 
-class WaitForEveryGroup(TrainerCallback):
-    """The step starts only once every group of the first pass is judged and the sleeper has ended:
-    the run stops after the step, ending the sessions still open. (Without it, groups of the next pass
-    that bring nothing could reach the trainer before the "escape" group, and a whole pass of them
-    without a sample is an error.)"""
-
-    def __init__(self, records: Path, watch: AgentWatch):
-        self.records, self.watch = records, watch
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        def judged(mode: str) -> int:
-            return sum(json.loads(path.read_text())["mode"] == mode for path in self.records.iterdir())
-
-        deadline = time.monotonic() + AGENT_START_BOUND_S + ADVERSARY_TIMEOUT_S
-        modes = ("honest", "cheat", "escape")
-        while time.monotonic() < deadline and not (
-            all(judged(mode) >= GROUP for mode in modes) and self.watch.sleeper_ended_at is not None
-        ):
-            time.sleep(0.1)
-
-
 @pytest.mark.timeout(600)
 def test_agents_cannot_cheat_steal_or_hang_the_run(
     vllm_server, tiny_model_dir, tmp_path, agent_tmp, monkeypatch
@@ -303,13 +288,13 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
     report, records = tmp_path / "report", tmp_path / "records"
     report.mkdir()
     records.mkdir()
-    # Groups of 2 in dataset order, at most 4 rollouts at once (two groups), two agents alive at once
-    # (max_agents). The "escape" group's random rewards bring the step's 2 samples.
+    # Groups of 2 in dataset order, one agent alive at once (see MAX_AGENTS). The "escape" group's random
+    # rewards bring the step's 2 samples.
     args = harness_config(
         vllm_server,
         tmp_path / "run",
         max_steps=1,
-        max_concurrent_rollouts=4,
+        max_concurrent_rollouts=GROUP,
         num_generations=GROUP,
         per_device_train_batch_size=GROUP,
     )
@@ -338,7 +323,6 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
         args=args,
         train_dataset=dataset,
         harness_session_factory=factory,
-        callbacks=[WaitForEveryGroup(records, watch)],
     )
     watch.start()
     try:
