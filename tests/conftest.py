@@ -40,9 +40,12 @@ def pytest_configure(config):
     # One intra-op thread on CPU: the tests' models are tiny, so a second thread buys little, and while
     # anything else holds a core (a vLLM server generating or starting, a rollout worker, another job)
     # every parallel op waits at its barrier for the thread that lost its core: the IncrementEnv warm
-    # start took minutes instead of seconds that way (docs/testing.md).
+    # start took minutes instead of seconds that way (docs/testing.md). The processes the tests start
+    # (training scripts, launchers' ranks, CLIs, rollout workers) inherit the same through OpenMP's
+    # variable, unless the caller set it.
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def in_parallel_worker() -> bool:

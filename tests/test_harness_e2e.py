@@ -213,7 +213,9 @@ PLANTED = {
 # for the agent's exit.
 PADDING = "x" * 200_000
 # An agent's timeout, and how long past it a sleeping agent may live (its end is watched every 0.1 s).
-ADVERSARY_TIMEOUT_S, END_SLACK_S = 30, 15
+# The timeout counts from the agent's own start, after its wait for a place: the others take a second
+# or a few (one model call), so the sleeper's 20 s is all it adds to the run.
+ADVERSARY_TIMEOUT_S, END_SLACK_S = 20, 15
 # One agent alive at once, groups of two, a group's rollouts started when a place among
 # max_concurrent_rollouts (two) frees: the agents run one after another in dataset order, so the groups
 # end in that order whatever the machine's load. The "escape" group, the only one whose rewards differ,
