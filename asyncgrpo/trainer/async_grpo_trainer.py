@@ -26,6 +26,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import SaveStrategy, TrainOutput
 
 from asyncgrpo import timeline
+from asyncgrpo.checkpoints.live_model import is_sharded_module
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.loss import clipped_surrogate_loss, score_centered_loss
@@ -37,7 +38,7 @@ from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorkerPool
 from asyncgrpo.trainer.base_loop_settings import EmptyDeviceCache, input_tokens_seen
-from asyncgrpo.trainer.checkpoint import ResumePoint, save_checkpoint
+from asyncgrpo.trainer.checkpoint import ResumePoint, save_sharded_model
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,
@@ -209,8 +210,9 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         return load_policy_model(model_id, args)
 
     # -- transformers.Trainer overrides. Private ones: `_inner_training_loop` and `_save_checkpoint` (and
-    # `_tag_names` above); the base methods they call, private ones included, are listed in
-    # docs/architecture.md ("The trainer's modules").
+    # `_tag_names` above; `_load_from_checkpoint` in run_setup.py, `_load_best_model` in eval_schedule.py);
+    # the base methods they call, private ones included, are listed in docs/architecture.md ("The trainer's
+    # modules").
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
         """`Trainer.train`, with SIGTERM (`kill`, a scheduler's timeout) unwinding like Ctrl-C: the
@@ -253,9 +255,14 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             self.control = epochs.finish(args, self.state, self.control)
             self._log_and_save(model, trial)  # what on_epoch_end asked for (epoch strategies)
             self._join_eval(trial)
+            # The last checkpoint on the disk (and retried if it failed) before anything reads it.
+            self._checkpoints.finish(
+                lambda: self._checkpoints.save(self, model, trial, self._resume_point(), True)
+            )
             self._end_with_served_weights(trial)
         finally:
             try:
+                self._checkpoints.close()  # after a failure too: the save in flight still lands
                 self._close_evaluator()
             finally:
                 self._session.close()
@@ -274,15 +281,27 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Written whole or not at all, by every rank together (trainer/checkpoint.py)."""
-        resume = ResumePoint.of_run(
+        """Written whole or not at all, by every rank together, sharded ones in the background
+        (trainer/checkpoint_saves.py)."""
+        self._checkpoints.save(self, model, trial, self._resume_point())
+
+    def _resume_point(self) -> ResumePoint:
+        return ResumePoint.of_run(
             self._ledger,
             self._session.model_version,
             self._metrics.num_tokens,
             self._session.held_samples(),
             PromptOrder.of(self.args),
         )
-        save_checkpoint(self, model, trial, resume, self._processes, self._sharded, self._run_lock)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`; with the model sharded over several processes (call it on every rank,
+        as transformers asks), a consolidated Hugging Face folder written one file at a time, or the
+        PEFT adapter (trainer/checkpoint.py, `save_sharded_model`)."""
+        if _internal_call or not is_sharded_module(self.model):
+            super().save_model(output_dir, _internal_call)
+        else:
+            save_sharded_model(self, output_dir or self.args.output_dir)
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None):
@@ -516,6 +535,9 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         self.control = epochs.after_step(args, self.state, self.control)
 
     def _log_and_save(self, model, trial) -> None:
+        self._checkpoints.check()  # a save in flight that every rank finished: durable, or failed
+        if self._checkpoints.retry_due:
+            self.control.should_save = True  # a failed save is tried again at once
         if self.control.should_log:
             with timeline.span("log"):
                 logs = self._metrics.flush()
