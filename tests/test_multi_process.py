@@ -166,6 +166,12 @@ def test_two_nodes_train_evaluate_checkpoint_and_resume_against_two_servers(
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     assert all(p.shape == q.shape for p, q in zip(saved.parameters(), initial.parameters()))
     assert any(not torch.equal(p, q) for p, q in zip(saved.parameters(), initial.parameters()))
+    # save_model at the end of a run on two processes: the consolidated model, the last checkpoint's.
+    assert cli_main(["export", str(tmp_path / "checkpoint-4"), str(tmp_path / "exported-4")]) == 0
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "model-4").state_dict()
+    assert final.keys() == initial.state_dict().keys()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported-4").state_dict()
+    assert all(torch.equal(final[name], exported[name]) for name in final)
     # Resuming continues the steps, the prompts and the policy version (and loads that optimizer state).
     resumed = [entry for entry in json.loads((tmp_path / "history-4.json").read_text()) if "loss" in entry]
     assert [entry["step"] for entry in resumed] == [1, 2, 3, 4]  # the restored history, then 3 and 4

@@ -338,6 +338,13 @@ def test_fsdp2_two_processes_train_a_lora_adapter_with_merged_sync(
     assert any(float(p.abs().sum()) > 0 for n, p in loaded.named_parameters() if "lora_B" in n), (
         "the adapter trained"
     )
+    # save_model on both ranks: the adapter, gathered (the same as the last checkpoint's).
+    saved = load_file(tmp_path / "model-2" / "adapter_model.safetensors")
+    assert saved.keys() == load_file(exported / "adapter_model.safetensors").keys()
+    assert all(
+        torch.equal(tensor, load_file(exported / "adapter_model.safetensors")[name])
+        for name, tensor in saved.items()
+    )
     # The server runs the gathered, merged model: the checkpointed adapter merged into the base.
     expected_tokens, _ = greedy_reference(merged_copy(loaded), PROBE, GREEDY.max_tokens)
     assert after.token_ids.tolist() == expected_tokens != base_before.token_ids.tolist()

@@ -33,7 +33,11 @@ from asyncgrpo.checkpoints.layout import (  # noqa: E402
     checkpoint_layout,
     choose_layout,
 )
-from asyncgrpo.checkpoints.sharded_state import load_training_state, model_tensor_shapes  # noqa: E402
+from asyncgrpo.checkpoints.sharded_state import (  # noqa: E402
+    load_training_state,
+    model_tensor_shapes,
+    training_state,
+)
 from asyncgrpo.cli.main import main as cli_main  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -93,6 +97,7 @@ def test_two_processes_save_one_resumes_and_the_reverse_with_the_next_steps_of_a
     assert alone["losses"] == uninterrupted["losses"]
 
 
+@pytest.mark.slow  # the checkpoint of two processes it exports
 def test_an_export_is_a_folder_of_the_checkpoints_weights_that_transformers_loads(
     two_process_run, tiny_model_dir, tmp_path
 ):
@@ -380,3 +385,89 @@ def test_a_sharded_checkpoint_of_save_only_model_holds_no_optimizer(tiny_model_d
     assert not load_training_state(model, optimizer, checkpoint, ShardedManifest.load(checkpoint), False)
     weights = load_file(next((tiny_model_dir).glob("*.safetensors")))
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in weights.items())
+
+
+def test_a_peft_runs_sharded_checkpoint_holds_the_adapter_and_exports_as_one(tiny_model_dir, tmp_path):
+    """A PEFT run's shards hold the adapter and its moments alone (the frozen base comes from the model
+    again); read back into a fresh adapter they are the trained ones, and the export is an adapter folder
+    PeftModel loads, with the adapter's config."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from asyncgrpo.checkpoints.background import ShardedWriter
+    from asyncgrpo.trainer.checkpoint_saves import publish_sharded
+    from asyncgrpo.trainer.distributed import Processes
+
+    def adapted():
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+
+    torch.manual_seed(0)
+    model = adapted()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = torch.arange(24).view(1, 24)
+    for _ in range(2):
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    checkpoint = tmp_path / "checkpoint-2"
+    staging = tmp_path / ".checkpoint-2.partial"
+    staging.mkdir()
+    model.peft_config["default"].save_pretrained(staging)
+    manifest = ShardedManifest(
+        step=2, world_size=1, holds_optimizer=True, dtype="float32", peft_adapter="default"
+    )
+    writer = ShardedWriter(Processes(1, 0), asynchronous=True)
+    state = training_state(model, optimizer, trainable_only=True)
+    writer.start(
+        2, state, staging / SHARDS_DIR, lambda: publish_sharded(staging, checkpoint, manifest, *[None] * 4)
+    )
+    assert writer.settle(wait=True).error is None
+    trained = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    assert set(model_tensor_shapes(checkpoint)) == set(trained), "the adapter alone"
+
+    fresh = adapted()
+    fresh_optimizer = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
+    assert load_training_state(fresh, fresh_optimizer, checkpoint, ShardedManifest.load(checkpoint), False)
+    assert all(torch.equal(p, trained[name]) for name, p in fresh.named_parameters() if p.requires_grad)
+    moments = [fresh_optimizer.state[p]["exp_avg"] for p in fresh.parameters() if p.requires_grad]
+    assert all(
+        torch.equal(a, optimizer.state[p]["exp_avg"])
+        for a, p in zip(moments, optimizer.param_groups[0]["params"])
+    )
+
+    out = tmp_path / "adapter"
+    export_checkpoint(checkpoint, out)
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {path.name for path in out.iterdir()}
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
+    assert all(torch.equal(p, trained[name]) for name, p in loaded.named_parameters() if name in trained)
+    assert len([name for name, _ in loaded.named_parameters() if "lora_" in name]) == len(trained)
+
+
+def test_load_best_model_at_end_reads_a_sharded_best_checkpoint(tiny_model_dir, tmp_path):
+    from datasets import Dataset
+
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.metrics import MetricsWindow
+    from asyncgrpo.trainer.checkpoint import ResumePoint
+    from asyncgrpo.trainer.checkpoint_saves import RunCheckpoints
+    from asyncgrpo.trainer.distributed import Processes
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", max_steps=4)
+    rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]]})
+    trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=rows)
+    try:
+        trainer.create_optimizer_and_scheduler(num_training_steps=4)
+        checkpoints = RunCheckpoints(Processes(1, 0), "sharded", True, False, MetricsWindow(), lock=None)
+        trainer.state.global_step = 2
+        checkpoints.save(trainer, trainer.model, None, ResumePoint())
+        checkpoints.close()  # the save in flight lands, as at the end of a run
+        best = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        with torch.no_grad():
+            for parameter in trainer.model.parameters():
+                parameter.add_(1.0)  # the training after the best checkpoint
+        trainer.state.best_model_checkpoint = str(tmp_path / "checkpoint-2")
+        trainer._processes = Processes(1, 0)
+        trainer._load_best_model()
+    finally:
+        trainer.callback_handler.on_train_end(args, trainer.state, trainer.control)
+    assert all(torch.equal(p, best[name]) for name, p in trainer.model.named_parameters())
