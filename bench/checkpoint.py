@@ -8,7 +8,9 @@ processes (torchrun, gloo, CPU), FSDP2-sharded as the trainer shards it.
   rank 0's own shards, then the writer's buffers), until it is durable.
 - `stall_s` (C): the seconds a background sharded save holds the training: the copy of the shards out
   of the live tensors, the checks at each step's end of whether it finished, and any wait for it once
-  `--steps` training steps have run beside it.
+  `--steps` training steps have run beside it. It is a run's second save or later: the first allocates
+  the staging memory (kept for the run's saves), and touching it for the first time is slower (printed
+  beside).
 - `sync_save_s` (D): a synchronous sharded save, from its start until it is durable (every file
   flushed, renamed into place).
 
@@ -216,11 +218,14 @@ def run(args: argparse.Namespace) -> None:
     # A: a background sharded save, nothing else running.
     writer = ShardedWriter(processes, asynchronous=True)
 
+    held = []
+
     def background_save() -> None:
-        start_sharded(writer, model, optimizer, out / "async" / "checkpoint-1", processes)
+        held.append(start_sharded(writer, model, optimizer, out / "async" / "checkpoint-1", processes))
         settled(writer)
 
     peak_sharded = phase_growth("sharded background save", background_save, out / "async", processes)
+    log(f"  the first save held the step {held[0]:.2f} s (its staging memory allocated and touched)")
 
     # D: a synchronous sharded save's whole time.
     sync_writer = ShardedWriter(processes, asynchronous=False)
@@ -234,6 +239,7 @@ def run(args: argparse.Namespace) -> None:
         shutil.rmtree(out / "sync")
 
     stall = stall_beside_training(writer, model, optimizer, batch, out / "overlap", args.steps, processes)
+    writer.close()  # the staging memory given back, as at the end of a run
 
     # B: the full layout's gathered save.
     def gathered_save() -> None:

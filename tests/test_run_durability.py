@@ -30,6 +30,7 @@ import asyncgrpo.durable_files as durable_files  # noqa: E402
 import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
 import asyncgrpo.trainer.checkpoint_saves as checkpoint_saves  # noqa: E402
 from asyncgrpo import run_files, timeline  # noqa: E402
+from asyncgrpo.checkpoints.layout import ShardedManifest  # noqa: E402
 from asyncgrpo.report.history import load_run  # noqa: E402
 from asyncgrpo.run_files import RUN_LOCK_FILE, attach_warnings_file, detach_warnings_file  # noqa: E402
 from asyncgrpo.run_lock import DirectoryInUseError, Owner, OwnerLock, boot_id  # noqa: E402
@@ -290,6 +291,27 @@ def test_a_save_killed_before_its_fsync_leaves_the_previous_checkpoint(trainer, 
     run = Path(trainer.args.output_dir)
     save(trainer, 1, watermark=10)
     with stopped_in(monkeypatch, durable_files, "fsync_tree") as reached:
+        save_stopped(trainer, 2, 20, reached)
+        assert (run / ".checkpoint-2.partial").is_dir() and not (run / "checkpoint-2").exists()
+        monkeypatch.undo()
+        assert resumes_from(run) == ("checkpoint-1", 10)
+        assert not (run / ".checkpoint-2.partial").exists(), "the next start clears what the save left"
+
+
+# The stages of a sharded save before its rename, where a kill leaves the previous checkpoint the last one.
+SHARDED_SAVE_STAGES = {
+    "rank 0's small files": (checkpoint_module, "save_held_samples"),
+    "the shards, before their metadata": (FileSystemWriter, "finish"),
+    "the manifest": (ShardedManifest, "save"),
+}
+
+
+@pytest.mark.parametrize("layout", ["sharded"])
+@pytest.mark.parametrize("stage", sorted(SHARDED_SAVE_STAGES))
+def test_a_sharded_save_killed_at_each_stage_leaves_the_previous_checkpoint(trainer, monkeypatch, stage):
+    run = Path(trainer.args.output_dir)
+    save(trainer, 1, watermark=10)
+    with stopped_in(monkeypatch, *SHARDED_SAVE_STAGES[stage]) as reached:
         save_stopped(trainer, 2, 20, reached)
         assert (run / ".checkpoint-2.partial").is_dir() and not (run / "checkpoint-2").exists()
         monkeypatch.undo()
