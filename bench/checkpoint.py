@@ -6,11 +6,12 @@ processes (torchrun, gloo, CPU), FSDP2-sharded as the trainer shards it.
   rank 0 receives them and writes model.safetensors and optimizer.pt.
 - `rank0_peak_gb` (A): the same during a sharded save written in the background (the staged copy of
   rank 0's own shards, then the writer's buffers), until it is durable.
-- `stall_s` (C): the seconds a background sharded save holds the training: the copy of the shards out
-  of the live tensors, the checks at each step's end of whether it finished, and any wait for it once
-  `--steps` training steps have run beside it. It is a run's second save or later: the first allocates
-  the staging memory (kept for the run's saves), and touching it for the first time is slower (printed
-  beside).
+- `stall_s` (C): the seconds a background sharded save holds the training: starting it (the staging
+  directory, the views of every shard), the wait of the next step's update for what is left of the copy
+  of the shards out of the live tensors (copied in a thread while the next step's forward and backward
+  run), the checks at each step's end of whether it finished, and any wait for it once `--steps`
+  training steps have run beside it. It is a run's first save, the slowest to copy: it allocates the
+  staging memory (kept for the run's later saves), touching every page of it for the first time.
 - `sync_save_s` (D): a synchronous sharded save, from its start until it is durable (every file
   flushed, renamed into place).
 
@@ -99,10 +100,13 @@ def growth(before: float) -> float:
     return resident()[1] - before
 
 
-def train_step(model, optimizer, batch) -> None:
+def train_step(model, optimizer, batch, writer: ShardedWriter | None = None) -> float:
+    """One step; returns the seconds it waited for a background save's copy before its update."""
     model(input_ids=batch, labels=batch).loss.backward()
+    waited = writer.wait_for_copy() if writer is not None else 0.0
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return waited
 
 
 def start_sharded(writer, model, optimizer, destination: Path, processes: Processes) -> float:
@@ -173,15 +177,17 @@ def stall_beside_training(
     for _ in range(steps):
         train_step(model, optimizer, batch)
     quiet_step_s = (time.perf_counter() - started) / steps
-    stall = copy_s = start_sharded(writer, model, optimizer, out / "checkpoint-1", processes)
-    beside, result = 0, None
+    stall = started_s = start_sharded(writer, model, optimizer, out / "checkpoint-1", processes)
+    beside, result, copy_wait = 0, None, 0.0
     started = time.perf_counter()
     while result is None and beside < steps:
-        train_step(model, optimizer, batch)
+        copy_wait += train_step(model, optimizer, batch, writer)
         beside += 1
+        dist.barrier()  # the trainer's steps end together (its per-step broadcasts): skew is not the save's
         checked = time.perf_counter()
         result = writer.settle(wait=False)
         stall += time.perf_counter() - checked
+    stall += copy_wait
     busy_step_s = (time.perf_counter() - started) / beside
     if result is None:
         waited = time.perf_counter()
@@ -191,9 +197,9 @@ def stall_beside_training(
         raise RuntimeError(result.error)
     if processes.is_main:
         print(
-            f"background save beside {beside} training step(s): the copy held them {copy_s:.2f} s, "
-            f"{stall:.2f} s in all; a step took {busy_step_s:.1f} s beside the writer, {quiet_step_s:.1f} s "
-            "without"
+            f"background save beside {beside} training step(s): starting it held the step {started_s:.2f} s, "
+            f"the update waited {copy_wait:.2f} s for the copy, {stall:.2f} s in all; a step took "
+            f"{busy_step_s:.1f} s beside the writer, {quiet_step_s:.1f} s without"
         )
         shutil.rmtree(out)
     return stall
@@ -218,14 +224,12 @@ def run(args: argparse.Namespace) -> None:
     # A: a background sharded save, nothing else running.
     writer = ShardedWriter(processes, asynchronous=True)
 
-    held = []
-
     def background_save() -> None:
-        held.append(start_sharded(writer, model, optimizer, out / "async" / "checkpoint-1", processes))
+        start_sharded(writer, model, optimizer, out / "async" / "checkpoint-1", processes)
         settled(writer)
 
     peak_sharded = phase_growth("sharded background save", background_save, out / "async", processes)
-    log(f"  the first save held the step {held[0]:.2f} s (its staging memory allocated and touched)")
+    writer.close()  # its staging memory given back: C starts from none, as a run's first save does
 
     # D: a synchronous sharded save's whole time.
     sync_writer = ShardedWriter(processes, asynchronous=False)
@@ -238,6 +242,7 @@ def run(args: argparse.Namespace) -> None:
     if processes.is_main:
         shutil.rmtree(out / "sync")
 
+    writer = ShardedWriter(processes, asynchronous=True)
     stall = stall_beside_training(writer, model, optimizer, batch, out / "overlap", args.steps, processes)
     writer.close()  # the staging memory given back, as at the end of a run
 

@@ -4,8 +4,9 @@ trainer shards it. No server: the step is the model's causal-LM loss on the same
 so one process and several compute the same steps.
 
 argv: mode, model dir, checkpoint dir, output JSON.
-- `train`: four steps; after step 2 a sharded checkpoint is written in the background while steps 3
-  and 4 train (asyncgrpo/checkpoints/background.py), then published by rank 0.
+- `train`: four steps; after step 2 a sharded checkpoint is copied and written in the background while
+  steps 3 and 4 train (asyncgrpo/checkpoints/background.py; step 3's update waits for the copy), then
+  published by rank 0.
 - `resume`: the checkpoint read into this run's model and optimizer, whatever the number of processes
   that wrote it, then steps 3 and 4.
 Rank 0 writes {"losses": {step: loss}, "world_size": N} to the output JSON.
@@ -49,16 +50,18 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     batch = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
 
+    writer = ShardedWriter(processes, asynchronous=True)
+
     def step() -> float:
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
+        writer.wait_for_copy()  # a save in flight has its copy of the weights before they change
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
     losses = {}
     if mode == "train":
-        writer = ShardedWriter(processes, asynchronous=True)
         for number in range(1, 5):
             losses[number] = step()
             if number == SAVED_STEP:

@@ -1,12 +1,14 @@
 """Writing a sharded checkpoint while training goes on (docs/reliability.md, "Durable checkpoints").
 
-The training step waits only for the copy of this process's shards out of the live tensors (on a GPU:
-out of device memory; the optimizer's next step would change them): `ShardedWriter.start` stages
-them into host memory kept for the run's saves and returns, and a thread writes the copy with
+A save must capture the state of its step, and only the optimizer's next step changes it: the
+forward and backward of the next step only read the parameters. So `ShardedWriter.start` returns at
+once and a thread of this process copies its shards out of the live tensors (on a GPU: out of device
+memory, on a stream of its own, into host memory kept for the run's saves), then writes the copy with
 torch.distributed.checkpoint, every file flushed to the disk, then runs rank 0's `publish` (the rename
-that makes the checkpoint count). The threads
-of all processes meet in a gloo group of their own, never in the training's collectives. At most one
-save is in flight: the next one first waits for it.
+that makes the checkpoint count). The training loop calls `wait_for_copy` before its next optimizer
+step: all it waits for is what is left of the copy. The threads of all processes meet in a gloo group of
+their own, never in the training's collectives. At most one save is in flight: the next one first
+waits for it.
 
 Whether a save has finished is agreed by all processes (`settle`: one small collective a step while a
 save is in flight), so that every process sees the same outcome at the same step: a failure on any
@@ -34,6 +36,8 @@ from asyncgrpo import timeline
 logger = logging.getLogger(__name__)
 
 WRITER_LANE = "checkpoint writer"
+# id of the default process group -> (it, the writers' group); holding it keeps its id its own.
+_WRITERS_GROUPS: dict[int, tuple] = {}
 
 
 class Collectives(Protocol):
@@ -78,8 +82,8 @@ class ShardedWriter:
     def __init__(self, collectives: Collectives, asynchronous: bool):
         self.collectives = collectives
         self.asynchronous = asynchronous
-        self._group = None  # the writers' own gloo group (several processes), made at the first save
         self._stager: DefaultStager | None = None  # the staging copy's memory, kept between saves
+        self._copied: threading.Event | None = None  # set once the save in flight has its copy
         self._pending: _Pending | None = None
 
     @property
@@ -87,21 +91,27 @@ class ShardedWriter:
         return self._pending is not None
 
     def start(self, step: int, state: dict, shards: Path, publish: Callable[[], None] | None) -> float:
-        """Begin writing `state` (checkpoints/sharded_state.py's `training_state`) into `shards`;
-        `publish` runs on rank 0 once every rank's shards are on the disk (None on the others).
-        Returns the seconds the caller was held: the copy of the shards (asynchronous), or the whole
-        save. A save still in flight must have been settled first."""
+        """Begin writing `state` (checkpoints/sharded_state.py's `training_state`: views of the live
+        tensors) into `shards`; `publish` runs on rank 0 once every rank's shards are on the disk (None
+        on the others). Asynchronous: returns at once, and `wait_for_copy` must come before anything
+        changes the live tensors. Returns the seconds the caller was held (the whole save when
+        synchronous). A save still in flight must have been settled first."""
         if self._pending is not None:
             raise RuntimeError("a checkpoint is still being written: settle(wait=True) first")
         started = time.perf_counter()
         group = self._writers_group()
         future: Future = Future()
         if self.asynchronous:
-            with timeline.span("copy shards out", shards=str(shards.parent.name)):
-                staged = self._staging_copy().stage(state)
+            self._copied = threading.Event()
+            # On a GPU the copy waits for the work queued so far (the step's optimizer update) on a
+            # stream of its own, beside the next step's forward and backward.
+            ready = None
+            if torch.cuda.is_available():
+                ready = (torch.cuda.current_device(), torch.cuda.Event())
+                ready[1].record()
             worker = threading.Thread(
-                target=self._write,
-                args=(staged, shards, group, publish, future),
+                target=self._copy_then_write,
+                args=(state, ready, shards, group, publish, future, self._copied),
                 name="checkpoint-writer",
                 daemon=True,  # an abandoned save leaves a staging directory, which the next start clears
             )
@@ -111,15 +121,46 @@ class ShardedWriter:
         self._pending = _Pending(step, started, future)
         return time.perf_counter() - started
 
-    def _staging_copy(self) -> DefaultStager:
-        """Where the shards are copied to: host memory allocated at the first save and reused by the
-        next ones (pinned on a CUDA machine, for fast copies out of the GPU). A fresh allocation is
-        slow to touch (a page fault every 4 KiB); the copy into reused memory runs at memory bandwidth,
-        and the step waits for it. Given back by `close`."""
+    def wait_for_copy(self) -> float:
+        """Before the live tensors change (the optimizer's step, every process): until this process's
+        copy of its shards is taken. Returns the seconds waited (0 when it was done, or none is taken)."""
+        if self._copied is None:
+            return 0.0
+        started = time.perf_counter()
+        self._copied.wait()
+        self._copied = None
+        return time.perf_counter() - started
+
+    def _copy_then_write(self, state, ready, shards: Path, group, publish, future: Future, copied) -> None:
+        began = timeline.now_us()
+        try:
+            staged = self._copy_out(state, ready)
+        except BaseException as error:  # out of host memory: a failed save like any other
+            future.set_exception(_RankFailure(self.collectives.rank, error))
+            return
+        finally:
+            del state  # the views of the live tensors
+            copied.set()
+            if self.collectives.rank == 0:
+                timeline.interval("copy shards out", began, timeline.now_us(), lane=WRITER_LANE)
+        self._write(staged, shards, group, publish, future)
+
+    def _copy_out(self, state: dict, ready) -> dict:
+        """This process's shards copied into the staging memory: host memory allocated at the first
+        save and reused by the next ones (pinned on a CUDA machine). A fresh allocation is slow to
+        touch (a page fault every 4 KiB); the copy into reused memory runs at memory bandwidth."""
         if self._stager is None:
-            pinned = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
-        return self._stager
+            self._stager = DefaultStager(StagingOptions(ready is not None, False, False, False))
+        if ready is None:
+            return self._stager.stage(state)
+        device, event = ready
+        torch.cuda.set_device(device)  # this thread's device: the training process's own
+        stream = torch.cuda.Stream()
+        stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            staged = self._stager.stage(state)
+        stream.synchronize()
+        return staged
 
     def close(self) -> None:
         """The staging memory given back (the run ends); a save in flight is waited for first."""
@@ -129,13 +170,16 @@ class ShardedWriter:
             self._stager = None
 
     def _writers_group(self):
+        """The writers' gloo group: made once per process group (a collective: every process makes
+        it at the same first save), kept for the next runs in this process. gloo also where training
+        runs on NCCL: the writers' collectives carry a few objects, from threads of their own."""
         if self.collectives.world_size == 1:
             return None
-        if self._group is None:
-            # Collective: every process makes it at the same first save. gloo also where training runs
-            # on NCCL: the writers' collectives carry a few objects, from threads of their own.
-            self._group = dist.new_group(backend="gloo")
-        return self._group
+        world = dist.group.WORLD
+        known = _WRITERS_GROUPS.get(id(world))
+        if known is None or known[0] is not world:
+            known = _WRITERS_GROUPS[id(world)] = (world, dist.new_group(backend="gloo"))
+        return known[1]
 
     def _write(self, state: dict, shards: Path, group, publish, future: Future) -> None:
         began = timeline.now_us()

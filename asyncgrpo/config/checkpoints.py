@@ -25,11 +25,12 @@ class CheckpointFields:
     checkpoint_async: bool = field(
         default=True,
         metadata={
-            "help": "With sharded checkpoints, write them while training goes on: the step waits only for "
-            "the copy of each process's shards out of the live tensors. True: the point of sharding is "
-            "that a save no longer holds training; on_save callbacks then run when the save starts, and "
-            "the checkpoint directory appears once it is complete. False: the step waits for the whole "
-            "save (for callbacks that read the checkpoint in on_save)."
+            "help": "With sharded checkpoints, write them while training goes on: the shards are copied "
+            "out of the live tensors beside the next step's forward and backward, whose optimizer update "
+            "waits only for what is left of that copy. True: the point of sharding is that a save no "
+            "longer holds training; on_save callbacks then run when the save starts, and the checkpoint "
+            "directory appears once it is complete. False: the step waits for the whole save (for "
+            "callbacks that read the checkpoint in on_save)."
         },
     )
 

@@ -432,6 +432,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         batch must not turn the weights, and then the server's, into NaN. On one process with a
         fused optimizer the device decides (`_device_decided_step`), otherwise the host does; both
         end the same way."""
+        self._checkpoints.before_optimizer_step()  # a background save's copy is taken before the update
         with timeline.span("optimizer"):
             if self._sharded or self._processes.distributed or not takes_device_decisions(self.optimizer):
                 result = self._host_decided_step(model, queued)

@@ -1,7 +1,8 @@
 """One run's checkpoints: the layout it writes, its saves in flight, and the failed ones retried.
 
 `_begin_run` makes a `RunCheckpoints`; the training loop calls `save` where the schedule asks (every
-rank), `check` at every step's end (a save in flight is settled once every rank has written its part),
+rank), `before_optimizer_step` (a background save's copy of the weights is taken before they change),
+`check` at every step's end (a save in flight is settled once every rank has written its part),
 `finish` when training ends and `close` in any case. The layouts (asyncgrpo/checkpoints/layout.py):
 
 - sharded: rank 0 writes the small files (config, tokenizer, trainer and rollout states) at once,
@@ -68,6 +69,7 @@ class RunCheckpoints:
         self.writer = ShardedWriter(processes, asynchronous) if layout == SHARDED else None
         self.failures = FailedSaves()
         self._staging: dict[int, Path] = {}  # step -> staging directory of the sharded save in flight
+        self._held: float | None = None  # seconds the last save held the step, its copy's wait to come
 
     @property
     def retry_due(self) -> bool:
@@ -77,6 +79,7 @@ class RunCheckpoints:
     def save(self, trainer: Trainer, model, trial, resume: ResumePoint, final: bool = False) -> None:
         """A checkpoint of the current step (every rank). `final`: the end of training's retry."""
         started = time.perf_counter()
+        self._record_stall()  # a save before the last one's copy was waited for (the end of a run)
         if self.writer is None:
             self.failures.retry_due = False  # this save is the retry
             result = write_full_checkpoint(
@@ -89,7 +92,22 @@ class RunCheckpoints:
             self._start_sharded(trainer, model, trial, resume, final)
             if not self.writer.asynchronous:
                 self._settled(self.writer.settle(wait=True), final)
-        self.window.record("perf/checkpoint_stall_s", time.perf_counter() - started)
+        self._held = time.perf_counter() - started
+        if self.writer is None or not self.writer.asynchronous:
+            self._record_stall()
+
+    def before_optimizer_step(self) -> None:
+        """Before the optimizer changes the weights and moments (every rank): the copy of a save in
+        flight is taken by then; what the step waited counts in `perf/checkpoint_stall_s`."""
+        if self._held is not None:
+            self._record_stall()
+
+    def _record_stall(self) -> None:
+        if self._held is None:
+            return
+        waited = self.writer.wait_for_copy() if self.writer is not None else 0.0
+        self.window.record("perf/checkpoint_stall_s", self._held + waited)
+        self._held = None
 
     def check(self) -> None:
         """At a step's end: a save in flight that every rank has finished is settled (a collective
@@ -100,6 +118,7 @@ class RunCheckpoints:
     def wait(self, final: bool = False) -> None:
         """Until the save in flight is settled: durable, or failed and reported (every rank; `final`:
         a failure raises, there is no later step to retry at)."""
+        self._record_stall()
         if self.writer is not None:
             self._settled(self.writer.settle(wait=True), final)
 
@@ -159,6 +178,8 @@ class RunCheckpoints:
             self._settled(SaveResult(step, 0.0, described, failure), final)
             return
         optimizer = None if trainer.args.save_only_model else torch_optimizer(trainer.optimizer)
+        if optimizer is not None and not optimizer.state:
+            optimizer = None  # no step taken yet: nothing to save (reading it would make a state up)
         peft_adapter = unwrapped.active_adapter if hasattr(unwrapped, "peft_config") else None
         state = training_state(unwrapped, optimizer, trainable_only=peft_adapter is not None)
         manifest = ShardedManifest(
