@@ -1,4 +1,4 @@
-"""Compile the tree-attention kernels (`asyncgrpo.kernels.tree_attention_kernel`) for a Hopper GPU (sm_90)
+"""Compile the tree-attention kernels (`asyncgrpo.packing.tree_attention_kernel`) for a Hopper GPU (sm_90)
 down to machine code on a machine without a GPU, at the tiles `choose_config` picks for the models
 the benchmarks train in bf16 (Qwen3: head dim 128, 2 query heads a key head; Qwen3.5: 256, 4), as
 Triton's launcher would specialize them there (Qwen3-MoE's 128 and 8 take Qwen3's tiles; fp32, a
@@ -17,7 +17,7 @@ import triton
 from tree_conv_compile_check import HOPPER, resource_usage
 from triton.compiler import ASTSource
 
-from asyncgrpo.kernels import tree_attention_kernel as kernels
+from asyncgrpo.packing import tree_attention_kernel as kernels
 
 # (head dim, query heads, key/value heads) of the shapes the benchmarks train
 SHAPES = {"qwen3": (128, 16, 8), "qwen3_5": (256, 8, 2)}

@@ -1,4 +1,4 @@
-"""asyncgrpo's tree-attention kernels (`asyncgrpo.kernels.tree_attention_kernel`) against dense attention
+"""asyncgrpo's tree-attention kernels (`asyncgrpo.packing.tree_attention_kernel`) against dense attention
 with the tree mask in float64: output, log-sum-exp path and the gradients of q, k and v, zero output
 and gradients on padding rows. Used twice: by tests/test_tree_attention.py on CPU through Triton's
 interpreter (this file runs as a script in a process of its own with TRITON_INTERPRET=1, which
@@ -39,7 +39,7 @@ def roots_tree(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 def check_kernel(device, subtree_end, heads, kv_heads, head_dim, dtype, transposed: bool, seed: int) -> dict:
     """Kernel against dense float64 on fresh random inputs; returns the relative errors."""
-    from asyncgrpo.kernels.tree_attention_kernel import tree_attention_kernel
+    from asyncgrpo.packing.tree_attention_kernel import tree_attention_kernel
     from asyncgrpo.packing.tree_attention import padded_length, tree_layout
 
     num_tokens = len(subtree_end)

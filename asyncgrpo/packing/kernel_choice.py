@@ -8,7 +8,7 @@ Two parts of a Gated DeltaNet layer have a kernel of asyncgrpo's own beside anot
   kernel (`packing.gated_norm`, the default where Triton is installed); "model", the model's own
   module (eager torch ops).
 Tree attention (`ASYNCGRPO_TREE_ATTENTION`): "triton", asyncgrpo's own kernels
-(`kernels/tree_attention_kernel.py`, the default where Triton is installed) for masks without a
+(`packing/tree_attention_kernel.py`, the default where Triton is installed) for masks without a
 sliding window and layers without softcapping; "flex", torch's FlexAttention over the BlockMask (what
 every other case runs, and the only path off CUDA).
 The variables are read at every call, so a benchmark can time both choices in one process; an

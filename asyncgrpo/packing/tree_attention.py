@@ -7,7 +7,7 @@ That rule is a FlexAttention `mask_mod` turned into a block-sparse `BlockMask`.
 in, why rows are padded and captured tensors kept at a fixed capacity (compilation), and the CPU
 backward: docs/architecture.md#tree-attention-inside-transformers. On CUDA, masks without a sliding
 window also carry the row's `TreeLayout`, and layers without softcapping run asyncgrpo's own kernels
-over it instead of flex (`kernels/tree_attention_kernel.py`; `kernel_choice.tree_attention_choice`):
+over it instead of flex (`packing/tree_attention_kernel.py`; `kernel_choice.tree_attention_choice`):
 docs/gpu-performance.md, "Tree attention".
 """
 
@@ -246,7 +246,7 @@ def _common_dtype(query, key, value):
 
 @torch.compiler.disable  # a compiled layer calls the kernels as they are (its graph breaks here)
 def _kernel_attention(query, key, value, layout: TreeLayout, scale: float) -> torch.Tensor:
-    from asyncgrpo.kernels.tree_attention_kernel import tree_attention_kernel  # imports Triton
+    from asyncgrpo.packing.tree_attention_kernel import tree_attention_kernel  # imports Triton
 
     return tree_attention_kernel(query, key, value, layout, scale)
 

@@ -1,4 +1,4 @@
-"""The work lists of asyncgrpo's own tree-attention kernel (`kernels/tree_attention_kernel.py`): a
+"""The work lists of asyncgrpo's own tree-attention kernel (`packing/tree_attention_kernel.py`): a
 packed row's trie cut into query tiles and key tiles, each with the key ranges or query range it
 meets. Built on the host from the row's `subtree_end` (numpy, no GPU sync), uploaded once per row and
 tile size, shared by every attention layer of the row.
