@@ -39,8 +39,8 @@ def roots_tree(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 def check_kernel(device, subtree_end, heads, kv_heads, head_dim, dtype, transposed: bool, seed: int) -> dict:
     """Kernel against dense float64 on fresh random inputs; returns the relative errors."""
-    from asyncgrpo.packing.tree_attention_kernel import tree_attention_kernel
     from asyncgrpo.packing.tree_attention import padded_length, tree_layout
+    from asyncgrpo.packing.tree_attention_kernel import tree_attention_kernel
 
     num_tokens = len(subtree_end)
     length = padded_length(num_tokens)
