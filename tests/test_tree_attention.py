@@ -218,16 +218,21 @@ def test_tree_attention_kernels_compile_for_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_cuda_tree_attention_kernels_match_dense(dtype):
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [("qwen3", torch.bfloat16), ("qwen3_5", torch.bfloat16), ("qwen3_moe", torch.bfloat16),
+     ("mha-64", torch.bfloat16), ("qwen3", torch.float32)],
+    ids=["qwen3-bf16", "qwen3_5-bf16", "qwen3_moe-bf16", "mha64-bf16", "qwen3-fp32"],
+)  # fmt: skip
+def test_cuda_tree_attention_kernels_match_dense(shape, dtype):
     """The compiled kernels at the models' head shapes on rows of thousands of tokens, against dense
     float64: bf16 within 2e-2 relative (the inputs' rounding), fp32 within 1e-5."""
     from tree_attention_kernel_check import GPU_SHAPES, check_kernel, gpu_trees
 
+    head_dim, heads, kv_heads = GPU_SHAPES[shape]
     for seed, (tree, subtree_end) in enumerate(gpu_trees()):
-        for shape, (head_dim, heads, kv_heads) in GPU_SHAPES.items():
-            errors = check_kernel("cuda", subtree_end, heads, kv_heads, head_dim, dtype, True, seed)
-            print(tree, shape, {k: f"{v:.1e}" for k, v in errors.items()})
+        errors = check_kernel("cuda", subtree_end, heads, kv_heads, head_dim, dtype, True, seed)
+        print(tree, shape, {k: f"{v:.1e}" for k, v in errors.items()})
 
 
 @pytest.mark.gpu
