@@ -237,7 +237,7 @@ def test_cuda_tree_attention_kernels_match_dense(shape, dtype):
 
 @pytest.mark.gpu
 def test_cuda_compiled_layers_run_the_kernels():
-    """Compiled decoder layers (the trainer's CUDA default) call the kernels through a graph break:
+    """Compiled decoder layers (the trainer's CUDA default) keep the kernels' operators in their graph:
     log-probs and gradients as the flex path's, no recompilation for a new row length."""
     from tree_attention_kernel_check import compiled_layer_check
 

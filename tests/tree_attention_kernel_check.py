@@ -80,10 +80,10 @@ def check_kernel(device, subtree_end, heads, kv_heads, head_dim, dtype, transpos
     return errors
 
 
-def compiled_layer_check(device: str) -> int:
+def compiled_layer_check(device: str, backend: str = "inductor") -> int:
     """A tiny Qwen3 model with compiled decoder layers (torch.compile's defaults, dynamic shapes, as the
-    trainer compiles them) runs the kernels over each row's TreeLayout, the layer's graph breaking
-    around them: log-probs and gradients as the flex path's (uncompiled) give, and a second row
+    trainer compiles them) runs the kernels over each row's TreeLayout, as operators inside the
+    layer's graph: log-probs and gradients as the flex path's (uncompiled) give, and a second row
     length compiles nothing new. Returns the number of graphs compiled."""
     import copy
 
@@ -100,7 +100,7 @@ def compiled_layer_check(device: str) -> int:
     flex_model = enable_tree_attention(build_model(build_tokenizer())).to(device)
     kernel_model = copy.deepcopy(flex_model)
     for layer in kernel_model.model.layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, backend=backend)
     rng = np.random.default_rng(0)
     original = tree_attention.tree_attention_choice
     graphs = []
@@ -128,6 +128,8 @@ def compiled_layer_check(device: str) -> int:
         assert float((got_grads - want_grads).norm() / want_grads.norm()) < 1e-4
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1] == graphs[0], f"a second row length compiled again: {graphs}"
+    breaks = sum(counters["graph_break"].values())
+    assert not breaks, f"the compiled layers broke their graphs: {dict(counters['graph_break'])}"
     return graphs[1]
 
 

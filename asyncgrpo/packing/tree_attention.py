@@ -178,6 +178,7 @@ def tree_attention_masks(
         layout = tree_layout(
             subtree_end if host_subtree_end is None else host_subtree_end, subtree_end.device
         )
+        _prepare_tiles(layout, config)
     masks = {
         t: build_tree_block_mask(subtree_end, position_ids, w, layout if w is None else None)
         for t, w in windows.items()
@@ -194,6 +195,18 @@ def tree_attention_masks(
     if len(masks) == 1 and "full_attention" in masks:
         return masks["full_attention"]
     return masks
+
+
+def _prepare_tiles(layout: TreeLayout, config) -> None:
+    """Build the layout's tile lists for the model's attention heads now, under autocast (bf16) and
+    without (fp32): a compiled layer then finds them ready and only reads tensors."""
+    from asyncgrpo.packing.tree_attention_kernel import tile_sizes  # imports Triton
+
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    groups = heads // (getattr(config, "num_key_value_heads", None) or heads)
+    for dtype in (torch.bfloat16, torch.float32):
+        layout.tiles(*tile_sizes(head_dim, groups, dtype))
 
 
 @functools.cache
@@ -244,8 +257,8 @@ def _common_dtype(query, key, value):
     return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
-@torch.compiler.disable  # a compiled layer calls the kernels as they are (its graph breaks here)
 def _kernel_attention(query, key, value, layout: TreeLayout, scale: float) -> torch.Tensor:
+    """asyncgrpo's kernels, as torch operators: a compiled layer keeps them in its graph."""
     from asyncgrpo.packing.tree_attention_kernel import tree_attention_kernel  # imports Triton
 
     return tree_attention_kernel(query, key, value, layout, scale)

@@ -278,76 +278,123 @@ def _token_strides(x: torch.Tensor) -> tuple[int, int]:
     return x.stride(2), x.stride(1)
 
 
-def _zero_padding(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """x (1, L, H, D) with its rows past the real tokens zeroed (the kernels never write them)."""
-    x[:, num_tokens:].zero_()
-    return x
+def _precision(dtype: torch.dtype) -> str | None:
+    return "ieee" if dtype == torch.float32 else None  # fp32: exact products, not TF32
 
 
-class TreeAttentionFunction(torch.autograd.Function):
-    """out = tree attention of q (1, Hq, L, D) over k, v (1, Hkv, L, D) for the row `layout` describes
-    (a `packing.tree_tiles.TreeLayout`); q, k, v of one dtype."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, layout, scale: float):
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        _, num_heads, length, head_dim = q.shape
-        groups = num_heads // k.shape[1]
-        config = choose_config(head_dim, groups, q.dtype)
-        tiles = layout.tiles(config.query_rows // groups, config.key_rows)
-        out = _zero_padding(q.new_empty(1, length, num_heads, head_dim), layout.num_tokens)
-        lse = q.new_empty(length, num_heads, dtype=torch.float32)
-        precision = "ieee" if q.dtype == torch.float32 else None  # fp32: exact products, not TF32
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.scale, ctx.config, ctx.precision = layout, scale, config, precision
-        _query_tiles(ctx, tiles, q, k, v, q, lse, lse, out, 1.0, backward=False)
-        return out.transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        config, scale, num_tokens = ctx.config, ctx.scale, ctx.layout.num_tokens
-        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        _, num_heads, length, head_dim = q.shape
-        num_kv_heads, groups = k.shape[1], num_heads // k.shape[1]
-        tiles = ctx.layout.tiles(config.query_rows // groups, config.key_rows)
-        delta = torch.empty(length, num_heads, dtype=torch.float32, device=q.device)
-        rows = num_tokens * num_heads
-        _tree_attention_delta[(triton.cdiv(rows, 64),)](
-            out, grad_out, delta, rows, num_heads, out.stride(1), out.stride(2), *_token_strides(grad_out),
-            D=head_dim, BLOCK_D=block_dim(head_dim), BLOCK_R=64, num_warps=4,
-        )  # fmt: skip
-        dq = _zero_padding(q.new_empty(1, length, num_heads, head_dim), num_tokens)
-        dk = _zero_padding(k.new_empty(1, length, num_kv_heads, head_dim), num_tokens)
-        dv = _zero_padding(v.new_empty(1, length, num_kv_heads, head_dim), num_tokens)
-        _tree_attention_keys[(tiles.key_tiles.shape[0] * num_kv_heads,)](
-            q, k, v, grad_out, lse, delta, dk, dv, tiles.key_tiles, *_token_strides(q), *_token_strides(k),
-            *_token_strides(v), *_token_strides(grad_out), dk.stride(1), dk.stride(2), dv.stride(1),
-            dv.stride(2), num_heads, num_kv_heads, scale * LOG2E, scale, G=groups, D=head_dim,
-            BLOCK_D=block_dim(head_dim), BLOCK_N=config.key_rows, BLOCK_M=config.backward_query_rows,
-            PRECISION=ctx.precision, num_warps=config.backward_warps, num_stages=config.backward_stages,
-        )  # fmt: skip
-        _query_tiles(ctx, tiles, q, k, v, grad_out, lse, delta, dq, scale, backward=True)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
-
-
-def _query_tiles(ctx, tiles, q, k, v, dout, lse, delta, out, out_scale: float, backward: bool) -> None:
+def _query_tiles(query_tiles, key_ranges, q, k, v, dout, lse, delta, out, scale: float, backward: bool):
     """Launch the query-tile kernel: the forward into out (1, L, Hq, D) and lse, or dQ into out."""
     _, num_heads, _, head_dim = q.shape
-    num_kv_heads, config = k.shape[1], ctx.config
-    _tree_attention_queries[(tiles.query_tiles.shape[0] * num_kv_heads,)](
-        q, k, v, dout, lse, delta, out, tiles.query_tiles, tiles.key_ranges, *_token_strides(q),
-        *_token_strides(k), *_token_strides(v), *_token_strides(dout), out.stride(1), out.stride(2),
-        num_heads, num_kv_heads, ctx.scale * LOG2E, out_scale, G=num_heads // num_kv_heads, D=head_dim,
+    num_kv_heads = k.shape[1]
+    config = choose_config(head_dim, num_heads // num_kv_heads, q.dtype)
+    _tree_attention_queries[(query_tiles.numel() // 5 * num_kv_heads,)](
+        q, k, v, dout, lse, delta, out, query_tiles, key_ranges, *_token_strides(q), *_token_strides(k),
+        *_token_strides(v), *_token_strides(dout), out.stride(1), out.stride(2), num_heads, num_kv_heads,
+        scale * LOG2E, scale if backward else 1.0, G=num_heads // num_kv_heads, D=head_dim,
         BLOCK_D=block_dim(head_dim), BLOCK_M=config.query_rows, BLOCK_N=config.key_block,
-        PRECISION=ctx.precision, BACKWARD=backward, num_warps=config.forward_warps,
+        PRECISION=_precision(q.dtype), BACKWARD=backward, num_warps=config.forward_warps,
         num_stages=config.forward_stages,
     )  # fmt: skip
 
 
+# The kernels as torch operators: a compiled decoder layer keeps them inside its graph (no graph
+# break, its own fusions around them), and autograd reaches the backward operator. Outputs are zeroed
+# first: rows past the real tokens are never written, and the padding gets zero output and gradients.
+@torch.library.custom_op("asyncgrpo::tree_attention", mutates_args=())
+def tree_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_tiles: torch.Tensor,
+    key_ranges: torch.Tensor,
+    key_tiles: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (1, L, Hq, D) and the log-sum-exp (L, Hq) in base 2, for q (1, Hq, L, D), k, v (1, Hkv, L, D)."""
+    _, num_heads, length, head_dim = q.shape
+    out = q.new_zeros(1, length, num_heads, head_dim)
+    lse = q.new_zeros(length, num_heads, dtype=torch.float32)
+    _query_tiles(query_tiles, key_ranges, q, k, v, q, lse, lse, out, scale, backward=False)
+    return out, lse
+
+
+@tree_attention_op.register_fake
+def _(q, k, v, query_tiles, key_ranges, key_tiles, scale):
+    _, num_heads, length, head_dim = q.shape
+    return q.new_empty(1, length, num_heads, head_dim), q.new_empty(length, num_heads, dtype=torch.float32)
+
+
+@torch.library.custom_op("asyncgrpo::tree_attention_backward", mutates_args=())
+def tree_attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    query_tiles: torch.Tensor,
+    key_ranges: torch.Tensor,
+    key_tiles: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq (1, L, Hq, D), dk and dv (1, L, Hkv, D) from d out (1, L, Hq, D)."""
+    _, num_heads, length, head_dim = q.shape
+    num_kv_heads, groups = k.shape[1], num_heads // k.shape[1]
+    config = choose_config(head_dim, groups, q.dtype)
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    dout = grad_out.transpose(1, 2)  # (1, Hq, L, D), the layout the kernels index
+    delta = torch.empty(length, num_heads, dtype=torch.float32, device=q.device)
+    _tree_attention_delta[(triton.cdiv(length * num_heads, 64),)](
+        out, grad_out, delta, length * num_heads, num_heads, out.stride(1), out.stride(2),
+        grad_out.stride(1), grad_out.stride(2), D=head_dim, BLOCK_D=block_dim(head_dim), BLOCK_R=64,
+        num_warps=4,
+    )  # fmt: skip
+    dq = q.new_zeros(1, length, num_heads, head_dim)
+    dk = k.new_zeros(1, length, num_kv_heads, head_dim)
+    dv = v.new_zeros(1, length, num_kv_heads, head_dim)
+    _tree_attention_keys[(key_tiles.numel() // 3 * num_kv_heads,)](
+        q, k, v, dout, lse, delta, dk, dv, key_tiles, *_token_strides(q), *_token_strides(k),
+        *_token_strides(v), *_token_strides(dout), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
+        num_heads, num_kv_heads, scale * LOG2E, scale, G=groups, D=head_dim, BLOCK_D=block_dim(head_dim),
+        BLOCK_N=config.key_rows, BLOCK_M=config.backward_query_rows, PRECISION=_precision(q.dtype),
+        num_warps=config.backward_warps, num_stages=config.backward_stages,
+    )  # fmt: skip
+    _query_tiles(query_tiles, key_ranges, q, k, v, dout, lse, delta, dq, scale, backward=True)
+    return dq, dk, dv
+
+
+@tree_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, query_tiles, key_ranges, key_tiles, scale):
+    _, num_heads, length, head_dim = q.shape
+    return (q.new_empty(1, length, num_heads, head_dim), k.new_empty(1, length, k.shape[1], head_dim),
+            v.new_empty(1, length, v.shape[1], head_dim))  # fmt: skip
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, query_tiles, key_ranges, key_tiles, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], query_tiles, key_ranges, key_tiles)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, query_tiles, key_ranges, key_tiles = ctx.saved_tensors
+    dq, dk, dv = tree_attention_backward_op(grad_out, q, k, v, out, lse, query_tiles, key_ranges, key_tiles,
+                                            ctx.scale)  # fmt: skip
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None
+
+
+tree_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def tile_sizes(head_dim: int, groups: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(tokens of a query tile, tokens of a key tile) the kernels take for these heads and dtype."""
+    config = choose_config(head_dim, groups, dtype)
+    return config.query_rows // groups, config.key_rows
+
+
 def tree_attention_kernel(q, k, v, layout, scale: float | None = None) -> torch.Tensor:
     """Tree attention of q (1, Hq, L, D) over k, v (1, Hkv, L, D) -> (1, Hq, L, D) (a view of
-    (1, L, Hq, D) memory), for the packed row `layout` describes."""
+    (1, L, Hq, D) memory), for the packed row `layout` (a `packing.tree_tiles.TreeLayout`) describes."""
     if q.shape[0] != 1:
         raise ValueError(f"a packed row is one sequence (batch 1), got batch {q.shape[0]}")
     if q.shape[1] % k.shape[1]:
@@ -359,4 +406,7 @@ def tree_attention_kernel(q, k, v, layout, scale: float | None = None) -> torch.
     if q.shape[2] != layout.length:
         raise ValueError(f"inputs have {q.shape[2]} rows, the layout's padded row {layout.length}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return TreeAttentionFunction.apply(q, k, v, layout, float(scale))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    tiles = layout.tiles(*tile_sizes(q.shape[-1], q.shape[1] // k.shape[1], q.dtype))
+    out, _ = tree_attention_op(q, k, v, tiles.query_tiles, tiles.key_ranges, tiles.key_tiles, float(scale))
+    return out.transpose(1, 2)

@@ -113,11 +113,24 @@ def key_tiles(segments: TreeSegments, size: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TreeTiles:
-    """One row's work lists for one tile size, on the device the attention runs on."""
+    """One row's work lists for one tile size, on the device the attention runs on, each flat int32
+    and padded with empty entries (which the kernels skip) to a length that no other list's, nor the
+    row's (a multiple of 128), can equal: a compiled layer sees them as dynamic sizes, and its
+    compiler would otherwise assume two equal lengths stay equal and compile again when they part."""
 
-    query_tiles: torch.Tensor  # (Tq, Q_TILE_COLUMNS) int32
-    key_ranges: torch.Tensor  # (max(R, 1), 2) int32
-    key_tiles: torch.Tensor  # (Tk, KV_TILE_COLUMNS) int32
+    query_tiles: torch.Tensor  # (5 Tq,) length = 1 mod 4: Q_TILE_COLUMNS a tile
+    key_ranges: torch.Tensor  # (2 R,) length = 2 mod 4: [lo, hi) pairs
+    key_tiles: torch.Tensor  # (3 Tk,) length = 3 mod 4: KV_TILE_COLUMNS a tile
+
+
+def _padded(rows: np.ndarray, residue: int) -> np.ndarray:
+    """`rows` (N, C) flattened, with zero rows appended until the length is `residue` mod 4 (C odd:
+    every residue is reached; C = 2: the even ones), and at least 2."""
+    columns = rows.shape[1]
+    extra = 0
+    while (len(rows) + extra) * columns % 4 != residue or (len(rows) + extra) * columns < 2:
+        extra += 1
+    return np.concatenate([rows, np.zeros((extra, columns), rows.dtype)]).reshape(-1).astype(np.int32)
 
 
 def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -129,7 +142,8 @@ def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 class TreeLayout:
     """What the kernel needs of one packed row: its segments (host), and per (query tile, key tile)
-    size the uploaded work lists, built at the first layer that asks and reused by the others."""
+    size the uploaded work lists, built when the row's masks are (`tree_attention_masks`: a compiled
+    layer then only reads them) or at the first call that asks, and reused by every layer."""
 
     def __init__(self, subtree_end: np.ndarray, length: int, device: torch.device):
         self.segments = tree_segments(subtree_end)
@@ -141,10 +155,9 @@ class TreeLayout:
     def tiles(self, query_tile: int, key_tile: int) -> TreeTiles:
         key = (query_tile, key_tile)
         if key not in self._tiles:
-            ranges = self.segments.ranges if len(self.segments.ranges) else np.zeros((1, 2), np.int64)
             self._tiles[key] = TreeTiles(
-                _upload(query_tiles(self.segments, query_tile), self.device),
-                _upload(ranges.astype(np.int32), self.device),
-                _upload(key_tiles(self.segments, key_tile), self.device),
+                _upload(_padded(query_tiles(self.segments, query_tile), 1), self.device),
+                _upload(_padded(self.segments.ranges, 2), self.device),
+                _upload(_padded(key_tiles(self.segments, key_tile), 3), self.device),
             )
         return self._tiles[key]
