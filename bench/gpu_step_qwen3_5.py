@@ -33,8 +33,10 @@ recurrence's state products); recomputation by checkpointing is not counted.
 
 Every timed step of the process is logged with the allocator's retries, the memory reserved and the
 card's clock, power and clock-limit reasons (`gpu_step.ROUND_LOG`): issue 59 saw the same step take
-0.87 s in one phase and 0.97-0.99 s in the next. `--phases ...,allocator` then times the default step
-again with the allocator's expandable segments switched on in the same process.
+0.87 s in one phase and 0.97-0.99 s in the next. The process runs with the allocator's expandable
+segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless set): on an 80 GB H100 the default
+step runs at the card's edge (80.0 GB), and without them its first step ran out of memory with 7.35
+GiB reserved but unallocated (bench/RESULTS.md, issue 59).
 
 Run (GPU machine): `python bench/gpu_step_qwen3_5.py --out $OUT`; `--smoke` runs tiny shapes on CPU.
 The last line is `gpu_step_qwen3_5 median_mfu=X target=0.58`: the MFU of the median of every timed
@@ -44,21 +46,25 @@ rotation), not of its best phase (issue 59's target on an H200; 0.52 on an H100)
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
 import os
-import re
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
-import numpy as np
-import torch
-from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+# Before torch initializes CUDA's allocator (see the module doc).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_step import (  # noqa: E402
@@ -343,7 +349,7 @@ def main() -> None:
     flops = flop_model(trainer._model)
     # The comparison first (ratio 3.4, 1, 2): a call cut short by the device's time keeps the most.
     workloads = {"3.4": SPEED_WORKLOADS[2], "1": SPEED_WORKLOADS[0], "2": SPEED_WORKLOADS[1]}
-    known = set(workloads) | {"defaults", "memory", "allocator"}
+    known = set(workloads) | {"defaults", "memory"}
     if set(phases) - known:
         parser.error(f"--phases: unknown {sorted(set(phases) - known)}")
     report["tree_vs_plain"] = []
@@ -376,11 +382,6 @@ def main() -> None:
         save()
         report["kernel_variants"] = kernel_variants(trainer, plans, flops, peak, kernels, args.rounds)
         save()
-        if "allocator" in phases and torch.cuda.is_available():  # expandable segments, this process
-            torch.cuda.empty_cache()
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-            use_kernels(kernels[0])
-            timed_steps(trainer, plans, args.rounds, 1, "expandable segments")
         default_labels = ("defaults", f"kernels {kernels[0]}")
         rounds = [r["seconds"] for r in ROUND_LOG if r["label"] in default_labels]
         median = statistics.median(rounds)
@@ -419,11 +420,6 @@ def print_table(report: dict) -> None:
             log(f"| {r['label']} | {r['seconds']:.3f} | {r.get('alloc_retries')} "
                 f"| {r.get('reserved_gb', 0):.1f} | {r.get('sm_mhz')} | {r.get('power_w', 0):.0f} "
                 f"| {r.get('limits')} |")  # fmt: skip
-    expandable = [r["seconds"] for r in report.get("round_log", []) if r["label"] == "expandable segments"]
-    if d and expandable:
-        median = statistics.median(expandable)
-        mfu = d["model_flops"] / median / (report["matmul_peak_tflops"] * 1e12)
-        log(f"expandable segments: median {median:.3f} s, MFU {mfu:.1%}")
     if d:
         m = report["median"]
         log(f"defaults phase alone: mfu={d['mfu']:.3f}")
