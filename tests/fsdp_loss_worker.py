@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -16,21 +15,19 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from loss_args import loss_args  # noqa: E402
 from test_trie_packing import random_samples  # noqa: E402
 
 from asyncgrpo.cli.tiny_model import TinyModelSpec, build_model, build_tokenizer  # noqa: E402
-from asyncgrpo.loss import score_centered_loss  # noqa: E402
 from asyncgrpo.packing.planner import TokenBudgetBatcher  # noqa: E402
 from asyncgrpo.packing.tree_attention import enable_tree_attention  # noqa: E402
 from asyncgrpo.trainer.async_grpo_trainer import row_loss  # noqa: E402
 from asyncgrpo.trainer.distributed import shard_model  # noqa: E402
 
 TOP_N = 4
-ARGS = SimpleNamespace(
+ARGS = loss_args(
     temperature=0.9, vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0,
     epsilon=0.2, epsilon_high=0.28, gradient_accumulation_steps=1, router_aux_loss_coef=None,
-    vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="icepop",
-    off_policy_mask_threshold=None,
 )  # fmt: skip
 
 
@@ -65,13 +62,13 @@ def main() -> None:
 
     reference_loss = 0.0
     for row in rows:  # one process, both rows
-        loss, _ = row_loss(reference, row, entries, ARGS, score_centered_loss)
+        loss, _ = row_loss(reference, row, entries, ARGS)
         loss.backward()
         reference_loss += float(loss)
 
     sharded = model()
     shard_model(sharded)
-    loss, _ = row_loss(sharded, rows[rank], entries, ARGS, score_centered_loss)
+    loss, _ = row_loss(sharded, rows[rank], entries, ARGS)
     (loss * world).backward()  # FSDP2 averages gradients over ranks
     total = torch.tensor([float(loss)], dtype=torch.float64)
     dist.all_reduce(total)

@@ -28,9 +28,9 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput
 from asyncgrpo import timeline
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.client import VLLMClient
-from asyncgrpo.loss import clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import Reduce
 from asyncgrpo.peft_adapters import check_peft_config
+from asyncgrpo.rollout.advantages import scale_over_batch
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.prompts import PromptOrder
@@ -44,6 +44,7 @@ from asyncgrpo.trainer.checks import (
     check_epochs_can_end,
     check_no_injected_protocols,
     check_reward_funcs,
+    check_reward_weights,
     check_transformers_version,
 )
 from asyncgrpo.trainer.compile import layer_compile_options
@@ -56,6 +57,7 @@ from asyncgrpo.trainer.evaluator import Evaluator
 from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
 from asyncgrpo.trainer.generation_session import GenerationSession
 from asyncgrpo.trainer.intake import ServersLostWeights, StepBatch, TrainingComplete
+from asyncgrpo.trainer.loss_menu import LossMenu
 from asyncgrpo.trainer.nonfinite import MAX_NONFINITE_STEPS, NonFiniteTrainingError
 from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_decisions, with_triton_update
 from asyncgrpo.trainer.policy_model import load_policy_model, prepare_policy_model, prepare_tokenizer
@@ -122,6 +124,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         elif not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
         check_reward_funcs(list(reward_funcs))
+        check_reward_weights(list(reward_funcs), args.reward_weights)
         tools = list(tools or [])
         check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args, self._agent_loop)
         if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
@@ -153,7 +156,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         self.environment_factory = environment_factory
         self.model_id = model_id
         self.streaming = streaming
-        self._loss_fn = score_centered_loss if args.score_centering else clipped_surrogate_loss
+        # The reference (a copy of the model as given, or its adapter off) and the entropy coefficient.
+        self._loss_menu = LossMenu(model, args)
         self._progress = AsyncProgressCallback(
             total=args.max_steps
             if args.max_steps > 0
@@ -281,6 +285,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             self._metrics.num_tokens,
             self._session.held_samples(),
             PromptOrder.of(self.args),
+            self._loss_menu.state(),
         )
         save_checkpoint(self, model, trial, resume, self._processes, self._sharded, self._run_lock)
 
@@ -327,6 +332,9 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
                 )  # planned into rows, one per process in each micro-batch
             queued = self._forward_backward(model, batch)
             result = self._optimizer_step(model, queued)
+            self._loss_menu.after_step(
+                self._metrics.window, self.accelerator.unwrap_model(model), self.state.global_step + 1
+            )
             self._sync_weights_if_due(model, result)
             self._record_metrics(batch, result, time.perf_counter() - started)
             self._end_step(epochs)
@@ -350,6 +358,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             batch = self._processes.broadcast(self._session.next_batch(accumulation) if on_main else None)
         if batch is None:
             raise TrainingComplete()
+        # What the step's advantages need of the batch (scale_rewards='batch', GDPO), on every rank alike.
+        scale_over_batch(batch.samples, self.args.scale_rewards, self.args.multi_objective_aggregation)
         return batch
 
     def _forward_backward(self, model, batch: StepBatch) -> QueuedRows:
@@ -360,6 +370,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         clock = DeviceClock(args.device)
         world, rank = self._processes.world_size, self._processes.rank
         row_marks, row_losses, row_stats = [], [], []
+        step = self._loss_menu.step_loss(batch)
         for index, plan in enumerate(batch.plans):
             if index:  # the base Trainer's point: after each micro-batch but the step's last
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
@@ -382,7 +393,13 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             with replayed_routing_of(model, row):
                 with self.compute_loss_context_manager(), timeline.span("forward", tokens=row.num_tokens):
                     loss, stats = row_loss(
-                        model, row, entries_global, args, self._loss_fn, keep_logits, batch.model_version
+                        model,
+                        row,
+                        entries_global,
+                        args,
+                        self._loss_menu.for_row(step, counted=weight > 0),
+                        keep_logits,
+                        batch.model_version,
                     )
                 forward_done = clock.mark()
                 # FSDP2 averages gradients over processes; the loss is already normalized globally.
@@ -406,6 +423,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         for _, stats_of_rank in gathered:
             for stats in stats_of_rank:
                 self._metrics.window.merge(stats)
+        self._loss_menu.observe([stats for _, stats_of_rank in gathered for stats in stats_of_rank])
         return StepResult(loss=sum(rank_loss for rank_loss, _ in gathered), fwd_s=fwd_s, fwd_bwd_s=fwd_bwd_s)
 
     def _optimizer_step(self, model, queued: QueuedRows) -> StepResult:
