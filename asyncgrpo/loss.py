@@ -185,28 +185,19 @@ def clip_ratio_metrics(
     low = (ratio < 1.0 - epsilon) & (advantages < 0)
     high = (ratio > 1.0 + epsilon_high) & (advantages > 0)
     low_per_sample, high_per_sample = _per_sample_fractions(x.entry_sample, low, high, x.num_samples)
-    flags = {"low": low, "high": high, "region": low | high}
-    if per_sequence:
-        samples = per_sequence_sum(torch.ones_like(ratio), x.entry_sample, x.sample_count()) > 0
-        means = {
-            name: Stat(
-                Reduce.MEAN,
-                ((per_sequence_sum(flag.to(ratio.dtype), x.entry_sample, x.sample_count()) > 0) & samples)
-                .sum()
-                .float(),
-                samples.sum().float(),
-            )
-            for name, flag in flags.items()
-        }
-    else:
-        means = {
-            name: Stat(Reduce.MEAN, flag.sum().float(), float(len(ratio))) for name, flag in flags.items()
-        }
+
+    def counted(flag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+        if not per_sequence:
+            return flag.sum().float(), float(len(ratio))
+        present = per_sequence_sum(torch.ones_like(ratio), x.entry_sample, x.sample_count()) > 0
+        hit = per_sequence_sum(flag.to(ratio.dtype), x.entry_sample, x.sample_count()) > 0
+        return (hit & present).sum().float(), present.sum().float()
+
     return {
-        "clip_ratio/region_mean": means["region"],
-        "clip_ratio/low_mean": means["low"],
+        "clip_ratio/region_mean": Stat(Reduce.MEAN, *counted(low | high)),
+        "clip_ratio/low_mean": Stat(Reduce.MEAN, *counted(low)),
         "clip_ratio/low_min": Stat(Reduce.MIN, low_per_sample),
-        "clip_ratio/high_mean": means["high"],
+        "clip_ratio/high_mean": Stat(Reduce.MEAN, *counted(high)),
         "clip_ratio/high_max": Stat(Reduce.MAX, high_per_sample),
     }
 

@@ -1,8 +1,9 @@
 """The loss menu's pure pieces by hand (docs/algorithm.md, "The loss types"): each policy term on a few
-tokens with its gradient, sequence ratios, the correction factor, each loss type's normalization, the
-seed's losses unchanged under `algorithm_loss`, the KL to a reference (by hand, and against a reference
-model that differs from the policy by a known logit scale, a LoRA adapter switched off, TR-DPO's update),
-the entropy mask, bonus and adaptive coefficient, the checkpointed state, and the config's refusals.
+tokens with its gradient, sequence ratios, the correction factor, each loss type's normalization,
+asyncgrpo's own losses unchanged under `algorithm_loss`, the KL to a reference (by hand, and against a
+reference model that differs from the policy by a known logit scale, a LoRA adapter switched off,
+TR-DPO's update), the entropy mask, bonus and adaptive coefficient, the checkpointed state, and the
+config's refusals.
 TRL's own code checks the same formulas in tests/test_trl_loss_parity.py."""
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def test_correction_factor_masks_or_replaces_the_loss_ratio():
         ("cispo", 15.0 / 10),
         ("vespo", 15.0 / 10),
         ("bnpo", 15.0 / 5 / 3),  # the row's token mean / the step's rows
-        (None, 15.0 / (5 * 2)),  # the seed's: / (micro-batch tokens x accumulation)
+        (None, 15.0 / (5 * 2)),  # asyncgrpo's own: / (micro-batch tokens x accumulation)
     ],
 )
 def test_each_loss_type_normalizes_by_hand(loss_type, expected):
@@ -164,7 +165,7 @@ def test_totals_refuse_empty_counts():
 # -- the composition ------------------------------------------------------------------------------------
 
 
-def seed_inputs(seed: int = 0, entries: int = 6) -> tuple[torch.Tensor, LossInputs]:
+def own_inputs(seed: int = 0, entries: int = 6) -> tuple[torch.Tensor, LossInputs]:
     rng = np.random.default_rng(seed)
     logits = torch.tensor(rng.normal(size=(entries, 5)), requires_grad=True)
     logp = torch.log_softmax(logits, -1)
@@ -183,12 +184,12 @@ def seed_inputs(seed: int = 0, entries: int = 6) -> tuple[torch.Tensor, LossInpu
 
 
 @pytest.mark.parametrize("score_centering", [True, False])
-def test_no_loss_type_runs_the_seeds_losses_unchanged(score_centering):
-    """loss_type=None is the seed's loss, value and gradient, bit for bit (the default stays the default)."""
+def test_no_loss_type_runs_asyncgrpos_own_losses_unchanged(score_centering):
+    """loss_type=None is asyncgrpo's own loss, value and gradient, bit for bit (the default stays)."""
     correction = icepop(0.5, 5.0)
-    seed_loss = score_centered_loss if score_centering else clipped_surrogate_loss
-    logits, x = seed_inputs()
-    expected, expected_metrics = seed_loss(
+    own_loss = score_centered_loss if score_centering else clipped_surrogate_loss
+    logits, x = own_inputs()
+    expected, expected_metrics = own_loss(
         x,
         correction=correction,
         epsilon=0.2,
@@ -198,7 +199,7 @@ def test_no_loss_type_runs_the_seeds_losses_unchanged(score_centering):
     )
     expected.backward()
     expected_grad = logits.grad.clone()
-    logits, x = seed_inputs()
+    logits, x = own_inputs()
     settings = AlgorithmSettings(None, score_centering, correction, epsilon=0.2, epsilon_high=0.2)
     loss, metrics = algorithm_loss(x, settings, totals(microbatch_trained_tokens=9.0))
     loss.backward()
@@ -409,7 +410,7 @@ def test_the_config_refuses_what_cannot_run(fields, message, tmp_path):
         AsyncGRPOConfig(output_dir=str(tmp_path), **fields)
 
 
-def test_defaults_keep_the_seeds_loss_and_trls_names_resolve(tmp_path, caplog):
+def test_defaults_keep_score_centering_and_trls_names_resolve(tmp_path, caplog):
     config = AsyncGRPOConfig(output_dir=str(tmp_path))
     assert (config.loss_type, config.score_centering, config.scale_rewards) == (None, True, "group")
     assert AsyncGRPOConfig(output_dir=str(tmp_path), loss_type="dapo").score_centering is False

@@ -1,7 +1,7 @@
 """Config fields of TRL's GRPO loss menu: which loss (`loss_type`), its ratio (token or sequence), each
 loss's own parameters, and the entropy terms (the high-entropy token mask and the entropy bonus).
 
-Names and semantics are TRL 1.16 `GRPOConfig`'s. One default differs: `loss_type=None` keeps the seed's
+Names and semantics are TRL 1.16 `GRPOConfig`'s. One default differs: `loss_type=None` keeps asyncgrpo's
 score-centered loss (TRL's default is "dapo"). docs/algorithm.md gives every formula.
 """
 
@@ -32,7 +32,7 @@ class AlgorithmFields:
             "max_completion_length)), 'dapo' (token mean over the step), 'bnpo' (token mean over a row), "
             "'cispo' (clipped, detached ratio x log p), 'sapo' (soft sigmoid gate), 'luspo' (per-sequence "
             "sum), 'vespo' (gamma-weighted sequence ratio), each exactly TRL's formula with the sampler as "
-            "the old policy. None: the seed's score-centered loss (score_centering=True) or its clipped "
+            "the old policy. None: asyncgrpo's score-centered loss (score_centering=True) or its clipped "
             "loss (score_centering=False), unchanged. TRL's default is 'dapo'."
         },
     )
@@ -61,21 +61,29 @@ class AlgorithmFields:
     )
     vespo_k_pos: float = field(
         default=2.0,
-        metadata={"help": "VESPO's power k for advantages >= 0: how hard a low sequence ratio is damped."},
+        metadata={
+            "help": "VESPO's power k for advantages >= 0: how hard a low sequence ratio is damped. 2.0: "
+            "TRL's."
+        },
     )
     vespo_lambda_pos: float = field(
         default=3.0,
         metadata={
-            "help": "VESPO's decay lambda for advantages >= 0: how hard a high sequence ratio is damped."
+            "help": "VESPO's decay lambda for advantages >= 0: how hard a high sequence ratio is damped. "
+            "3.0: TRL's."
         },
     )
     vespo_k_neg: float = field(
         default=3.0,
-        metadata={"help": "VESPO's power k for advantages < 0."},
+        metadata={
+            "help": "VESPO's power k (an exponent of the sequence ratio) for advantages < 0. 3.0: TRL's."
+        },
     )
     vespo_lambda_neg: float = field(
         default=2.0,
-        metadata={"help": "VESPO's decay lambda for advantages < 0."},
+        metadata={
+            "help": "VESPO's decay lambda (a factor of the sequence ratio) for advantages < 0. 2.0: TRL's."
+        },
     )
     top_entropy_quantile: float = field(
         default=1.0,
@@ -96,17 +104,19 @@ class AlgorithmFields:
         metadata={
             "help": "Skywork-OR1's adaptive coefficient: after each step, entropy_coef moves by "
             "entropy_coef_delta toward more bonus when the step's entropy is at or below entropy_target, "
-            "less otherwise, and the bonus applies only while the entropy is at or below the target."
+            "less otherwise, and the bonus applies only while the entropy is at or below the target. False: "
+            "TRL's default."
         },
     )
     entropy_coef_min: float = field(
-        default=0.0, metadata={"help": "Lower bound of the adaptive coefficient."}
+        default=0.0, metadata={"help": "Lower bound of the adaptive coefficient. 0.0: TRL's."}
     )
     entropy_coef_max: float = field(
-        default=1.0, metadata={"help": "Upper bound of the adaptive coefficient."}
+        default=1.0, metadata={"help": "Upper bound of the adaptive coefficient. 1.0: TRL's."}
     )
     entropy_coef_delta: float = field(
-        default=0.005, metadata={"help": "Step of the adaptive coefficient at each optimizer step."}
+        default=0.005,
+        metadata={"help": "Step of the adaptive coefficient at each optimizer step. 0.005: TRL's."},
     )
     entropy_target: float = field(
         default=0.2,
@@ -117,7 +127,7 @@ class AlgorithmFields:
     )
 
     def _resolve_algorithm(self) -> None:
-        """score_centering=None means True when no loss_type is given (the seed's default loss)."""
+        """score_centering=None means True when no loss_type is given (asyncgrpo's default loss)."""
         if self.score_centering is None:
             self.score_centering = self.loss_type is None
 
@@ -136,7 +146,7 @@ class AlgorithmFields:
         if self.importance_sampling_level == "sequence" and self.loss_type is None:
             fail(
                 "importance_sampling_level='sequence' needs a loss_type (GSPO: loss_type='grpo'); the "
-                "seed's losses use token ratios"
+                "score-centered and clipped losses of asyncgrpo use token ratios"
             )
         self._validate_loss_parameters(fail)
         self._validate_entropy(fail)

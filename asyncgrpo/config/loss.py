@@ -30,7 +30,7 @@ class LossFields:
     score_centering: bool | None = field(
         default=None,
         metadata={
-            "help": "With no loss_type: the score-centered loss (True) or the seed's clipped surrogate "
+            "help": "With no loss_type: the score-centered loss (True) or asyncgrpo's clipped surrogate "
             "(False). None: True unless a loss_type is given. True: subtracting the sampler's expected score "
             "removes the pull toward the sampler that importance weighting leaves."
         },

@@ -27,7 +27,7 @@ class ReferenceFields:
         metadata={
             "help": "Multiply each token's KL by its importance ratio (policy / sampler), so that its "
             "gradient is the unbiased reverse-KL gradient for tokens the sampler drew (DeepSeek-V3.2). "
-            "TRL's default."
+            "True: TRL's default."
         },
     )
     sync_ref_model: bool = field(
@@ -35,12 +35,15 @@ class ReferenceFields:
         metadata={
             "help": "Every ref_model_sync_steps optimizer steps, move the reference toward the policy: "
             "ref = alpha x policy + (1 - alpha) x ref (TR-DPO). Needs beta > 0 and a reference copy (not "
-            "LoRA, where the reference is the base model)."
+            "LoRA, where the reference is the base model). False: TRL's default, a fixed reference."
         },
     )
     ref_model_mixup_alpha: float = field(
         default=0.6,
-        metadata={"help": "TR-DPO's alpha: the policy's share in each reference update (TRL's default 0.6)."},
+        metadata={
+            "help": "TR-DPO's alpha: the policy's share (a fraction) in each reference update (TRL's "
+            "default 0.6)."
+        },
     )
     ref_model_sync_steps: int = field(
         default=512,

@@ -36,7 +36,7 @@ class RewardShapingFields:
         metadata={
             "help": "What the centered rewards are divided by: 'group' (True) the group's std, 'batch' the "
             "std of the rewards of the step's samples (PPO Lite), 'none' (False) nothing (Dr. GRPO). "
-            "'group': TRL's default and the seed's."
+            "'group': TRL's default and asyncgrpo's."
         },
     )
     mask_truncated_completions: bool = field(

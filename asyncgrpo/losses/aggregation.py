@@ -1,6 +1,6 @@
 """How each loss type turns a row's per-token terms into its share of the step's loss.
 
-Convention (as the seed's losses): the step's gradient is the sum, over every row of every micro-batch
+Convention (as asyncgrpo's own losses): the step's gradient is the sum, over every row of every micro-batch
 and every process, of the gradients of what `aggregate` returns (the trainer multiplies by the world
 size before backward because FSDP averages). TRL states each normalization per process and micro-batch
 of equal sizes; here rows are packed by tokens and hold different numbers of samples, so each is stated
@@ -13,7 +13,7 @@ over the step, where packing cannot change it (docs/algorithm.md, "Normalization
 | dr_grpo | token sum / (the step's sequences x max_completion_length) |
 | dapo, cispo, vespo | token sum / the step's trained tokens |
 | bnpo | the row's token mean / the step's rows (TRL's local batch is a row) |
-| None (the seed's) | token sum / (the micro-batch's trained tokens x gradient_accumulation_steps) |
+| None (asyncgrpo's own) | token sum / (the micro-batch's trained tokens x gradient_accumulation_steps) |
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A row's whole loss: the policy term of the configured loss, the KL to the reference and the entropy
 bonus, with TRL's metric names.
 
-`loss_type=None` runs the seed's losses (asyncgrpo/loss.py) unchanged; a named loss type runs TRL 1.16's
+`loss_type=None` runs asyncgrpo's own losses (asyncgrpo/loss.py) unchanged; a named loss type runs TRL 1.16's
 formula with the sampler as the old policy, composed with the off-policy correction as TRL composes its
 vLLM importance-sampling ratio (losses/ratios.py). The KL and the entropy bonus are added the same way
 whichever policy term runs. docs/algorithm.md states every formula.
@@ -26,16 +26,7 @@ from asyncgrpo.losses.policy_terms import cispo_term, clipped_term, sapo_term, v
 from asyncgrpo.losses.ratios import correction_factor, log_importance_weights, sequence_mean
 from asyncgrpo.losses.regularizers import entropy_bonus, reference_kl
 from asyncgrpo.metrics import Reduce, Stat
-from asyncgrpo.off_policy import Correction, CorrectionSettings, correct
-
-# Metrics a row records as its share of a per-step total: the trainer counts each step once
-# (`step_total`), so that a window's value is the mean over its steps of each step's sum over rows.
-STEP_TOTAL_METRICS = ("policy_loss",)
-
-
-def step_total(value: torch.Tensor) -> Stat:
-    """A row's share of a per-step total: weight 0 here, the step's weight 1 is added once per step."""
-    return Stat(Reduce.MEAN, value.detach(), 0.0)
+from asyncgrpo.off_policy import Correction, CorrectionSettings, correct, per_sequence_sum
 
 
 @dataclass(frozen=True)
@@ -71,7 +62,7 @@ def algorithm_loss(
     """The row's share of the step's loss, and its metrics (docs/metrics.md)."""
     num_samples = x.sample_count() if len(x.logprobs) else 0
     if settings.loss_type is None:
-        loss, metrics, ratio, keep = _seed_policy_loss(x, settings, totals, num_samples)
+        loss, metrics, ratio, keep = _own_policy_loss(x, settings, totals, num_samples)
     else:
         loss, metrics, ratio, keep = _trl_policy_loss(x, settings, totals, num_samples)
     if settings.beta != 0.0:
@@ -88,7 +79,9 @@ def algorithm_loss(
         if len(kl):
             metrics["kl"] = Stat(Reduce.MEAN, kl.detach().sum(), float(len(kl)))
     if settings.entropy_bonus:
-        metrics["policy_loss"] = step_total(loss)
+        # The row's share of the step's total, weight 0: the trainer adds the step's weight, once per
+        # step (LossMenu.after_step), so a window logs the mean over its steps of each step's sum.
+        metrics["policy_loss"] = Stat(Reduce.MEAN, loss.detach(), 0.0)
         loss = loss - entropy_bonus(x.entropy, x.policy_mask, settings.entropy_coef, totals.step_rows)
         effective = torch.ones_like(x.entropy) if x.policy_mask is None else x.policy_mask.to(x.entropy.dtype)
         if len(effective):
@@ -98,8 +91,8 @@ def algorithm_loss(
     return loss, metrics
 
 
-def _seed_policy_loss(x: LossInputs, s: AlgorithmSettings, totals: LossTotals, num_samples: int):
-    """The seed's score-centered or clipped loss (asyncgrpo/loss.py), as it always ran; the token ratio
+def _own_policy_loss(x: LossInputs, s: AlgorithmSettings, totals: LossTotals, num_samples: int):
+    """asyncgrpo's own score-centered or clipped loss (asyncgrpo/loss.py), as it always ran; the token ratio
     and keep mask for the KL term."""
     policy = score_centered_loss if s.score_centering else clipped_surrogate_loss
     loss, metrics = policy(
@@ -167,20 +160,21 @@ def _loss_type_metrics(
         return clip_ratio_metrics(x, coef, s.epsilon, s.epsilon_high, per_sequence)
     if s.loss_type == "cispo":
         clipped = ((coef.detach() > s.epsilon_high) & (x.advantages > 0)).to(coef.dtype)
-        return {"cispo_clip_ratio": _mean_of(x, clipped, per_sequence)}
+        return {"cispo_clip_ratio": Stat(Reduce.MEAN, *_sum_and_count(x, clipped, per_sequence))}
     if s.loss_type == "vespo":
-        return {"vespo/phi_seq_mean": _mean_of(x, phi, per_sequence=True)}
+        return {"vespo/phi_seq_mean": Stat(Reduce.MEAN, *_sum_and_count(x, phi, per_sequence=True))}
     return {}
 
 
-def _mean_of(x: LossInputs, values: torch.Tensor, per_sequence: bool) -> Stat:
-    """The mean of (E,) `values` over entries, or over sequences when each sequence's entries share one
-    value."""
+def _sum_and_count(
+    x: LossInputs, values: torch.Tensor, per_sequence: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) of (E,) `values` over entries, or over sequences when each sequence's entries share
+    one value (each sequence once: every entry weighs 1 / its sequence's entries)."""
+    values = values.detach()
     if not per_sequence:
-        return Stat(Reduce.MEAN, values.detach().sum(), float(len(values)))
+        return values.sum(), torch.tensor(float(len(values)))
     num_samples = x.sample_count()
-    per_entry = sequence_mean(values.detach(), x.entry_sample, num_samples)
-    counts = torch.zeros(num_samples, dtype=values.dtype, device=values.device)
-    counts.index_add_(0, x.entry_sample.long(), torch.ones_like(values))
-    # Each sequence once: every entry weighs 1 / (its sequence's entries).
-    return Stat(Reduce.MEAN, (per_entry / counts[x.entry_sample.long()]).sum(), (counts > 0).sum().float())
+    counts = per_sequence_sum(torch.ones_like(values), x.entry_sample, num_samples)
+    per_entry = sequence_mean(values, x.entry_sample, num_samples)
+    return (per_entry / counts[x.entry_sample.long()]).sum(), (counts > 0).sum().float()

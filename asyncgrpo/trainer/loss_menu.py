@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.losses import STEP_TOTAL_METRICS, EntropyCoefficient
+from asyncgrpo.losses import EntropyCoefficient
 from asyncgrpo.losses.regularizers import entropy_threshold
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.trainer.algorithm_state import AlgorithmState
@@ -94,8 +94,7 @@ class LossMenu:
         """After the optimizer step `step` (1-based), on every rank: the coefficient's update and
         metric, the per-step totals counted once, the TR-DPO reference update."""
         if self.entropy.enabled:
-            for name in STEP_TOTAL_METRICS:
-                window.add(name, Stat(Reduce.MEAN, 0.0, 1.0))
+            window.add("policy_loss", Stat(Reduce.MEAN, 0.0, 1.0))  # the step's weight (rows add 0)
             self.entropy.update(self._step_entropy)
             window.record("entropy_coef", self.entropy.coefficient)  # as TRL: the next step's, once updated
         args = self.args
