@@ -1,8 +1,8 @@
 """A row's whole loss: the policy term of the configured loss, the KL to the reference and the entropy
 bonus, with TRL's metric names.
 
-`loss_type=None` runs asyncgrpo's own losses (asyncgrpo/loss.py) unchanged; a named loss type runs TRL 1.16's
-formula with the sampler as the old policy, composed with the off-policy correction as TRL composes its
+`loss_type=None` runs asyncgrpo's own losses (asyncgrpo/loss.py) unchanged; a named loss type runs TRL
+1.16's formula with the sampler as the old policy, composed with the off-policy correction as TRL composes its
 vLLM importance-sampling ratio (losses/ratios.py). The KL and the entropy bonus are added the same way
 whichever policy term runs. docs/algorithm.md states every formula.
 """
@@ -92,8 +92,8 @@ def algorithm_loss(
 
 
 def _own_policy_loss(x: LossInputs, s: AlgorithmSettings, totals: LossTotals, num_samples: int):
-    """asyncgrpo's own score-centered or clipped loss (asyncgrpo/loss.py), as it always ran; the token ratio
-    and keep mask for the KL term."""
+    """asyncgrpo's own score-centered or clipped loss (asyncgrpo/loss.py), as it always ran; the token
+    ratio and keep mask for the KL term."""
     policy = score_centered_loss if s.score_centering else clipped_surrogate_loss
     loss, metrics = policy(
         x,
@@ -168,12 +168,13 @@ def _loss_type_metrics(
 
 def _sum_and_count(
     x: LossInputs, values: torch.Tensor, per_sequence: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | float]:
     """(sum, count) of (E,) `values` over entries, or over sequences when each sequence's entries share
-    one value (each sequence once: every entry weighs 1 / its sequence's entries)."""
+    one value (each sequence once: every entry weighs 1 / its sequence's entries). On the values'
+    device or a float: the step's row values are read back in one transfer (trainer/row_loss.py)."""
     values = values.detach()
     if not per_sequence:
-        return values.sum(), torch.tensor(float(len(values)))
+        return values.sum(), float(len(values))
     num_samples = x.sample_count()
     counts = per_sequence_sum(torch.ones_like(values), x.entry_sample, num_samples)
     per_entry = sequence_mean(values, x.entry_sample, num_samples)
