@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.trainer_utils import SaveStrategy, TrainOutput
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput
 
 from asyncgrpo import timeline
 from asyncgrpo.config import AsyncGRPOConfig
@@ -246,15 +246,18 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             while not self._processes.broadcast(self._should_stop(args) if self._processes.is_main else None):
                 try:
                     self._train_step(model, trial, epochs)
-                except TrainingComplete:  # the last prompts were consumed while the step waited
+                except TrainingComplete:  # the last prompts consumed while the step waited, or saturation
                     # They count: the epoch training ends in is whole (2.0 of 2 epochs, not the last
                     # step's 1.875), as on_epoch_end and the run's last log see it.
                     self._count_consumed_prompts()
                     break
                 if self.control.should_training_stop:
                     break
+            ended_before_max_steps = not self.control.should_training_stop
             self.control.should_log = self.control.should_save = False  # the last step's are done
             self.control = epochs.finish(args, self.state, self.control)
+            if ended_before_max_steps:
+                self._end_as_at_max_steps(args)
             self._log_and_save(model, trial)  # what on_epoch_end asked for (epoch strategies)
             self._join_eval(trial)
             self._end_with_served_weights(trial)
@@ -303,6 +306,22 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         return self.accelerator.autocast()
 
     # -- how far a run is (its set-up: RunSetup, trainer/run_setup.py) -------------------------------------
+
+    def _end_as_at_max_steps(self, args: AsyncGRPOConfig) -> None:
+        """Training ended before `max_steps` (the epochs' prompts consumed, or a pass without signal
+        after training: docs/reliability.md): ask for the checkpoint and evaluation the base Trainer's
+        schedule gives the step at `max_steps`, where this step had none."""
+        step = self.state.global_step
+        if step == 0:
+            return
+        if args.save_strategy == SaveStrategy.STEPS and step % self.state.save_steps != 0:
+            self.control.should_save = True
+        if (
+            args.eval_strategy == IntervalStrategy.STEPS
+            and step % self.state.eval_steps != 0
+            and args.eval_delay <= step
+        ):
+            self.control.should_evaluate = True
 
     def _should_stop(self, args: AsyncGRPOConfig) -> bool:
         if args.max_steps > 0:

@@ -170,6 +170,7 @@ class GenerationSession:
             else len(trainer.train_dataset),
             stop_condition=stop_condition,
             check_servers=self.check_servers,
+            stop_when_saturated=args.stop_when_saturated,
         )
         self.intake.restore(self.resume.held_samples)
         self.worker.publish_model_version(self.model_version)
