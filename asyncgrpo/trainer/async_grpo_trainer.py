@@ -30,7 +30,6 @@ from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.metrics import Reduce
 from asyncgrpo.peft_adapters import check_peft_config
-from asyncgrpo.rollout.advantages import scale_over_batch
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.prompts import PromptOrder
@@ -377,8 +376,6 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             batch = self._processes.broadcast(self._session.next_batch(accumulation) if on_main else None)
         if batch is None:
             raise TrainingComplete()
-        # What the step's advantages need of the batch (scale_rewards='batch', GDPO), on every rank alike.
-        scale_over_batch(batch.samples, self.args.scale_rewards, self.args.multi_objective_aggregation)
         return batch
 
     def _forward_backward(self, model, batch: StepBatch) -> QueuedRows:
@@ -411,14 +408,9 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             started = clock.mark()
             with replayed_routing_of(model, row):
                 with self.compute_loss_context_manager(), timeline.span("forward", tokens=row.num_tokens):
+                    row_step = self._loss_menu.for_row(step, counted=weight > 0)
                     loss, stats = row_loss(
-                        model,
-                        row,
-                        entries_global,
-                        args,
-                        self._loss_menu.for_row(step, counted=weight > 0),
-                        keep_logits,
-                        batch.model_version,
+                        model, row, entries_global, args, row_step, keep_logits, batch.model_version
                     )
                 forward_done = clock.mark()
                 # FSDP2 averages gradients over processes; the loss is already normalized globally.
