@@ -30,4 +30,4 @@ def test_every_loss_type_and_ratio_level_matches_trls_own_code():
     )
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines and lines[-1] == "parity", done.stdout + done.stderr[-4000:]
-    assert "78 cases, 0 failed" in done.stdout, "every loss_type x level x setting must have run"
+    assert "138 cases, 0 failed" in done.stdout, "every loss_type x level x setting must have run"

@@ -20,6 +20,7 @@ Prints one line per case and "parity" when every case holds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import warnings
@@ -58,8 +59,14 @@ SHARED_METRICS = (
 CASES = {
     # name: (correction mode or None for no correction, settings)
     "icepop": ("icepop", {}),
+    "token_mask": ("token_mask", {}),
     "token_truncate": ("token_truncate", {}),
     "sequence_mask": ("sequence_mask", {}),
+    "sequence_truncate": ("sequence_truncate", {}),
+    "sequence_geometric_mask": ("sequence_geometric_mask", {}),
+    # DeepSeek-V3.2's off-policy sequence mask: ours folds it into the correction's keep mask, TRL applies
+    # its own `get_off_policy_mask`; TRL is given the factor without it.
+    "off_policy_mask": ("icepop", {"off_policy_mask_threshold": 0.05}),
     "kl_entropy_accumulation": (
         None,
         {"beta": 0.04, "entropy_coef": 0.01, "top_entropy_quantile": 0.5, "delta": 1.5, "accumulation": 2},
@@ -67,7 +74,7 @@ CASES = {
     "kl_without_bias_correction": (None, {"beta": 0.1, "use_bias_correction_kl": False}),
 }
 # VESPO folds token weights only (TRL refuses sequence-level corrections with it).
-SKIP = {("vespo", "sequence_mask")}
+SKIP = {("vespo", mode) for mode in ("sequence_mask", "sequence_truncate", "sequence_geometric_mask")}
 
 
 def inputs(seed: int):
@@ -103,7 +110,7 @@ def ours(case: str, loss_type: str, level: str, data) -> tuple[torch.Tensor, dic
         mode=mode or "icepop",
         clip_min=0.5,
         clip_max=2.0,
-        off_policy_mask_threshold=None,
+        off_policy_mask_threshold=options.get("off_policy_mask_threshold"),
     )
     policy_mask = None
     if options.get("top_entropy_quantile", 1.0) < 1.0:
@@ -145,7 +152,8 @@ def ours(case: str, loss_type: str, level: str, data) -> tuple[torch.Tensor, dic
     loss, metrics = algorithm_loss(x, settings, totals)
     loss.backward()
     # The factor TRL gets as its importance_sampling_ratio: what our correction gives for these inputs.
-    c = correct(x.logprobs, x.sampler_logprobs, x.advantages, entry_sample, len(LENGTHS), correction)
+    without_mask = dataclasses.replace(correction, off_policy_mask_threshold=None)  # TRL applies its own
+    c = correct(x.logprobs, x.sampler_logprobs, x.advantages, entry_sample, len(LENGTHS), without_mask)
     log_ratio = (x.logprobs - x.sampler_logprobs).detach()
     ratio = torch.exp(log_importance_weights(log_ratio, entry_sample, len(LENGTHS), level))
     factor = torch.ones_like(mask)
@@ -189,7 +197,7 @@ def trl(case: str, loss_type: str, level: str, data, factor: torch.Tensor):
     trainer.epsilon_high = 0.28 if loss_type != "cispo" else 1.5
     trainer.beta = options.get("beta", 0.0)
     trainer.top_entropy_quantile = options.get("top_entropy_quantile", 1.0)
-    trainer.off_policy_mask_threshold = None
+    trainer.off_policy_mask_threshold = options.get("off_policy_mask_threshold")
     trainer.use_vllm = True
     trainer.vllm_importance_sampling_correction = True
     trainer.current_gradient_accumulation_steps = accumulation
@@ -233,6 +241,8 @@ def coverage(case: str, metrics: dict, grads: list, factor: torch.Tensor, seen: 
         seen.add("clipped low and high")
     if metrics.get("cispo_clip_ratio", 0) > 0:
         seen.add("cispo clipped")
+    if metrics.get("sampling/masked_sequences/off_policy", 0) > 0:
+        seen.add("off-policy sequences masked")
     if grads[1].abs().sum() > 0:
         seen.add("entropy gradient")
     if "kl" in metrics:
@@ -244,6 +254,7 @@ EXERCISED = {
     "reweighted tokens",
     "clipped low and high",
     "cispo clipped",
+    "off-policy sequences masked",
     "entropy gradient",
     "kl",
 }
