@@ -175,6 +175,8 @@ def row_loss(
         num_samples=int(row.entry_sample.max()) + 1 if len(row.entry_sample) else None,
     )
     if args.beta != 0.0:
+        if step.reference is None:
+            raise ValueError("beta > 0 needs the step's reference model (StepLoss.reference, the LossMenu's)")
         inputs.ref_logprobs = step.reference.row_logprobs(model, row, args.temperature)
     if args.top_entropy_quantile < 1.0:
         threshold_of = step.micro_batch_entropy_threshold
