@@ -421,3 +421,26 @@ def test_defaults_keep_score_centering_and_trls_names_resolve(tmp_path, caplog):
         AsyncGRPOConfig(output_dir=str(tmp_path), loss_type="cispo", importance_sampling_level="sequence")
     assert "LUSPO's paper uses sequence ratios" in caplog.text
     assert "weighs each sequence by its length" in caplog.text
+
+
+def test_a_resumed_run_continues_the_coefficient_and_the_synced_reference(tmp_path):
+    """What a checkpoint kept (trainer/algorithm_state.py) is what the loss menu resumes with."""
+    from asyncgrpo.trainer.distributed import Processes
+    from asyncgrpo.trainer.loss_menu import LossMenu
+
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), beta=0.1, sync_ref_model=True, use_adaptive_entropy=True, entropy_coef=0.01
+    )
+    saved = LossMenu(tiny_model(), args)
+    saved.prepare(Processes(1, 0), False, True, None, AlgorithmState())
+    with torch.no_grad():
+        saved.reference.model.lm_head.weight.add_(0.5)  # as TR-DPO's updates would have moved it
+    saved.entropy.update(0.1)
+    saved.state().save(tmp_path)
+    resumed = LossMenu(tiny_model(), args)  # built from the initial model, as a resumed trainer is
+    resumed.prepare(Processes(1, 0), False, True, None, AlgorithmState.load(tmp_path))
+    assert resumed.entropy.state() == saved.entropy.state()
+    for (name, value), (_, expected) in zip(
+        resumed.reference.model.state_dict().items(), saved.reference.model.state_dict().items()
+    ):
+        assert torch.equal(value, expected), name
