@@ -269,8 +269,9 @@ class SampleIntake:
             raise NoTrainingSignalError(
                 f"the last {streak} prompts ({what}) produced "
                 "nothing to train on: every group's rollouts got equal rewards (or "
-                "every prompt was filtered out), so no advantage is non-zero. Check "
-                "the reward functions (logged as rewards/<name>/mean) against a few "
+                "every prompt was filtered out, or with mask_truncated_completions every rollout was cut "
+                "at max_completion_length: see completions/clipped_ratio), so no advantage is non-zero. "
+                "Check the reward functions (logged as rewards/<name>/mean) against a few "
                 "completions, or make the task easier for the model." + self._reward_note()
             )
         message = saturation_message(self.signal.verdict(), self.signal.best, streak, what)
