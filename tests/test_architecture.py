@@ -38,7 +38,7 @@ LAYERS: list[set[str]] = [
         "run_files",
         "checkpoints",
     },
-    {"logprobs"},
+    {"logprobs", "losses"},
     {"rollout", "weight_sync"},
     {"rewards", "harness"},
     {"trainer"},

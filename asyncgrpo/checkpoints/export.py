@@ -26,10 +26,12 @@ from asyncgrpo.checkpoints.sharded_state import model_tensor_shapes, read_model_
 from asyncgrpo.durable_files import publish_directory, staging_path
 
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-# What a checkpoint holds for resuming a run, not for serving it.
+# What a checkpoint holds for resuming a run, not for serving it (the loss menu's state and reference
+# model included: trainer/algorithm_state.py; a weight file beside the model's would be loaded with it).
 _RUN_FILES = re.compile(
     r"trainer_state\.json|rollout_state\.json|held_samples\.(npz|json)|(optimizer|scheduler|scaler)\.pt"
-    r"|rng_state(_\d+)?\.pth|training_args\.bin|" + re.escape(MANIFEST_FILE)
+    r"|rng_state(_\d+)?\.pth|training_args\.bin|algorithm_state\.json|reference_model\.safetensors|"
+    + re.escape(MANIFEST_FILE)
 )
 _SHARDED_WEIGHT_FILES = re.compile(
     r"model.*\.safetensors(\.index\.json)?|pytorch_model.*\.bin(\.index\.json)?"

@@ -1,5 +1,6 @@
 """Reward functions (`from asyncgrpo.rewards import accuracy_reward`, as `trl.rewards`)."""
 
 from asyncgrpo.rewards.accuracy import accuracy_reward
+from asyncgrpo.rewards.overlong import SoftOverlongPunishment, get_soft_overlong_punishment
 
-__all__ = ["accuracy_reward"]
+__all__ = ["SoftOverlongPunishment", "accuracy_reward", "get_soft_overlong_punishment"]

@@ -23,28 +23,25 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.trainer_utils import SaveStrategy, TrainOutput
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput
 
 from asyncgrpo import timeline
-from asyncgrpo.checkpoints.live_model import is_sharded_module
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.client import VLLMClient
-from asyncgrpo.loss import clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import Reduce
 from asyncgrpo.peft_adapters import check_peft_config
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorkerPool
 from asyncgrpo.trainer.base_loop_settings import EmptyDeviceCache, input_tokens_seen
-from asyncgrpo.trainer.checkpoint import ResumePoint, save_sharded_model
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,
     check_epochs_can_end,
     check_no_injected_protocols,
     check_reward_funcs,
+    check_reward_weights,
     check_transformers_version,
 )
 from asyncgrpo.trainer.compile import layer_compile_options
@@ -57,6 +54,7 @@ from asyncgrpo.trainer.evaluator import Evaluator
 from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
 from asyncgrpo.trainer.generation_session import GenerationSession
 from asyncgrpo.trainer.intake import ServersLostWeights, StepBatch, TrainingComplete
+from asyncgrpo.trainer.loss_menu import LossMenu
 from asyncgrpo.trainer.nonfinite import MAX_NONFINITE_STEPS, NonFiniteTrainingError
 from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_decisions, with_triton_update
 from asyncgrpo.trainer.policy_model import load_policy_model, prepare_policy_model, prepare_tokenizer
@@ -123,6 +121,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         elif not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
         check_reward_funcs(list(reward_funcs))
+        check_reward_weights(list(reward_funcs), args.reward_weights)
         tools = list(tools or [])
         check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args, self._agent_loop)
         if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
@@ -154,7 +153,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         self.environment_factory = environment_factory
         self.model_id = model_id
         self.streaming = streaming
-        self._loss_fn = score_centered_loss if args.score_centering else clipped_surrogate_loss
+        # The reference (a copy of the model as given, or its adapter off) and the entropy coefficient.
+        self._loss_menu = LossMenu(model, args)
         self._progress = AsyncProgressCallback(
             total=args.max_steps
             if args.max_steps > 0
@@ -210,9 +210,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         return load_policy_model(model_id, args)
 
     # -- transformers.Trainer overrides. Private ones: `_inner_training_loop` and `_save_checkpoint` (and
-    # `_tag_names` above; `_load_from_checkpoint` in run_setup.py, `_load_best_model` in eval_schedule.py);
-    # the base methods they call, private ones included, are listed in docs/architecture.md ("The trainer's
-    # modules").
+    # `_tag_names` above); the others, and the base methods they call, are listed in docs/architecture.md
+    # ("The trainer's modules").
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
         """`Trainer.train`, with SIGTERM (`kill`, a scheduler's timeout) unwinding like Ctrl-C: the
@@ -244,21 +243,21 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             while not self._processes.broadcast(self._should_stop(args) if self._processes.is_main else None):
                 try:
                     self._train_step(model, trial, epochs)
-                except TrainingComplete:  # the last prompts were consumed while the step waited
+                except TrainingComplete:  # the last prompts consumed while the step waited, or saturation
                     # They count: the epoch training ends in is whole (2.0 of 2 epochs, not the last
                     # step's 1.875), as on_epoch_end and the run's last log see it.
                     self._count_consumed_prompts()
                     break
                 if self.control.should_training_stop:
                     break
+            ended_before_max_steps = not self.control.should_training_stop
             self.control.should_log = self.control.should_save = False  # the last step's are done
             self.control = epochs.finish(args, self.state, self.control)
+            if ended_before_max_steps:
+                self._end_as_at_max_steps(args)
             self._log_and_save(model, trial)  # what on_epoch_end asked for (epoch strategies)
             self._join_eval(trial)
-            # The last checkpoint on the disk (and retried if it failed) before anything reads it.
-            self._checkpoints.finish(
-                lambda: self._checkpoints.save(self, model, trial, self._resume_point(), True)
-            )
+            self._checkpoints.finish(self, model, trial, self._resume_point)  # on the disk, before it is read
             self._end_with_served_weights(trial)
         finally:
             try:
@@ -281,27 +280,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Written whole or not at all, by every rank together, sharded ones in the background
-        (trainer/checkpoint_saves.py)."""
+        """Written whole or not at all, by every rank together (trainer/checkpoint_saves.py)."""
         self._checkpoints.save(self, model, trial, self._resume_point())
-
-    def _resume_point(self) -> ResumePoint:
-        return ResumePoint.of_run(
-            self._ledger,
-            self._session.model_version,
-            self._metrics.num_tokens,
-            self._session.held_samples(),
-            PromptOrder.of(self.args),
-        )
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model`; with the model sharded over several processes (call it on every rank,
-        as transformers asks), a consolidated Hugging Face folder written one file at a time, or the
-        PEFT adapter (trainer/checkpoint.py, `save_sharded_model`)."""
-        if _internal_call or not is_sharded_module(self.model):
-            super().save_model(output_dir, _internal_call)
-        else:
-            save_sharded_model(self, output_dir or self.args.output_dir)
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None):
@@ -317,6 +297,22 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         return self.accelerator.autocast()
 
     # -- how far a run is (its set-up: RunSetup, trainer/run_setup.py) -------------------------------------
+
+    def _end_as_at_max_steps(self, args: AsyncGRPOConfig) -> None:
+        """Training ended before `max_steps` (the epochs' prompts consumed, or a pass without signal
+        after training: docs/reliability.md): ask for the checkpoint and evaluation the base Trainer's
+        schedule gives the step at `max_steps`, where this step had none."""
+        step = self.state.global_step
+        if step == 0:
+            return
+        if args.save_strategy == SaveStrategy.STEPS and step % self.state.save_steps != 0:
+            self.control.should_save = True
+        if (
+            args.eval_strategy == IntervalStrategy.STEPS
+            and step % self.state.eval_steps != 0
+            and args.eval_delay <= step
+        ):
+            self.control.should_evaluate = True
 
     def _should_stop(self, args: AsyncGRPOConfig) -> bool:
         if args.max_steps > 0:
@@ -346,6 +342,9 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
                 )  # planned into rows, one per process in each micro-batch
             queued = self._forward_backward(model, batch)
             result = self._optimizer_step(model, queued)
+            self._loss_menu.after_step(
+                self._metrics.window, self.accelerator.unwrap_model(model), self.state.global_step + 1
+            )
             self._sync_weights_if_due(model, result)
             self._record_metrics(batch, result, time.perf_counter() - started)
             self._end_step(epochs)
@@ -379,6 +378,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         clock = DeviceClock(args.device)
         world, rank = self._processes.world_size, self._processes.rank
         row_marks, row_losses, row_stats = [], [], []
+        step = self._loss_menu.step_loss(batch)
         for index, plan in enumerate(batch.plans):
             if index:  # the base Trainer's point: after each micro-batch but the step's last
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
@@ -400,8 +400,9 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             started = clock.mark()
             with replayed_routing_of(model, row):
                 with self.compute_loss_context_manager(), timeline.span("forward", tokens=row.num_tokens):
+                    row_step = self._loss_menu.for_row(step, counted=weight > 0)
                     loss, stats = row_loss(
-                        model, row, entries_global, args, self._loss_fn, keep_logits, batch.model_version
+                        model, row, entries_global, args, row_step, keep_logits, batch.model_version
                     )
                 forward_done = clock.mark()
                 # FSDP2 averages gradients over processes; the loss is already normalized globally.
@@ -425,6 +426,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         for _, stats_of_rank in gathered:
             for stats in stats_of_rank:
                 self._metrics.window.merge(stats)
+        self._loss_menu.observe([stats for _, stats_of_rank in gathered for stats in stats_of_rank])
         return StepResult(loss=sum(rank_loss for rank_loss, _ in gathered), fwd_s=fwd_s, fwd_bwd_s=fwd_bwd_s)
 
     def _optimizer_step(self, model, queued: QueuedRows) -> StepResult:
@@ -536,9 +538,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         self.control = epochs.after_step(args, self.state, self.control)
 
     def _log_and_save(self, model, trial) -> None:
-        self._checkpoints.check()  # a save in flight that every rank finished: durable, or failed
-        if self._checkpoints.retry_due:
-            self.control.should_save = True  # a failed save is tried again at once
+        self._checkpoints.check(self.control)  # a save in flight settled; a failed one due again
         if self.control.should_log:
             with timeline.span("log"):
                 logs = self._metrics.flush()

@@ -34,6 +34,7 @@ from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.run_lock import OwnerLock
 from asyncgrpo.sample import Sample
 from asyncgrpo.sharded import full_tensor
+from asyncgrpo.trainer.algorithm_state import AlgorithmState
 from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
 from asyncgrpo.trainer.optimizer_step import torch_optimizer
@@ -48,6 +49,7 @@ class ResumePoint:
 
     rollout: RolloutState = field(default_factory=RolloutState)
     held_samples: list[Sample] = field(default_factory=list)
+    algorithm: AlgorithmState = field(default_factory=AlgorithmState)  # the loss menu's state
 
     @classmethod
     def of_run(
@@ -57,6 +59,7 @@ class ResumePoint:
         num_tokens: int,
         held_samples: list[Sample],
         prompt_order: PromptOrder,
+        algorithm: AlgorithmState | None = None,
     ) -> ResumePoint:
         watermark, consumed_after = ledger.state()
         rollout = RolloutState(
@@ -67,7 +70,7 @@ class ResumePoint:
             num_tokens=num_tokens,
             prompt_order=prompt_order,
         )
-        return cls(rollout, held_samples)
+        return cls(rollout, held_samples, algorithm or AlgorithmState())
 
 
 def write_full_checkpoint(
@@ -201,6 +204,7 @@ def write_run_state(trainer: Trainer, directory: Path, resume: ResumePoint) -> N
 def save_resume_point(directory: Path, resume: ResumePoint) -> None:
     resume.rollout.save(directory)
     save_held_samples(resume.held_samples, directory)
+    resume.algorithm.save(directory)
 
 
 def read_resume_point(checkpoint: str, streaming: bool) -> ResumePoint:
@@ -220,8 +224,8 @@ def read_resume_point(checkpoint: str, streaming: bool) -> ResumePoint:
                 "again)"
             )
             rollout.first_untrained_index, rollout.consumed_after = 0, []
-        return ResumePoint(rollout)
-    return ResumePoint(rollout, load_held_samples(checkpoint))
+        return ResumePoint(rollout, algorithm=AlgorithmState.load(checkpoint))
+    return ResumePoint(rollout, load_held_samples(checkpoint), AlgorithmState.load(checkpoint))
 
 
 def restore_trainer_state(trainer: Trainer, checkpoint: str, max_steps: int) -> None:

@@ -109,11 +109,13 @@ class RunCheckpoints:
         self.window.record("perf/checkpoint_stall_s", self._held + waited)
         self._held = None
 
-    def check(self) -> None:
+    def check(self, control) -> None:
         """At a step's end: a save in flight that every rank has finished is settled (a collective
-        while one is in flight)."""
+        while one is in flight); after a failed save, `control` asks for a save at once (the retry)."""
         if self.writer is not None and self.writer.in_flight:
             self._settled(self.writer.settle(wait=False))
+        if self.failures.retry_due:
+            control.should_save = True
 
     def wait(self, final: bool = False) -> None:
         """Until the save in flight is settled: durable, or failed and reported (every rank; `final`:
@@ -122,12 +124,12 @@ class RunCheckpoints:
         if self.writer is not None:
             self._settled(self.writer.settle(wait=True), final)
 
-    def finish(self, save_again: Callable[[], None]) -> None:
-        """Training ended: wait for the save in flight; a last save that failed is tried once more
-        (`save_again`: `save(..., final=True)` of the last step), and its failure raised."""
+    def finish(self, trainer: Trainer, model, trial, resume_point: Callable[[], ResumePoint]) -> None:
+        """Training ended: wait for the save in flight; a last save that failed is tried once more,
+        with the state `resume_point()` gives, and a second failure raised."""
         self.wait()
         if self.failures.retry_due:
-            save_again()
+            self.save(trainer, model, trial, resume_point(), final=True)
             self.wait(final=True)
 
     def close(self) -> None:

@@ -4,7 +4,9 @@
 the processes, the trainer state (fresh, or the checkpoint's: `_restore_state`), the model to train
 and its optimizer (`_prepare_model`), the prompt ledger, the metrics, the generation session and rank
 0's timeline; `_close_timeline` writes the timeline once the run ends, also after a failure
-(docs/architecture.md, "The trainer's modules").
+(docs/architecture.md, "The trainer's modules"). Where the run meets its checkpoints is here too:
+`_resume_point` (what a checkpoint carries beyond the weights), and the Trainer overrides
+`_load_from_checkpoint` and `save_model` (a model sharded over several processes, streamed).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers import TrainerState
 
 from asyncgrpo import timeline
 from asyncgrpo.checkpoints.layout import choose_layout, is_sharded
+from asyncgrpo.checkpoints.live_model import is_sharded_module
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.cpu_use import CpuSampler, Tracked
 from asyncgrpo.rollout.prompts import PromptOrder
@@ -32,6 +35,7 @@ from asyncgrpo.trainer.checkpoint import (
     load_sharded_optimizer,
     read_resume_point,
     restore_trainer_state,
+    save_sharded_model,
 )
 from asyncgrpo.trainer.checkpoint_saves import RunCheckpoints
 from asyncgrpo.trainer.checks import check_launch, check_multi_process
@@ -48,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 class RunSetup:
     """AsyncGRPOTrainer's set-up of a train() call; it reads the trainer's `accelerator`, `args`,
-    `model`, `optimizer`, `callback_handler`, `streaming`, `_fsdp_launch` and `_compile_layers`."""
+    `model`, `optimizer`, `callback_handler`, `streaming`, `_fsdp_launch`, `_compile_layers` and
+    `_loss_menu`."""
 
     _run_lock: OwnerLock | None = None  # rank 0's hold on output_dir while train() runs
 
@@ -86,6 +91,10 @@ class RunSetup:
         self.accelerator.free_memory()
         resume = self._restore_state(args, checkpoint)
         model = self._prepare_model(args, checkpoint)
+        reshard = self._fsdp_launch.reshard_after_forward if self._fsdp_launch is not None else True
+        self._loss_menu.prepare(
+            self._processes, self._sharded, reshard, self._compile_layers, resume.algorithm
+        )
         self.state.init_training_references(self, self.state.max_steps, args.num_train_epochs, trial)
         self._fit_checkpointing = CheckpointToFit.for_training(
             self.accelerator.unwrap_model(model), self.optimizer, args, self._sharded
@@ -158,6 +167,25 @@ class RunSetup:
             # The prompt order (data_seed, train_sampling_strategy) must be the checkpoint's.
             resume.rollout.check_prompt_order(PromptOrder.of(args), checkpoint)
         return resume
+
+    def _resume_point(self) -> ResumePoint:
+        """What a checkpoint of this run carries beyond the weights and the optimizer."""
+        return ResumePoint.of_run(
+            self._ledger,
+            self._session.model_version,
+            self._metrics.num_tokens,
+            self._session.held_samples(),
+            PromptOrder.of(self.args),
+            self._loss_menu.state(),
+        )
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`; a model sharded over several processes (every rank calls it): streamed,
+        consolidated (trainer/checkpoint.py, `save_sharded_model`)."""
+        if _internal_call or not is_sharded_module(self.model):
+            super().save_model(output_dir, _internal_call)
+        else:
+            save_sharded_model(self, output_dir or self.args.output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Overrides Trainer's (called by `Trainer.train`): a full checkpoint's weights, as the base
