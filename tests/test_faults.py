@@ -455,9 +455,21 @@ def test_a_server_killed_and_restarted_mid_run_is_given_the_weights_and_training
                 os.killpg(server.process.pid, signal.SIGKILL)  # the server's whole process group
                 server.process.wait()
                 threading.Thread(target=restart, daemon=True).start()
+            elif state.global_step == 3:
+                # Steps 4-6 must train on rollouts the restarted server made: with max_staleness=1
+                # generation holds one step's worth ahead, so the run cannot finish on its queue
+                # while the server is still starting (a loaded machine starts it slowly).
+                assert restarted.wait(timeout=600), "the killed server did not start again"
 
     try:
-        args = make_config(server, tmp_path / "out", max_steps=6, learning_rate=1e-2, vllm_server_timeout=240)
+        args = make_config(
+            server,
+            tmp_path / "out",
+            max_steps=6,
+            learning_rate=1e-2,
+            vllm_server_timeout=240,
+            max_staleness=1,
+        )
         trainer = AsyncGRPOTrainer(
             str(tiny_model_dir),
             token_parity_reward,

@@ -10,6 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rewards import get_soft_overlong_punishment
 from asyncgrpo.rollout.advantages import (
