@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
         "timeline",
         "run_lock",
         "durable_files",
+        "sandbox",
     },
     {"config", "peft_adapters", "loss", "kernels", "packing", "generation", "cpu_use", "run_files"},
     {"logprobs"},
