@@ -44,6 +44,7 @@ from asyncgrpo.harness import (
     ProcessSessionFactory,
 )
 from asyncgrpo.sandbox import SandboxLimits
+from asyncgrpo.sandbox.bubblewrap import PROXY_PORT
 
 pytestmark = pytest.mark.vllm
 
@@ -304,7 +305,7 @@ class AgentWatch(threading.Thread):
 
 # The adversaries' sandbox: small, so that the hog's fork, allocation and disk floods end in a second.
 ADVERSARY_LIMITS = SandboxLimits(
-    memory_bytes=1 * 2**30, processes=32, cpu_seconds=120, file_bytes=16 * 2**20, disk_bytes=64 * 2**20
+    memory_bytes=512 * 2**20, processes=32, cpu_seconds=120, file_bytes=16 * 2**20, disk_bytes=64 * 2**20
 )
 SPY_ANSWER = "1729"  # the spy's row's answer: in the training data on disk, nowhere in its task
 
@@ -398,7 +399,8 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
     spied = [json.loads(path.read_text()) for path in report.glob("*.spy.json")]
     assert len(spied) >= GROUP and len(by_mode["spy"]) >= GROUP and set(by_mode["spy"]) == {0.0}, by_mode
     for found in spied:
-        assert not (found["secrets"] or found["tokens"] or found["data"] or found["ports"]), found
+        assert not (found["secrets"] or found["tokens"] or found["data"]), found
+        assert found["ports"] == [PROXY_PORT], found  # its own bridge to the capture proxy, nothing else
         assert found["processes"] <= 3, found  # bubblewrap's init, the sandbox's first process, itself
     # Hog: held to its limits, then ended past its disk bound (a failed rollout), and the run went on.
     hogs = [json.loads(path.read_text()) for path in report.glob("*.hog.json")]

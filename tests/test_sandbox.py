@@ -268,3 +268,57 @@ def test_run_gives_the_command_its_files_and_input_and_nothing_of_the_machine(tm
     with pytest.raises(ValueError, match="non-empty list of strings"):
         sandbox.run("python -c pass")
     assert not sandbox_cgroups()
+
+
+FORK_WITHOUT_END = (
+    "import os, time\nn = 0\ntry:\n    while n < 500:\n        if os.fork() == 0:\n"
+    "            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n)\n"
+)
+UNPRIVILEGED_PROBE = f"""
+import sys
+from asyncgrpo.sandbox import SandboxLimits, check_available, run
+from asyncgrpo.sandbox.cgroup import needs_cgroup
+check_available()
+result = run([sys.executable, "-c", {FORK_WITHOUT_END!r}], timeout_s=60, limits=SandboxLimits(processes=16))
+print(needs_cgroup(), result.exit_code, result.stdout.strip(), result.stderr.strip())
+"""
+NOBODY = 65534
+
+
+def test_an_unprivileged_user_gets_the_same_sandbox_and_its_bound_on_processes(tmp_path):
+    """A cluster node's case: the trainer runs as an ordinary user, bubblewrap makes a user namespace
+    unprivileged, and RLIMIT_NPROC (counted in that namespace) bounds the sandbox's processes, no cgroup.
+    As root (CI), the probe runs as `nobody`: the sandbox's package copied where that user may read it,
+    run by the system's Python (the standard library is all the sandbox needs)."""
+    import shutil
+    import tempfile
+
+    probe = [sys.executable, "-I", "-c", UNPRIVILEGED_PROBE]
+    if os.geteuid() == 0:
+        interpreter = shutil.which("python3", path="/usr/bin:/bin")
+        assert interpreter and shutil.which("setpriv"), "needs the system's python3 and setpriv (util-linux)"
+        folder = Path(tempfile.mkdtemp(prefix="asyncgrpo-unprivileged-"))  # the usual temporary folder
+        try:
+            package = folder / "asyncgrpo"
+            shutil.copytree(Path(sandbox.__file__).parent, package / "sandbox")
+            (package / "__init__.py").write_text("")
+            work = folder / "tmp"
+            work.mkdir()
+            os.chown(work, NOBODY, NOBODY)
+            for path in [folder, *folder.rglob("*")]:
+                os.chmod(path, 0o755 if path.is_dir() else 0o644)
+            os.chmod(work, 0o700)
+            user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+            environment = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(folder), "TMPDIR": str(work)}
+            probe = [*user, interpreter, "-c", UNPRIVILEGED_PROBE]
+            answer = subprocess.run(
+                probe, env=environment, capture_output=True, text=True, timeout=RUN_BOUND_S
+            )
+        finally:
+            shutil.rmtree(folder)
+    else:
+        answer = subprocess.run(probe, capture_output=True, text=True, timeout=RUN_BOUND_S)
+    assert answer.returncode == 0, answer.stderr
+    cgroup, code, forks, stderr = (answer.stdout.split() + ["", "", "", ""])[:4]
+    # No cgroup, and forks stop at 16 processes: bubblewrap's init, the first process, the command, 13.
+    assert (cgroup, code, forks) == ("False", "0", "13"), answer.stdout

@@ -1,7 +1,10 @@
-"""ProcessSessionFactory: a local process per rollout, for agents without a sandbox service.
+"""ProcessSessionFactory: a local process per rollout, each in a sandbox of its own (bubblewrap:
+asyncgrpo/harness/agent_sandbox.py, asyncgrpo/sandbox), for agents without a sandbox service.
 
 Each session makes a private folder (mode 0700) holding the agent's working directory (`work/`), its
-temporary folder (`tmp/`) and its output log (`output.log`, mode 0600, capped). The working directory
+home (`home/`) and temporary folder (`tmp/`), all it may write, and its output log (`output.log`, mode
+0600, capped), which it never sees. A sandboxed agent whose files pass its `disk_bytes` is ended (its
+folders are measured while the session waits for it). The working directory
 starts with `task.json`: the prompt's messages under "prompt", the row's columns named in
 `agent_columns` (none by default: the answer columns stay with the trainer), and the session's
 "seed", "episode_id" and the run's "sampling". The agent starts there with the same JSON on stdin

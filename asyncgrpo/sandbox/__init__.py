@@ -10,7 +10,7 @@ does); `check_available()` says at once whether this machine can start one.
 from asyncgrpo.sandbox.check import check_available
 from asyncgrpo.sandbox.errors import SandboxError, SandboxUnavailableError
 from asyncgrpo.sandbox.limits import AGENT_LIMITS, CODE_LIMITS, SandboxLimits
-from asyncgrpo.sandbox.run import SandboxResult, run
+from asyncgrpo.sandbox.runner import SandboxResult, run
 
 __all__ = [
     "AGENT_LIMITS",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from asyncgrpo.sandbox.errors import SandboxUnavailableError
 from asyncgrpo.sandbox.limits import CODE_LIMITS
-from asyncgrpo.sandbox.run import run
+from asyncgrpo.sandbox.runner import run
 
 # A probe that fails takes no longer than this: a start on a loaded machine takes a second at most.
 PROBE_TIMEOUT_S = 60.0

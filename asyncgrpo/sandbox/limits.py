@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 GiB, MiB = 2**30, 2**20
-# How often the writable folders of a running sandbox are measured against disk_bytes. A writer
-# at page-cache speed (~1-2 GB/s) can pass the bound by that much times this before it is ended;
-# each of its files stays under file_bytes.
+# How often the writable folders of a running sandbox are measured against disk_bytes: a writer at
+# the page cache's speed passes the bound by what it writes in this time before it is ended (measured:
+# docs/harness.md, "The sandbox"); each of its files stays under file_bytes.
 WATCH_INTERVAL_S = 0.1
 
 
