@@ -26,6 +26,10 @@ OPENENV_PACKAGES := openenv==0.10.0 fastmcp==3.4.11 fastmcp-slim==3.4.11 mcp==1.
 	httpx-sse==0.4.3 joserfc==1.8.0 jsonref==1.1.0 jsonschema-path==0.5.0 openapi-pydantic==0.6.0 \
 	pathable==0.6.0 py-key-value-aio==0.4.6 rich-rst==2.2.0 tomli==2.5.0 tomli_w==1.2.0 uncalled-for==0.6.2 \
 	lazy-importer==0.1.0 platformdirs==4.14.9
+# TRL goes into a folder of its own too, for tests/test_trl_loss_parity.py alone, which runs TRL's own
+# GRPO loss beside ours in a process with that folder on its path. Its loss needs nothing the venv lacks
+# (torch, transformers, accelerate, datasets), so the wheel alone, without its dependencies.
+TRL_PARITY := trl==1.16.0
 $(STAMP): pyproject.toml scripts/fix_vllm_cpu.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
@@ -34,6 +38,7 @@ $(STAMP): pyproject.toml scripts/fix_vllm_cpu.py Makefile
 	$(PY) -m pip install -q -e '.[test,harness]'
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/triton-interpreter triton==$(TRITON_VERSION)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/openenv-conformance $(OPENENV_PACKAGES)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/trl-parity $(TRL_PARITY)
 	touch $@
 
 demo: $(STAMP)

@@ -42,6 +42,8 @@ class LossInputs:
     # More than the largest entry_sample, known on the host: the per-sample metrics then need no
     # device-to-host read (a GPU sync mid-step). None: read from entry_sample.
     num_samples: int | None = None
+    ref_logprobs: torch.Tensor | None = None  # (E,) reference log p_ref(y_t), no gradient (beta > 0)
+    policy_mask: torch.Tensor | None = None  # (E,) bool: tokens the policy term keeps (top_entropy_quantile)
 
     def sample_count(self) -> int:
         return self.num_samples if self.num_samples is not None else int(self.entry_sample.max()) + 1
@@ -50,6 +52,11 @@ class LossInputs:
 def _correction(x: LossInputs, settings: CorrectionSettings) -> Correction:
     num_samples = x.sample_count() if len(x.logprobs) else 0
     return correct(x.logprobs, x.sampler_logprobs, x.advantages, x.entry_sample, num_samples, settings)
+
+
+def _kept(x: LossInputs, c: Correction) -> torch.Tensor:
+    """The correction's keep mask, and the policy mask (high-entropy tokens) when there is one."""
+    return c.keep if x.policy_mask is None else c.keep & x.policy_mask
 
 
 def centering_coefficients(top_logprobs: torch.Tensor, sampler_top_logprobs: torch.Tensor) -> torch.Tensor:
@@ -100,7 +107,9 @@ def score_centered_loss(
     valid = x.top_logprobs > float("-inf")
     centering = (coefficients * x.top_logprobs.masked_fill(~valid, 0.0)).sum(-1)
     per_token = -x.advantages * (x.logprobs - centering)
-    loss = _normalize(per_token, c.keep, c.weight, num_trained_tokens_global, gradient_accumulation_steps)
+    loss = _normalize(
+        per_token, _kept(x, c), c.weight, num_trained_tokens_global, gradient_accumulation_steps
+    )
 
     metrics = _shared_metrics(x, c, epsilon, epsilon_high)
     if len(c.rho):
@@ -131,7 +140,7 @@ def clipped_surrogate_loss(
     factor = None
     if c.weight is not None:  # a zero ratio has no gradient to reweight: its factor is 0, not w / 0
         factor = torch.where(c.rho > 0, c.weight / c.rho.clamp(min=torch.finfo(c.rho.dtype).tiny), 0.0)
-    loss = _normalize(per_token, c.keep, factor, num_trained_tokens_global, gradient_accumulation_steps)
+    loss = _normalize(per_token, _kept(x, c), factor, num_trained_tokens_global, gradient_accumulation_steps)
     return loss, _shared_metrics(x, c, epsilon, epsilon_high)
 
 
@@ -160,16 +169,48 @@ def _normalize(
 
 def _shared_metrics(x: LossInputs, c: Correction, epsilon: float, epsilon_high: float) -> dict[str, Stat]:
     """The sampling/*, entropy and clip_ratio/* metrics, over the trained tokens (masked or not)."""
+    metrics = sampling_metrics(x, c)
+    if metrics:
+        metrics.update(clip_ratio_metrics(x, c.rho, epsilon, epsilon_high))
+    return metrics
+
+
+def clip_ratio_metrics(
+    x: LossInputs, ratio: torch.Tensor, epsilon: float, epsilon_high: float, per_sequence: bool = False
+) -> dict[str, Stat]:
+    """TRL's clip_ratio/*: the share of entries (`per_sequence`: of sequences, whose entries share one
+    ratio) with `ratio < 1 - epsilon` and A < 0 (low), `ratio > 1 + epsilon_high` and A > 0 (high), either
+    (region); the smallest per-sample share low and the largest high."""
+    ratio, advantages = ratio.detach(), x.advantages.detach()
+    low = (ratio < 1.0 - epsilon) & (advantages < 0)
+    high = (ratio > 1.0 + epsilon_high) & (advantages > 0)
+    low_per_sample, high_per_sample = _per_sample_fractions(x.entry_sample, low, high, x.num_samples)
+
+    def counted(flag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+        if not per_sequence:
+            return flag.sum().float(), float(len(ratio))
+        present = per_sequence_sum(torch.ones_like(ratio), x.entry_sample, x.sample_count()) > 0
+        hit = per_sequence_sum(flag.to(ratio.dtype), x.entry_sample, x.sample_count()) > 0
+        return (hit & present).sum().float(), present.sum().float()
+
+    return {
+        "clip_ratio/region_mean": Stat(Reduce.MEAN, *counted(low | high)),
+        "clip_ratio/low_mean": Stat(Reduce.MEAN, *counted(low)),
+        "clip_ratio/low_min": Stat(Reduce.MIN, low_per_sample),
+        "clip_ratio/high_mean": Stat(Reduce.MEAN, *counted(high)),
+        "clip_ratio/high_max": Stat(Reduce.MAX, high_per_sample),
+    }
+
+
+def sampling_metrics(x: LossInputs, c: Correction) -> dict[str, Stat]:
+    """The sampling/* and entropy metrics, over the trained tokens (masked or not); none when the
+    row has no entry (an empty extreme, max of nothing, would be wrong)."""
     rho = c.rho
     count = float(len(rho))
-    if count == 0:  # nothing to report; an empty extreme (max of nothing) would be wrong
+    if count == 0:
         return {}
-    advantages = x.advantages.detach()
     logp_diff = (x.logprobs.detach() - x.sampler_logprobs).abs()
     kl = mismatch_kl(x.logprobs, x.sampler_logprobs)
-    low = (rho < 1.0 - epsilon) & (advantages < 0)
-    high = (rho > 1.0 + epsilon_high) & (advantages > 0)
-    low_per_sample, high_per_sample = _per_sample_fractions(x.entry_sample, low, high, x.num_samples)
     metrics = {
         "sampling/sampling_logp_difference/mean": Stat(Reduce.MEAN, logp_diff.sum(), count),
         "sampling/sampling_logp_difference/max": Stat(Reduce.MAX, logp_diff.max()),
@@ -179,11 +220,6 @@ def _shared_metrics(x: LossInputs, c: Correction, epsilon: float, epsilon_high: 
         "sampling/importance_sampling_ratio/mean": Stat(Reduce.MEAN, rho.sum(), count),
         "sampling/importance_sampling_ratio/max": Stat(Reduce.MAX, rho.max()),
         "sampling/masked_mean": Stat(Reduce.MEAN, (~c.keep).sum().float(), count),
-        "clip_ratio/region_mean": Stat(Reduce.MEAN, (low | high).sum().float(), count),
-        "clip_ratio/low_mean": Stat(Reduce.MEAN, low.sum().float(), count),
-        "clip_ratio/low_min": Stat(Reduce.MIN, low_per_sample),
-        "clip_ratio/high_mean": Stat(Reduce.MEAN, high.sum().float(), count),
-        "clip_ratio/high_max": Stat(Reduce.MAX, high_per_sample),
     }
     metrics.update(_correction_metrics(x, c))
     if x.entropy is not None:

@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
         "sandbox",
     },
     {"config", "peft_adapters", "loss", "kernels", "packing", "generation", "cpu_use", "run_files"},
-    {"logprobs"},
+    {"logprobs", "losses"},
     {"rollout", "weight_sync"},
     {"rewards", "harness"},
     {"trainer"},

@@ -204,7 +204,7 @@ def test_every_recorded_metric_is_in_the_metric_reference():
 # docs/trl-compatibility.md and the README mention them (placeholders blank). Anything else a doc names
 # must be logged by this code.
 TRL_ONLY_METRICS = {
-    "reward_std", "rewards/{}", "ratio", "kl",
+    "reward_std", "rewards/{}", "ratio",
     "perf/mfu_fwd_bwd", "perf/mfu_wall_clock", "perf/forwarded_tok_s_fwd_bwd",
     "perf/forwarded_tok_s_wall_clock", "perf/trained_tok_s_wall_clock",
     "rollout/generated_tok_s", "rollout/inflight", "rollout/vllm_retry_total", "rollout/realign_frac",

@@ -199,19 +199,15 @@ def test_cuda_defaults_loss_gradient_matches_reference(keep_logits):
     recomputed otherwise) vs the same row on CPU in fp32 (plain head path): the relative error of
     bf16 compute."""
     pytest.importorskip("msgspec", reason="the trainer module needs msgspec")
-    from types import SimpleNamespace
+    from loss_args import loss_args
 
-    from asyncgrpo.loss import score_centered_loss
     from asyncgrpo.packing.trie import pack_row
     from asyncgrpo.trainer.async_grpo_trainer import row_loss
 
-    args = SimpleNamespace(
+    args = loss_args(
         temperature=0.9,
         vllm_importance_sampling_clip_min=0.0,
         vllm_importance_sampling_clip_max=1e9,
-        vllm_importance_sampling_correction=True,
-        vllm_importance_sampling_mode="icepop",
-        off_policy_mask_threshold=None,
         epsilon=0.2,
         epsilon_high=0.28,
         gradient_accumulation_steps=1,
@@ -220,9 +216,9 @@ def test_cuda_defaults_loss_gradient_matches_reference(keep_logits):
     model, reference = default_cuda_model()
     row = pack_row(grpo_samples(np.random.default_rng(22), model.config.vocab_size))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss, _ = row_loss(model, row, float(row.num_entries), args, score_centered_loss, keep_logits)
+        loss, _ = row_loss(model, row, float(row.num_entries), args, keep_logits=keep_logits)
     loss.backward()
-    expected_loss, _ = row_loss(reference, row, float(row.num_entries), args, score_centered_loss)
+    expected_loss, _ = row_loss(reference, row, float(row.num_entries), args)
     expected_loss.backward()
     assert abs(float(loss) - float(expected_loss)) < 2e-2 * abs(float(expected_loss)) + 1e-3
     got = torch.cat([p.grad.double().cpu().flatten() for p in model.parameters()])

@@ -35,7 +35,10 @@ from worker_side import (
     counted_written_length,
     hostile_code_reward,
     judged_like_the_example,
+    no_session_reward,
     noise_verdict,
+    saturating_prompts,
+    saturating_reward,
     written_length,
 )
 
@@ -451,6 +454,25 @@ def test_white_box_adapter_run_trains_the_turns_the_trainer_sampled(vllm_server,
     assert len(steps) == 1
     assert steps[0]["sampling/sampling_logp_difference/max"] < EXACT_LOGPROB_GAP
     assert any("rewards/harness_reward/mean" in entry for entry in trainer.state.log_history)
+
+
+@pytest.mark.timeout(300)
+def test_a_harness_run_that_saturates_ends_as_at_max_steps(vllm_server, tiny_model_dir, tmp_path, caplog):
+    """The harness trainer follows the policy on a pass without signal (docs/reliability.md): trained,
+    then a whole pass of groups at one reward each (even rows always right, odd rows always wrong), it
+    ends before max_steps with the saturation warning."""
+    trainer = HarnessAsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        args=harness_config(vllm_server, tmp_path / "run", max_steps=50, max_completion_length=4),
+        train_dataset=saturating_prompts(8, varying=4),
+        harness_session_factory=NoteSessionFactory,
+        harness_adapter=NoteAdapter(),
+        rollout_reward_fn=no_session_reward,
+        reward_funcs=saturating_reward,
+    )
+    trainer.train()
+    assert 1 <= trainer.state.global_step < 50
+    assert "brought nothing to train" in caplog.text and "Training ends here, as at max_steps" in caplog.text
 
 
 # The run's deadlines, short: each hanging group ends at its deadline, not at the test's timeout. The

@@ -41,10 +41,11 @@ def torchrun(script: str, *args: str, timeout: float) -> subprocess.CompletedPro
 @pytest.mark.slow
 def test_fsdp2_loss_and_gradients_match_one_process():
     """Rank r trains on row r of a micro-batch; the summed loss and the reduced gradients equal one
-    unsharded process training on both rows (the trainer's `row_loss`, score-centered loss)."""
+    unsharded process training on both rows (the trainer's `row_loss`: the score-centered loss, then
+    dapo with the KL to a sharded reference copy and the entropy mask's threshold over both rows)."""
     result = torchrun("fsdp_loss_worker.py", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("max grad diff") == 2
+    assert result.stdout.count("max grad diff") == 4  # two ranks, two losses
 
 
 def torchrun_two_nodes(script: str, *args: str, timeout: float) -> list[subprocess.CompletedProcess]:

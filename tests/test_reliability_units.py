@@ -266,20 +266,34 @@ class ScriptedWorker:
         return self.results.pop(0) if self.results else None
 
 
-def drain_a_pass(tops_and_samples, prompts=4):
-    """Feed the intake one group per (top reward, samples) and check progress as it does while
-    waiting: what it raises, or None."""
+def group_results(tops_and_samples):
+    """One group result per (top reward, samples), row i for the i-th."""
     from asyncgrpo.rollout.messages import GroupResult
-    from asyncgrpo.trainer.intake import SampleIntake
 
-    results = [
+    return [
         GroupResult(index, 0, index, index, [sample(index, False, False)] * count, top)
         for index, (top, count) in enumerate(tops_and_samples)
     ]
-    intake = SampleIntake(
-        ScriptedWorker(results), PromptLedger(), 2, 64, num_rows=1, rows_per_step=1, prompts_per_epoch=prompts
+
+
+def intake_fed(tops_and_samples, prompts=4, stop_when_saturated=True):
+    """An intake whose worker hands it `group_results(tops_and_samples)`."""
+    from asyncgrpo.trainer.intake import SampleIntake
+
+    return SampleIntake(
+        ScriptedWorker(group_results(tops_and_samples)),
+        PromptLedger(),
+        2,
+        64,
+        num_rows=1,
+        rows_per_step=1,
+        prompts_per_epoch=prompts,
+        stop_when_saturated=stop_when_saturated,
     )
-    intake._drain(0.0)
+
+
+def verdict_of(intake):
+    """Check progress as the intake does while waiting: what it raises, or None."""
     try:
         intake._check_progress_possible()
     except Exception as error:  # the verdict under test
@@ -287,29 +301,57 @@ def drain_a_pass(tops_and_samples, prompts=4):
     return None
 
 
-def test_a_pass_at_the_best_reward_after_training_ends_the_run(caplog):
+def drain_a_pass(tops_and_samples, prompts=4, stop_when_saturated=True):
+    intake = intake_fed(tops_and_samples, prompts, stop_when_saturated)
+    intake._drain(0.0)
+    return verdict_of(intake)
+
+
+def test_a_saturated_pass_after_training_ends_the_run_with_its_counts(caplog):
     from asyncgrpo.trainer.intake import TrainingComplete
 
-    # One group trained (rewards differed, best 1.0), then a whole pass where every rollout scored 1.0.
-    verdict = drain_a_pass([(1.0, 2)] + [(1.0, 0)] * 4)
-    assert isinstance(verdict, TrainingComplete)
-    assert "solves the training set" in caplog.text
+    # Row 0 trained (its rewards differed, best 1.0); then a pass of 5 prompts: rows 1, 3 and 4 always
+    # right, rows 2 and 5 always wrong (reward 0.0 and 0.25 on every rollout).
+    verdict = drain_a_pass([(1.0, 2), (1.0, 0), (0.0, 0), (1.0, 0), (1.0, 0), (0.25, 0)], prompts=5)
+    assert isinstance(verdict, TrainingComplete), verdict
+    assert "the policy always solves 3 (" in caplog.text and "never solves 2 (" in caplog.text
+    assert "dataset rows 1, 3, 4" in caplog.text and "(rows 2, 5)" in caplog.text
+    assert "Training ends here, as at max_steps" in caplog.text
 
 
-@pytest.mark.parametrize(
-    "tops_and_samples, lowest",
-    [
-        ([(0.0, 0)] * 4, "0"),  # a constant reward from the start: nothing was ever trained
-        ([(1.0, 2)] + [(1.0, 0)] * 3 + [(0.0, 0)], "0"),  # trained, then one group all wrong in the pass
-        ([(1.0, 2)] + [(1.0, 0)] * 3 + [(None, 0)], "nothing scored"),  # a filtered prompt in the pass
-    ],
-)
-def test_a_pass_without_signal_that_is_not_solved_is_an_error(tops_and_samples, lowest):
+def test_a_collapsed_policy_after_training_ends_with_nothing_solved(caplog):
+    from asyncgrpo.trainer.intake import TrainingComplete
+
+    verdict = drain_a_pass([(1.0, 2)] + [(0.0, 0)] * 3 + [(None, 0)])
+    assert isinstance(verdict, TrainingComplete), verdict
+    assert "always solves 0 (" in caplog.text and "never solves 3 (" in caplog.text
+    assert "1 scored nothing" in caplog.text
+
+
+def test_a_pass_without_signal_before_any_training_is_an_error():
     from asyncgrpo.trainer.intake import NoTrainingSignalError
 
-    verdict = drain_a_pass(tops_and_samples)
-    assert isinstance(verdict, NoTrainingSignalError), verdict
-    assert f"Lowest group reward in that pass: {lowest};" in str(verdict)
+    for setting in (True, False):  # a broken setup fails whatever the saturation setting
+        verdict = drain_a_pass([(0.0, 0)] * 4, stop_when_saturated=setting)
+        assert isinstance(verdict, NoTrainingSignalError), verdict
+        assert "Lowest group reward in that pass: 0;" in str(verdict)
+        assert "Check the reward functions" in str(verdict)
+    verdict = drain_a_pass([(None, 0)] * 4)
+    assert "Lowest group reward" not in str(verdict)  # nothing ever scored: no reward to quote
+
+
+def test_keep_training_through_saturated_passes_warns_once_a_pass(caplog):
+    intake = intake_fed([], stop_when_saturated=False)
+    warnings = []
+    for result in group_results([(1.0, 2)] + [(1.0, 0)] * 4 + [(0.0, 0)] * 4 + [(1.0, 0)]):
+        intake.worker.results.append(result)  # one group at a time, as they arrive while the trainer waits
+        intake._drain(0.0)
+        assert verdict_of(intake) is None
+        warnings.append(caplog.text.count("Training goes on (stop_when_saturated=False)"))
+    assert warnings == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]  # after the first pass, then after the second
+    first, second = [line for line in caplog.text.splitlines() if "Training goes on" in line]
+    assert "always solves 4 (" in first and "never solves 0 (" in first  # rows 1-4
+    assert "always solves 0 (" in second and "never solves 4 (" in second  # rows 5-8
 
 
 def test_a_group_with_samples_restarts_the_streak():
@@ -317,16 +359,17 @@ def test_a_group_with_samples_restarts_the_streak():
 
 
 def test_data_without_a_length_counts_a_fixed_number_of_prompts_as_a_pass(monkeypatch):
-    """Streaming or environment-owned data: a policy collapsed to equal rewards is not waited on
-    forever (it was, with an environment)."""
+    """Streaming or environment-owned data: a pass without signal is not waited on forever (it was,
+    with an environment); without a training step first, it is an error."""
     from asyncgrpo.trainer import intake
 
     monkeypatch.setattr(intake, "UNBOUNDED_PASS_PROMPTS", 5)
-    collapsed = [(1.0, 2)] + [(0.0, 0)] * 5  # trained at reward 1.0, then every group at 0
-    assert drain_a_pass(collapsed[:-1], prompts=None) is None  # 4 < 5
-    verdict = drain_a_pass(collapsed, prompts=None)
+    assert drain_a_pass([(0.0, 0)] * 4, prompts=None) is None  # 4 < 5
+    verdict = drain_a_pass([(0.0, 0)] * 5, prompts=None)
     assert isinstance(verdict, intake.NoTrainingSignalError), verdict
     assert "the last 5 prompts (data without a length" in str(verdict)
+    saturated = drain_a_pass([(1.0, 2)] + [(0.0, 0)] * 5, prompts=None)
+    assert isinstance(saturated, intake.TrainingComplete), saturated
 
 
 def test_waiting_for_a_rollout_place_is_bounded():

@@ -76,6 +76,7 @@ PLOTTED = {
     "reward": ["reward", "reward_trained"],
     "zero_std_groups": ["frac_zero_std_groups", "reward_zero_std_groups"],
     "duplicates_entropy": ["completions/duplicate_frac", "entropy"],
+    "policy_loss": ["clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean", "kl"],
     "clipped_ratio": ["completions/clipped_ratio"],
     "staleness": ["sample/staleness_mean", "sample/dropped_stale_count"],
     "mismatch": ["sampling/mismatch_kl/mean", "sampling/mismatch_kl/stale_mean", "sampling/masked_mean"],
@@ -104,6 +105,28 @@ def test_each_plot_draws_every_metric_it_is_about(tmp_path):
     assert set(drawn) == set(PLOTTED)
     for name, wanted in PLOTTED.items():
         assert set(wanted) <= set(drawn[name]), name
+
+
+def test_the_report_names_the_loss_a_run_trained(tmp_path):
+    """The settings line says which loss trained (a loss_type, or which of asyncgrpo's own) and the
+    loss menu's fields the run changed; a default run's line names none of them."""
+    from asyncgrpo.report.history import History
+    from asyncgrpo.report.html import _settings
+
+    records = [{"step": 1, "reward": 0.5}]
+    default = _settings(History.from_records(records, {"num_generations": 8, "score_centering": True}))
+    assert default == "Settings: num_generations=8, loss: score-centered."
+    dapo = History.from_records(
+        records,
+        {
+            "loss_type": "dapo",
+            "score_centering": False,
+            "beta": 0.04,
+            "scale_rewards": "batch",
+            "delta": None,
+        },
+    )
+    assert _settings(dapo) == "Settings: loss_type=dapo, beta=0.04, scale_rewards=batch."
 
 
 def test_the_evaluation_plot_draws_each_named_eval_dataset(tmp_path):

@@ -94,6 +94,39 @@ def test_quickstart_config_is_the_deepmath_run():
     assert [function.__name__ for function in run.reward_funcs] == ["accuracy_reward"]
 
 
+def test_the_loss_menu_from_a_config_file(tmp_path):
+    """TRL's GRPOConfig fields as YAML keys (a bool or a name for scale_rewards, a list of weights) and
+    overrides; a reward function built by a factory with its keyword arguments (DAPO's recipe)."""
+    run = build_run_config(read_config(REPO / "examples" / "dapo.yaml"))
+    args = run.args
+    assert (args.loss_type, args.epsilon_high, args.mask_truncated_completions) == ("dapo", 0.28, True)
+    assert args.score_centering is False
+    overlong = run.reward_funcs[1]
+    assert overlong.__name__ == "soft_overlong_punishment_reward"
+    assert overlong(completion_ids=[[1] * 1536, [1] * 2048]) == [0.0, -1.0]
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**BASE, "scale_rewards": False, "reward_weights": [2, 0.5]}))
+    args = build_run_config(
+        read_config(
+            config, ["--loss_type", "grpo", "--importance_sampling_level", "sequence", "--beta", "0.04"]
+        )
+    ).args
+    assert (args.scale_rewards, args.reward_weights, args.loss_type) == ("none", [2.0, 0.5], "grpo")
+    assert (args.importance_sampling_level, args.beta) == ("sequence", 0.04)
+    with pytest.raises(ConfigError, match="loss_type='gspo' is not a loss: pick one of grpo"):
+        build(loss_type="gspo")
+    with pytest.raises(ConfigError, match="reward_weights: expected list"):
+        build(reward_weights="2,1")
+    with pytest.raises(
+        ConfigError, match=r"reward_funcs\[0\]: asyncgrpo.rewards:get_soft_overlong_punishment"
+    ):
+        build(
+            reward_funcs=[{"function": "asyncgrpo.rewards:get_soft_overlong_punishment", "kwargs": {"x": 1}}]
+        )
+    with pytest.raises(ConfigError, match=r"unknown key reward_funcs\[0\]\.kwarg"):
+        build(reward_funcs=[{"function": "asyncgrpo.rewards:get_soft_overlong_punishment", "kwarg": {}}])
+
+
 def test_overrides_are_yaml_values_and_reach_into_sections(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(BASE))

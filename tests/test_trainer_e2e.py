@@ -35,6 +35,8 @@ from worker_side import (  # noqa: E402 (what the rollout worker imports: tests/
     only_flagged_rows_vary,
     positive_if_even_start,
     prompts,
+    saturating_prompts,
+    saturating_reward,
     token_parity_reward,
 )
 
@@ -353,6 +355,68 @@ def test_quick_start_shape_with_accuracy_reward(vllm_server, tiny_model_dir, tmp
     )
     with pytest.raises(NoTrainingSignalError, match="whole pass over the dataset"):
         trainer.train()
+
+
+def test_a_run_that_saturates_ends_gracefully_and_the_demo_prints_its_figures(
+    vllm_server, tiny_model_dir, tmp_path, caplog, capsys
+):
+    """A run that trained, then went a whole pass over its 8 prompts with every group at one reward
+    (even rows always right, odd rows always wrong: saturating_reward), ends as at max_steps
+    (docs/reliability.md, "A pass without signal"): the warning counts and names the prompts always
+    and never solved, the final checkpoint and evaluation are written, on_train_end runs, and the
+    demo's figures line comes out of its history."""
+    import re
+
+    from asyncgrpo.cli.demo import report_figures
+
+    class EndRecorder(TrainerCallback):
+        ended_at = None
+
+        def on_train_end(self, args, state, control, **kwargs):
+            EndRecorder.ended_at = state.global_step
+
+    args = make_config(
+        vllm_server,
+        tmp_path,
+        max_steps=50,
+        token_budget=0,  # rows of 4 samples: the 16 samples of the 4 varying groups make 3 steps
+        per_device_train_batch_size=4,
+        save_strategy="steps",
+        save_steps=1000,
+        eval_strategy="steps",
+        eval_steps=1000,
+        eval_on_start=True,
+        num_generations_eval=2,
+        max_completion_length=4,
+    )
+    eval_rows = saturating_prompts(2, varying=0)
+    trainer = AsyncGRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=saturating_reward,
+        train_dataset=saturating_prompts(8, varying=4),
+        eval_dataset=eval_rows,
+        args=args,
+        callbacks=[EndRecorder()],
+    )
+    trainer.train()
+    steps = trainer.state.global_step
+    assert 1 <= steps < 50 and EndRecorder.ended_at == steps
+    warning = re.search(
+        r"always solves (\d+) \(.* never solves (\d+) \(.*dataset rows ([\d, ]+)\) or add harder.*"
+        r"never-solved prompts \(rows ([\d, ]+)\)",
+        caplog.text,
+    )
+    assert warning, caplog.text
+    solved, unsolved = int(warning[1]), int(warning[2])
+    assert solved + unsolved <= 8 and solved and unsolved  # distinct prompts of the last pass of 8 groups
+    assert all(int(row) % 2 == 0 for row in warning[3].split(", "))
+    assert all(int(row) % 2 == 1 for row in warning[4].split(", "))
+    assert "Training ends here, as at max_steps" in caplog.text
+    assert (tmp_path / f"checkpoint-{steps}" / "rollout_state.json").exists()
+    evaluated_at = [entry["step"] for entry in trainer.state.log_history if "eval_pass@1" in entry]
+    assert evaluated_at == [0, steps]  # eval_on_start, then the final evaluation of the last step
+    report_figures(trainer.state.log_history, minutes=1.0, seed=0)
+    assert f"steps={steps} minutes=1.0 seed=0" in capsys.readouterr().out
 
 
 # -- checkpoint and resume ------------------------------------------------------------------------------

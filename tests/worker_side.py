@@ -62,6 +62,34 @@ def only_flagged_rows_vary(completions, varies, **kwargs):
     return [float(index) if flag else 0.0 for index, flag in enumerate(varies)]
 
 
+_ROWS_SCORED: set[int] = set()  # per process: the rows whose group the rollout worker has scored
+
+
+def saturating_reward(completions, row, varies_first, **kwargs):
+    """A policy that has learnt what it can: the first group of a row whose `varies_first` is set gets
+    0, 1, 0, 1... (samples to train on); every other group gets the same reward on every rollout, 1.0
+    for an even row (always solved), 0.0 for an odd one (never solved)."""
+    if varies_first[0] and row[0] not in _ROWS_SCORED:
+        _ROWS_SCORED.add(row[0])
+        return [float(index % 2) for index in range(len(completions))]
+    return [1.0 if row[0] % 2 == 0 else 0.0] * len(completions)
+
+
+def no_session_reward(outcome) -> float:
+    """A harness run's rollout_reward_fn that leaves the reward to reward_funcs."""
+    return 0.0
+
+
+def saturating_prompts(n: int = 8, varying: int = 4) -> Dataset:
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"Say something about {i}."}] for i in range(n)],
+            "row": list(range(n)),
+            "varies_first": [i < varying for i in range(n)],
+        }
+    )
+
+
 def positive_if_even_start(completion_ids, **kwargs):
     return [1.0 if ids and ids[0] % 2 == 0 else 0.0 for ids in completion_ids]
 

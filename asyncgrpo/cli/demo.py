@@ -245,18 +245,24 @@ def run_demo(workdir: str = ".demo", seed: int = 0) -> int:
     finally:
         server.stop()
     (work / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    return report_figures(trainer.state.log_history, minutes=(time.time() - started) / 60, seed=seed)
+
+
+def report_figures(log_history: list[dict], minutes: float, seed: int) -> int:
+    """Print the demo's figures from the run's log history (a run that ended before its last step, at
+    a pass without signal, counts as it is) and return the exit code: 1 unless the reward rose by
+    GAIN_TARGET within MINUTES_LIMIT."""
+    rewards = [entry["reward"] for entry in log_history if "reward" in entry]
     first, last = _mean(rewards[:10]), _mean(rewards[-10:])
-    minutes = (time.time() - started) / 60
     print(f"[demo] reward (fraction of exact sums) over the first 10 steps: {first:.3f}, last 10: {last:.3f}")
-    held_out = [entry["eval_pass@1"] for entry in trainer.state.log_history if "eval_pass@1" in entry]
+    held_out = [entry["eval_pass@1"] for entry in log_history if "eval_pass@1" in entry]
     print(
         f"[demo] held-out accuracy ({HELD_OUT_SUMS} sums GRPO never trains on, eval_pass@1): "
         f"start {held_out[0]:.3f}, end {held_out[-1]:.3f}"
     )
     print(
         f"demo reward_first10={first:.3f} reward_last10={last:.3f} held_out_start={held_out[0]:.3f} "
-        f"held_out_end={held_out[-1]:.3f} minutes={minutes:.1f} seed={seed}"
+        f"held_out_end={held_out[-1]:.3f} steps={len(rewards)} minutes={minutes:.1f} seed={seed}"
     )
     failures = []
     if not last >= first + GAIN_TARGET:

@@ -25,7 +25,8 @@ RUN_KEYS = {
     "model": "a Hub id or a local model directory",
     "dataset": "the training prompts: a mapping (see DATASET_KEYS)",
     "eval_dataset": "held-out prompts evaluated during training: a mapping like `dataset`, or name -> one",
-    "reward_funcs": "one import path or a list of them",
+    "reward_funcs": "one import path or a list of them; an entry {function: path, kwargs: {...}} calls a "
+    "factory, e.g. asyncgrpo.rewards:get_soft_overlong_punishment",
     "tools": "a list of import paths of tool functions",
     "environment_factory": "an import path, or a mapping name -> import path",
     "loop_class": "import path of an AsyncRolloutLoop subclass that replaces the default loop",
@@ -67,6 +68,10 @@ DATASET_KEYS = {
 WARM_START_KEYS = {
     "function": "import path of f(model, tokenizer, **kwargs)",
     "kwargs": "its keyword arguments",
+}
+REWARD_FACTORY_KEYS = {
+    "function": "import path of a factory returning the reward function",
+    "kwargs": "the factory's keyword arguments",
 }
 _FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -217,7 +222,8 @@ def build_run_config(raw: dict) -> RunConfig:
         model=model,
         args=args,
         reward_funcs=[
-            resolve(path, f"reward_funcs[{i}]") for i, path in enumerate(_as_list(raw.get("reward_funcs")))
+            _reward_function(entry, f"reward_funcs[{i}]")
+            for i, entry in enumerate(_as_list(raw.get("reward_funcs")))
         ],
         dataset=dataset,
         eval_dataset=eval_dataset,
@@ -322,6 +328,20 @@ def resolve(path: Any, where: str) -> Any:
             raise ConfigError(f"{where}: {module_name!r} has no attribute {attribute!r} (from {path!r})")
         value = getattr(value, part)
     return value
+
+
+def _reward_function(entry: Any, where: str) -> Callable:
+    """A reward function: an import path, or {function: path of a factory, kwargs: its arguments} (a
+    reward with settings, such as DAPO's overlong punishment)."""
+    if not isinstance(entry, dict):
+        return resolve(entry, where)
+    _reject_unknown(entry, set(REWARD_FACTORY_KEYS), f"{where}.")
+    factory = resolve(entry.get("function"), f"{where}.function")
+    kwargs = _expect(entry.get("kwargs") or {}, dict, f"{where}.kwargs")
+    try:
+        return factory(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{where}: {entry['function']}(**{kwargs!r}) failed: {error}") from error
 
 
 def _reject_unknown(mapping: dict, valid: set[str], prefix: str) -> None:

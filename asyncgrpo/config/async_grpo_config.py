@@ -1,9 +1,10 @@
 """AsyncGRPOConfig: TrainingArguments plus the asynchronous GRPO fields, with TRL's names and defaults.
 
 Every field of TRL's `AsyncGRPOConfig` keeps its name and default (only the import changes). The
-fields are declared by concern in the modules of this package (model, generation, servers, loss,
-pipeline, evaluation, completions table, the TrainingArguments defaults changed), each with the
-checks of its own values; this class puts them together, in the order docs/configuration.md reads.
+fields are declared by concern in the modules of this package (model, generation, servers, loss, the
+loss menu, reward shaping, the reference, pipeline, evaluation, completions table, the TrainingArguments
+defaults changed), each with the checks of its own values; this class puts them together, in the order
+docs/configuration.md reads.
 Values are checked at construction: a bad value fails here with a message saying what to change,
 never minutes later inside the worker process.
 """
@@ -14,12 +15,15 @@ from dataclasses import dataclass, fields
 
 from transformers import TrainingArguments
 
+from asyncgrpo.config.algorithm import AlgorithmFields
 from asyncgrpo.config.completions_table import CompletionsTableFields
 from asyncgrpo.config.evaluation import EvaluationFields
 from asyncgrpo.config.generation import GenerationFields
 from asyncgrpo.config.loss import LossFields
 from asyncgrpo.config.model import ModelFields
 from asyncgrpo.config.pipeline import PipelineFields
+from asyncgrpo.config.reference import ReferenceFields
+from asyncgrpo.config.reward_shaping import RewardShapingFields
 from asyncgrpo.config.server import ServerFields
 from asyncgrpo.config.training_arguments import TrainingArgumentsDefaults
 from asyncgrpo.trl_compat import TrlCompatFields
@@ -33,6 +37,9 @@ class AsyncGRPOConfig(
     CompletionsTableFields,
     EvaluationFields,
     PipelineFields,
+    ReferenceFields,
+    RewardShapingFields,
+    AlgorithmFields,
     LossFields,
     ServerFields,
     GenerationFields,
@@ -52,7 +59,9 @@ class AsyncGRPOConfig(
         self._resolve_model()
         self._resolve_generation()
         self._resolve_server()
+        self._resolve_algorithm()  # before the loss's own: score_centering's default depends on loss_type
         self._resolve_loss()
+        self._resolve_reward_shaping()
         self._resolve_evaluation()
         self._apply_trl_compat(_DEFAULTS["max_concurrent_rollouts"], _DEFAULTS["rollout_worker_timeout"])
         self._validate()
@@ -65,6 +74,9 @@ class AsyncGRPOConfig(
         self._validate_generation(fail)
         self._validate_server(fail)
         self._validate_loss(fail)
+        self._validate_algorithm(fail)
+        self._validate_reward_shaping(fail)
+        self._validate_reference(fail)
         self._validate_model(fail)
         self._validate_pipeline(fail)
         self._validate_training_arguments(fail)

@@ -27,11 +27,12 @@ class LossFields:
             "suggests 0.28."
         },
     )
-    score_centering: bool = field(
-        default=True,
+    score_centering: bool | None = field(
+        default=None,
         metadata={
-            "help": "Score-centered loss (True) or GRPO's clipped surrogate (False). True: subtracting the "
-            "sampler's expected score removes the pull toward the sampler that importance weighting leaves."
+            "help": "With no loss_type: the score-centered loss (True) or asyncgrpo's clipped surrogate "
+            "(False). None: True unless a loss_type is given. True: subtracting the sampler's expected score "
+            "removes the pull toward the sampler that importance weighting leaves."
         },
     )
     vllm_importance_sampling_correction: bool = field(

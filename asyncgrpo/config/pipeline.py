@@ -93,6 +93,18 @@ class PipelineFields:
             "steps' worth of rollouts."
         },
     )
+    stop_when_saturated: bool = field(
+        default=True,
+        metadata={
+            "help": "What a whole pass over the prompts that brings nothing to train (every group's "
+            "rollouts got equal rewards) does once the run has trained: True ends training as at max_steps "
+            "(final save, on_train_end, the report) with a warning naming the prompts the policy always "
+            "and never solves; False trains on through such passes (TRL's behaviour), warning once a pass. "
+            "A run that has not trained since its start or resume fails either way (its reward functions "
+            "or data are broken). For data without a length, 1,000 prompts in a row count as a pass. True: "
+            "a saturated run has learnt what it can of its data, and waiting costs generation for nothing."
+        },
+    )
     weight_sync_backend: str = field(
         default="auto",
         metadata={

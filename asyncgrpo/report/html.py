@@ -120,4 +120,41 @@ def _settings(history: History) -> str:
         "max_completion_length",
     )
     shown = [f"{name}={history.config[name]}" for name in names if name in history.config]
+    shown += _algorithm(history.config)
     return html.escape("Settings: " + ", ".join(shown) + ".") if shown else ""
+
+
+# The loss menu's fields the report names when a run set them (docs/algorithm.md), with the value
+# that means "not used": the loss a run trained is part of what its curves mean.
+ALGORITHM_FIELDS = {
+    "importance_sampling_level": "token",
+    "delta": None,
+    "beta": 0.0,
+    "sync_ref_model": False,
+    "top_entropy_quantile": 1.0,
+    "entropy_coef": 0.0,
+    "use_adaptive_entropy": False,
+    "scale_rewards": "group",
+    "multi_objective_aggregation": "sum_then_normalize",
+    "reward_weights": None,
+    "mask_truncated_completions": False,
+}
+
+
+def _algorithm(config: dict) -> list[str]:
+    """The loss the run trained (its loss_type, or which of asyncgrpo's own), and the menu's settings
+    it changed."""
+    if not config:
+        return []
+    if config.get("loss_type"):
+        shown = [f"loss_type={config['loss_type']}"]
+    elif "score_centering" in config:
+        shown = ["loss: score-centered" if config["score_centering"] else "loss: clipped surrogate"]
+    else:
+        shown = []
+    shown += [
+        f"{name}={config[name]}"
+        for name, unused in ALGORITHM_FIELDS.items()
+        if name in config and config[name] != unused
+    ]
+    return shown

@@ -50,6 +50,18 @@ PLOTS = (
         "entropy (nats)",
     ),
     PlotSpec(
+        "policy_loss",
+        "The loss: trust region, capped weights and the KL to the reference",
+        (
+            Curve("clip_ratio/region_mean"),
+            Curve("cispo_clip_ratio"),
+            Curve("vespo/phi_seq_mean"),
+            Curve("kl", True),
+        ),
+        "fraction clipped (VESPO: mean weight)",
+        "KL to the reference (nats)",
+    ),
+    PlotSpec(
         "clipped_ratio",
         "Completions cut at max_completion_length",
         (Curve("completions/clipped_ratio"),),

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.rollout.advantages import is_truncated, source_weights
 from asyncgrpo.rollout.environments import EnvironmentPool
 from asyncgrpo.rollout.eval_metrics import PromptOutcome
 from asyncgrpo.rollout.prompts import CURRENT_ROW
@@ -28,7 +29,6 @@ from asyncgrpo.rollout.scoring import (
     reward_function_name,
     sum_rewards,
 )
-from asyncgrpo.rollout.types import Rollout
 
 
 class EvalSampler(PolicySampler):
@@ -135,11 +135,12 @@ class EvalRunner:
         sources = [*per_function, *env_sources]
         names = [reward_function_name(function) for function in self.reward_funcs] + env_names
         eos = set(self.loop.eos_token_ids)
+        weights = source_weights(self.config.reward_weights, len(per_function), len(sources) + 1)
         return PromptOutcome(
-            rewards=sum_rewards([*sources, rollout_rewards], size),
+            rewards=sum_rewards([*sources, rollout_rewards], size, weights),  # as training weighs them
             per_source=dict(zip(names, sources)),
             lengths=[sum(len(turn.output_ids) for turn in rollout.turns) for rollout in rollouts],
-            clipped=[not _terminated(rollout, eos) for rollout in rollouts],
+            clipped=[is_truncated(rollout, eos) for rollout in rollouts],
         )
 
     async def _rollout(self, row: dict[str, Any], group_id: int, slots: asyncio.Semaphore):
@@ -152,9 +153,3 @@ class EvalRunner:
             async with self.environments.episode(row) as episode:
                 rollout = await loop.generate_one(episode.prompt, loop.tools + episode.tools, group_id)
                 return rollout, episode.prompt, await self.environments.reward(episode.instance)
-
-
-def _terminated(rollout: Rollout, eos_token_ids: set[int]) -> bool:
-    """Whether the last turn ended on an end-of-sequence token (not clipped at the length limit)."""
-    last = rollout.turns[-1].output_ids if rollout.turns else []
-    return bool(last) and last[-1] in eos_token_ids

@@ -17,6 +17,7 @@ import numpy as np
 from asyncgrpo.generation.client import SamplingParams, VLLMClient
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rollout.activity import ActivityBoard
+from asyncgrpo.rollout.advantages import rollout_advantages
 from asyncgrpo.rollout.agent import run_tool_loop
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.chat import render_prompt_ids
@@ -24,7 +25,6 @@ from asyncgrpo.rollout.concurrency import LOAD_POLL_INTERVAL_S
 from asyncgrpo.rollout.prompts import CURRENT_ROW
 from asyncgrpo.rollout.sampler import PolicySampler
 from asyncgrpo.rollout.scheduler import RolloutScheduler, SchedulingArgs
-from asyncgrpo.rollout.scoring import group_advantages
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TurnRecord
 
 
@@ -111,8 +111,10 @@ class AsyncRolloutLoop:
         return await self._sampler.turn(prompt_ids, sampling)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """One advantage per rollout: rewards normalized in the group; NaN rewards get 0."""
-        return group_advantages(group.rewards)
+        """One advantage per rollout; NaN rewards get 0. By default the rewards (weighted by
+        reward_weights) centered in the group and divided by its std (scale_rewards='group'); with
+        'batch', 'none' or GDPO's normalize_then_sum, what the group alone gives (docs/algorithm.md)."""
+        return rollout_advantages(group, self.config.scale_rewards, self.config.multi_objective_aggregation)
 
     # -- helpers for hooks -------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.rollout.advantages import is_truncated
 from asyncgrpo.rollout.sequences import ReconcileStats
 from asyncgrpo.rollout.types import Rollout, RolloutGroup
 
@@ -35,8 +36,7 @@ def record_rollout_metrics(
             metrics.record("rollout/drift_tokens_max", drift, Reduce.MAX)
     # Generated tokens only: tool results are context, not the model's output.
     length = sum(len(turn.output_ids) for turn in rollout.turns)
-    last = rollout.turns[-1].output_ids if rollout.turns else []
-    terminated = bool(last) and last[-1] in eos_token_ids
+    terminated = not is_truncated(rollout, eos_token_ids)
     metrics.record("completions/mean_length", length)
     metrics.record("completions/min_length", length, Reduce.MIN)
     metrics.record("completions/max_length", length, Reduce.MAX)

@@ -21,6 +21,7 @@ import numpy as np
 from asyncgrpo import timeline
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.rollout.advantages import advantage_basis, is_truncated, source_weights
 from asyncgrpo.rollout.agent import record_tool_rollout_metrics
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.chat import RewriteDetector
@@ -477,7 +478,11 @@ class RolloutScheduler:
         env_names, env_sources, rollout_rewards = checked_extra_sources(
             group.env_rewards, group.rollout_rewards
         )
-        group.rewards = sum_rewards([*per_function, *env_sources, rollout_rewards], len(group.prompts))
+        sources = [*per_function, *env_sources, rollout_rewards]
+        config = self.config
+        group.source_rewards = sources
+        group.source_weights = source_weights(config.reward_weights, len(per_function), len(sources))
+        group.rewards = sum_rewards(sources, len(group.prompts), group.source_weights)
         advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
         if advantages.shape != (len(group.prompts),):
             raise ValueError(
@@ -489,8 +494,12 @@ class RolloutScheduler:
                 "compute_advantages returned a non-finite advantage for dataset row "
                 f"{group.row_index}: {advantages}"
             )
-        dropped = is_degenerate_group(group.rewards)
-        samples = [] if dropped else training_samples(group, advantages)
+        dropped = is_degenerate_group(advantage_basis(group, config.multi_objective_aggregation))
+        left_out = frozenset()
+        if config.mask_truncated_completions:
+            eos = self.loop.eos_token_ids
+            left_out = frozenset(i for i, rollout in enumerate(group.rollouts) if is_truncated(rollout, eos))
+        samples = [] if dropped else training_samples(group, advantages, left_out)
         names = [reward_function_name(function) for function in reward_funcs] + env_names
         record_group_metrics(
             self.loop.metrics, group, [*per_function, *env_sources], names, dropped, len(samples)

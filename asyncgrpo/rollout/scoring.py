@@ -135,28 +135,34 @@ def checked_extra_sources(
     return env_names, env_sources, checked
 
 
-def sum_rewards(sources: list[list[float | None]], num_rollouts: int) -> np.ndarray:
-    """Per rollout, the sum over sources that scored it; NaN where none did. `sources` holds one
-    list per source (reward function, environment, Rollout.reward), None where it did not score."""
+def sum_rewards(
+    sources: list[list[float | None]], num_rollouts: int, weights: list[float] | None = None
+) -> np.ndarray:
+    """Per rollout, the (weighted) sum over sources that scored it; NaN where none did. `sources` holds
+    one list per source (reward function, environment, Rollout.reward), None where it did not score;
+    `weights` one weight per source (None: 1 each)."""
     totals = np.full(num_rollouts, np.nan)
-    for source in sources:
+    for position, source in enumerate(sources):
+        weight = 1.0 if weights is None else weights[position]
         for index, value in enumerate(source):
             if value is None or (isinstance(value, float) and math.isnan(value)):
                 continue
+            value = weight * value
             totals[index] = value if np.isnan(totals[index]) else totals[index] + value
     return totals
 
 
-def group_advantages(rewards: np.ndarray) -> np.ndarray:
+def group_advantages(rewards: np.ndarray, scale: bool = True) -> np.ndarray:
     """GRPO advantages over the scored (non-NaN) rollouts S: (R - mean_S) / (std_S + eps), with
-    the population std; unscored rollouts get 0. There is no scale_rewards option: advantages are
-    always divided by the group's std."""
+    the population std (`scale=False`: R - mean_S, scale_rewards 'none' or 'batch'); unscored
+    rollouts get 0."""
     advantages = np.zeros(len(rewards), dtype=np.float64)
     scored = ~np.isnan(rewards)
     if scored.sum() < 2:
         return advantages
     values = rewards[scored]
-    advantages[scored] = (values - values.mean()) / (values.std() + ADVANTAGE_EPSILON)
+    centered = values - values.mean()
+    advantages[scored] = centered / (values.std() + ADVANTAGE_EPSILON) if scale else centered
     return advantages
 
 
@@ -167,13 +173,16 @@ def is_degenerate_group(rewards: np.ndarray) -> bool:
     return len(scored) < 2 or bool(np.all(scored == scored[0]))
 
 
-def training_samples(group: RolloutGroup, advantages: np.ndarray) -> list[Sample]:
+def training_samples(
+    group: RolloutGroup, advantages: np.ndarray, left_out: frozenset[int] = frozenset()
+) -> list[Sample]:
     """Training samples of a kept group. Unscored rollouts (advantage 0) add no gradient, only
-    forward cost, so they are not queued."""
+    forward cost, so they are not queued; nor are the rollouts `left_out` (truncated ones, with
+    mask_truncated_completions)."""
     samples = []
     now = time.time()
     for index, sequences in enumerate(group.completions_sequences):
-        if np.isnan(group.rewards[index]):
+        if np.isnan(group.rewards[index]) or index in left_out:
             continue
         for sequence in sequences:
             samples.append(

@@ -85,3 +85,7 @@ class RolloutGroup:
     stream_index: int = -1
     epoch: int = 0
     rollouts: list[Rollout] = field(default_factory=list)
+    # Each reward source's scores (one list per source, None where it did not score) and its weight
+    # (reward_weights), set when the group is scored: what GDPO's aggregation normalizes per source.
+    source_rewards: list[list[float | None]] = field(default_factory=list)
+    source_weights: list[float] = field(default_factory=list)

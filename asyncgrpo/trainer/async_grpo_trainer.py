@@ -23,12 +23,11 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.trainer_utils import SaveStrategy, TrainOutput
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput
 
 from asyncgrpo import timeline
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.client import VLLMClient
-from asyncgrpo.loss import clipped_surrogate_loss, score_centered_loss
 from asyncgrpo.metrics import Reduce
 from asyncgrpo.peft_adapters import check_peft_config
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
@@ -44,6 +43,7 @@ from asyncgrpo.trainer.checks import (
     check_epochs_can_end,
     check_no_injected_protocols,
     check_reward_funcs,
+    check_reward_weights,
     check_transformers_version,
 )
 from asyncgrpo.trainer.compile import layer_compile_options
@@ -56,6 +56,7 @@ from asyncgrpo.trainer.evaluator import Evaluator
 from asyncgrpo.trainer.fsdp_launch import read_fsdp_launch
 from asyncgrpo.trainer.generation_session import GenerationSession
 from asyncgrpo.trainer.intake import ServersLostWeights, StepBatch, TrainingComplete
+from asyncgrpo.trainer.loss_menu import LossMenu
 from asyncgrpo.trainer.nonfinite import MAX_NONFINITE_STEPS, NonFiniteTrainingError
 from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_decisions, with_triton_update
 from asyncgrpo.trainer.policy_model import load_policy_model, prepare_policy_model, prepare_tokenizer
@@ -122,6 +123,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         elif not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
         check_reward_funcs(list(reward_funcs))
+        check_reward_weights(list(reward_funcs), args.reward_weights)
         tools = list(tools or [])
         check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args, self._agent_loop)
         if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
@@ -153,7 +155,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         self.environment_factory = environment_factory
         self.model_id = model_id
         self.streaming = streaming
-        self._loss_fn = score_centered_loss if args.score_centering else clipped_surrogate_loss
+        # The reference (a copy of the model as given, or its adapter off) and the entropy coefficient.
+        self._loss_menu = LossMenu(model, args)
         self._progress = AsyncProgressCallback(
             total=args.max_steps
             if args.max_steps > 0
@@ -242,15 +245,18 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             while not self._processes.broadcast(self._should_stop(args) if self._processes.is_main else None):
                 try:
                     self._train_step(model, trial, epochs)
-                except TrainingComplete:  # the last prompts were consumed while the step waited
+                except TrainingComplete:  # the last prompts consumed while the step waited, or saturation
                     # They count: the epoch training ends in is whole (2.0 of 2 epochs, not the last
                     # step's 1.875), as on_epoch_end and the run's last log see it.
                     self._count_consumed_prompts()
                     break
                 if self.control.should_training_stop:
                     break
+            ended_before_max_steps = not self.control.should_training_stop
             self.control.should_log = self.control.should_save = False  # the last step's are done
             self.control = epochs.finish(args, self.state, self.control)
+            if ended_before_max_steps:
+                self._end_as_at_max_steps(args)
             self._log_and_save(model, trial)  # what on_epoch_end asked for (epoch strategies)
             self._join_eval(trial)
             self._end_with_served_weights(trial)
@@ -281,6 +287,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             self._metrics.num_tokens,
             self._session.held_samples(),
             PromptOrder.of(self.args),
+            self._loss_menu.state(),
         )
         save_checkpoint(self, model, trial, resume, self._processes, self._sharded, self._run_lock)
 
@@ -298,6 +305,22 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         return self.accelerator.autocast()
 
     # -- how far a run is (its set-up: RunSetup, trainer/run_setup.py) -------------------------------------
+
+    def _end_as_at_max_steps(self, args: AsyncGRPOConfig) -> None:
+        """Training ended before `max_steps` (the epochs' prompts consumed, or a pass without signal
+        after training: docs/reliability.md): ask for the checkpoint and evaluation the base Trainer's
+        schedule gives the step at `max_steps`, where this step had none."""
+        step = self.state.global_step
+        if step == 0:
+            return
+        if args.save_strategy == SaveStrategy.STEPS and step % self.state.save_steps != 0:
+            self.control.should_save = True
+        if (
+            args.eval_strategy == IntervalStrategy.STEPS
+            and step % self.state.eval_steps != 0
+            and args.eval_delay <= step
+        ):
+            self.control.should_evaluate = True
 
     def _should_stop(self, args: AsyncGRPOConfig) -> bool:
         if args.max_steps > 0:
@@ -327,6 +350,9 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
                 )  # planned into rows, one per process in each micro-batch
             queued = self._forward_backward(model, batch)
             result = self._optimizer_step(model, queued)
+            self._loss_menu.after_step(
+                self._metrics.window, self.accelerator.unwrap_model(model), self.state.global_step + 1
+            )
             self._sync_weights_if_due(model, result)
             self._record_metrics(batch, result, time.perf_counter() - started)
             self._end_step(epochs)
@@ -360,6 +386,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         clock = DeviceClock(args.device)
         world, rank = self._processes.world_size, self._processes.rank
         row_marks, row_losses, row_stats = [], [], []
+        step = self._loss_menu.step_loss(batch)
         for index, plan in enumerate(batch.plans):
             if index:  # the base Trainer's point: after each micro-batch but the step's last
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
@@ -381,8 +408,9 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             started = clock.mark()
             with replayed_routing_of(model, row):
                 with self.compute_loss_context_manager(), timeline.span("forward", tokens=row.num_tokens):
+                    row_step = self._loss_menu.for_row(step, counted=weight > 0)
                     loss, stats = row_loss(
-                        model, row, entries_global, args, self._loss_fn, keep_logits, batch.model_version
+                        model, row, entries_global, args, row_step, keep_logits, batch.model_version
                     )
                 forward_done = clock.mark()
                 # FSDP2 averages gradients over processes; the loss is already normalized globally.
@@ -406,6 +434,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         for _, stats_of_rank in gathered:
             for stats in stats_of_rank:
                 self._metrics.window.merge(stats)
+        self._loss_menu.observe([stats for _, stats_of_rank in gathered for stats in stats_of_rank])
         return StepResult(loss=sum(rank_loss for rank_loss, _ in gathered), fwd_s=fwd_s, fwd_bwd_s=fwd_bwd_s)
 
     def _optimizer_step(self, model, queued: QueuedRows) -> StepResult:

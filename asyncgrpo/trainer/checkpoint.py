@@ -25,6 +25,7 @@ from asyncgrpo.durable_files import publish_directory, staging_path
 from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.run_lock import OwnerLock
 from asyncgrpo.sample import Sample
+from asyncgrpo.trainer.algorithm_state import AlgorithmState
 from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
@@ -38,6 +39,7 @@ class ResumePoint:
 
     rollout: RolloutState = field(default_factory=RolloutState)
     held_samples: list[Sample] = field(default_factory=list)
+    algorithm: AlgorithmState = field(default_factory=AlgorithmState)  # the loss menu's state
 
     @classmethod
     def of_run(
@@ -47,6 +49,7 @@ class ResumePoint:
         num_tokens: int,
         held_samples: list[Sample],
         prompt_order: PromptOrder,
+        algorithm: AlgorithmState | None = None,
     ) -> ResumePoint:
         watermark, consumed_after = ledger.state()
         rollout = RolloutState(
@@ -57,7 +60,7 @@ class ResumePoint:
             num_tokens=num_tokens,
             prompt_order=prompt_order,
         )
-        return cls(rollout, held_samples)
+        return cls(rollout, held_samples, algorithm or AlgorithmState())
 
 
 def save_checkpoint(
@@ -154,6 +157,7 @@ def write_checkpoint(
 def save_resume_point(directory: Path, resume: ResumePoint) -> None:
     resume.rollout.save(directory)
     save_held_samples(resume.held_samples, directory)
+    resume.algorithm.save(directory)
 
 
 def read_resume_point(checkpoint: str, streaming: bool) -> ResumePoint:
@@ -173,8 +177,8 @@ def read_resume_point(checkpoint: str, streaming: bool) -> ResumePoint:
                 "again)"
             )
             rollout.first_untrained_index, rollout.consumed_after = 0, []
-        return ResumePoint(rollout)
-    return ResumePoint(rollout, load_held_samples(checkpoint))
+        return ResumePoint(rollout, algorithm=AlgorithmState.load(checkpoint))
+    return ResumePoint(rollout, load_held_samples(checkpoint), AlgorithmState.load(checkpoint))
 
 
 def restore_trainer_state(trainer: Trainer, checkpoint: str, max_steps: int) -> None:

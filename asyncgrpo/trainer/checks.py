@@ -38,6 +38,16 @@ def check_reward_funcs(reward_funcs: list[Any]) -> None:
             check()
 
 
+def check_reward_weights(reward_funcs: list[Any], reward_weights: list[float] | None) -> None:
+    """One weight per reward function, as TRL requires (an environment's get_reward and a Rollout.reward
+    are reward sources of their own, weighing 1)."""
+    if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+        raise ValueError(
+            f"reward_weights has {len(reward_weights)} weights for {len(reward_funcs)} reward functions: "
+            "give one weight per reward function, in reward_funcs' order (or reward_weights=None for 1 each)"
+        )
+
+
 def check_no_injected_protocols(rollout_worker, weight_transfer) -> None:
     """TRL's trainer accepts its own rollout-worker and weight-transfer objects; this one has other
     customisation points."""

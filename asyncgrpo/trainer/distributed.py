@@ -92,6 +92,25 @@ def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     )
 
 
+def full_model_state(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
+    """The whole model state on CPU (sharded: a collective, every rank calls it)."""
+    if not sharded:
+        return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], sharded: bool) -> None:
+    """Load a whole (unsharded) model state, into the shards when `sharded` (every rank calls it)."""
+    if not sharded:
+        model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
 def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
     """Load a full (unsharded) optimizer state into the sharded optimizer; every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

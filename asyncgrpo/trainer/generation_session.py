@@ -21,6 +21,7 @@ from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
 from asyncgrpo.generation.server_info import check_logprobs_mode, check_routing_replay
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.rollout.advantages import scale_over_batch
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.worker import RolloutWorkerPool, check_worker_payload, plain_settings
@@ -63,6 +64,7 @@ class GenerationSession:
         self.served_name: str | None = None
         self.lora_name: str | None = None
         self.mismatch_watch: MismatchWatch | None = None  # rank 0, once open
+        self.advantage_scaling = ("group", "sum_then_normalize")  # scale_rewards, the aggregation
 
     def open(
         self, trainer: AsyncGRPOTrainer, ledger: PromptLedger, stop_condition: Callable[[], bool]
@@ -72,6 +74,7 @@ class GenerationSession:
         it. The worker is spawned here and starts up while the trainer syncs the starting weights;
         it generates once `start_rollouts` lets it."""
         args = trainer.args
+        self.advantage_scaling = (args.scale_rewards, args.multi_objective_aggregation)
         if not self.processes.is_main:
             self.token_budget, backend = self.processes.broadcast(None)
             self.weight_sync = make_weight_sync(backend, is_sender=False)
@@ -170,6 +173,7 @@ class GenerationSession:
             else len(trainer.train_dataset),
             stop_condition=stop_condition,
             check_servers=self.check_servers,
+            stop_when_saturated=args.stop_when_saturated,
         )
         self.intake.restore(self.resume.held_samples)
         self.worker.publish_model_version(self.model_version)
@@ -187,7 +191,11 @@ class GenerationSession:
         were consumed while waiting)."""
         try:
             self.check_servers()
-            return self.intake.next_step(gradient_accumulation_steps, self.window, self.model_version)
+            batch = self.intake.next_step(gradient_accumulation_steps, self.window, self.model_version)
+            # What the step's advantages need of the whole batch (scale_rewards="batch", GDPO), before
+            # the plan is broadcast: docs/algorithm.md, "Advantages".
+            scale_over_batch(batch.samples, *self.advantage_scaling)
+            return batch
         except TrainingComplete:
             return None
         except ServersLostWeights as lost:  # every rank learns it, and helps push the weights again

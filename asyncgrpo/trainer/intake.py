@@ -55,31 +55,56 @@ UNBOUNDED_PASS_PROMPTS = 1000
 
 
 @dataclass
-class RewardStreak:
-    """What the groups since the last one with samples scored. When a whole pass over the prompts
-    brings nothing to train, it tells a solved training set (the run has trained, and every group of
-    the pass got, on every rollout, the best reward the run has seen: training ends as at max_steps)
-    from a run that cannot learn (a constant or broken reward, filtered prompts, or a policy that
-    collapsed below its best: an error)."""
+class PassVerdict:
+    """What the prompts of a pass without signal scored, each group on every one of its rollouts."""
 
-    best: float = -math.inf  # the highest reward any rollout of the run scored
-    lowest_top: float = math.inf  # the lowest group top reward of the streak (-inf: nothing scored)
-    # Some group of this run brought samples. Not carried over a resume: a resumed run must train once
-    # before a pass of equal rewards counts as solved (its best reward so far is not in the checkpoint).
-    trained: bool = False
+    solved_rows: list[int]  # the best reward the run has seen
+    unsolved_rows: list[int]  # a lower reward
+    filtered_rows: list[int]  # nothing scored (filter_prompt rejected the prompt, or no reward)
 
-    def add(self, top_reward: float | None, num_samples: int) -> None:
+
+class SignalHistory:
+    """What the groups of the run scored, for the policy on a pass that brings nothing to train
+    (docs/reliability.md, "A pass without signal"). A run that has trained and then saturates (every
+    group of a pass got equal rewards, whatever they are) has learnt what it can of its data; a run
+    that never trained since its start or resume has broken reward functions or data."""
+
+    def __init__(self, span: int):
+        self.best = -math.inf  # the highest reward any rollout of the run scored
+        # Some group of this run brought samples. Not carried over a resume: a resumed run must train
+        # once before a pass without signal counts as saturation.
+        self.trained = False
+        # (dataset row, top reward) of the groups since the last one with samples: the last `span`.
+        self.streak: deque[tuple[int, float | None]] = deque(maxlen=span)
+
+    def add(self, row_index: int, top_reward: float | None, num_samples: int) -> None:
         if top_reward is not None:
             self.best = max(self.best, top_reward)
         if num_samples:
             self.trained = True
-            self.lowest_top = math.inf
+            self.streak.clear()
         else:
-            self.lowest_top = min(self.lowest_top, -math.inf if top_reward is None else top_reward)
+            self.streak.append((row_index, top_reward))
+
+    def verdict(self) -> PassVerdict:
+        """The distinct prompts of the last pass, by what their latest group scored."""
+        latest = dict(self.streak)  # a prompt seen twice in the pass counts once, as it scored last
+        verdict = PassVerdict([], [], [])
+        for row, top in sorted(latest.items()):
+            rows = (
+                verdict.filtered_rows
+                if top is None
+                else verdict.solved_rows
+                if top >= self.best
+                else verdict.unsolved_rows
+            )
+            rows.append(row)
+        return verdict
 
     @property
-    def solved(self) -> bool:
-        return self.trained and self.lowest_top >= self.best
+    def lowest_top(self) -> float:
+        """The lowest group reward of the streak (-inf where a prompt scored nothing)."""
+        return min((-math.inf if top is None else top for _, top in self.streak), default=math.inf)
 
 
 @dataclass
@@ -88,6 +113,37 @@ class StepBatch:
     wait_s: float = 0.0  # time the step waited on an empty queue
     samples: list[Sample] = field(default_factory=list)
     model_version: int = 0  # the trainer's policy version when the samples were taken
+
+
+ROWS_NAMED = 20  # dataset rows a saturation warning lists of each kind
+
+
+def saturation_message(verdict: PassVerdict, best: float, streak: int, what: str) -> str:
+    """The warning of a run that trained and then saturated: how many prompts the policy always and
+    never solves, and which rows to add or remove."""
+
+    def rows(indices: list[int]) -> str:
+        shown = ", ".join(str(row) for row in indices[:ROWS_NAMED])
+        return shown + (f" and {len(indices) - ROWS_NAMED} more" if len(indices) > ROWS_NAMED else "")
+
+    message = (
+        f"the last {streak} prompts ({what}) brought nothing to train: every group's rollouts got equal "
+        f"rewards. Of the distinct prompts of the last pass, the policy always solves "
+        f"{len(verdict.solved_rows)} (every rollout at reward {best:.4g}, the best this run has seen) and "
+        f"never solves {len(verdict.unsolved_rows)} (every rollout at a lower reward)"
+    )
+    if verdict.filtered_rows:
+        message += f"; {len(verdict.filtered_rows)} scored nothing (filtered out, or no reward)"
+    message += ": it has learnt what it can of this data."
+    if verdict.solved_rows:
+        solved = rows(verdict.solved_rows)
+        message += f" Remove the solved prompts (dataset rows {solved}) or add harder ones."
+    if verdict.unsolved_rows:
+        message += (
+            f" The never-solved prompts (rows {rows(verdict.unsolved_rows)}) are beyond the policy as it "
+            "samples now: check their answers, or add easier prompts of their kind."
+        )
+    return message
 
 
 class SampleIntake:
@@ -113,6 +169,7 @@ class SampleIntake:
         prompts_per_epoch: int | None = None,
         stop_condition=lambda: False,
         check_servers=lambda: None,
+        stop_when_saturated: bool = True,
     ):
         self.worker = worker
         self.check_servers = check_servers  # raises ServersLostWeights
@@ -131,7 +188,10 @@ class SampleIntake:
         row_tokens = token_budget if token_budget > 0 else samples_per_row * max_sample_tokens
         self.last_step_tokens = row_tokens * rows_per_step
         self._warned_oversize = False
-        self.rewards = RewardStreak()
+        self.stop_when_saturated = stop_when_saturated
+        self.pass_span = prompts_per_epoch or UNBOUNDED_PASS_PROMPTS
+        self.signal = SignalHistory(self.pass_span)
+        self._saturated_passes = 0  # passes without signal trained through (stop_when_saturated=False)
         self._publish_allowance(held_tokens=0)
 
     def restore(self, samples: list[Sample]) -> None:
@@ -160,7 +220,7 @@ class SampleIntake:
             for sample in result.samples:
                 sample.validate()  # a malformed sample fails here, naming the broken invariant
             self.ledger.add_group(result.stream_index, len(result.samples))
-            self.rewards.add(result.top_reward, len(result.samples))
+            self.signal.add(result.row_index, result.top_reward, len(result.samples))
             self.buffer.extend(result.samples)
             result = self.worker.next_result(timeout=0.0)
 
@@ -193,44 +253,41 @@ class SampleIntake:
         batch.wait_s += time.monotonic() - started
 
     def _check_progress_possible(self) -> None:
-        """Never wait forever: stop when training is over, fail when nothing can ever be trained."""
+        """Never wait forever: stop when training is over; at a pass without signal, end (or train on
+        through it) when the run has trained, fail when it never has (docs/reliability.md)."""
         if self.stop_condition():
             raise TrainingComplete
         streak = self.ledger.prompts_without_samples_streak
-        span = self.prompts_per_epoch or UNBOUNDED_PASS_PROMPTS
-        if streak >= span:
-            what = (
-                "a whole pass over the dataset"
-                if self.prompts_per_epoch
-                else "data without a length, so that many in a row count as a pass"
-            )
-            if self.rewards.solved:
-                logger.warning(
-                    "every group of the last %d prompts (%s) got reward %.4g on all its rollouts, the best "
-                    "this run has seen: the policy solves the training set, and groups with equal rewards "
-                    "carry no signal. Training ends here, as at max_steps.",
-                    streak,
-                    what,
-                    self.rewards.best,
-                )
-                raise TrainingComplete
+        if streak < self.pass_span * (self._saturated_passes + 1):
+            return
+        what = (
+            "a whole pass over the dataset"
+            if self.prompts_per_epoch
+            else "data without a length, so that many in a row count as a pass"
+        )
+        if not self.signal.trained:
             raise NoTrainingSignalError(
                 f"the last {streak} prompts ({what}) produced "
                 "nothing to train on: every group's rollouts got equal rewards (or "
-                "every prompt was filtered out), so no advantage is non-zero. Check "
-                "the reward functions (logged as rewards/<name>/mean) against a few "
+                "every prompt was filtered out, or with mask_truncated_completions every rollout was cut "
+                "at max_completion_length: see completions/clipped_ratio), so no advantage is non-zero. "
+                "Check the reward functions (logged as rewards/<name>/mean) against a few "
                 "completions, or make the task easier for the model." + self._reward_note()
             )
+        message = saturation_message(self.signal.verdict(), self.signal.best, streak, what)
+        if self.stop_when_saturated:
+            logger.warning("%s Training ends here, as at max_steps.", message)
+            raise TrainingComplete
+        self._saturated_passes += 1
+        logger.warning("%s Training goes on (stop_when_saturated=False).", message)
 
     def _reward_note(self) -> str:
-        if self.rewards.best == -math.inf:
+        if self.signal.best == -math.inf:
             return ""
-        lowest = (
-            "nothing scored" if self.rewards.lowest_top == -math.inf else f"{self.rewards.lowest_top:.4g}"
-        )
+        lowest = "nothing scored" if self.signal.lowest_top == -math.inf else f"{self.signal.lowest_top:.4g}"
         return (
             f" Lowest group reward in that pass: {lowest}; the best any rollout of this run scored: "
-            f"{self.rewards.best:.4g}."
+            f"{self.signal.best:.4g}."
         )
 
     def _next_sample(self, batch: StepBatch, metrics: MetricsWindow, model_version: int) -> Sample:

@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 class RunSetup:
     """AsyncGRPOTrainer's set-up of a train() call; it reads the trainer's `accelerator`, `args`,
-    `model`, `optimizer`, `callback_handler`, `streaming`, `_fsdp_launch` and `_compile_layers`."""
+    `model`, `optimizer`, `callback_handler`, `streaming`, `_fsdp_launch`, `_compile_layers` and
+    `_loss_menu`."""
 
     _run_lock: OwnerLock | None = None  # rank 0's hold on output_dir while train() runs
 
@@ -83,6 +84,10 @@ class RunSetup:
         self.accelerator.free_memory()
         resume = self._restore_state(args, checkpoint)
         model = self._prepare_model(args, checkpoint)
+        reshard = self._fsdp_launch.reshard_after_forward if self._fsdp_launch is not None else True
+        self._loss_menu.prepare(
+            self._processes, self._sharded, reshard, self._compile_layers, resume.algorithm
+        )
         self.state.init_training_references(self, self.state.max_steps, args.num_train_epochs, trial)
         self._fit_checkpointing = CheckpointToFit.for_training(
             self.accelerator.unwrap_model(model), self.optimizer, args, self._sharded

@@ -1,0 +1,33 @@
+"""Every loss_type x importance_sampling_level against TRL 1.16's own `_compute_loss`, on the same per-token
+inputs (fp32; loss, gradient and shared metrics within 1e-6): tests/trl_loss_parity_check.py, run in a
+process with the trl==1.16.0 wheel on its path. `make venv` installs TRL into a folder of its own
+(Makefile, TRL_PARITY), never into the venv's site-packages: asyncgrpo does not depend on TRL, and a
+test must not import it into the suite's own processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+# Where `make venv` puts it; ASYNCGRPO_TRL_PARITY names another folder holding trl==1.16.0 (pip --target).
+TRL_FOLDER = Path(os.environ.get("ASYNCGRPO_TRL_PARITY", Path(sys.prefix) / "trl-parity"))
+
+
+def test_every_loss_type_and_ratio_level_matches_trls_own_code():
+    assert (TRL_FOLDER / "trl" / "trainer" / "grpo_trainer.py").is_file(), (
+        f"{TRL_FOLDER} does not hold TRL: run `make venv` (Makefile, TRL_PARITY)"
+    )
+    path = os.pathsep.join([str(TRL_FOLDER), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "trl_loss_parity_check.py")],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines and lines[-1] == "parity", done.stdout + done.stderr[-4000:]
+    assert "138 cases, 0 failed" in done.stdout, "every loss_type x level x setting must have run"
