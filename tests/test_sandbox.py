@@ -214,6 +214,10 @@ def test_the_opt_out_is_by_name_and_warned_about_once(monkeypatch, caplog, tmp_p
         make(agent_sandbox="none", agent_limits=SandboxLimits())
     with pytest.raises(ValueError, match="processes=1 must be >= 2"):
         SandboxLimits(processes=1)
+    with pytest.raises(ValueError, match="which do not exist"):
+        make(agent_readable_paths=[str(tmp_path / "missing")])
+    with pytest.raises(sandbox.SandboxError, match="holds the home folder"):
+        sandbox.run([sys.executable, "-c", "pass"], readable_paths=[os.path.expanduser("~")])
 
 
 def test_a_machine_that_cannot_start_the_sandbox_is_told_at_the_trainers_build(monkeypatch, tmp_path):

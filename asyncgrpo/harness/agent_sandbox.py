@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +75,9 @@ def agent_sandbox(
     for name, value in paths.items():
         if isinstance(value, str) or not all(isinstance(path, str) for path in value or ()):
             raise ValueError(f"{name} must be a list of paths, got {value!r}")
+        missing = [path for path in value or () if not os.path.exists(path)]
+        if missing:
+            raise ValueError(f"{name} names {missing}, which do not exist on this machine")
     if choice == UNSANDBOXED:
         given = [name for name, value in {"agent_limits": limits, **paths}.items() if value]
         if given:

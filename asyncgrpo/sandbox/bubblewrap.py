@@ -8,8 +8,9 @@ another namespace); an empty root, read-only, with
   that programs read to run (the dynamic linker's cache, certificates, time zones; no password
   hashes, no machine's configuration), and a `passwd`, `group` and `hosts` of its own;
 - the interpreter that runs the sandbox and the command's program, read-only: the Python's
-  install and virtual environment (found from the interpreter, not from the trainer's paths), the
-  command's files (the agent's script), and the paths the user names;
+  install and virtual environment (as the interpreter says: `sys.prefix` and its kin), the
+  command's files (the agent's script), and the paths the user names; never a folder that holds the
+  trainer user's home (refused with SandboxError);
 - its own folders, writable, from the host folders the caller made: the working directory
   (`/sandbox/work`), a home (`/sandbox/home`) and a temporary folder (`/tmp`); `/dev` with the usual
   devices only, and a small `/dev/shm`;
@@ -25,15 +26,17 @@ exits (the PID namespace's init ends, and the kernel kills the rest).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from asyncgrpo.sandbox.cgroup import SandboxCgroup, needs_cgroup
-from asyncgrpo.sandbox.errors import SandboxUnavailableError
+from asyncgrpo.sandbox.errors import SandboxError, SandboxUnavailableError
 from asyncgrpo.sandbox.limits import MiB, SandboxLimits
 
 # Where things are inside the sandbox.
@@ -110,15 +113,34 @@ class SandboxFolders:
         return [self.work, self.home, self.tmp]
 
 
+PREFIXES = "import sys; print(sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, sep='\\n')"
+# How long a Python other than the trainer's may take to say where it is installed.
+PREFIX_QUERY_TIMEOUT_S = 60.0
+
+
+@functools.lru_cache(maxsize=64)
+def python_prefixes(executable: str) -> tuple[str, ...]:
+    """Where a Python interpreter is installed (its standard library, a virtual environment's packages),
+    as the interpreter itself says: the trainer's own from `sys`, another's by asking it (once). Empty
+    for a program that is no Python."""
+    if Path(executable).absolute() == Path(sys.executable).absolute():
+        return (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
+    try:
+        answer = subprocess.run(
+            [executable, "-I", "-c", PREFIXES], capture_output=True, text=True, timeout=PREFIX_QUERY_TIMEOUT_S
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return tuple(answer.stdout.split("\n")[:4]) if answer.returncode == 0 else ()
+
+
 def interpreter_paths(executable: str) -> list[Path]:
     """What a program needs of its own install: the file and where its link leads, and for a Python
-    interpreter its prefix (`bin/..`: the standard library, a virtual environment's packages) on
-    both sides of the link."""
+    interpreter its installation and virtual environment."""
     path = Path(executable).absolute()
-    real = path.resolve()
-    found = [path, real]
-    if "python" in real.name or "python" in path.name:
-        found += [path.parent.parent, real.parent.parent]
+    found = [path, path.resolve()]
+    if "python" in path.name or "python" in path.resolve().name:
+        found += [Path(prefix) for prefix in python_prefixes(str(path)) if prefix]
     return found
 
 
@@ -131,6 +153,17 @@ def program_paths(command: list[str], search_path: str | None) -> list[Path]:
         if os.path.isabs(part) and os.path.isfile(part):
             found += [Path(part), Path(part).resolve()]
     return found
+
+
+def _refuse_home(path: Path) -> None:
+    """A bind that would show the trainer user's whole home (its credentials, tokens, keys) is refused."""
+    home = Path(os.path.expanduser("~")).resolve()
+    if home == path.resolve() or path.resolve() in home.parents:
+        raise SandboxError(
+            f"the sandbox would show {path}, which holds the home folder {home} (its credentials and "
+            "tokens): name a folder inside it in agent_readable_paths, or install the interpreter "
+            "outside the home folder itself (docs/harness.md, 'The sandbox')"
+        )
 
 
 def _covered(path: Path, bound: list[Path]) -> bool:
@@ -147,6 +180,7 @@ def read_only_binds(paths: list[Path]) -> list[str]:
     for path in sorted(candidates, key=lambda p: (len(p.parts), str(p))):
         if not path.exists() or _covered(path, bound) or path == Path("/"):
             continue
+        _refuse_home(path)
         arguments += ["--ro-bind", str(path.resolve()), str(path)]
         bound.append(path)
     return arguments
@@ -246,6 +280,7 @@ def bwrap_command(
         ),
     ]
     for path in writable_paths:
+        _refuse_home(Path(path))
         arguments += ["--bind", str(Path(path).resolve()), str(Path(path).absolute())]
     if proxy_socket is not None:
         arguments += ["--bind", proxy_socket, PROXY_SOCKET]
