@@ -232,6 +232,7 @@ def row_logprobs(
         to_device(row.subtree_end, device),
         position_ids[:num_tokens],
         to_device(row.segment_ids, device),
+        host_subtree_end=row.subtree_end,
     )
     token_weights = None
     if router_aux_loss:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from gpu_limits import bound_gpu_tests, one_config_autotune
 
 from asyncgrpo import AsyncGRPOConfig, cpu_use
 from asyncgrpo.cli.tiny_model import build_tokenizer, save_tiny_model
@@ -105,6 +106,10 @@ def in_group(item: pytest.Item, group: str) -> None:
 _last_users: dict[str, pytest.Item] = {}
 
 
+if torch.cuda.is_available():  # bounds on the GPU tests' time (tests/gpu_limits.py)
+    one_config_autotune()
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     needs_server = {}
@@ -129,6 +134,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         _last_users.update({name: item for name in _SHARED_BY_MODULES if name in item.fixturenames})
     if torch.cuda.is_available():
+        bound_gpu_tests(items)
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
     for item in items:

@@ -1,14 +1,17 @@
 """Tree attention: the BlockMask rule, the compiled flex kernel against a dense SDPA reference
-(forward and the CPU blockwise backward), sliding windows, softcapping, recompilation, and the
-models enable_tree_attention must refuse."""
+(forward and the CPU blockwise backward), sliding windows, softcapping, recompilation, the models
+enable_tree_attention must refuse, and asyncgrpo's own kernels (their tile lists against the rule;
+the kernels in Triton's interpreter and compiled for Hopper on CPU, compiled on a GPU)."""
 
 import numpy as np
 import pytest
 import torch
+from interpreted import run_interpreted
 from torch._dynamo.utils import counters
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
+from asyncgrpo.packing import tree_tiles
 from asyncgrpo.packing.tree_attention import (
     TREE_ATTENTION,
     build_tree_block_mask,
@@ -151,6 +154,94 @@ def test_cuda_flex_matches_dense_reference():
         compare_with_reference(rng, num_tokens, device="cuda")
         compare_with_reference(rng, num_tokens, window=6, device="cuda")
         compare_with_reference(rng, num_tokens, softcap=0.5, device="cuda")
+
+
+def tiles_visible_keys(subtree_end: np.ndarray, query_tile: int, key_tile: int) -> np.ndarray:
+    """(P, P) bool: the keys each query reads through the kernel's query tiles, and (checked apart)
+    the queries each key tile walks: both must be exactly the rule's."""
+    segments = tree_tiles.tree_segments(subtree_end)
+    num_tokens = len(subtree_end)
+    seen = np.zeros((num_tokens, num_tokens), bool)
+    for first, end, causal, begin, count in tree_tiles.query_tiles(segments, query_tile):
+        assert end - first <= query_tile
+        for q in range(first, end):
+            seen[q, causal : q + 1] = True
+            for lo, hi in segments.ranges[begin : begin + count]:
+                assert not seen[q, lo:hi].any(), "a key read twice"
+                seen[q, lo:hi] = True
+    walked = np.zeros_like(seen)
+    for first, end, subtree in tree_tiles.key_tiles(segments, key_tile):
+        for kv in range(first, end):
+            walked[kv:subtree, kv] = True
+    np.testing.assert_array_equal(walked, seen)
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_tiles_read_exactly_the_rule(seed):
+    """Every query tile's key ranges, and every key tile's query range, cover the rule's pairs and no
+    other (random multi-level tries, segments of 1-39 tokens, tiles of 1, 3 and 16 tokens)."""
+    rng = np.random.default_rng(seed)
+    subtree_end, positions = random_tree(rng, int(rng.integers(1, 300)))
+    allowed = dense_allowed(torch.from_numpy(subtree_end), torch.from_numpy(positions), None).numpy()
+    for query_tile, key_tile in ((16, 16), (1, 3), (3, 1)):
+        np.testing.assert_array_equal(tiles_visible_keys(subtree_end, query_tile, key_tile), allowed)
+
+
+def test_kernel_tiles_of_a_grpo_group():
+    """A prompt and its completions: the first completion's causal range starts at the prompt (no
+    separate range), the others read the prompt as one range; longest work first."""
+    subtree_end = np.r_[np.full(5, 12), np.full(3, 8), np.full(4, 12)]
+    segments = tree_tiles.tree_segments(subtree_end)
+    np.testing.assert_array_equal(segments.starts, [0, 5, 8])
+    np.testing.assert_array_equal(segments.causal_starts, [0, 0, 8])
+    assert segments.ranges.tolist() == [[0, 5]]
+    tiles = tree_tiles.query_tiles(segments, 4)
+    assert tiles[0].tolist() == [8, 12, 8, 0, 1]  # 4 own keys + 5 of the prompt: the most work
+    with pytest.raises(ValueError, match="not a trie layout"):
+        tree_tiles.tree_segments(np.array([4, 4, 6, 6, 6, 6]))  # a child's subtree past its parent's
+
+
+def test_tree_attention_kernels_match_dense_in_tritons_interpreter():
+    """The Triton kernels (forward, dK/dV, dQ) against dense float64 attention with the tree mask, in
+    Triton's interpreter (tests/tree_attention_kernel_check.py): fp32 and bf16, head groups of 1-4
+    (3: rows of a tile left unused), an uneven head dim, multi-level tries, GRPO groups, plain rows."""
+    lines = run_interpreted("tree_attention_kernel_check.py").splitlines()
+    assert sum(line.startswith("ok ") for line in lines) == 7, lines
+
+
+def test_tree_attention_kernels_compile_for_hopper():
+    """The kernels compile for sm_90 at the benchmarks' shapes with Hopper's matrix instructions, in
+    shared memory, without spilling registers (tests/tree_attention_compile_check.py)."""
+    lines = run_interpreted("tree_attention_compile_check.py", interpret=False).splitlines()
+    assert sum(line.startswith("compiled ") for line in lines) == 6, lines
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [("qwen3", torch.bfloat16), ("qwen3_5", torch.bfloat16), ("qwen3_moe", torch.bfloat16),
+     ("mha-64", torch.bfloat16), ("qwen3", torch.float32)],
+    ids=["qwen3-bf16", "qwen3_5-bf16", "qwen3_moe-bf16", "mha64-bf16", "qwen3-fp32"],
+)  # fmt: skip
+def test_cuda_tree_attention_kernels_match_dense(shape, dtype):
+    """The compiled kernels at the models' head shapes on rows of thousands of tokens, against dense
+    float64: bf16 within 2e-2 relative (the inputs' rounding), fp32 within 1e-5."""
+    from tree_attention_kernel_check import GPU_SHAPES, check_kernel, gpu_trees
+
+    head_dim, heads, kv_heads = GPU_SHAPES[shape]
+    for seed, (tree, subtree_end) in enumerate(gpu_trees()):
+        errors = check_kernel("cuda", subtree_end, heads, kv_heads, head_dim, dtype, True, seed)
+        print(tree, shape, {k: f"{v:.1e}" for k, v in errors.items()})
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_layers_run_the_kernels():
+    """Compiled decoder layers (the trainer's CUDA default) keep the kernels' operators in their graph:
+    log-probs and gradients as the flex path's, no recompilation for a new row length."""
+    from tree_attention_kernel_check import compiled_layer_check
+
+    compiled_layer_check("cuda")
 
 
 def test_new_row_lengths_do_not_recompile():

@@ -5,7 +5,10 @@ A `PackedRow` lets packed index `q` attend to packed index `kv` iff `kv <= q < s
 That rule is a FlexAttention `mask_mod` turned into a block-sparse `BlockMask`.
 `enable_tree_attention(model)` plugs it into transformers; every other call keeps SDPA. How it plugs
 in, why rows are padded and captured tensors kept at a fixed capacity (compilation), and the CPU
-backward: docs/architecture.md#tree-attention-inside-transformers.
+backward: docs/architecture.md#tree-attention-inside-transformers. On CUDA, masks without a sliding
+window also carry the row's `TreeLayout`, and layers without softcapping run asyncgrpo's own kernels
+over it instead of flex (`packing/tree_attention_kernel.py`; `kernel_choice.tree_attention_choice`):
+docs/gpu-performance.md, "Tree attention".
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import functools
 import re
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface, PreTrainedModel
@@ -20,7 +24,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from asyncgrpo.packing.gated_deltanet import LINEAR_ATTENTION, enable_tree_recurrence, is_gated_deltanet
+from asyncgrpo.packing.kernel_choice import tree_attention_choice
 from asyncgrpo.packing.recurrent_layout import RecurrentLayout, recurrent_layout
+from asyncgrpo.packing.tree_tiles import TreeLayout
 
 TREE_ATTENTION = "asyncgrpo_tree"  # the name registered in transformers' AttentionInterface
 BLOCK_SIZE = 128  # FlexAttention's default sparse block: rows are padded to a multiple of it
@@ -34,6 +40,9 @@ _MIN_CAPACITY = 4096
 # built for its own window (a model that ignores the {layer type: mask} dict would otherwise give
 # a sliding layer the full mask silently).
 _WINDOW_ATTR = "asyncgrpo_sliding_window"
+# The row's TreeLayout, on masks the CUDA kernels run (no sliding window): the BlockMask still goes
+# through transformers' mask preparation, which passes BlockMasks on untouched.
+_LAYOUT_ATTR = "asyncgrpo_tree_layout"
 # Layer types that are attention over the sequence with a causal (optionally windowed) mask.
 _PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Token mixers that are not attention: recurrent state would have to be forked per trie branch
@@ -62,13 +71,18 @@ def _capacity(length: int) -> int:
 
 
 def build_tree_block_mask(
-    subtree_end: torch.Tensor, position_ids: torch.Tensor, sliding_window: int | None = None
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor,
+    sliding_window: int | None = None,
+    layout: TreeLayout | None = None,
 ) -> BlockMask:
     """The BlockMask of a packed row, over its padded length `padded_length(P)`.
 
     subtree_end, position_ids: (P,) int64, the row's own (unpadded) arrays, on the device the
     attention runs on. Padding token i (P <= i < padded length) attends only to itself, and no real
     token sees a padding token: padding never produces NaN and never changes a real token's output.
+    layout: the row's `TreeLayout`, carried for asyncgrpo's kernels (which give padding zero output);
+    only without a sliding window.
     """
     if subtree_end.ndim != 1 or subtree_end.shape != position_ids.shape:
         raise ValueError(
@@ -113,7 +127,18 @@ def build_tree_block_mask(
             mask_mod, None, None, length, length, device=device, BLOCK_SIZE=BLOCK_SIZE
         )
     setattr(mask, _WINDOW_ATTR, sliding_window)
+    if layout is not None:
+        if sliding_window is not None:
+            raise ValueError("the tree-attention kernels have no sliding window: pass layout=None")
+        setattr(mask, _LAYOUT_ATTR, layout)
     return mask
+
+
+def tree_layout(subtree_end: torch.Tensor | np.ndarray, device: torch.device | str) -> TreeLayout:
+    """The `TreeLayout` of a row for the kernels on `device`; from the host array when given one (a
+    device tensor is read back, which waits for the GPU)."""
+    host = subtree_end if isinstance(subtree_end, np.ndarray) else subtree_end.cpu().numpy()
+    return TreeLayout(host, padded_length(len(host)), torch.device(device))
 
 
 def layer_windows(config) -> dict[str, int | None]:
@@ -136,13 +161,28 @@ def layer_windows(config) -> dict[str, int | None]:
 
 
 def tree_attention_masks(
-    config, subtree_end: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None
+    config,
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor,
+    segment_ids: torch.Tensor | None = None,
+    host_subtree_end: np.ndarray | None = None,
 ) -> BlockMask | dict[str, BlockMask | RecurrentLayout]:
     """What to pass as the model's `attention_mask` for one row: one BlockMask, or a dict
     {layer type: BlockMask} when the model has sliding-window layers, plus, for models with
-    Gated DeltaNet layers, {"linear_attention": RecurrentLayout} (which needs `segment_ids`)."""
+    Gated DeltaNet layers, {"linear_attention": RecurrentLayout} (which needs `segment_ids`).
+    On CUDA the masks without a window carry the row's TreeLayout for the kernels, built from
+    `host_subtree_end` (the row's host array: no wait for the GPU) when given."""
     windows = layer_windows(config)
-    masks = {t: build_tree_block_mask(subtree_end, position_ids, w) for t, w in windows.items()}
+    layout = None
+    if None in windows.values() and tree_attention_choice(subtree_end.device.type) == "triton":
+        layout = tree_layout(
+            subtree_end if host_subtree_end is None else host_subtree_end, subtree_end.device
+        )
+        _prepare_tiles(layout, config)
+    masks = {
+        t: build_tree_block_mask(subtree_end, position_ids, w, layout if w is None else None)
+        for t, w in windows.items()
+    }
     if LINEAR_ATTENTION in (getattr(config, "layer_types", None) or []):
         if segment_ids is None:
             raise ValueError("a model with linear-attention layers needs the row's segment_ids for its masks")
@@ -155,6 +195,18 @@ def tree_attention_masks(
     if len(masks) == 1 and "full_attention" in masks:
         return masks["full_attention"]
     return masks
+
+
+def _prepare_tiles(layout: TreeLayout, config) -> None:
+    """Build the layout's tile lists for the model's attention heads now, under autocast (bf16) and
+    without (fp32): a compiled layer then finds them ready and only reads tensors."""
+    from asyncgrpo.packing.tree_attention_kernel import tile_sizes  # imports Triton
+
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    groups = heads // (getattr(config, "num_key_value_heads", None) or heads)
+    for dtype in (torch.bfloat16, torch.float32):
+        layout.tiles(*tile_sizes(head_dim, groups, dtype))
 
 
 @functools.cache
@@ -184,6 +236,10 @@ def tree_attention(
     """
     if scale is None:
         scale = query.shape[-1] ** -0.5
+    layout = getattr(block_mask, _LAYOUT_ATTR, None)
+    if layout is not None and softcap is None:
+        query, key, value = _common_dtype(query, key, value)
+        return _kernel_attention(query, key, value, layout, scale)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     if needs_grad and query.device.type == "cpu":
         return _FlexForwardBlockwiseBackward.apply(query, key, value, block_mask, scale, softcap)
@@ -191,6 +247,21 @@ def tree_attention(
         return _flex(query, key, value, block_mask, scale, softcap)
     # No gradient wanted: detach, since flex refuses CPU inputs that require grad even under no_grad.
     return _flex(query.detach(), key.detach(), value.detach(), block_mask, scale, softcap)
+
+
+def _common_dtype(query, key, value):
+    """q, k, v in one dtype for the kernels: autocast's where it is on (a model's q/k norms can
+    return fp32 beside a bf16 v), else the query's."""
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
+def _kernel_attention(query, key, value, layout: TreeLayout, scale: float) -> torch.Tensor:
+    """asyncgrpo's kernels, as torch operators: a compiled layer keeps them in its graph."""
+    from asyncgrpo.packing.tree_attention_kernel import tree_attention_kernel  # imports Triton
+
+    return tree_attention_kernel(query, key, value, layout, scale)
 
 
 def _flex(query, key, value, block_mask: BlockMask, scale: float, softcap: float | None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The model and tokenizer the trainer trains, made ready before the base Trainer sees them.
 
 The model: loaded from an id in the configured dtype, its vision tower frozen, the MoE load-balancing
-coefficient resolved against it, wrapped with PEFT when asked, tree attention enabled. The tokenizer:
+coefficient resolved against it, wrapped with PEFT when asked, tree attention enabled, MoE experts
+switched to grouped GEMMs. The tokenizer:
 loaded from the model id when none is given, with a pad token and, when rollouts use tools or
 environments, a prefix-preserving training chat template and a tool-call format the tool loop reads.
 """
@@ -14,6 +15,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.kernels.moe_experts import use_grouped_experts
 from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
 from asyncgrpo.packing.gated_deltanet import log_gated_delta_rule_path
 from asyncgrpo.packing.tree_attention import enable_tree_attention
@@ -44,6 +46,8 @@ def prepare_policy_model(model: PreTrainedModel, args: AsyncGRPOConfig, peft_con
     if peft_config is not None:
         model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
     enable_tree_attention(model)  # refuses attention sinks and layers it cannot pack
+    if use_grouped_experts(model):  # MoE: grouped GEMMs under autocast (docs/gpu-performance.md)
+        logger.info("MoE experts run as grouped GEMMs (asyncgrpo.kernels.moe_experts)")
     log_gated_delta_rule_path(model, args.device)  # Gated DeltaNet models: which rule runs, and why
     return model
 
