@@ -411,7 +411,10 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
     for taken in hogs:
         assert taken["fork"]["error"] and taken["fork"]["children"] <= ADVERSARY_LIMITS.processes - 3, taken
         assert taken["memory"]["error"] == "MemoryError" and taken["file"]["error"] == "File too large"
-    assert sum(entry.get("rollout/harness_failed_count", 0) for entry in history) >= GROUP + 1, history
+    # Never scored (verify runs only for an agent that exited 0), and counted as failed rollouts (the count
+    # also holds the sleeper's; when exactly each window reaches the trainer is the worker's to say).
+    assert by_mode["hog"] == [], by_mode
+    assert sum(entry.get("rollout/harness_failed_count", 0) for entry in history) >= 1, history
     # The hostile code the reward function ran: 0.0 each time, no exception.
     code_rewards = [
         entry["rewards/hostile_code_reward/mean"]

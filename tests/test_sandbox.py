@@ -289,6 +289,29 @@ print(needs_cgroup(), result.exit_code, result.stdout.strip(), result.stderr.str
 NOBODY = 65534
 
 
+def readable_by_everyone(path: Path) -> bool:
+    """Whether every user may reach and read `path` (each folder above it searchable by others)."""
+    path = path.resolve()
+    folders_ok = all(folder.stat().st_mode & 0o001 for folder in path.parents)
+    return folders_ok and path.stat().st_mode & 0o005 == 0o005
+
+
+def interpreter_for_everyone() -> str | None:
+    """A Python `nobody` may run, with its standard library: the suite's own when it is installed where
+    everyone may read it, else the system's python3."""
+    import shutil
+    import sysconfig
+
+    candidates = [(sys.executable, sysconfig.get_paths()["stdlib"])]
+    system = shutil.which("python3", path=os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin"]))
+    if system:
+        candidates.append((system, system))
+    for interpreter, stdlib in candidates:
+        if readable_by_everyone(Path(interpreter)) and readable_by_everyone(Path(stdlib)):
+            return str(Path(interpreter).resolve())  # the installation itself, not a virtual environment
+    return None
+
+
 def test_an_unprivileged_user_gets_the_same_sandbox_and_its_bound_on_processes(tmp_path):
     """A cluster node's case: the trainer runs as an ordinary user, bubblewrap makes a user namespace
     unprivileged, and RLIMIT_NPROC (counted in that namespace) bounds the sandbox's processes, no cgroup.
@@ -299,8 +322,8 @@ def test_an_unprivileged_user_gets_the_same_sandbox_and_its_bound_on_processes(t
 
     probe = [sys.executable, "-I", "-c", UNPRIVILEGED_PROBE]
     if os.geteuid() == 0:
-        interpreter = shutil.which("python3", path="/usr/bin:/bin")
-        assert interpreter and shutil.which("setpriv"), "needs the system's python3 and setpriv (util-linux)"
+        interpreter = interpreter_for_everyone()
+        assert interpreter and shutil.which("setpriv"), "needs a Python every user may run, and setpriv"
         folder = Path(tempfile.mkdtemp(prefix="asyncgrpo-unprivileged-"))  # the usual temporary folder
         try:
             package = folder / "asyncgrpo"
