@@ -4,7 +4,8 @@ argv: server URL, model dir, output dir, max_steps[, checkpoint to resume from];
 2 steps. With ASYNCGRPO_TEST_LORA=1 a LoRA adapter is trained (tests/test_peft_vllm.py). With
 ASYNCGRPO_TEST_EVAL=1 the run evaluates `eval_prompts()` after every step, and calls evaluate() itself
 (prefix "mid") on the weights of step `MID_EVAL_STEP`. Rank 0 writes the logged history to
-output_dir/history-<max_steps>.json, rank r > 0 to history-<max_steps>-rank<r>.json."""
+output_dir/history-<max_steps>.json, rank r > 0 to history-<max_steps>-rank<r>.json; `save_model` writes the
+trained model (or adapter) to output_dir/model-<max_steps>."""
 
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ def main() -> None:
         callback.trainer = trainer
     assert trainer.accelerator.num_processes == 2, "the trainer must see both processes"
     trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(str(Path(output_dir) / f"model-{max_steps}"))  # every rank, as transformers asks
     rank = dist.get_rank()
     name = f"history-{max_steps}.json" if rank == 0 else f"history-{max_steps}-rank{rank}.json"
     (Path(output_dir) / name).write_text(json.dumps(trainer.state.log_history))

@@ -397,23 +397,25 @@ def test_a_full_disk_at_a_save_then_a_resume_after_a_cut_record_leave_a_readable
     options = dict(max_steps=4, save_strategy="steps", save_steps=1, save_total_limit=2)
     write_held_samples = checkpoint_module.save_held_samples
 
-    def disk_full_at_step_3(samples, directory):
-        if Path(directory).name == ".checkpoint-3.partial":
+    def disk_full_from_step_3(samples, directory):
+        if Path(directory).name in (".checkpoint-3.partial", ".checkpoint-4.partial"):
             raise OSError(errno.ENOSPC, "No space left on device")
         write_held_samples(samples, directory)
 
-    monkeypatch.setattr(checkpoint_module, "save_held_samples", disk_full_at_step_3)
+    monkeypatch.setattr(checkpoint_module, "save_held_samples", disk_full_from_step_3)
     first = AsyncGRPOTrainer(
         str(tiny_model_dir),
         token_parity_reward,
         make_config(vllm_server, tmp_path, **options),
         train_dataset=prompts(),
     )
-    with pytest.raises(OSError, match="No space left on device"):
+    # Step 3's save fails and is retried at step 4, which fails, and once more at the end: the run stops.
+    with pytest.raises(OSError, match="No space left on device") as full:
         first.train()
+    assert "3 save(s) in a row failed" in " ".join(full.value.__notes__)
     monkeypatch.undo()
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
-    assert not (tmp_path / ".checkpoint-3.partial").exists(), "the failed save gave its space back"
+    assert not list(tmp_path.glob(".checkpoint-*")), "the failed saves gave their space back"
     with open(tmp_path / "metrics.jsonl", "a") as metrics:
         metrics.write('{"step": 3, "reward": 0.2')  # what a run killed mid-write leaves
     resumed = AsyncGRPOTrainer(

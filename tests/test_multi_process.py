@@ -19,8 +19,11 @@ pytest.importorskip(
 import torch  # noqa: E402
 from conftest import free_port  # noqa: E402
 from test_trainer_e2e import restore_server, server_greedy  # noqa: E402
+from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from asyncgrpo.checkpoints.layout import ShardedManifest  # noqa: E402
+from asyncgrpo.cli.main import main as cli_main  # noqa: E402
 from asyncgrpo.cli.run_config import parse_overrides  # noqa: E402
 from asyncgrpo.config import AsyncGRPOConfig  # noqa: E402
 from asyncgrpo.generation.client import VLLMClient, parse_policy_label  # noqa: E402
@@ -153,13 +156,23 @@ def test_two_nodes_train_evaluate_checkpoint_and_resume_against_two_servers(
     steps = [entry for entry in json.loads((tmp_path / "history-2.json").read_text()) if "loss" in entry]
     assert [entry["step"] for entry in steps] == [1, 2]
     assert all(entry["batch/samples_per_step"] > 0 and entry["grad_norm"] > 0 for entry in steps)
-    # The checkpoint holds the whole (gathered) model, loadable by a single process.
-    saved = AutoModelForCausalLM.from_pretrained(checkpoint)
+    # The checkpoint is sharded: each process wrote its own shards of the model and of every parameter's
+    # moments; exported, it is the whole model a single process loads.
+    assert ShardedManifest.load(checkpoint).world_size == 2
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {path.name for path in (checkpoint / "shards").iterdir()}
+    written = FileSystemReader(str(checkpoint / "shards")).read_metadata().state_dict_metadata
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert all(f"optim.state.{name}.exp_avg" in written for name, _ in initial.named_parameters())
+    assert cli_main(["export", str(checkpoint), str(tmp_path / "exported")]) == 0
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     assert all(p.shape == q.shape for p, q in zip(saved.parameters(), initial.parameters()))
     assert any(not torch.equal(p, q) for p, q in zip(saved.parameters(), initial.parameters()))
-    optimizer_state = torch.load(checkpoint / "optimizer.pt", weights_only=False)
-    assert len(optimizer_state["state"]) == len(list(initial.parameters()))  # every parameter's moments
+    # save_model at the end of a run on two processes: the consolidated model, the last checkpoint's.
+    assert cli_main(["export", str(tmp_path / "checkpoint-4"), str(tmp_path / "exported-4")]) == 0
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "model-4").state_dict()
+    assert final.keys() == initial.state_dict().keys()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported-4").state_dict()
+    assert all(torch.equal(final[name], exported[name]) for name in final)
     # Resuming continues the steps, the prompts and the policy version (and loads that optimizer state).
     resumed = [entry for entry in json.loads((tmp_path / "history-4.json").read_text()) if "loss" in entry]
     assert [entry["step"] for entry in resumed] == [1, 2, 3, 4]  # the restored history, then 3 and 4

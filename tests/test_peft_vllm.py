@@ -18,6 +18,9 @@ from test_vllm_weights import greedy_reference
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from asyncgrpo import AsyncGRPOTrainer
+from asyncgrpo.checkpoints.layout import ShardedManifest
+from asyncgrpo.checkpoints.sharded_state import model_tensor_shapes
+from asyncgrpo.cli.main import main as cli_main
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import SamplingParams, VLLMClient, VLLMRequestError, policy_adapter_name
 from asyncgrpo.weight_sync import make_weight_sync
@@ -307,7 +310,8 @@ def test_fsdp2_two_processes_train_a_lora_adapter_with_merged_sync(
     vllm_server, tiny_model_dir, tmp_path, monkeypatch
 ):
     """torchrun, two CPU processes over gloo: the adapter is sharded with the model, the merged
-    weights are gathered for the sync, and the checkpoint holds the gathered adapter."""
+    weights are gathered for the sync, and the checkpoint holds the adapter's shards, exported as an
+    adapter folder."""
     from test_multi_process import torchrun
 
     base_before = served(vllm_server.url)
@@ -320,15 +324,26 @@ def test_fsdp2_two_processes_train_a_lora_adapter_with_merged_sync(
     finally:
         restore_server(vllm_server.url, tiny_model_dir)
     assert result.returncode == 0, result.stderr[-5000:]
+    # The sharded checkpoint holds the adapter alone (the frozen base comes from the model again); its
+    # export is the adapter's folder.
     checkpoint = tmp_path / "checkpoint-2"
-    assert (checkpoint / "adapter_model.safetensors").exists() and not (
-        checkpoint / "model.safetensors"
-    ).exists()
+    assert ShardedManifest.load(checkpoint).peft_adapter == "default"
+    assert all("lora_" in name for name in model_tensor_shapes(checkpoint))
+    exported = tmp_path / "adapter"
+    assert cli_main(["export", str(checkpoint), str(exported)]) == 0
+    assert (exported / "adapter_model.safetensors").exists() and not (exported / "model.safetensors").exists()
     loaded = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), checkpoint
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), exported
     )
     assert any(float(p.abs().sum()) > 0 for n, p in loaded.named_parameters() if "lora_B" in n), (
         "the adapter trained"
+    )
+    # save_model on both ranks: the adapter, gathered (the same as the last checkpoint's).
+    saved = load_file(tmp_path / "model-2" / "adapter_model.safetensors")
+    assert saved.keys() == load_file(exported / "adapter_model.safetensors").keys()
+    assert all(
+        torch.equal(tensor, load_file(exported / "adapter_model.safetensors")[name])
+        for name, tensor in saved.items()
     )
     # The server runs the gathered, merged model: the checkpointed adapter merged into the base.
     expected_tokens, _ = greedy_reference(merged_copy(loaded), PROBE, GREEDY.max_tokens)

@@ -8,6 +8,7 @@ network can check, and a line this test cannot place fails it (a new README comm
   them, loading nothing;
 - `asyncgrpo report RUN`: on a recorded run of the tiny model copied under RUN's name, which must be
   the run directory the train command before it writes (a real run needs the GPUs);
+- `asyncgrpo export RUN/checkpoint-N OUT`: on the tiny model saved as that checkpoint;
 - `python SCRIPT.py`: the README's Python block, compiled, its imports resolved and its trainer call
   bound to AsyncGRPOTrainer's signature (running it downloads a 2B model and a dataset);
 - `make TARGET`: the Makefile has the target (`make test` is how this suite runs).
@@ -32,6 +33,7 @@ pytest.importorskip(
 )
 
 from asyncgrpo.cli import main  # noqa: E402
+from asyncgrpo.cli.tiny_model import save_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -120,6 +122,13 @@ def test_the_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
             assert main(rest) == 0, words
             assert "report written to" in capsys.readouterr().out
             assert (tmp_path / rest[1] / "report.html").is_file()
+        elif program == "asyncgrpo" and rest[0] == "export":
+            assert rest[1].startswith(f"{run_directory}/checkpoint-"), "a checkpoint of the run trained above"
+            save_tiny_model(tmp_path / rest[1])  # a checkpoint's model folder (its full layout)
+            monkeypatch.chdir(tmp_path)
+            assert main(rest) == 0, words
+            assert "exported" in capsys.readouterr().out
+            assert (tmp_path / rest[2] / "model.safetensors").is_file()
         elif program == "python" and len(rest) == 1 and rest[0].endswith(".py"):
             check_python_block(rest[0])
         elif program == "make" and len(rest) == 1:

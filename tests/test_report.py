@@ -14,7 +14,7 @@ import pytest
 from asyncgrpo.cli import main
 from asyncgrpo.report.diagnosis import diagnose
 from asyncgrpo.report.history import load_run
-from asyncgrpo.report.plots import EVAL_PLOT, PLOTS, plots_for
+from asyncgrpo.report.plots import CHECKPOINT_PLOT, EVAL_PLOT, PLOTS, plots_for
 
 RUNS = Path(__file__).parent / "data" / "report_runs"
 # case -> (bottleneck, saturation) the report must name. The tiny model on CPU trains slower than
@@ -84,6 +84,7 @@ PLOTTED = {
     "concurrency": ["rollout/concurrency", "rollout/concurrency_cap", "rollout/vllm_kv_cache_usage_frac"],
     "throughput": ["perf/wall_clock_trained_tokens_per_s", "perf/wall_clock_mfu"],
     "weight_sync": ["perf/weight_sync_s"],
+    "checkpoints": ["perf/checkpoint_stall_s", "perf/checkpoint_write_s"],
     "evaluation": ["reward", "eval_reward", "eval_pass@1"],
 }
 
@@ -94,7 +95,7 @@ def test_each_plot_draws_every_metric_it_is_about(tmp_path):
     from asyncgrpo.report.history import History
     from asyncgrpo.report.plots import render_plot
 
-    metrics = {curve.metric for spec in PLOTS + (EVAL_PLOT,) for curve in spec.curves}
+    metrics = {curve.metric for spec in PLOTS + (EVAL_PLOT, CHECKPOINT_PLOT) for curve in spec.curves}
     history = History.from_records(
         [{"step": step, **{name: 0.1 * step for name in metrics}} for step in range(1, 6)],
         {"max_staleness": 2, "max_concurrent_rollouts": 8},

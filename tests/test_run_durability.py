@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,14 @@ pytest.importorskip(
     "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
 )
 
+from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import asyncgrpo.durable_files as durable_files  # noqa: E402
 import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
+import asyncgrpo.trainer.checkpoint_saves as checkpoint_saves  # noqa: E402
 from asyncgrpo import run_files, timeline  # noqa: E402
+from asyncgrpo.checkpoints.layout import ShardedManifest  # noqa: E402
 from asyncgrpo.report.history import load_run  # noqa: E402
 from asyncgrpo.run_files import RUN_LOCK_FILE, attach_warnings_file, detach_warnings_file  # noqa: E402
 from asyncgrpo.run_lock import DirectoryInUseError, Owner, OwnerLock, boot_id  # noqa: E402
@@ -143,6 +147,8 @@ def test_the_shared_memory_folders_use_the_same_lock(tmp_path):
 
 
 # -- checkpoints interrupted at each point ---------------------------------------------------------------
+# Each test runs on both layouts (asyncgrpo/checkpoints/layout.py): the full one, written by rank 0 while
+# the step waits, and the sharded one, whose shards and rename happen in a background thread.
 
 
 class Crash(BaseException):
@@ -153,12 +159,21 @@ def zero_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
+@pytest.fixture(params=["full", "sharded"])
+def layout(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def trainer(tiny_model_dir, tmp_path):
-    """A trainer that can write checkpoints (no server: nothing here trains)."""
+def trainer(tiny_model_dir, tmp_path, layout):
+    """A trainer that can write checkpoints (no server: nothing here trains), and its checkpoints of
+    the parametrized layout (`trainer.checkpoints`)."""
     from datasets import Dataset
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.metrics import MetricsWindow
+    from asyncgrpo.trainer.checkpoint_saves import RunCheckpoints
+    from asyncgrpo.trainer.distributed import Processes
 
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path / "run"),
@@ -170,31 +185,83 @@ def trainer(tiny_model_dir, tmp_path):
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]]})
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), zero_reward, args, train_dataset=dataset)
     trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    trainer.checkpoints = RunCheckpoints(Processes(1, 0), layout, True, False, MetricsWindow(), lock=None)
     yield trainer
     trainer.callback_handler.on_train_end(args, trainer.state, trainer.control)
 
 
-def save(trainer, step: int, watermark: int) -> None:
+def restart(trainer) -> None:
+    """What the next run starts with after a kill: checkpoints of its own (the stopped save is gone)."""
+    from asyncgrpo.metrics import MetricsWindow
+    from asyncgrpo.trainer.checkpoint_saves import RunCheckpoints
+
+    old = trainer.checkpoints
+    trainer.checkpoints = RunCheckpoints(old.processes, old.layout, True, False, MetricsWindow(), lock=None)
+
+
+def save(trainer, step: int, watermark: int, wait: bool = True) -> None:
+    """A checkpoint of `step`; `wait`: until it is settled (a sharded save is written in the background)."""
     from asyncgrpo.trainer.checkpoint import ResumePoint
-    from asyncgrpo.trainer.distributed import Processes
     from asyncgrpo.trainer.prompt_ledger import RolloutState
 
     trainer.state.global_step = step
     resume = ResumePoint(RolloutState(first_untrained_index=watermark))
-    checkpoint_module.save_checkpoint(trainer, trainer.model, None, resume, Processes(1, 0), sharded=False)
+    trainer.checkpoints.save(trainer, trainer.model, None, resume)
+    if wait:
+        trainer.checkpoints.wait()
+
+
+@contextmanager
+def stopped_in(monkeypatch, target, name: str):
+    """The save stops inside `target.name` as a killed process would: on the training thread it raises
+    Crash there; in the background writer it blocks there (the files stay as they are) until the block
+    ends, then raises Crash, so that the writer never goes on. Yields an event set once it is reached."""
+    reached, release = threading.Event(), threading.Event()
+
+    def stop(*args, **kwargs):
+        reached.set()
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(120)
+        raise Crash()
+
+    monkeypatch.setattr(target, name, stop)
+    try:
+        yield reached
+    finally:
+        release.set()
+
+
+def save_stopped(trainer, step: int, watermark: int, reached: threading.Event) -> None:
+    """A save of `step` that stops where `stopped_in` says (on either thread)."""
+    try:
+        save(trainer, step, watermark, wait=False)
+    except Crash:
+        pass
+    assert reached.wait(60), "the save never reached the point where it is stopped"
 
 
 def resumes_from(run: Path) -> tuple[str, int]:
     """What the next start finds: the checkpoint `resume_from_checkpoint=True` picks, and its rollout
     state's watermark, after the start's clean-up (the whole checkpoint must load)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from asyncgrpo.checkpoints.layout import ShardedManifest, is_sharded
+    from asyncgrpo.checkpoints.sharded_state import load_training_state
     from asyncgrpo.trainer.checkpoint import read_resume_point
 
     hold_run_directory(run).release()
     last = get_last_checkpoint(str(run))
-    AutoModelForCausalLM.from_pretrained(last)
+    if is_sharded(last):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(last))  # weights: the shards
+        load_training_state(model, None, last, ShardedManifest.load(last), distributed=False)
+    else:
+        AutoModelForCausalLM.from_pretrained(last)
     return Path(last).name, read_resume_point(last, streaming=False).rollout.first_untrained_index
+
+
+def patch_rotation(monkeypatch, replacement) -> None:
+    monkeypatch.setattr(checkpoint_module, "rotate_checkpoints", replacement)  # the full layout's
+    monkeypatch.setattr(checkpoint_saves, "rotate_checkpoints", replacement)  # the sharded layout's
 
 
 def test_every_file_is_on_disk_before_the_rename_and_the_rename_before_rotation(trainer, monkeypatch):
@@ -206,10 +273,8 @@ def test_every_file_is_on_disk_before_the_rename_and_the_rename_before_rotation(
         durable_files, "fsync_path", lambda path: (log.append(("fsync", str(path))), fsync_path(path))
     )
     monkeypatch.setattr(os, "replace", lambda a, b: (log.append(("rename", f"{a} -> {b}")), replace(a, b)))
-    rotate = checkpoint_module.rotate_checkpoints
-    monkeypatch.setattr(
-        checkpoint_module, "rotate_checkpoints", lambda **kw: (log.append(("rotate", "")), rotate(**kw))
-    )
+    rotate = checkpoint_saves.rotate_checkpoints
+    patch_rotation(monkeypatch, lambda **kw: (log.append(("rotate", "")), rotate(**kw)))
     save(trainer, 2, watermark=20)
     staging = str(run / ".checkpoint-2.partial")
     published = next(
@@ -225,29 +290,50 @@ def test_every_file_is_on_disk_before_the_rename_and_the_rename_before_rotation(
 def test_a_save_killed_before_its_fsync_leaves_the_previous_checkpoint(trainer, monkeypatch):
     run = Path(trainer.args.output_dir)
     save(trainer, 1, watermark=10)
-    monkeypatch.setattr(durable_files, "fsync_tree", lambda root: (_ for _ in ()).throw(Crash()))
-    with pytest.raises(Crash):
-        save(trainer, 2, watermark=20)
-    assert (run / ".checkpoint-2.partial").is_dir() and not (run / "checkpoint-2").exists()
-    monkeypatch.undo()
-    assert resumes_from(run) == ("checkpoint-1", 10)
-    assert not (run / ".checkpoint-2.partial").exists(), "the next start clears what the save left"
+    with stopped_in(monkeypatch, durable_files, "fsync_tree") as reached:
+        save_stopped(trainer, 2, 20, reached)
+        assert (run / ".checkpoint-2.partial").is_dir() and not (run / "checkpoint-2").exists()
+        monkeypatch.undo()
+        assert resumes_from(run) == ("checkpoint-1", 10)
+        assert not (run / ".checkpoint-2.partial").exists(), "the next start clears what the save left"
+
+
+# The stages of a sharded save before its rename, where a kill leaves the previous checkpoint the last one.
+SHARDED_SAVE_STAGES = {
+    "rank 0's small files": (checkpoint_module, "save_held_samples"),
+    "the shards, before their metadata": (FileSystemWriter, "finish"),
+    "the manifest": (ShardedManifest, "save"),
+}
+
+
+@pytest.mark.parametrize("layout", ["sharded"])
+@pytest.mark.parametrize("stage", sorted(SHARDED_SAVE_STAGES))
+def test_a_sharded_save_killed_at_each_stage_leaves_the_previous_checkpoint(trainer, monkeypatch, stage):
+    run = Path(trainer.args.output_dir)
+    save(trainer, 1, watermark=10)
+    with stopped_in(monkeypatch, *SHARDED_SAVE_STAGES[stage]) as reached:
+        save_stopped(trainer, 2, 20, reached)
+        assert (run / ".checkpoint-2.partial").is_dir() and not (run / "checkpoint-2").exists()
+        monkeypatch.undo()
+        assert resumes_from(run) == ("checkpoint-1", 10)
+        assert not (run / ".checkpoint-2.partial").exists(), "the next start clears what the save left"
 
 
 def test_a_save_killed_between_its_rename_and_the_rotation_resumes_from_the_new_one(trainer, monkeypatch):
     run = Path(trainer.args.output_dir)
     for step in (1, 2):
         save(trainer, step, watermark=10 * step)
-    monkeypatch.setattr(checkpoint_module, "rotate_checkpoints", lambda **kw: (_ for _ in ()).throw(Crash()))
-    with pytest.raises(Crash):
-        save(trainer, 3, watermark=30)
-    monkeypatch.undo()
-    assert sorted(path.name for path in run.glob("checkpoint-*")) == [
-        "checkpoint-1",
-        "checkpoint-2",
-        "checkpoint-3",
-    ]
-    assert resumes_from(run) == ("checkpoint-3", 30)
+    with stopped_in(monkeypatch, checkpoint_module, "rotate_checkpoints") as reached:
+        monkeypatch.setattr(checkpoint_saves, "rotate_checkpoints", checkpoint_module.rotate_checkpoints)
+        save_stopped(trainer, 3, 30, reached)
+        monkeypatch.undo()
+        assert sorted(path.name for path in run.glob("checkpoint-*")) == [
+            "checkpoint-1",
+            "checkpoint-2",
+            "checkpoint-3",
+        ]
+        assert resumes_from(run) == ("checkpoint-3", 30)
+    restart(trainer)
     save(trainer, 4, watermark=40)
     assert sorted(path.name for path in run.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
 
@@ -258,36 +344,64 @@ def test_a_checkpoint_saved_again_always_has_a_complete_copy(trainer, monkeypatc
     run = Path(trainer.args.output_dir)
     save(trainer, 1, watermark=10)
     replace = os.replace
+    reached, release = threading.Event(), threading.Event()
 
     def crash_before_the_new_copy_arrives(a, b):
         if Path(a).name == ".checkpoint-1.partial":
+            reached.set()
+            if threading.current_thread() is not threading.main_thread():
+                release.wait(120)
             raise Crash()
         replace(a, b)
 
     monkeypatch.setattr(durable_files.os, "replace", crash_before_the_new_copy_arrives)
-    with pytest.raises(Crash):
-        save(trainer, 1, watermark=11)
-    monkeypatch.undo()
-    assert (run / ".checkpoint-1.replaced").is_dir() and not (run / "checkpoint-1").exists()
-    assert resumes_from(run) == ("checkpoint-1", 10), "the old copy, put back"
+    try:
+        save_stopped(trainer, 1, 11, reached)
+        monkeypatch.undo()
+        assert (run / ".checkpoint-1.replaced").is_dir() and not (run / "checkpoint-1").exists()
+        assert resumes_from(run) == ("checkpoint-1", 10), "the old copy, put back"
+    finally:
+        release.set()
+    restart(trainer)
     save(trainer, 1, watermark=11)
     assert resumes_from(run) == ("checkpoint-1", 11) and not list(run.glob(".checkpoint-*"))
 
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints(trainer, monkeypatch):
+def test_a_full_disk_during_a_save_is_retried_and_three_in_a_row_stop_the_run(trainer, monkeypatch, caplog):
+    """A full disk (in the background writer, for a sharded save): the save's staging directory is
+    removed, the earlier checkpoints stay, the failure is reported and the next step saves again; a
+    save that succeeds ends the count, three failures in a row stop the run with the disk's error."""
     run = Path(trainer.args.output_dir)
     save(trainer, 1, watermark=10)
 
-    def disk_full(samples, directory):
+    def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_module, "save_held_samples", disk_full)
-    with pytest.raises(OSError, match="No space left") as full:
+    if trainer.checkpoints.layout == "sharded":  # the shards, written by the background thread
+        monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
+    else:
+        monkeypatch.setattr(checkpoint_module, "save_held_samples", disk_full)
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.checkpoints.failures"):
         save(trainer, 2, watermark=20)
-    assert "the checkpoints written before it are kept" in " ".join(full.value.__notes__)
+    assert "the checkpoint of step 2 could not be written" in caplog.text and "No space left" in caplog.text
+    assert trainer.checkpoints.retry_due, "the next step saves again"
     assert not (run / ".checkpoint-2.partial").exists(), "the space it took is given back"
-    monkeypatch.undo()
     assert resumes_from(run) == ("checkpoint-1", 10)
+    monkeypatch.undo()
+    save(trainer, 3, watermark=30)  # the retry, at the next step: the disk has room again
+    assert not trainer.checkpoints.retry_due and resumes_from(run) == ("checkpoint-3", 30)
+    if trainer.checkpoints.layout == "sharded":
+        monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
+    else:
+        monkeypatch.setattr(checkpoint_module, "save_held_samples", disk_full)
+    save(trainer, 4, watermark=40)
+    save(trainer, 5, watermark=50)
+    with pytest.raises(OSError, match="No space left") as full:
+        save(trainer, 6, watermark=60)
+    notes = " ".join(full.value.__notes__)
+    assert "3 save(s) in a row failed" in notes and "the checkpoints written before it are kept" in notes
+    monkeypatch.undo()
+    assert resumes_from(run) == ("checkpoint-3", 30) and not list(run.glob(".checkpoint-*"))
 
 
 # -- run files after a crash -----------------------------------------------------------------------------

@@ -34,6 +34,7 @@ PRIVATE_METHODS = {
     "_push_from_checkpoint": ["checkpoint_folder"],
     "_determine_best_metric": ["metrics", "trial"],
     "_load_best_model": [],
+    "_load_from_checkpoint": ["resume_from_checkpoint", "model"],
 }
 
 

@@ -172,13 +172,17 @@ def test_trl_fsdp2_config_is_read_not_refused():
             reshard_after_forward=True, state_dict_type="FULL_STATE_DICT", **common
         )
     )
-    assert launch.reshard_after_forward is True and launch.notes == []
+    # The state dict type is accelerate's way to save FSDP checkpoints; checkpoint_format is this trainer's.
+    assert launch.reshard_after_forward is True and launch.notes == [
+        "fsdp_state_dict_type (FULL_STATE_DICT) is not read: checkpoint_format says how checkpoints are "
+        "written (by default sharded, each process writing its own shards)"
+    ]
     launch = read_fsdp_launch(
         FullyShardedDataParallelPlugin(
             reshard_after_forward=False, state_dict_type="SHARDED_STATE_DICT", **common
         )
     )
-    assert launch.reshard_after_forward is False and "full (gathered)" in launch.notes[0]
+    assert launch.reshard_after_forward is False and "(SHARDED_STATE_DICT) is not read" in launch.notes[0]
     with pytest.raises(ValueError, match="fsdp_offload_params"):
         read_fsdp_launch(FullyShardedDataParallelPlugin(cpu_offload=True, **common))
     assert read_fsdp_launch(None) is None

@@ -1,4 +1,5 @@
-"""The command line: `asyncgrpo train | serve | report | demo | tiny-model`, and reading run configs."""
+"""The command line: `asyncgrpo train | serve | report | export | demo | tiny-model`, and reading run
+configs."""
 
 from asyncgrpo.cli.main import main
 

@@ -1,4 +1,4 @@
-"""The `asyncgrpo` command: `train`, `report`, `serve`, `tiny-model`, `demo`."""
+"""The `asyncgrpo` command: `train`, `report`, `export`, `serve`, `tiny-model`, `demo`."""
 
 from __future__ import annotations
 
@@ -133,6 +133,12 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from asyncgrpo.cli.export_command import run_export
+
+    return run_export(args.checkpoint, args.out_dir, args.max_file_size)
+
+
 def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--for",
@@ -248,6 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the rewards' possible range, to place stuck groups at its top, bottom or middle (default 0 1)",
     )
     report.set_defaults(run=_report)
+
+    export = commands.add_parser(
+        "export",
+        help="a checkpoint (sharded or full) as a Hugging Face folder for from_pretrained and vllm serve",
+    )
+    export.add_argument("checkpoint", help="a checkpoint-N directory of a run")
+    export.add_argument("out_dir", help="a new (or empty) directory to write the folder to")
+    export.add_argument(
+        "--max-file-size",
+        default=None,
+        metavar="SIZE",
+        help="the largest safetensors file, and what the export holds in memory at once (default 4GiB)",
+    )
+    export.set_defaults(run=_export)
 
     demo = commands.add_parser("demo", help="a real async GRPO run of the tiny model on CPU (make demo)")
     demo.add_argument("--workdir", default=".demo")

@@ -2,9 +2,9 @@
 
 Every field of TRL's `AsyncGRPOConfig` keeps its name and default (only the import changes). The
 fields are declared by concern in the modules of this package (model, generation, servers, loss, the
-loss menu, reward shaping, the reference, pipeline, evaluation, completions table, the TrainingArguments
-defaults changed), each with the checks of its own values; this class puts them together, in the order
-docs/configuration.md reads.
+loss menu, reward shaping, the reference, pipeline, evaluation, completions table, checkpoints, the
+TrainingArguments defaults changed), each with the checks of its own values; this class puts them
+together, in the order docs/configuration.md reads.
 Values are checked at construction: a bad value fails here with a message saying what to change,
 never minutes later inside the worker process.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from transformers import TrainingArguments
 
 from asyncgrpo.config.algorithm import AlgorithmFields
+from asyncgrpo.config.checkpoints import CheckpointFields
 from asyncgrpo.config.completions_table import CompletionsTableFields
 from asyncgrpo.config.evaluation import EvaluationFields
 from asyncgrpo.config.generation import GenerationFields
@@ -34,6 +35,7 @@ from asyncgrpo.trl_compat import TrlCompatFields
 # in the order of the bases read from right to left.
 @dataclass
 class AsyncGRPOConfig(
+    CheckpointFields,
     CompletionsTableFields,
     EvaluationFields,
     PipelineFields,
@@ -82,6 +84,7 @@ class AsyncGRPOConfig(
         self._validate_training_arguments(fail)
         self._validate_evaluation(fail)
         self._validate_completions_table(fail)
+        self._validate_checkpoints(fail)
 
 
 _DEFAULTS = {f.name: f.default for f in fields(AsyncGRPOConfig)}

@@ -198,11 +198,12 @@ _RULES: dict[tuple[str, ...], Rule] = {
         "batch_eval_metrics",
     ): _warns(_EVAL_LOOP),
     ("save_only_model", "save_strategy", "save_steps", "save_total_limit"): _honoured(
-        "checkpoints, written whole or not at all (a fractional save_steps needs max_steps > 0)"
+        "checkpoints, written whole or not at all (a fractional save_steps needs max_steps > 0), in the "
+        "layout checkpoint_format says"
     ),
     ("save_on_each_node",): _warns(
-        "rank 0 gathers the full model and optimizer states and writes every checkpoint alone; on several "
-        "nodes, put output_dir on a filesystem they share"
+        "every process writes its shards into one checkpoint directory, which rank 0 renames into place "
+        "once all are written; on several nodes, put output_dir on a filesystem they share"
     ),
     ("enable_jit_checkpoint",): _refused(
         "a checkpoint taken at any point of a step cannot record the rollout position and the held samples "

@@ -150,9 +150,21 @@ EVAL_PLOT = PlotSpec(
 )
 
 
+# Drawn when the run wrote checkpoints.
+CHECKPOINT_PLOT = PlotSpec(
+    "checkpoints",
+    "Checkpoint saves: the step held, against the whole write",
+    (Curve("perf/checkpoint_stall_s"), Curve("perf/checkpoint_write_s")),
+    "seconds",
+)
+
+
 def plots_for(history: History) -> tuple[PlotSpec, ...]:
-    """The report's plots for this run: PLOTS, and the evaluation's when it evaluated."""
-    return PLOTS + (EVAL_PLOT,) if history.eval_prefixes() else PLOTS
+    """The report's plots for this run: PLOTS, the evaluation's when it evaluated, the checkpoints' when
+    it wrote any."""
+    plots = PLOTS + (EVAL_PLOT,) if history.eval_prefixes() else PLOTS
+    saved = any("perf/checkpoint_stall_s" in record for record in history.records)
+    return plots + (CHECKPOINT_PLOT,) if saved else plots
 
 
 def _curves(spec: PlotSpec, history: History) -> list[Curve]:

@@ -32,11 +32,9 @@ from asyncgrpo.metrics import Reduce
 from asyncgrpo.peft_adapters import check_peft_config
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorkerPool
 from asyncgrpo.trainer.base_loop_settings import EmptyDeviceCache, input_tokens_seen
-from asyncgrpo.trainer.checkpoint import ResumePoint, save_checkpoint
 from asyncgrpo.trainer.checks import (
     check_agent_inputs,
     check_conversational,
@@ -212,8 +210,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         return load_policy_model(model_id, args)
 
     # -- transformers.Trainer overrides. Private ones: `_inner_training_loop` and `_save_checkpoint` (and
-    # `_tag_names` above); the base methods they call, private ones included, are listed in
-    # docs/architecture.md ("The trainer's modules").
+    # `_tag_names` above); the others, and the base methods they call, are listed in docs/architecture.md
+    # ("The trainer's modules").
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
         """`Trainer.train`, with SIGTERM (`kill`, a scheduler's timeout) unwinding like Ctrl-C: the
@@ -259,9 +257,11 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
                 self._end_as_at_max_steps(args)
             self._log_and_save(model, trial)  # what on_epoch_end asked for (epoch strategies)
             self._join_eval(trial)
+            self._checkpoints.finish(self, model, trial, self._resume_point)  # on the disk, before it is read
             self._end_with_served_weights(trial)
         finally:
             try:
+                self._checkpoints.close()  # after a failure too: the save in flight still lands
                 self._close_evaluator()
             finally:
                 self._session.close()
@@ -280,16 +280,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Written whole or not at all, by every rank together (trainer/checkpoint.py)."""
-        resume = ResumePoint.of_run(
-            self._ledger,
-            self._session.model_version,
-            self._metrics.num_tokens,
-            self._session.held_samples(),
-            PromptOrder.of(self.args),
-            self._loss_menu.state(),
-        )
-        save_checkpoint(self, model, trial, resume, self._processes, self._sharded, self._run_lock)
+        """Written whole or not at all, by every rank together (trainer/checkpoint_saves.py)."""
+        self._checkpoints.save(self, model, trial, self._resume_point())
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None):
@@ -442,6 +434,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         batch must not turn the weights, and then the server's, into NaN. On one process with a
         fused optimizer the device decides (`_device_decided_step`), otherwise the host does; both
         end the same way."""
+        self._checkpoints.before_optimizer_step()  # a background save's copy is taken before the update
         with timeline.span("optimizer"):
             if self._sharded or self._processes.distributed or not takes_device_decisions(self.optimizer):
                 result = self._host_decided_step(model, queued)
@@ -545,6 +538,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         self.control = epochs.after_step(args, self.state, self.control)
 
     def _log_and_save(self, model, trial) -> None:
+        self._checkpoints.check(self.control)  # a save in flight settled; a failed one due again
         if self.control.should_log:
             with timeline.span("log"):
                 logs = self._metrics.flush()

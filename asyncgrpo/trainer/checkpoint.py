@@ -1,15 +1,18 @@
 """Checkpoints: written whole or not at all, and read back when a run resumes.
 
-Beyond the base Trainer's files (model, tokenizer, optimizer, scheduler, RNG, trainer state), a
-checkpoint carries a `ResumePoint`: where the prompt stream resumes and the samples held but not
-trained yet, so a resumed run neither trains a prompt twice nor skips one (docs/architecture.md,
-"Stopping, checkpoints and resume"). Writing calls the base Trainer's private save methods.
+Beyond the model, tokenizer, optimizer, scheduler, RNG and trainer state, a checkpoint carries a
+`ResumePoint`: where the prompt stream resumes and the samples held but not trained yet, so a resumed
+run neither trains a prompt twice nor skips one (docs/architecture.md, "Stopping, checkpoints and
+resume"). The two layouts (asyncgrpo/checkpoints/layout.py): the full one, written here by rank 0
+with the base Trainer's private save methods, and the sharded one, whose shards every rank writes
+(trainer/checkpoint_saves.py) and whose small files rank 0 writes here. Either resumes.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,16 +21,23 @@ from transformers import Trainer, TrainerState
 from transformers.trainer import OPTIMIZER_NAME as OPTIMIZER_FILE
 from transformers.trainer import SCHEDULER_NAME as SCHEDULER_FILE
 from transformers.trainer import TRAINER_STATE_NAME as TRAINER_STATE_FILE
+from transformers.trainer import TRAINING_ARGS_NAME as TRAINING_ARGS_FILE
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
+from asyncgrpo.checkpoints.background import SaveResult
+from asyncgrpo.checkpoints.layout import ShardedManifest
+from asyncgrpo.checkpoints.live_model import save_consolidated
+from asyncgrpo.checkpoints.sharded_state import load_training_state
 from asyncgrpo.durable_files import publish_directory, staging_path
 from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.run_lock import OwnerLock
 from asyncgrpo.sample import Sample
+from asyncgrpo.sharded import full_tensor
 from asyncgrpo.trainer.algorithm_state import AlgorithmState
 from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
+from asyncgrpo.trainer.optimizer_step import torch_optimizer
 from asyncgrpo.trainer.prompt_ledger import PromptLedger, RolloutState
 
 logger = logging.getLogger(__name__)
@@ -63,7 +73,7 @@ class ResumePoint:
         return cls(rollout, held_samples, algorithm or AlgorithmState())
 
 
-def save_checkpoint(
+def write_full_checkpoint(
     trainer: Trainer,
     model,
     trial,
@@ -71,42 +81,57 @@ def save_checkpoint(
     processes: Processes,
     sharded: bool,
     lock: OwnerLock | None = None,
-) -> None:
-    """A checkpoint written whole or not at all, and durable before older ones are rotated away:
-    every file goes to a hidden staging directory, flushed to the disk and renamed `checkpoint-N`
-    (asyncgrpo/durable_files.py), so neither a killed run nor a crashed host leaves a checkpoint that
-    `resume_from_checkpoint=True` would pick half written. A failed write (a full disk) removes its
-    staging directory and raises. With several processes every rank helps gather the full model and
-    optimizer states and rank 0 writes the same files a single process writes. `lock`: the run
-    directory's (rank 0), checked first: a run that lost its directory to another writes nothing."""
+) -> SaveResult:
+    """A checkpoint in the full layout (checkpoint_format="full", asyncgrpo/checkpoints/layout.py),
+    written whole or not at all, and durable before older ones are rotated away: every file goes to a
+    hidden staging directory, flushed to the disk and renamed `checkpoint-N` (asyncgrpo/durable_files.py),
+    so neither a killed run nor a crashed host leaves a checkpoint that `resume_from_checkpoint=True`
+    would pick half written. A failed write (a full disk) removes its staging directory and is
+    returned, the same on every rank (checkpoints/failures.py retries it). With several processes
+    every rank helps gather the full model and optimizer states and rank 0 writes the same files a
+    single process writes. `lock`: the run directory's (rank 0), checked first: a run that lost its
+    directory to another writes nothing."""
+    started = time.perf_counter()
     run_directory = Path(trainer._get_output_dir(trial=trial))
     final = run_directory / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
     staging = staging_path(final)  # not a name get_last_checkpoint matches
     note_best_checkpoint(trainer, run_directory)
+    refuse_if_taken_over(lock, run_directory, processes)
     gathered = full_state(model, trainer.optimizer) if sharded else None
+    failure = None
     if processes.is_main:
-        if lock is not None and not lock.held():
-            raise RuntimeError(
-                f"{run_directory}: another run took this directory over ({lock.path}); this run writes "
-                "no checkpoint there (it would overwrite or rotate away the other run's)"
-            )
         shutil.rmtree(staging, ignore_errors=True)
         try:
             staging.mkdir(parents=True)
             write_checkpoint(trainer, staging, gathered, resume)
             publish_directory(staging, final)  # durable before anything older goes
+            rotate_checkpoints(
+                output_dir=str(run_directory),
+                save_total_limit=trainer.args.save_total_limit,
+                best_model_checkpoint=trainer.state.best_model_checkpoint,
+            )
         except OSError as error:
             shutil.rmtree(staging, ignore_errors=True)  # a full disk: give back what it took
-            error.add_note(f"writing {final}: the checkpoints written before it are kept")
-            raise
-        rotate_checkpoints(
-            output_dir=str(run_directory),
-            save_total_limit=trainer.args.save_total_limit,
-            best_model_checkpoint=trainer.state.best_model_checkpoint,
-        )
-        if trainer.args.push_to_hub:
+            failure = error
+        if failure is None and trainer.args.push_to_hub:
             trainer._push_from_checkpoint(str(final))
-    processes.gather(None)  # no rank runs ahead of a checkpoint being written
+    # No rank runs ahead of a checkpoint being written, and every rank learns how it went.
+    described = processes.broadcast(f"rank 0: {type(failure).__name__}: {failure}" if failure else None)
+    return SaveResult(trainer.state.global_step, time.perf_counter() - started, described, failure)
+
+
+def refuse_if_taken_over(lock: OwnerLock | None, run_directory: Path, processes: Processes) -> None:
+    """Before a checkpoint is written: a run that lost its directory to another writes none. Rank 0
+    holds the lock; every rank raises, so none waits for a rank that left."""
+    refusal = None
+    if processes.is_main and lock is not None and not lock.held():
+        refusal = (
+            f"{run_directory}: another run took this directory over ({lock.path}); this run writes "
+            "no checkpoint there (it would overwrite or rotate away the other run's)"
+        )
+    refusal = processes.broadcast(refusal)
+    if refusal is not None:
+        raise RuntimeError(refusal)
 
 
 def note_best_checkpoint(trainer: Trainer, run_directory: Path) -> None:
@@ -128,7 +153,7 @@ def note_best_checkpoint(trainer: Trainer, run_directory: Path) -> None:
 def write_checkpoint(
     trainer: Trainer, directory: Path, gathered: tuple[dict, dict] | None, resume: ResumePoint
 ) -> None:
-    """Rank 0: model, tokenizer, optimizer, scheduler, RNG, trainer and rollout states."""
+    """Rank 0, the full layout: model, tokenizer, optimizer, scheduler, RNG, trainer and rollout states."""
     if gathered is None:
         trainer.save_model(str(directory), _internal_call=True)
         if not trainer.args.save_only_model:
@@ -142,6 +167,28 @@ def write_checkpoint(
         if not trainer.args.save_only_model:
             torch.save(optimizer_state, directory / OPTIMIZER_FILE)
             torch.save(trainer.lr_scheduler.state_dict(), directory / SCHEDULER_FILE)
+    write_run_state(trainer, directory, resume)
+
+
+def write_sharded_run_files(trainer: Trainer, model, directory: Path, resume: ResumePoint) -> None:
+    """Rank 0, the sharded layout: what is the same on every rank (the model's config, the tokenizer,
+    a PEFT adapter's config, the schedule), and the trainer and rollout states. The shards of the
+    model and optimizer are every rank's (asyncgrpo/checkpoints/)."""
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    base.config.save_pretrained(directory)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(directory)
+    trainer.processing_class.save_pretrained(directory)
+    if hasattr(model, "peft_config"):
+        model.peft_config[model.active_adapter].save_pretrained(directory)
+    if not trainer.args.save_only_model:
+        torch.save(trainer.lr_scheduler.state_dict(), directory / SCHEDULER_FILE)
+        trainer._save_scaler(str(directory))
+    write_run_state(trainer, directory, resume)
+
+
+def write_run_state(trainer: Trainer, directory: Path, resume: ResumePoint) -> None:
+    """The trainer state (with the stateful callbacks' states) and the resume point."""
     stateful = trainer.state.stateful_callbacks
     for callback in trainer.callback_handler.callbacks + [trainer.control]:
         if isinstance(callback, ExportableState):
@@ -197,3 +244,60 @@ def load_sharded_optimizer(trainer: Trainer, checkpoint: str) -> None:
     state = torch.load(Path(checkpoint) / OPTIMIZER_FILE, weights_only=True)
     load_optimizer_state(trainer.model, trainer.optimizer, state)
     trainer.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
+
+
+def load_sharded_checkpoint(trainer: Trainer, checkpoint: str, processes: Processes) -> None:
+    """A sharded checkpoint's model, optimizer and schedule into the run's own (every rank, after the
+    model is sharded and the optimizer made), whatever the number of processes that wrote it: each
+    rank reads the pieces of its own shards (asyncgrpo/checkpoints/sharded_state.py)."""
+    manifest = ShardedManifest.load(checkpoint)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    optimizer = torch_optimizer(trainer.optimizer)
+    if load_training_state(model, optimizer, checkpoint, manifest, processes.distributed):
+        trainer.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
+    elif processes.is_main:
+        logger.warning(
+            "%s holds no optimizer state (written with save_only_model=True): the optimizer starts fresh",
+            checkpoint,
+        )
+    if processes.is_main and manifest.world_size != processes.world_size:
+        logger.info(
+            "%s was written by %d process(es) and resumes on %d: its shards are read into this run's",
+            checkpoint,
+            manifest.world_size,
+            processes.world_size,
+        )
+
+
+def load_sharded_weights(trainer: Trainer, checkpoint: str, processes: Processes) -> None:
+    """A sharded checkpoint's model weights alone (load_best_model_at_end; every rank)."""
+    manifest = ShardedManifest.load(checkpoint)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    load_training_state(model, None, checkpoint, manifest, processes.distributed)
+
+
+def save_sharded_model(trainer: Trainer, output_dir: str) -> None:
+    """`save_model` of a model sharded over several processes (every rank calls it): a consolidated
+    Hugging Face folder, each tensor gathered in turn and rank 0 writing one file's worth at a time;
+    for a PEFT model, the adapter (asyncgrpo/checkpoints/live_model.py)."""
+    directory = Path(output_dir)
+    writes = trainer.accelerator.is_main_process
+    if writes:
+        directory.mkdir(parents=True, exist_ok=True)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(model, "peft_config"):
+        adapter = {
+            name: full_tensor(p).detach().to("cpu") for name, p in model.named_parameters() if p.requires_grad
+        }
+        if writes:
+            model.save_pretrained(directory, state_dict=adapter)
+    else:
+        save_consolidated(model, directory, writes)
+        if writes:
+            model.config.save_pretrained(directory)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(directory)
+    if writes:
+        trainer.processing_class.save_pretrained(directory)
+        torch.save(trainer.args, directory / TRAINING_ARGS_FILE)
+    trainer.accelerator.wait_for_everyone()

@@ -16,8 +16,10 @@ import time
 
 from transformers.trainer_utils import SaveStrategy
 
+from asyncgrpo.checkpoints.layout import is_sharded
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.trainer.checkpoint import load_sharded_weights
 from asyncgrpo.trainer.evaluator import Evaluator, dataset_rows
 from asyncgrpo.trainer.server_roster import read_server_list
 
@@ -163,3 +165,11 @@ class TrainerEvaluation:
             self._push_weights(self.state.best_global_step)
         else:
             self._catch_up_server_weights()
+
+    def _load_best_model(self) -> None:
+        """Overrides Trainer's (load_best_model_at_end): the best checkpoint's weights, read from its
+        shards when it is sharded (every rank)."""
+        if is_sharded(self.state.best_model_checkpoint):
+            load_sharded_weights(self, self.state.best_model_checkpoint, self._processes)
+        else:
+            super()._load_best_model()

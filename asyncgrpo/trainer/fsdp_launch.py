@@ -42,9 +42,11 @@ def read_fsdp_launch(plugin) -> FsdpLaunch | None:
     if not isinstance(reshard, bool):  # FSDP1 expresses it as a sharding strategy
         reshard = "SHARD_GRAD_OP" not in str(reshard)
     state_dict_type = str(getattr(plugin, "state_dict_type", "") or "")
-    if state_dict_type and "FULL_STATE_DICT" not in state_dict_type:
+    if state_dict_type:
+        kind = state_dict_type.rsplit(".", 1)[-1]
         notes.append(
-            f"{state_dict_type}: checkpoints always hold the full (gathered) model and optimizer states"
+            f"fsdp_state_dict_type ({kind}) is not read: checkpoint_format says how checkpoints are "
+            "written (by default sharded, each process writing its own shards)"
         )
     if getattr(plugin, "activation_checkpointing", False):
         notes.append("fsdp_activation_checkpointing is not applied by FSDP here: use gradient_checkpointing")

@@ -4,7 +4,9 @@
 the processes, the trainer state (fresh, or the checkpoint's: `_restore_state`), the model to train
 and its optimizer (`_prepare_model`), the prompt ledger, the metrics, the generation session and rank
 0's timeline; `_close_timeline` writes the timeline once the run ends, also after a failure
-(docs/architecture.md, "The trainer's modules").
+(docs/architecture.md, "The trainer's modules"). Where the run meets its checkpoints is here too:
+`_resume_point` (what a checkpoint carries beyond the weights), and the Trainer overrides
+`_load_from_checkpoint` and `save_model` (a model sharded over several processes, streamed).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from transformers import TrainerState
 
 from asyncgrpo import timeline
+from asyncgrpo.checkpoints.layout import choose_layout, is_sharded
+from asyncgrpo.checkpoints.live_model import is_sharded_module
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.cpu_use import CpuSampler, Tracked
 from asyncgrpo.rollout.prompts import PromptOrder
@@ -27,10 +31,13 @@ from asyncgrpo.run_lock import DirectoryInUseError, OwnerLock
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
 from asyncgrpo.trainer.checkpoint import (
     ResumePoint,
+    load_sharded_checkpoint,
     load_sharded_optimizer,
     read_resume_point,
     restore_trainer_state,
+    save_sharded_model,
 )
+from asyncgrpo.trainer.checkpoint_saves import RunCheckpoints
 from asyncgrpo.trainer.checks import check_launch, check_multi_process
 from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.distributed import Processes, shard_model
@@ -99,6 +106,14 @@ class RunSetup:
         self._nonfinite_streak = 0  # steps skipped in a row for a non-finite loss or gradient norm
         self._served_step = -1  # the global step whose weights the servers run (-1: not pushed yet)
         self._metrics = StepMetrics.for_model(self.model, args, num_tokens=rollout.num_tokens)
+        self._checkpoints = RunCheckpoints(
+            self._processes,
+            choose_layout(args.checkpoint_format, self._processes.world_size),
+            args.checkpoint_async,
+            self._sharded,
+            self._metrics.window,
+            self._run_lock,
+        )
         self._session = GenerationSession(self._processes, self._metrics.window, resume)
         # Rank 0 records the run's timeline (its own phases, the worker's and the servers' pauses).
         # Its CPU counters: which process held which core when (asyncgrpo/cpu_use.py).
@@ -153,6 +168,31 @@ class RunSetup:
             resume.rollout.check_prompt_order(PromptOrder.of(args), checkpoint)
         return resume
 
+    def _resume_point(self) -> ResumePoint:
+        """What a checkpoint of this run carries beyond the weights and the optimizer."""
+        return ResumePoint.of_run(
+            self._ledger,
+            self._session.model_version,
+            self._metrics.num_tokens,
+            self._session.held_samples(),
+            PromptOrder.of(self.args),
+            self._loss_menu.state(),
+        )
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`; a model sharded over several processes (every rank calls it): streamed,
+        consolidated (trainer/checkpoint.py, `save_sharded_model`)."""
+        if _internal_call or not is_sharded_module(self.model):
+            super().save_model(output_dir, _internal_call)
+        else:
+            save_sharded_model(self, output_dir or self.args.output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Overrides Trainer's (called by `Trainer.train`): a full checkpoint's weights, as the base
+        Trainer loads them; a sharded one's are read into the shards by `_prepare_model`."""
+        if not is_sharded(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def _prepare_model(self, args: AsyncGRPOConfig, resume_from_checkpoint: str | None):
         """The model to train (wrapped, sharded, compiled as configured) and its optimizer."""
         if self._sharded:
@@ -162,15 +202,17 @@ class RunSetup:
                 reshard = self._fsdp_launch.reshard_after_forward
                 if self._processes.is_main:
                     announce_fsdp_launch(self._fsdp_launch)
-            shard_model(
-                self.model, reshard
-            )  # the checkpoint's weights are already in (Trainer.train loads them)
+            # A full checkpoint's weights are already in (Trainer.train loads them); a sharded one's
+            # are read into the shards below.
+            shard_model(self.model, reshard)
             self.create_optimizer_and_scheduler(num_training_steps=self.state.max_steps)
             model = self.model_wrapped = self.model
-            if resume_from_checkpoint:
+            if resume_from_checkpoint and not is_sharded(resume_from_checkpoint):
                 load_sharded_optimizer(self, resume_from_checkpoint)
         else:
             model, _ = self._prepare_for_training(self.state.max_steps, None, resume_from_checkpoint)
+        if resume_from_checkpoint and is_sharded(resume_from_checkpoint):
+            load_sharded_checkpoint(self, resume_from_checkpoint, self._processes)
         if self._compile_layers is not None:
             compile_decoder_layers(self.accelerator.unwrap_model(model), **self._compile_layers)
         return model
