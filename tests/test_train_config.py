@@ -468,3 +468,23 @@ def test_build_trainer_gives_a_harness_run_its_eval_dataset(tiny_model_dir, tmp_
     trainer = build_trainer(build_run_config(raw))
     assert isinstance(trainer, HarnessAsyncGRPOTrainer)
     assert trainer.eval_dataset.num_rows == trainer.train_dataset.num_rows > 0
+
+
+def test_the_harness_keys_of_a_config_set_the_agents_sandbox(tmp_path):
+    from asyncgrpo.sandbox import SandboxLimits
+
+    spec = yaml.safe_load((REPO / "examples" / "harness.yaml").read_text())
+    spec["harness_session_factory"] |= {
+        "agent_limits": {"memory_bytes": 2**30, "processes": 64},
+        "agent_readable_paths": [str(tmp_path)],
+        "agent_writable_paths": [str(tmp_path)],
+    }
+    factory = build_run_config(spec).harness_session_factory(sampling={})
+    assert factory.sandbox.limits == SandboxLimits(memory_bytes=2**30, processes=64)
+    assert factory.sandbox.readable_paths == factory.sandbox.writable_paths == (str(tmp_path),)
+    spec["harness_session_factory"]["agent_limits"] = {"memory": 1}
+    with pytest.raises(ConfigError, match="unknown key harness_session_factory.agent_limits.memory"):
+        build_run_config(spec)
+    spec["harness_session_factory"]["agent_limits"] = {"processes": 0}
+    with pytest.raises(ConfigError, match=r"agent_limits: SandboxLimits.processes=0 must be a positive"):
+        build_run_config(spec)

@@ -400,3 +400,19 @@ def pick_the_right_letter(workdir: Path, transcript) -> float:
     """The reward: 1 when the agent's answer.txt holds the right letter (surrounding spaces ignored)."""
     answer = workdir / "answer.txt"
     return float(answer.is_file() and answer.read_text().strip() == RIGHT_LETTER)
+
+
+# Model-written code at its worst: it forks as far as it may, and every process floods the disk.
+HOSTILE_CODE = (
+    "```python\nimport os\nfor _ in range(64):\n"
+    "    try:\n        os.fork()\n    except OSError:\n        break\n"
+    "i = 0\nwhile True:\n    open(f'f{os.getpid()}-{i}', 'wb').write(b'x' * 2**22)\n    i += 1\n```"
+)
+
+
+def hostile_code_reward(completions, **kwargs):
+    """code_execution_reward fed hostile code for every completion: each run ends at the sandbox's disk
+    bound and scores 0.0, and the rollout worker goes on."""
+    from asyncgrpo.rewards.code_execution import code_execution_reward
+
+    return code_execution_reward([HOSTILE_CODE] * len(completions), [["assert True"]] * len(completions))

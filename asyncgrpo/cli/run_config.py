@@ -47,6 +47,11 @@ HARNESS_PROCESS_KEYS = {
     "env": "environment variables added to the agent's minimal environment",
     "agent_columns": "the dataset columns the agent sees beside the prompt, a list (default: none)",
     "max_agents": "agent processes alive at once (default: from the machine's cores and memory)",
+    "agent_sandbox": "`bubblewrap` (default: every agent in a sandbox) or `none` (opt out, warned about)",
+    "agent_limits": "the sandbox's bounds, a mapping of SandboxLimits fields (memory_bytes, processes, "
+    "cpu_seconds, file_bytes, disk_bytes, open_files)",
+    "agent_readable_paths": "host paths the sandboxed agent may read, a list",
+    "agent_writable_paths": "host paths the sandboxed agent may write, a list (shared by every agent)",
 }
 # A config file cannot name the trainer's interpreter; these names in a harness command mean it. On the
 # PATH they may name another Python (the system's, when the trainer's venv is not activated) that lacks
@@ -286,9 +291,25 @@ def _harness(raw: dict) -> tuple[Any, Callable | None]:
         options["agent_columns"] = _expect(
             spec["agent_columns"], list, "harness_session_factory.agent_columns"
         )
-    if "max_agents" in spec:
-        options["max_agents"] = _expect(spec["max_agents"], int, "harness_session_factory.max_agents")
+    typed = {"max_agents": int, "agent_sandbox": str}
+    typed |= {"agent_readable_paths": list, "agent_writable_paths": list}
+    for key, kind in typed.items():
+        if key in spec:
+            options[key] = _expect(spec[key], kind, f"harness_session_factory.{key}")
+    if "agent_limits" in spec:
+        where = "harness_session_factory.agent_limits"
+        options["agent_limits"] = _sandbox_limits(_expect(spec["agent_limits"], dict, where), where)
     return functools.partial(ProcessSessionFactory, **options), reward_fn
+
+
+def _sandbox_limits(spec: dict, where: str) -> Any:
+    from asyncgrpo.sandbox import SandboxLimits
+
+    _reject_unknown(spec, {field.name for field in fields(SandboxLimits)}, f"{where}.")
+    try:
+        return SandboxLimits(**spec)
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from None
 
 
 def resolve(path: Any, where: str) -> Any:

@@ -31,15 +31,21 @@ AGENT_MEMORY_BYTES = 256 * 2**20
 
 
 def agent_environment(
-    temp_dir: Path, user_env: dict[str, str], openai_variables: dict[str, str]
+    temp_dir: Path | str,
+    user_env: dict[str, str],
+    openai_variables: dict[str, str],
+    home: str | None = None,
 ) -> dict[str, str]:
-    """The agent's whole environment: the inherited few, `TMPDIR`/`TMP`/`TEMP` at its own temporary
-    folder, the user's `env`, and last the session's `OPENAI_*` (which nothing may override)."""
+    """The agent's whole environment: the inherited few (`HOME` replaced by `home` when given: a
+    sandboxed agent's own), `TMPDIR`/`TMP`/`TEMP` at its own temporary folder, the user's `env`, and
+    last the session's `OPENAI_*` (which nothing may override)."""
     inherited = {
         name: value
         for name, value in os.environ.items()
         if name in INHERITED_VARIABLES or name.startswith(INHERITED_PREFIXES)
     }
+    if home is not None:
+        inherited["HOME"] = home
     temp = str(temp_dir)
     return {**inherited, "TMPDIR": temp, "TMP": temp, "TEMP": temp, **user_env, **openai_variables}
 

@@ -22,9 +22,12 @@ import asyncio
 import json
 import logging
 import secrets
+import shutil
+import tempfile
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -42,6 +45,8 @@ SampleTurn = Callable[[list[int]], Awaitable[TurnRecord]]
 # Threads for the requests' CPU work. It holds the GIL (the template is Python, the JSON parser a C call
 # that keeps it), so more threads would not add speed; a few let a short request pass a long one.
 CPU_THREADS = 4
+# The longest path a Unix socket may have (sun_path holds 108 bytes, its end a zero).
+SOCKET_PATH_LIMIT = 107
 
 
 @dataclass
@@ -60,6 +65,8 @@ class CaptureEndpoint:
     base_url: str
     model: str
     proxy: CaptureProxy
+    # The same endpoint on a Unix socket (mode 0700 folder): what a sandbox binds in, its only way out.
+    unix_socket: str | None = None
 
     def open_session(self, episode_id: str) -> str:
         """A fresh API key whose requests are recorded as `episode_id`'s turns."""
@@ -95,10 +102,12 @@ class CaptureProxy:
         self.sessions: dict[str, CapturedSession] = {}
         self._cpu_pool = ThreadPoolExecutor(max_workers=CPU_THREADS, thread_name_prefix="capture-cpu")
         self._runner: web.AppRunner | None = None
+        self._socket_dir: Path | None = None
         self.endpoint: CaptureEndpoint | None = None
 
     async def start(self, host: str = "127.0.0.1") -> CaptureEndpoint:
-        """Listen on a free port of `host` (loopback: the agents run on this machine)."""
+        """Listen on a free port of `host` (loopback: the agents run on this machine), and on a Unix
+        socket in a private folder, which sandboxed agents reach it through (asyncgrpo/sandbox)."""
         app = web.Application(client_max_size=self.max_request_bytes)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
@@ -107,12 +116,17 @@ class CaptureProxy:
         site = web.TCPSite(self._runner, host, 0)
         await site.start()
         port = self._runner.addresses[0][1]
-        self.endpoint = CaptureEndpoint(f"http://{host}:{port}/v1", self.model, self)
+        self._socket_dir = _socket_folder()
+        socket_path = str(self._socket_dir / "proxy.sock")
+        await web.UnixSite(self._runner, socket_path).start()
+        self.endpoint = CaptureEndpoint(f"http://{host}:{port}/v1", self.model, self, socket_path)
         return self.endpoint
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         self._cpu_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- sessions (called from the session threads: dict operations only) ----------------------------
@@ -214,6 +228,16 @@ class CaptureProxy:
         response = chat_completion(parsed, turn, self.model, call_id_prefix=node_id)
         captured = training_turn(turn, node_id, {"messages": body.get("messages"), "tools": tools}, response)
         return response, captured
+
+
+def _socket_folder() -> Path:
+    """A private folder (mode 0700) for the proxy's socket, in the temporary folder unless its path
+    would be too long for a socket's (108 bytes on Linux), then in /tmp."""
+    folder = Path(tempfile.mkdtemp(prefix="asyncgrpo-capture-"))
+    if len(str(folder / "proxy.sock")) < SOCKET_PATH_LIMIT:
+        return folder
+    folder.rmdir()
+    return Path(tempfile.mkdtemp(prefix="asyncgrpo-capture-", dir="/tmp"))
 
 
 class _Refused(Exception):

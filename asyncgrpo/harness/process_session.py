@@ -1,7 +1,10 @@
-"""ProcessSessionFactory: a local process per rollout, for agents without a sandbox service.
+"""ProcessSessionFactory: a local process per rollout, each in a sandbox of its own (bubblewrap:
+asyncgrpo/harness/agent_sandbox.py, asyncgrpo/sandbox), for agents without a sandbox service.
 
 Each session makes a private folder (mode 0700) holding the agent's working directory (`work/`), its
-temporary folder (`tmp/`) and its output log (`output.log`, mode 0600, capped). The working directory
+home (`home/`) and temporary folder (`tmp/`), all it may write, and its output log (`output.log`, mode
+0600, capped), which it never sees. A sandboxed agent whose files pass its `disk_bytes` is ended (its
+folders are measured while the session waits for it). The working directory
 starts with `task.json`: the prompt's messages under "prompt", the row's columns named in
 `agent_columns` (none by default: the answer columns stay with the trainer), and the session's
 "seed", "episode_id" and the run's "sampling". The agent starts there with the same JSON on stdin
@@ -20,7 +23,6 @@ import inspect
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,8 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.harness.agent_environment import agent_environment, default_max_agents
+from asyncgrpo.harness.agent_sandbox import SANDBOXED, AgentSandbox
+from asyncgrpo.harness.agent_sandbox import agent_sandbox as _agent_sandbox
+from asyncgrpo.harness.agent_sandbox import ready as _sandbox_ready
 from asyncgrpo.harness.capture import CaptureEndpoint
 from asyncgrpo.harness.contract import ToolResult, TrainingTrace, VerifyResult
+from asyncgrpo.sandbox import SandboxLimits
+from asyncgrpo.sandbox.files import disk_usage, remove_tree
+from asyncgrpo.sandbox.limits import WATCH_INTERVAL_S
 
 # How long an agent may run, by default: a few model turns and tool calls of a small agent, with
 # room for a slow, shared server. Longer agents set `timeout_s`.
@@ -69,6 +77,7 @@ class ProcessSession:
         episode_id: str,
         env: dict[str, str],
         lifeline: int,
+        sandbox: AgentSandbox | None = None,
     ):
         self.task = task
         self.row = row
@@ -81,6 +90,8 @@ class ProcessSession:
         self.workdir = self.root / "work"
         self.output_path = self.root / "output.log"
         self._api_key: str | None = None
+        self._sandbox = sandbox
+        self._sandbox_command = None
         try:
             self._api_key = capture.open_session(episode_id)
             self.workdir.mkdir()
@@ -89,14 +100,19 @@ class ProcessSession:
             # default=str: a column json cannot write (a date) goes as its text
             task_file.write_text(json.dumps(task, default=str))
             environment = agent_environment(
-                self.root / "tmp",
+                self.root / "tmp" if sandbox is None else sandbox.temp_dir,
                 env,
                 {
-                    "OPENAI_BASE_URL": capture.base_url,
+                    "OPENAI_BASE_URL": capture.base_url if sandbox is None else sandbox.base_url,
                     "OPENAI_API_KEY": self._api_key,
                     "OPENAI_MODEL": capture.model,
                 },
+                home=None if sandbox is None else sandbox.home,
             )
+            if sandbox is not None:
+                socket = getattr(capture, "unix_socket", None)
+                self._sandbox_command = sandbox.command(self.root, command, environment.get("PATH"), socket)
+                command = self._sandbox_command.argv
             log = os.open(self.output_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 with task_file.open("rb") as stdin:
@@ -124,13 +140,33 @@ class ProcessSession:
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         """The agent's exit code; TimeoutError (the agent ended) when it runs past the timeout, counted
-        from the agent's start (`timeout_s` of the factory when not given)."""
+        from the agent's start (`timeout_s` of the factory when not given). A sandboxed agent whose
+        files pass its `disk_bytes` is ended (a non-zero code; its log says why)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
-        if not self._exited_within(self.started + limit - time.monotonic()):
-            self._end()
-            raise TimeoutError(f"the agent ran past timeout_s={limit:g} s and was ended")
+        deadline = self.started + limit
+        watch = self._sandbox_command is not None
+        while not self._exited_within(min(deadline - time.monotonic(), WATCH_INTERVAL_S if watch else limit)):
+            if time.monotonic() >= deadline:
+                self._end()
+                raise TimeoutError(f"the agent ran past timeout_s={limit:g} s and was ended")
+            if watch and self._over_disk():
+                break
         with self._lock:
             return self.process.wait()
+
+    def _over_disk(self) -> bool:
+        """Whether the agent's files passed its disk_bytes; if so it is ended, and its log says why."""
+        bound = self._sandbox.limits.disk_bytes
+        used = disk_usage(self._sandbox_command.folders.writable(), bound)
+        if used <= bound:
+            return False
+        self._end()
+        with self.output_path.open("ab") as log:
+            log.write(
+                f"\nasyncgrpo sandbox: the agent's files passed agent_limits.disk_bytes={bound} bytes "
+                f"({used} counted); it was ended\n".encode()
+            )
+        return True
 
     def fetch_training_trace(self) -> TrainingTrace:
         return self._capture.training_trace(self._api_key)
@@ -175,7 +211,9 @@ class ProcessSession:
             os.close(pidfd)
         if self._api_key is not None:
             self._capture.close_session(self._api_key)
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self._sandbox_command is not None:
+            self._sandbox_command.release()
+        remove_tree(self.root)
 
     # -- the supervisor -----------------------------------------------------------------------------------
 
@@ -249,7 +287,12 @@ class ProcessSessionFactory:
     file (the agent's script, relative to where the trainer runs) is made absolute: the agent runs in
     its own working directory. `sampling` (the run's sampling settings) and `capture` (the trainer's
     proxy) are given by the trainer: `functools.partial(ProcessSessionFactory, command=[...],
-    verify=...)` is a `harness_session_factory`."""
+    verify=...)` is a `harness_session_factory`.
+
+    Every agent runs in a sandbox (`agent_sandbox="bubblewrap"`, docs/harness.md "The sandbox"): its
+    folder and the capture proxy are all it sees of the machine. `agent_limits` (a SandboxLimits) bounds
+    its memory, processes, files and CPU time; `agent_readable_paths` and `agent_writable_paths` are
+    host paths it may read, or write, beyond its own. `agent_sandbox="none"` opts out, with a warning."""
 
     takes_dataset_row = True  # create() gets the whole dataset row, not the prompt alone
 
@@ -263,6 +306,10 @@ class ProcessSessionFactory:
         max_agents: int | None = None,
         sampling: dict[str, Any] | None = None,
         capture: CaptureEndpoint | None = None,
+        agent_sandbox: str = SANDBOXED,
+        agent_limits: SandboxLimits | None = None,
+        agent_readable_paths: Sequence[str] | None = None,
+        agent_writable_paths: Sequence[str] | None = None,
     ):
         if not command or not all(isinstance(part, str) for part in command):
             raise ValueError(
@@ -297,8 +344,26 @@ class ProcessSessionFactory:
         self.max_live_sessions = max_agents if max_agents is not None else default_max_agents()
         self.sampling = dict(sampling or {})
         self.capture = capture
+        self.sandbox = self.check_before_rollouts(
+            agent_sandbox, agent_limits, agent_readable_paths, agent_writable_paths
+        )
         self._lifeline: tuple[int, int] | None = None  # made with the first session
         self._lifeline_lock = threading.Lock()
+
+    @staticmethod
+    def check_before_rollouts(
+        agent_sandbox: str = SANDBOXED,
+        agent_limits: SandboxLimits | None = None,
+        agent_readable_paths: Sequence[str] | None = None,
+        agent_writable_paths: Sequence[str] | None = None,
+        **_other_options: Any,
+    ) -> AgentSandbox | None:
+        """The sandbox these options ask for, once this machine is known to start it (else
+        SandboxUnavailableError, naming what to install or set); None for `agent_sandbox="none"`, warned
+        about once per process. The trainer calls it with the factory's options when it is built."""
+        sandbox = _agent_sandbox(agent_sandbox, agent_limits, agent_readable_paths, agent_writable_paths)
+        _sandbox_ready(sandbox)
+        return sandbox
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> ProcessSession:
         if self.capture is None:
@@ -330,6 +395,7 @@ class ProcessSessionFactory:
             episode_id or "",
             self.env,
             self._lifeline_read_end(),
+            self.sandbox,
         )
 
     def close(self) -> None:

@@ -18,8 +18,10 @@ file, in a session of its own. It:
 - exits with the agent's exit status (an agent killed by signal N: the supervisor by signal N).
 
 Why not a cgroup: a cgroup would also catch an agent that kills its supervisor, but creating one
-needs a writable cgroup hierarchy, which containers often do not offer. What this cannot stop (an
-agent killing its own supervisor) is in docs/harness.md, "What an agent can and cannot do".
+needs a writable cgroup hierarchy, which containers often do not offer. A sandboxed agent (the
+default: the command is then bubblewrap's) cannot see its supervisor, and no process leaves its PID
+namespace; an agent run with agent_sandbox="none" could kill its supervisor, and a process it had
+moved out of the supervisor's process group would then survive (docs/harness.md, "The sandbox").
 
 Standard library only, and no site packages (`-I -S`): it starts in milliseconds and holds little memory.
 """

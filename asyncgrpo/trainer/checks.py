@@ -33,6 +33,9 @@ def check_reward_funcs(reward_funcs: list[Any]) -> None:
             )
         if not callable(function):
             raise ValueError(f"reward_funcs[{index}] ({function!r}) is not callable")
+        check = getattr(function, "check_before_rollouts", None)
+        if callable(check):  # code_execution_reward: the sandbox it runs code in must start here
+            check()
 
 
 def check_reward_weights(reward_funcs: list[Any], reward_weights: list[float] | None) -> None:

@@ -11,6 +11,7 @@ import functools
 from typing import Any, Callable
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.harness.agent_sandbox import check_factory_before_rollouts
 from asyncgrpo.harness.loop import (
     DEFAULT_HARNESS_TIMEOUT_S,
     HarnessRolloutLoop,
@@ -70,6 +71,9 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
                 f"harness_timeout_s={harness_timeout_s} must be > 0 (seconds a session's own code may take "
                 "per call)"
             )
+        # Before anything else: an agent sandbox this machine cannot start stops the run here, not at
+        # its first rollout (docs/harness.md, "The sandbox").
+        check_factory_before_rollouts(harness_session_factory)
         # An instance attribute: the rollout worker builds its loop from this (a picklable partial).
         self.loop_cls = functools.partial(
             HarnessRolloutLoop,
