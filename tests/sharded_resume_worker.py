@@ -73,6 +73,7 @@ def main() -> None:
         assert load_training_state(model, optimizer, checkpoint, manifest, processes.distributed)
         for number in range(SAVED_STEP + 1, 5):
             losses[number] = step()
+    writer.close()
     if processes.is_main:
         Path(output).write_text(json.dumps({"losses": losses, "world_size": processes.world_size}))
     if dist.is_initialized():

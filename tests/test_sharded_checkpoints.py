@@ -472,3 +472,28 @@ def test_load_best_model_at_end_reads_a_sharded_best_checkpoint(tiny_model_dir, 
     finally:
         trainer.callback_handler.on_train_end(args, trainer.state, trainer.control)
     assert all(torch.equal(p, best[name]) for name, p in trainer.model.named_parameters())
+
+
+def test_a_settled_background_save_leaves_no_writer_thread_behind(tiny_model_dir, tmp_path, monkeypatch):
+    """A writer thread still alive at the interpreter's exit is stopped inside torch's C++ code and
+    aborts a process whose save succeeded: once `settle` reports the outcome the thread has ended, even
+    when its last lines after the outcome (the timeline's record) are slow."""
+    import threading
+    import time
+
+    from asyncgrpo.checkpoints import background
+    from asyncgrpo.checkpoints.background import ShardedWriter
+    from asyncgrpo.trainer.distributed import Processes
+
+    def slow_record(*args, **kwargs):
+        time.sleep(0.5)
+
+    monkeypatch.setattr(background.timeline, "interval", slow_record)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    writer = ShardedWriter(Processes(1, 0), asynchronous=True)
+    writer.start(1, training_state(model, optimizer, trainable_only=False), tmp_path / SHARDS_DIR, None)
+    writer.wait_for_copy()
+    assert writer.settle(wait=True).error is None
+    assert not [thread for thread in threading.enumerate() if thread.name == "checkpoint-writer"]
+    writer.close()

@@ -73,6 +73,15 @@ class _Pending:
     step: int
     started: float
     future: Future
+    thread: threading.Thread | None = None  # the asynchronous save's writer
+
+    def end(self) -> None:
+        """Wait for the save's outcome, then for its thread to end: a writer thread still alive when
+        the interpreter exits is stopped inside torch's C++ code, which aborts the process ("terminate
+        called without an active exception") after the save has succeeded."""
+        _wait_quietly(self.future)
+        if self.thread is not None:
+            self.thread.join()
 
 
 class ShardedWriter:
@@ -101,6 +110,7 @@ class ShardedWriter:
         started = time.perf_counter()
         group = self._writers_group()
         future: Future = Future()
+        worker = None
         if self.asynchronous:
             self._copied = threading.Event()
             # On a GPU the copy waits for the work queued so far (the step's optimizer update) on a
@@ -118,7 +128,7 @@ class ShardedWriter:
             worker.start()
         else:
             self._write(state, shards, group, publish, future)
-        self._pending = _Pending(step, started, future)
+        self._pending = _Pending(step, started, future, worker)
         return time.perf_counter() - started
 
     def wait_for_copy(self) -> float:
@@ -200,7 +210,7 @@ class ShardedWriter:
         """Wait for this process's part of the save in flight, without a collective (a failed run:
         the other processes may be gone). Its outcome is not settled."""
         if self._pending is not None:
-            _wait_quietly(self._pending.future)
+            self._pending.end()
 
     def settle(self, wait: bool) -> SaveResult | None:
         """The outcome of the save in flight once every process's part has ended, the same on every
@@ -209,7 +219,7 @@ class ShardedWriter:
         if pending is None:
             return None
         if wait:
-            _wait_quietly(pending.future)
+            pending.end()
         done = pending.future.done()
         failure = pending.future.exception() if done else None
         described = str(failure) if failure is not None else None
@@ -220,6 +230,7 @@ class ShardedWriter:
         )
         if not all(finished for finished, _ in outcomes):
             return None
+        pending.end()  # done: its thread is at its last lines
         self._pending = None
         error = next((text for _, text in outcomes if text is not None), None)
         local = failure.error if failure is not None else None
