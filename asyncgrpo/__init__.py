@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
+    "AsyncDistillationConfig": "asyncgrpo.config",
     "AsyncGRPOConfig": "asyncgrpo.config",
     "AsyncGRPOTrainer": "asyncgrpo.trainer.async_grpo_trainer",
     "AsyncRolloutLoop": "asyncgrpo.rollout.loop",
@@ -22,7 +23,7 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.config import AsyncDistillationConfig, AsyncGRPOConfig
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
     from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
     from asyncgrpo.trainer.async_grpo_trainer import AsyncGRPOTrainer

@@ -71,7 +71,7 @@ class AsyncGRPOConfig(
 
     def _validate(self) -> None:
         def fail(message: str) -> None:
-            raise ValueError(f"AsyncGRPOConfig: {message}")
+            raise ValueError(f"{type(self).__name__}: {message}")
 
         self._validate_generation(fail)
         self._validate_server(fail)

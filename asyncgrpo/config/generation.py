@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 @dataclass
 class GenerationFields:
     """What the servers sample for training, and how rollouts are rendered."""
+
+    # GRPO compares a group's rollouts, so a group needs two; a trainer whose loss needs no group
+    # (distillation: config/distillation.py) clears it.
+    _group_needs_advantage: ClassVar[bool] = True
 
     num_generations: int = field(
         default=8,
@@ -101,11 +106,13 @@ class GenerationFields:
             self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
 
     def _validate_generation(self, fail) -> None:
-        if self.num_generations < 2:
+        if self._group_needs_advantage and self.num_generations < 2:
             fail(
                 f"num_generations={self.num_generations}: a group needs at least 2 rollouts to have an "
                 "advantage"
             )
+        if self.num_generations < 1:
+            fail(f"num_generations={self.num_generations} must be >= 1")
         if self.max_completion_length < 1:
             fail(f"max_completion_length={self.max_completion_length} must be >= 1")
         if self.temperature <= 0:
