@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import ClassVar
 from urllib.parse import urlparse
 
 from asyncgrpo.config.async_grpo_config import AsyncGRPOConfig
@@ -95,7 +94,7 @@ class AsyncDistillationConfig(AsyncGRPOConfig):
     )
 
     # No GRPO group: one rollout per prompt is a whole sample (config/generation.py reads it).
-    _group_needs_advantage: ClassVar[bool] = False
+    _group_needs_advantage = False
 
     def __post_init__(self) -> None:
         self.teacher_server_urls = parse_teacher_urls(self.teacher_server_urls)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 
 @dataclass
@@ -13,7 +12,7 @@ class GenerationFields:
 
     # GRPO compares a group's rollouts, so a group needs two; a trainer whose loss needs no group
     # (distillation: config/distillation.py) clears it.
-    _group_needs_advantage: ClassVar[bool] = True
+    _group_needs_advantage = True
 
     num_generations: int = field(
         default=8,
