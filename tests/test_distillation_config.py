@@ -51,6 +51,7 @@ def test_teacher_urls_come_as_a_dict_a_json_object_or_one_url(tmp_path):
     [
         ({"beta": 1.5}, "beta=1.5 must be in [0, 1]"),
         ({"beta": -0.1}, "beta=-0.1 must be in [0, 1]"),
+        ({"beta": 1.0, "add_tail_bucket": False}, "the divergence is 0 and nothing trains"),
         ({"teacher_temperature": 0.0}, "teacher_temperature=0.0 must be > 0"),
         ({"teacher_top_k": 0}, "teacher_top_k=0 must be >= 1"),
         ({"teacher_server_urls": {}}, "teacher_server_urls has no teacher"),

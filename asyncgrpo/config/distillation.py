@@ -108,6 +108,12 @@ class AsyncDistillationConfig(AsyncGRPOConfig):
 
         if not 0.0 <= self.beta <= 1.0:
             fail(f"beta={self.beta} must be in [0, 1] (0: forward KL, 1: reverse KL)")
+        if self.beta == 1.0 and not self.add_tail_bucket:
+            fail(
+                "beta=1.0 with add_tail_bucket=False: reverse KL runs over the realized token alone, "
+                "which renormalized is probability 1 on both sides, so the divergence is 0 and nothing "
+                "trains; keep add_tail_bucket=True or lower beta"
+            )
         if self.teacher_temperature <= 0:
             fail(f"teacher_temperature={self.teacher_temperature} must be > 0")
         if self.teacher_top_k < 1:
