@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "AsyncDistillationConfig": "asyncgrpo.config",
+    "AsyncDistillationTrainer": "asyncgrpo.trainer.distillation_trainer",
     "AsyncGRPOConfig": "asyncgrpo.config",
     "AsyncGRPOTrainer": "asyncgrpo.trainer.async_grpo_trainer",
     "AsyncRolloutLoop": "asyncgrpo.rollout.loop",
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
     from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
     from asyncgrpo.trainer.async_grpo_trainer import AsyncGRPOTrainer
+    from asyncgrpo.trainer.distillation_trainer import AsyncDistillationTrainer
     from asyncgrpo.trainer.harness_trainer import HarnessAsyncGRPOTrainer
 
 

@@ -1,0 +1,151 @@
+"""The distillation pipeline's pieces without a server: the teacher's answer parsed, samples carrying
+it through packing and a checkpoint, and a packed row's distillation loss equal to the divergence of
+each sample forwarded alone (plain HF forward, full softmax)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from asyncgrpo import AsyncDistillationConfig
+from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
+from asyncgrpo.generation.responses import MalformedResponseError, parse_prompt_logprobs
+from asyncgrpo.losses.distillation import distillation_divergence, teacher_support
+from asyncgrpo.packing.tree_attention import enable_tree_attention
+from asyncgrpo.packing.trie import pack_row
+from asyncgrpo.rollout.teacher import TeacherScoring
+from asyncgrpo.sample import Sample
+from asyncgrpo.trainer.distillation_loss import DistillationLoss
+from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
+
+K = 4  # the teacher's report: top-3 plus the realized token
+
+
+def test_the_teachers_answer_is_read_in_rank_order_at_the_asked_positions():
+    reports = [
+        None,  # the first token: nothing predicts it
+        {"7": {"logprob": -0.5, "rank": 1}, "9": {"logprob": -1.5, "rank": 2}},
+        {"3": {"logprob": -2.0, "rank": 5}, "4": {"logprob": -0.1, "rank": 1}, "8": {"logprob": None}},
+    ]
+    body = json.dumps({"choices": [{"text": "x", "prompt_logprobs": reports}]}).encode()
+    ids, logprobs = parse_prompt_logprobs(body, np.array([1, 2, 0]), width=3)
+    assert ids.tolist() == [[7, 9, -1], [4, 3, -1], [-1, -1, -1]]  # the NaN dropped, rank order kept
+    assert logprobs[1].tolist()[:2] == [pytest.approx(-0.1), -2.0] and logprobs[2, 0] == -np.inf
+    with pytest.raises(MalformedResponseError, match="without prompt_logprobs"):
+        parse_prompt_logprobs(b'{"choices": [{"text": "x"}]}', np.array([1]), 3)
+
+
+def test_the_row_picks_its_teacher_by_its_teacher_id_column():
+    scoring = TeacherScoring({"math": "http://a:1", "code": "http://b:2"}, 8, 1.0, 5.0, 5.0)
+    assert scoring.teacher_of({"teacher_id": ["code"]}, row_index=0) == 1
+    with pytest.raises(ValueError, match="teacher_id='poetry'.*math, code"):
+        scoring.teacher_of({"teacher_id": ["poetry"]}, row_index=3)
+    single = TeacherScoring({"default": "http://a:1"}, 8, 1.0, 5.0, 5.0)
+    assert single.teacher_of({}, row_index=0) == 0
+
+
+def teacher_report(rng, tokens: np.ndarray, trained: np.ndarray, vocab: int):
+    """A made-up teacher's report at the trained tokens: 3 ranked ids, the realized token appended."""
+    rows = int(trained.sum())
+    ids = np.full((rows, K), -1, dtype=np.int64)
+    logprobs = np.full((rows, K), -np.inf, dtype=np.float32)
+    for row, token in enumerate(tokens[trained]):
+        top = rng.choice(vocab, 3, replace=False)
+        values = np.sort(np.log(rng.dirichlet(np.ones(5))[:3]))[::-1]
+        ids[row, :3], logprobs[row, :3] = top, values
+        if token not in top:
+            ids[row, 3], logprobs[row, 3] = token, math.log(0.01)
+    return ids, logprobs
+
+
+@pytest.fixture(scope="module")
+def models():
+    plain = build_model(build_tokenizer())
+    return plain, enable_tree_attention(copy.deepcopy(plain))
+
+
+def samples_sharing_a_prompt(rng, vocab: int) -> list[Sample]:
+    prompt = rng.integers(0, vocab, 9)
+    samples = []
+    for teacher, length in ((0, 6), (1, 4), (0, 7)):
+        tokens = np.concatenate([prompt, rng.integers(0, vocab, length)])
+        trained = np.arange(len(tokens)) >= len(prompt)
+        ids, logprobs = teacher_report(rng, tokens, trained, vocab)
+        sample = Sample(
+            tokens, trained, np.zeros(length, np.float32), 0.0, 0,
+            teacher_ids=ids, teacher_logprobs=logprobs, teacher_index=teacher,
+        )  # fmt: skip
+        sample.validate()
+        samples.append(sample)
+    return samples
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_a_packed_rows_loss_is_each_samples_divergence_forwarded_alone(models, tmp_path, beta):
+    plain, tree = models
+    vocab = plain.config.vocab_size
+    samples = samples_sharing_a_prompt(np.random.default_rng(0), vocab)
+    config = AsyncDistillationConfig(
+        str(tmp_path),
+        report_to="none",
+        beta=beta,
+        teacher_temperature=0.8,
+        gradient_accumulation_steps=2,
+        teacher_server_urls={"math": "http://a:1", "code": "http://b:2"},
+    )
+    row = pack_row(samples)
+    assert row.num_tokens < sum(s.num_tokens for s in samples)  # the prompt is forwarded once
+    entries = row.num_entries + 5.0  # the micro-batch holds other processes' entries too
+    loss, metrics = DistillationLoss(config).row_loss(tree, row, entries, None, False, 0)
+
+    expected, jsd, count, per_teacher = 0.0, 0.0, 0, {0: [0.0, 0], 1: [0.0, 0]}
+    for sample in samples:
+        with torch.no_grad():
+            logits = plain(torch.from_numpy(sample.token_ids)[None]).logits[0].float()
+        logp = torch.log_softmax(logits[:-1] / 0.8, -1)[torch.from_numpy(sample.trained[1:])]
+        targets = torch.from_numpy(sample.token_ids[sample.trained])
+        ids, teacher, valid = teacher_support(
+            torch.from_numpy(sample.teacher_ids), torch.from_numpy(sample.teacher_logprobs), targets, beta
+        )
+        student = logp.gather(1, ids.clamp(min=0)).masked_fill(ids < 0, -math.inf)
+        divergence = distillation_divergence(student, teacher, valid, beta)
+        expected += divergence.jsd.sum().item()
+        jsd += divergence.jsd.sum().item()
+        count += int(divergence.scored.sum())
+        per_teacher[sample.teacher_index][0] += divergence.jsd.sum().item()
+        per_teacher[sample.teacher_index][1] += int(divergence.scored.sum())
+    assert loss.item() == pytest.approx(expected / entries / 2, rel=1e-5)
+    assert float(metrics["jsd"].value) / metrics["jsd"].weight == pytest.approx(jsd / count, rel=1e-5)
+    assert metrics["jsd"].weight == count
+    math_jsd = metrics["teacher_jsd/math"]
+    assert float(math_jsd.value) / math_jsd.weight == pytest.approx(
+        per_teacher[0][0] / per_teacher[0][1], rel=1e-5
+    )
+    frac = metrics["teacher_token_frac/code"]
+    assert frac.value / frac.weight == pytest.approx(per_teacher[1][1] / count)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in tree.parameters() if p.grad is not None)
+    tree.zero_grad()
+
+
+def test_teacher_scores_survive_a_checkpoint(tmp_path):
+    samples = samples_sharing_a_prompt(np.random.default_rng(1), 500)
+    save_held_samples(samples, tmp_path)
+    loaded = load_held_samples(tmp_path)
+    for before, after in zip(samples, loaded):
+        assert np.array_equal(before.teacher_ids, after.teacher_ids)
+        assert np.array_equal(before.teacher_logprobs, after.teacher_logprobs)
+        assert before.teacher_index == after.teacher_index
+
+
+def test_a_row_without_teacher_scores_is_refused(models, tmp_path):
+    _, tree = models
+    sample = Sample(np.arange(6), np.arange(6) >= 3, np.zeros(3, np.float32), 0.0, 0)
+    config = AsyncDistillationConfig(str(tmp_path), report_to="none")
+    with pytest.raises(ValueError, match="without the teacher's scores"):
+        DistillationLoss(config).row_loss(tree, pack_row([sample]), 3.0, None, False, 0)
