@@ -37,6 +37,9 @@ class Sample:
     teacher_ids: np.ndarray | None = None  # (T, K) int64
     teacher_logprobs: np.ndarray | None = None  # (T, K) float32
     teacher_index: int = -1
+    # GRPO with a teacher (teacher_kl_coef): each trained token's own advantage, `advantage` plus its
+    # teacher term. None: every trained token takes `advantage`.
+    token_advantages: np.ndarray | None = None  # (T,) float32
     row_index: int = -1  # dataset row of its prompt
     stream_index: int = -1  # the prompt's place in the stream of prompts (epoch * len(dataset) + k)
     epoch: int = 0
@@ -81,6 +84,8 @@ class Sample:
                 return "teacher_ids and teacher_logprobs must have the same shape"
             if self.teacher_ids.ndim != 2 or self.teacher_ids.shape[0] != trained:
                 return "one row of teacher tokens per trained token"
+        if self.token_advantages is not None and self.token_advantages.shape != (trained,):
+            return "one token advantage per trained token"
         if self.candidate_sets is not None and len(self.candidate_sets) != trained:
             return "one candidate set per trained token"
         if self.routed_experts is not None and (

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo import AsyncDistillationConfig
+from asyncgrpo import AsyncDistillationConfig, AsyncGRPOConfig
 from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
 from asyncgrpo.generation.responses import MalformedResponseError, parse_prompt_logprobs
 from asyncgrpo.losses.distillation import distillation_divergence, teacher_support
 from asyncgrpo.packing.tree_attention import enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
-from asyncgrpo.rollout.teacher import TeacherScoring
+from asyncgrpo.rollout.teacher import TeacherScoring, realized_teacher_logprobs, with_teacher_term
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.distillation_loss import DistillationLoss
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
@@ -149,3 +149,38 @@ def test_a_row_without_teacher_scores_is_refused(models, tmp_path):
     config = AsyncDistillationConfig(str(tmp_path), report_to="none")
     with pytest.raises(ValueError, match="without the teacher's scores"):
         DistillationLoss(config).row_loss(tree, pack_row([sample]), 3.0, None, False, 0)
+
+
+def test_the_teacher_term_moves_each_tokens_advantage_by_the_teachers_view():
+    """advantage + coef x (log q_teacher - log p_sampler) per trained token; a token the teacher did
+    not score keeps the sample's advantage."""
+    tokens = np.array([1, 2, 5, 6, 7])
+    trained = np.array([False, False, True, True, True])
+    sample = Sample(
+        tokens, trained, np.log(np.array([0.5, 0.25, 0.1], np.float32)), 1.0, 0,
+        teacher_ids=np.array([[5, 9], [3, 6], [-1, -1]]),
+        teacher_logprobs=np.log(np.array([[0.8, 0.1], [0.6, 0.05], [0.0, 0.0]], np.float32)),
+    )  # fmt: skip
+    assert np.allclose(realized_teacher_logprobs(sample)[:2], np.log([0.8, 0.05]))
+    assert np.isnan(realized_teacher_logprobs(sample)[2])
+    taught = with_teacher_term(sample, coef=0.5)
+    taught.validate()
+    expected = [1.0 + 0.5 * math.log(0.8 / 0.5), 1.0 + 0.5 * math.log(0.05 / 0.25), 1.0]
+    assert np.allclose(taught.token_advantages, expected, rtol=1e-5)
+    row = pack_row([taught, sample])  # a sample without the term: its advantage on every token
+    assert np.allclose(row.advantages, expected + [1.0, 1.0, 1.0], rtol=1e-5)
+
+
+def test_grpo_takes_a_teacher_only_with_its_term(tmp_path):
+    config = AsyncGRPOConfig(
+        str(tmp_path), report_to="none", teacher_server_urls="http://t:1", teacher_kl_coef=0.1
+    )
+    assert config.teacher_server_urls == {"default": "http://t:1"}
+    with pytest.raises(ValueError, match="teacher_server_urls without teacher_kl_coef > 0"):
+        AsyncGRPOConfig(str(tmp_path), report_to="none", teacher_server_urls="http://t:1")
+    with pytest.raises(ValueError, match="teacher_kl_coef=0.1 needs a teacher"):
+        AsyncGRPOConfig(str(tmp_path), report_to="none", teacher_kl_coef=0.1)
+    with pytest.raises(
+        ValueError, match="AsyncDistillationConfig: teacher_kl_coef=0.1: the teacher term is GRPO's"
+    ):
+        AsyncDistillationConfig(str(tmp_path), report_to="none", teacher_kl_coef=0.1)

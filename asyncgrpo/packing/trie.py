@@ -260,7 +260,15 @@ def _loss_entries(samples: list[Sample]) -> dict:
     entry_starts = np.cumsum(num_trained) - num_trained
     fields = dict(
         target_ids=_concat([s.token_ids[s.trained] for s in samples], np.int64),
-        advantages=np.repeat(np.array([s.advantage for s in samples], dtype=np.float32), num_trained),
+        advantages=_concat(
+            [
+                np.full(s.num_trained, s.advantage, np.float32)
+                if s.token_advantages is None
+                else s.token_advantages
+                for s in samples
+            ],
+            np.float32,
+        ),
         sampler_logprobs=_concat([s.sampler_logprobs for s in samples], np.float32),
         entry_sample=np.repeat(np.arange(len(samples), dtype=np.int32), num_trained),
         num_samples=len(samples),

@@ -43,7 +43,7 @@ from asyncgrpo.rollout.scoring import (
 )
 from asyncgrpo.rollout.sequences import build_training_sequences
 from asyncgrpo.rollout.server_share import ServerShare, initial_servers
-from asyncgrpo.rollout.teacher import TeacherScoring
+from asyncgrpo.rollout.teacher import TeacherScoring, realized_teacher_logprobs, with_teacher_term
 from asyncgrpo.rollout.types import Rollout, RolloutGroup
 from asyncgrpo.rollout.worker_shares import owns_stream_index, share_of_range
 
@@ -503,19 +503,17 @@ class RolloutScheduler:
                 "compute_advantages returned a non-finite advantage for dataset row "
                 f"{group.row_index}: {advantages}"
             )
-        # Distillation alone (a teacher, no reward source): the teacher's scores are the signal, so
-        # every rollout is a sample and no group is dropped for equal rewards.
-        distills_alone = self.teachers is not None and bool(np.isnan(group.rewards).all())
-        dropped = not distills_alone and is_degenerate_group(
+        # With a teacher its scores are a signal of their own (distillation, or GRPO's teacher term): every
+        # rollout is a sample, and no group is dropped for equal rewards or for having none.
+        taught = self.teachers is not None
+        dropped = not taught and is_degenerate_group(
             advantage_basis(group, config.multi_objective_aggregation)
         )
         left_out = frozenset()
         if config.mask_truncated_completions:
             eos = self.loop.eos_token_ids
             left_out = frozenset(i for i, rollout in enumerate(group.rollouts) if is_truncated(rollout, eos))
-        samples = (
-            [] if dropped else training_samples(group, advantages, left_out, keep_unscored=distills_alone)
-        )
+        samples = [] if dropped else training_samples(group, advantages, left_out, keep_unscored=taught)
         names = [reward_function_name(function) for function in reward_funcs] + env_names
         record_group_metrics(
             self.loop.metrics, group, [*per_function, *env_sources], names, dropped, len(samples)
@@ -528,6 +526,13 @@ class RolloutScheduler:
         teacher = self.teachers.teacher_of(group.reward_kwargs, group.row_index)
         scored = await self.teachers.score(samples, teacher)
         self.loop.metrics.record("rollout/teacher_score_s", time.monotonic() - started)
+        coef = self.config.teacher_kl_coef
+        if coef > 0:  # GRPO with a teacher: the teacher term in every trained token's advantage
+            gaps = np.concatenate([s.sampler_logprobs - realized_teacher_logprobs(s) for s in scored])
+            scored_gaps = gaps[~np.isnan(gaps)]
+            if len(scored_gaps):
+                self.loop.metrics.record("teacher_kl", float(scored_gaps.mean()), weight=len(scored_gaps))
+            scored = [with_teacher_term(sample, coef) for sample in scored]
         self.loop.metrics.record(
             "rollout/teacher_scored_tokens", sum(sample.num_tokens for sample in scored), Reduce.SUM
         )

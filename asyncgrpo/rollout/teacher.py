@@ -87,3 +87,22 @@ class TeacherScoring:
             )
 
         return list(await asyncio.gather(*(one(sample) for sample in samples)))
+
+
+def realized_teacher_logprobs(sample: Sample) -> np.ndarray:
+    """(T,) the teacher's log-prob of each trained token as it reported it; NaN where it did not (its
+    report holds the realized token at any rank, so only a position it scored nothing at lacks it)."""
+    targets = sample.token_ids[sample.trained]
+    found = sample.teacher_ids == targets[:, None]
+    values = np.where(found, sample.teacher_logprobs, -np.inf).max(axis=1)
+    return np.where(found.any(axis=1), values, np.nan).astype(np.float32)
+
+
+def with_teacher_term(sample: Sample, coef: float) -> Sample:
+    """GRPO with a teacher: each trained token's advantage is the sample's plus coef x (log q_teacher -
+    log p_sampler) of the token, a one-sample estimate of the per-token reverse KL to the teacher
+    (negated: tokens the teacher finds likelier than the sampler did are pushed up). A token the teacher
+    did not score keeps the sample's advantage."""
+    term = realized_teacher_logprobs(sample) - sample.sampler_logprobs
+    term = np.where(np.isnan(term), 0.0, term)
+    return dataclasses.replace(sample, token_advantages=(sample.advantage + coef * term).astype(np.float32))

@@ -63,6 +63,7 @@ from asyncgrpo.trainer.row_loss import QueuedRows, replayed_routing_of, values_o
 from asyncgrpo.trainer.run_directory import RunDirectoryCallback
 from asyncgrpo.trainer.run_setup import RunSetup
 from asyncgrpo.trainer.step_metrics import StepResult
+from asyncgrpo.trainer.teacher_check import check_teacher_tokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             AsyncRolloutLoop.generate_one
         )
         processing_class = prepare_tokenizer(processing_class, model_id, args, agentic, reads_tool_calls)
+        check_teacher_tokenizers(processing_class, model_id, args)  # before the model moves anywhere
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
         # base Trainer would compile the whole model, whose forward this trainer does not call.
@@ -156,8 +158,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         self.environment_factory = environment_factory
         self.model_id = model_id
         self.streaming = streaming
-        # The loss: GRPO's menu (the reference, a copy of the model as given or its adapter off, and the
-        # entropy coefficient), or what a subclass trains with instead (`_make_loss`).
+        # The loss: GRPO's menu (the reference, the entropy coefficient) or a subclass's (`_make_loss`).
         self._loss_menu = self._make_loss(model, args)
         self._progress = AsyncProgressCallback(
             total=args.max_steps

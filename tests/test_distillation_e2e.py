@@ -1,0 +1,130 @@
+"""On-policy distillation against two real CPU vLLM servers: the session's default server is the student's
+(its weights synced every step), the LoRA server, its base weights replaced by a teacher taught one answer
+(a short supervised warm start, as the demo's), is the teacher (never synced). Both are the session's:
+no server is started for this module, and both get the tiny model's weights back after it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from conftest import make_config  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from test_trainer_e2e import restore_server  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from asyncgrpo import AsyncDistillationConfig, AsyncDistillationTrainer  # noqa: E402
+from asyncgrpo.cli.demo import addition_prompt, answer_probability, supervised_steps  # noqa: E402
+from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [addition_prompt(a, b) for a in range(4) for b in range(4)]
+ANSWER = "7"  # the teacher's reply to every sum
+TEACHER_STEPS, TEACHER_LR = 8, 3e-3  # P(teacher's answer) ~0.998 after them (from ~2e-7)
+
+
+def answer_examples(tokenizer) -> list[tuple[list[int], list[int]]]:
+    answer = tokenizer.encode(ANSWER, add_special_tokens=False) + [
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ]
+    return [
+        (
+            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False),
+            answer,
+        )
+        for p in PROMPTS
+    ]
+
+
+@pytest.fixture(scope="module")
+def teacher(lora_server, tiny_model_dir, tmp_path_factory):
+    """The LoRA server serving a teacher that answers "7" to every sum; the tiny model's weights are
+    put back when the module ends."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    examples = answer_examples(tokenizer)
+    rng = np.random.default_rng(0)
+    supervised_steps(
+        model, lambda: [examples[i] for i in rng.choice(len(examples), 8)], TEACHER_STEPS, TEACHER_LR
+    )
+    assert answer_probability(model, examples) > 0.9
+    weights = tmp_path_factory.mktemp("teacher")
+    model.save_pretrained(weights, safe_serialization=True)
+
+    async def serve_teacher():
+        async with VLLMClient(lora_server.url, timeout=60) as client:
+            await client.reload_weights(str(weights), version=policy_label(0))
+            await client.reset_prefix_cache()
+
+    asyncio.run(serve_teacher())
+    yield lora_server
+    restore_server(lora_server.url, tiny_model_dir)
+
+
+@pytest.fixture(autouse=True)
+def student_server_weights_restored(request, tiny_model_dir):
+    yield
+    if "vllm_server" in request.fixturenames:
+        restore_server(request.getfixturevalue("vllm_server").url, tiny_model_dir)
+
+
+def test_a_student_distilled_with_no_reward_moves_toward_its_teacher(
+    vllm_server, teacher, tiny_model_dir, tmp_path
+):
+    """Also: two teacher ids chosen per row by `teacher_id` (MOPD; both the same server here), each
+    logged under its own name with its share of the tokens."""
+    rows = {"prompt": PROMPTS, "teacher_id": ["a", "b"] * (len(PROMPTS) // 2)}
+    config = make_config(
+        vllm_server,
+        tmp_path,
+        config_class=AsyncDistillationConfig,
+        teacher_server_urls={"a": teacher.url, "b": teacher.url},
+        max_completion_length=6,
+        max_steps=10,
+        learning_rate=2e-3,
+    )
+    trainer = AsyncDistillationTrainer(
+        str(tiny_model_dir), args=config, train_dataset=Dataset.from_dict(rows)
+    )
+    examples = answer_examples(trainer.processing_class)
+    before = answer_probability(trainer.model, examples)
+    trainer.train()
+    after = answer_probability(trainer.model, examples)
+
+    logs = [entry for entry in trainer.state.log_history if "jsd" in entry]
+    assert len(logs) == 10
+    jsd = [entry["jsd"] for entry in logs]
+    first, last = np.mean(jsd[:2]), np.mean(jsd[-2:])
+    assert last < 0.7 * first, jsd  # the divergence to the teacher falls
+    assert after > 20 * before, (before, after)  # and its answer becomes likelier
+    for entry in logs:
+        assert entry["teacher_entropy"] >= 0 and entry["entropy"] > 0
+        assert entry["teacher_token_frac/a"] + entry["teacher_token_frac/b"] == pytest.approx(1.0)
+        assert "teacher_jsd/a" in entry or "teacher_jsd/b" in entry
+    assert all(entry["rollout/teacher_score_s"] > 0 for entry in logs if "rollout/teacher_score_s" in entry)
+    assert not any("reward" in entry or "rewards/" in " ".join(entry) for entry in logs)  # no reward ran
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(teacher, tiny_model_dir, tmp_path):
+    other = AutoTokenizer.from_pretrained(tiny_model_dir)
+    other.add_tokens(["quick"])  # the probe's words no longer split as the teacher's tokenizer splits them
+    config = AsyncDistillationConfig(
+        str(tmp_path), report_to="none", teacher_server_urls={"math": teacher.url}, vllm_server_timeout=60
+    )
+    rows = Dataset.from_dict({"prompt": PROMPTS})
+    with pytest.raises(
+        ValueError, match="teacher 'math' at .* whose tokenizer is not the student's"
+    ) as error:
+        AsyncDistillationTrainer(str(tiny_model_dir), args=config, train_dataset=rows, processing_class=other)
+    assert str(tiny_model_dir) in str(error.value)
