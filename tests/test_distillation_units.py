@@ -4,6 +4,7 @@ each sample forwarded alone (plain HF forward, full softmax)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import math
@@ -11,9 +12,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from aiohttp import web
 
 from asyncgrpo import AsyncDistillationConfig, AsyncGRPOConfig
 from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
+from asyncgrpo.generation.errors import VLLMUnavailableError
 from asyncgrpo.generation.responses import MalformedResponseError, parse_prompt_logprobs
 from asyncgrpo.losses.distillation import distillation_divergence, teacher_support
 from asyncgrpo.packing.tree_attention import enable_tree_attention
@@ -184,3 +187,46 @@ def test_grpo_takes_a_teacher_only_with_its_term(tmp_path):
         ValueError, match="AsyncDistillationConfig: teacher_kl_coef=0.1: the teacher term is GRPO's"
     ):
         AsyncDistillationConfig(str(tmp_path), report_to="none", teacher_kl_coef=0.1)
+
+
+def test_a_teacher_lost_for_a_while_is_waited_for_and_one_lost_for_good_stops_the_run_naming_it():
+    """Its samples wait while the teacher's server fails (retried as a rollout server's requests are)
+    and are scored when it answers again; a teacher that never answers fails within
+    vllm_server_timeout, naming its URL."""
+    report = {"7": {"logprob": -0.1, "rank": 1}, "8": {"logprob": -2.5, "rank": 2}}
+    answer = {"choices": [{"text": "", "prompt_logprobs": [None, report, report]}]}
+
+    async def scenario(failures: int, timeout: float):
+        calls = []
+
+        async def handler(request: web.Request) -> web.Response:
+            if request.path == "/v1/models":
+                return web.json_response({"data": [{"id": "teacher", "max_model_len": 64}]})
+            calls.append(request.path)
+            if len(calls) <= failures:
+                return web.json_response({"error": {"message": "teacher restarting"}}, status=503)
+            return web.json_response(answer)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        scoring = TeacherScoring(
+            {"default": url}, top_k=1, temperature=1.0, timeout=timeout, request_timeout=timeout
+        )
+        sample = Sample(np.array([1, 7, 8]), np.array([False, True, True]), np.zeros(2, np.float32), 0.0, 0)
+        try:
+            await scoring.start()
+            return (await scoring.score([sample], 0))[0], len(calls), url
+        finally:
+            await scoring.close()
+            await runner.cleanup()
+
+    scored, calls, _ = asyncio.run(scenario(failures=3, timeout=30.0))
+    assert calls == 4 and scored.teacher_ids.tolist() == [[7, 8], [7, 8]]
+    with pytest.raises(VLLMUnavailableError, match=r"127\.0\.0\.1") as error:
+        asyncio.run(scenario(failures=10**6, timeout=2.0))
+    assert "teacher restarting" in str(error.value)
