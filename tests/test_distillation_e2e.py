@@ -67,7 +67,7 @@ def teacher(vllm_servers, tiny_model_dir, tmp_path_factory):
     weights = tmp_path_factory.mktemp("teacher")
     model.save_pretrained(weights, safe_serialization=True)
 
-    server = vllm_servers.get(**TEACHER_SERVER)
+    server = vllm_servers.get(*TEACHER_SERVER["extra_args"])
 
     async def serve_teacher():
         async with VLLMClient(server.url, timeout=60) as client:
