@@ -96,14 +96,15 @@ def student_server_weights_restored(request, tiny_model_dir):
 def test_a_student_distilled_with_no_reward_moves_toward_its_teacher(
     vllm_server, teacher, tiny_model_dir, tmp_path
 ):
-    """Also: two teacher ids chosen per row by `teacher_id` (MOPD; both the same server here), each
-    logged under its own name with its share of the tokens."""
-    rows = {"prompt": PROMPTS, "teacher_id": ["a", "b"] * (len(PROMPTS) // 2)}
+    """Also MOPD: rows alternate between two teachers by `teacher_id`, the taught one and the student's
+    own server ("self": a teacher that agrees with the student, up to a few steps of staleness), each
+    logged under its own name with its share of the tokens; the rows reach the teacher they name."""
+    rows = {"prompt": PROMPTS, "teacher_id": ["taught", "self"] * (len(PROMPTS) // 2)}
     config = make_config(
         vllm_server,
         tmp_path,
         config_class=AsyncDistillationConfig,
-        teacher_server_urls={"a": teacher.url, "b": teacher.url},
+        teacher_server_urls={"taught": teacher.url, "self": vllm_server.url},
         max_completion_length=6,
         max_steps=10,
         learning_rate=2e-3,
@@ -118,14 +119,14 @@ def test_a_student_distilled_with_no_reward_moves_toward_its_teacher(
 
     logs = [entry for entry in trainer.state.log_history if "jsd" in entry]
     assert len(logs) == 10
-    jsd = [entry["jsd"] for entry in logs]
-    first, last = np.mean(jsd[:2]), np.mean(jsd[-2:])
-    assert last < 0.7 * first, jsd  # the divergence to the teacher falls
+    taught = [entry["teacher_jsd/taught"] for entry in logs if "teacher_jsd/taught" in entry]
+    assert np.mean(taught[-2:]) < 0.7 * np.mean(taught[:2]), taught  # the divergence to the teacher falls
     assert after > 20 * before, (before, after)  # and its answer becomes likelier
+    first_of_both = next(e for e in logs if "teacher_jsd/taught" in e and "teacher_jsd/self" in e)
+    assert first_of_both["teacher_jsd/self"] < 0.5 * first_of_both["teacher_jsd/taught"]
     for entry in logs:
         assert entry["teacher_entropy"] >= 0 and entry["entropy"] > 0
-        assert entry["teacher_token_frac/a"] + entry["teacher_token_frac/b"] == pytest.approx(1.0)
-        assert "teacher_jsd/a" in entry or "teacher_jsd/b" in entry
+        assert entry["teacher_token_frac/taught"] + entry["teacher_token_frac/self"] == pytest.approx(1.0)
     assert all(entry["rollout/teacher_score_s"] > 0 for entry in logs if "rollout/teacher_score_s" in entry)
     assert not any("reward" in entry or "rewards/" in " ".join(entry) for entry in logs)  # no reward ran
 
