@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
+from datasets import Dataset
 
 from asyncgrpo import AsyncDistillationConfig, AsyncGRPOConfig
 from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
@@ -25,6 +26,7 @@ from asyncgrpo.rollout.teacher import TeacherScoring, realized_teacher_logprobs,
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.distillation_loss import DistillationLoss
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
+from asyncgrpo.trainer.teacher_check import check_teacher_ids
 
 K = 4  # the teacher's report: top-3 plus the realized token
 
@@ -230,3 +232,15 @@ def test_a_teacher_lost_for_a_while_is_waited_for_and_one_lost_for_good_stops_th
     with pytest.raises(VLLMUnavailableError, match=r"127\.0\.0\.1") as error:
         asyncio.run(scenario(failures=10**6, timeout=2.0))
     assert "teacher restarting" in str(error.value)
+
+
+def test_rows_naming_an_unknown_teacher_are_refused_before_the_run():
+    teachers = ["math", "code"]
+    check_teacher_ids(Dataset.from_dict({"prompt": ["a", "b"], "teacher_id": ["math", "code"]}), teachers)
+    with pytest.raises(ValueError, match=r"teachers that teacher_server_urls does not have: \['poetry'\]"):
+        check_teacher_ids(
+            Dataset.from_dict({"prompt": ["a", "b"], "teacher_id": ["math", "poetry"]}), teachers
+        )
+    with pytest.raises(ValueError, match="has no 'teacher_id' column"):
+        check_teacher_ids(Dataset.from_dict({"prompt": ["a"]}), teachers)
+    check_teacher_ids(Dataset.from_dict({"prompt": ["a"]}), ["default"])  # one teacher scores every row

@@ -63,7 +63,7 @@ from asyncgrpo.trainer.row_loss import QueuedRows, replayed_routing_of, values_o
 from asyncgrpo.trainer.run_directory import RunDirectoryCallback
 from asyncgrpo.trainer.run_setup import RunSetup
 from asyncgrpo.trainer.step_metrics import StepResult
-from asyncgrpo.trainer.teacher_check import check_teacher_tokenizers
+from asyncgrpo.trainer.teacher_check import check_teachers
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             AsyncRolloutLoop.generate_one
         )
         processing_class = prepare_tokenizer(processing_class, model_id, args, agentic, reads_tool_calls)
-        check_teacher_tokenizers(processing_class, model_id, args)  # before the model moves anywhere
+        check_teachers(processing_class, model_id, args, train_dataset)  # before the model moves anywhere
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
         # base Trainer would compile the whole model, whose forward this trainer does not call.

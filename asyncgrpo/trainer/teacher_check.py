@@ -1,6 +1,7 @@
-"""A teacher's tokenizer against the student's, when the trainer is built (docs/distillation.md, "The
-teacher's server"): samples travel to a teacher as token ids and its report indexes the student's
-vocabulary, so a teacher with another tokenizer would train the student on the wrong tokens, silently.
+"""A run's teachers, checked when the trainer is built (docs/distillation.md, "The teacher's server"):
+each teacher's tokenizer against the student's (samples travel to a teacher as token ids and its report
+indexes the student's vocabulary, so a teacher with another tokenizer would train the student on the
+wrong tokens, silently), and with several teachers each dataset row's `teacher_id`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from asyncgrpo.generation.teacher_client import TeacherClient
+from asyncgrpo.rollout.teacher import TEACHER_ID_COLUMN
 
 # Text whose tokens tell tokenizers apart: words, digits, punctuation, whitespace runs, accents, CJK,
 # an emoji, and the chat template's special tokens.
@@ -19,13 +21,39 @@ TOKENIZER_PROBE = (
 )
 
 
+def check_teachers(tokenizer, student: str, args, train_dataset) -> None:
+    """A run's teachers: every row names one of them (`check_teacher_ids`), and each shares the
+    student's tokenizer (`check_teacher_tokenizers`). A run without teachers has nothing to check."""
+    if not getattr(args, "teacher_server_urls", None):
+        return
+    check_teacher_ids(train_dataset, list(args.teacher_server_urls))
+    check_teacher_tokenizers(tokenizer, student, args)
+
+
+def check_teacher_ids(train_dataset, teacher_ids: list[str]) -> None:
+    """With several teachers, a dataset with rows (not a stream) must name a known teacher in every
+    row's `teacher_id` column: said now, not when the row comes up hours into the run."""
+    names = getattr(train_dataset, "column_names", None)
+    if len(teacher_ids) < 2 or not hasattr(train_dataset, "__len__") or names is None:
+        return
+    if TEACHER_ID_COLUMN not in names:
+        raise ValueError(
+            f"teacher_server_urls has {len(teacher_ids)} teachers ({', '.join(teacher_ids)}) but the dataset "
+            f"has no {TEACHER_ID_COLUMN!r} column to say which one scores each row"
+        )
+    unknown = sorted({str(value) for value in train_dataset[TEACHER_ID_COLUMN]} - set(teacher_ids))
+    if unknown:
+        raise ValueError(
+            f"dataset rows name teachers that teacher_server_urls does not have: {unknown} (it has "
+            f"{', '.join(teacher_ids)})"
+        )
+
+
 def check_teacher_tokenizers(tokenizer, student: str, args) -> None:
     """Refuse a teacher whose tokenizer is not the student's, naming both: samples travel to it as
     token ids and its report indexes the student's vocabulary, so another tokenizer would train the
     student on the wrong tokens without any error. Compared on `TOKENIZER_PROBE`; each teacher is
-    waited for up to vllm_server_timeout. A run without teachers has nothing to check."""
-    if not getattr(args, "teacher_server_urls", None):
-        return
+    waited for up to vllm_server_timeout."""
     expected = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
     for teacher_id, url in args.teacher_server_urls.items():
         model, tokens = _on_fresh_loop(_teacher_tokens(url, args.vllm_server_timeout))
