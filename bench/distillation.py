@@ -7,8 +7,11 @@ tests/test_distillation_e2e.py teaches it). AsyncDistillationTrainer then distil
 `--steps` steps with no reward. Printed: `jsd` of every step; `halved_at_step`, the first step whose
 `jsd` is at most half the mean of the first two; the student's generated tokens/s
 (`rollout/generated_tokens_per_s`, mean over steps), the tokens the teacher scored per second of the
-run, and the share of a group's scoring time spent waiting for the teacher. Run under the machine's
-heavy-job lock: `.venv/bin/python bench/distillation.py [--steps 30]`.
+run, and the share of a group's scoring time spent waiting for the teacher. `--baseline` runs the same
+steps as GRPO on the student's server alone, with a random reward in place of the teacher (no group is
+dropped, so every step trains as many tokens): its generated tokens/s and run time are what the teacher
+is measured against. Run under the machine's heavy-job lock:
+`.venv/bin/python bench/distillation.py [--steps 30] [--baseline]`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def random_reward(completions, **kwargs) -> list[float]:
+    """The baseline's reward: noise, so that no group is dropped for equal rewards."""
+    import random
+
+    return [random.random() for _ in completions]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -37,7 +47,7 @@ def main() -> int:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncgrpo import AsyncDistillationConfig, AsyncDistillationTrainer
+    from asyncgrpo import AsyncDistillationConfig, AsyncDistillationTrainer, AsyncGRPOConfig, AsyncGRPOTrainer
     from asyncgrpo.cli.demo import addition_prompt, answer_probability, supervised_steps
     from asyncgrpo.cli.tiny_model import save_tiny_model
     from asyncgrpo.generation.server import ServerOptions, VLLMServer
@@ -45,6 +55,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--completion-tokens", type=int, default=32)
+    parser.add_argument("--baseline", action="store_true", help="GRPO with a random reward, no teacher")
     options = parser.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="asyncgrpo-distillation-"))
@@ -72,18 +83,18 @@ def main() -> int:
             ServerOptions(model=str(model), port=free_port(), max_model_len=1024, dtype="float32", cpu=True),
             log_path=work / f"{name}.log",
         )
-        for name, model in (("student", student_dir), ("teacher", teacher_dir))
+        for name, model in [("student", student_dir)]
+        + ([] if options.baseline else [("teacher", teacher_dir)])
     ]
     for server in servers:
         server.launch()
     try:
         for server in servers:
             server.wait_ready()
-        student_server, teacher_server = servers
-        config = AsyncDistillationConfig(
+        student_server = servers[0]
+        settings = dict(
             output_dir=str(work / "run"),
             vllm_server_base_url=student_server.options.url,
-            teacher_server_urls={"default": teacher_server.options.url},
             num_generations=4,
             max_completion_length=options.completion_tokens,
             token_budget=512,
@@ -95,9 +106,16 @@ def main() -> int:
             disable_tqdm=True,
             seed=0,
         )
-        trainer = AsyncDistillationTrainer(
-            str(student_dir), args=config, train_dataset=Dataset.from_dict({"prompt": prompts})
-        )
+        dataset = Dataset.from_dict({"prompt": prompts})
+        if options.baseline:
+            trainer = AsyncGRPOTrainer(
+                str(student_dir), random_reward, args=AsyncGRPOConfig(**settings), train_dataset=dataset
+            )
+        else:
+            config = AsyncDistillationConfig(
+                teacher_server_urls={"default": servers[1].options.url}, **settings
+            )
+            trainer = AsyncDistillationTrainer(str(student_dir), args=config, train_dataset=dataset)
         before = answer_probability(trainer.model, examples)
         started = time.perf_counter()
         trainer.train()
@@ -106,7 +124,16 @@ def main() -> int:
     finally:
         for server in servers:
             server.stop()
-    logs = [entry for entry in trainer.state.log_history if "jsd" in entry]
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    generated = statistics.mean(
+        e["rollout/generated_tokens_per_s"] for e in logs if "rollout/generated_tokens_per_s" in e
+    )
+    if options.baseline:
+        print(
+            f"distillation_baseline steps={len(logs)} student_generated_tok_s={generated:.0f} "
+            f"run_s={seconds:.0f} load={os.getloadavg()[0]:.1f}"
+        )
+        return 0
     jsd = [entry["jsd"] for entry in logs]
     start = statistics.mean(jsd[:2])
     halved = next((step for step, value in enumerate(jsd, 1) if value <= start / 2), None)
