@@ -128,6 +128,13 @@ def main() -> int:
     generated = statistics.mean(
         e["rollout/generated_tokens_per_s"] for e in logs if "rollout/generated_tokens_per_s" in e
     )
+    timings = " ".join(
+        f"{name.split('/')[-1]}={statistics.mean(e[name] for e in logs if name in e):.3f}"
+        for name in ("perf/step_s", "perf/rollout_wait_s", "rollout/duration_s", "rollout/score_s")
+        if any(name in e for e in logs)
+    )
+    completion = statistics.mean(e["completions/mean_length"] for e in logs if "completions/mean_length" in e)
+    print(f"[distillation] means over steps: {timings} completion_tokens={completion:.1f}")
     if options.baseline:
         print(
             f"distillation_baseline steps={len(logs)} student_generated_tok_s={generated:.0f} "
