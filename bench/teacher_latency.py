@@ -46,7 +46,8 @@ async def measure(url: str) -> None:
             await asyncio.gather(*(request() for _ in range(16)))
             concurrent_ms = (time.perf_counter() - started) * 1000
             print(
-                f"teacher_latency {name} sequential_ms={sequential_ms:.1f} concurrent16_ms={concurrent_ms:.1f}"
+                f"teacher_latency {name} sequential_ms={sequential_ms:.1f} "
+                f"concurrent16_ms={concurrent_ms:.1f}"
             )
 
 
