@@ -2,8 +2,8 @@
 
 A teacher is never sent weights nor sampled from: it scores the student's sequences token ids in
 (`prompt_logprobs`), and its tokenizer is compared with the student's before a run
-(docs/distillation.md, "The teacher's server"). Requests go to the least busy of its servers and move
-on when one is lost, as generation requests do.
+(docs/distillation.md, "The teacher's server"). A request the server fails is retried as a generation
+request is, within the client's timeout.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ Each teacher is a vLLM server that is never sent weights. A scored group's sampl
 teacher token ids in, teacher-forced (`prompt_logprobs`: the teacher's top-k tokens at each position,
 plus the realized one), and each sample leaves with the teacher's report at its trained tokens, which
 the trainer's loss reads. With several teachers (MOPD) each dataset row's `teacher_id` column picks its
-own; with one, it scores every row. A teacher that does not answer is waited for like a lost rollout
-server (the client moves to another of its servers, or waits up to vllm_server_timeout, then fails
-naming it).
+own; with one, it scores every row. A teacher that does not answer is waited for like a lone rollout
+server: its requests are retried for up to vllm_server_timeout, then the run fails naming it.
 """
 
 from __future__ import annotations
