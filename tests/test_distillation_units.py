@@ -41,6 +41,8 @@ def test_the_teachers_answer_is_read_in_rank_order_at_the_asked_positions():
     ids, logprobs = parse_prompt_logprobs(body, np.array([1, 2, 0]), width=3)
     assert ids.tolist() == [[7, 9, -1], [4, 3, -1], [-1, -1, -1]]  # the NaN dropped, rank order kept
     assert logprobs[1].tolist()[:2] == [pytest.approx(-0.1), -2.0] and logprobs[2, 0] == -np.inf
+    token_route = json.dumps({"request_id": "x", "choices": [], "prompt_logprobs": reports}).encode()
+    assert parse_prompt_logprobs(token_route, np.array([1, 2, 0]), width=3)[0].tolist() == ids.tolist()
     with pytest.raises(MalformedResponseError, match="without prompt_logprobs"):
         parse_prompt_logprobs(b'{"choices": [{"text": "x"}]}', np.array([1]), 3)
 
@@ -204,6 +206,8 @@ def test_a_teacher_lost_for_a_while_is_waited_for_and_one_lost_for_good_stops_th
         async def handler(request: web.Request) -> web.Response:
             if request.path == "/v1/models":
                 return web.json_response({"data": [{"id": "teacher", "max_model_len": 64}]})
+            if request.path == "/inference/v1/generate":  # a server without the token route
+                return web.json_response({"detail": "Not Found"}, status=404)
             calls.append(request.path)
             if len(calls) <= failures:
                 return web.json_response({"error": {"message": "teacher restarting"}}, status=503)

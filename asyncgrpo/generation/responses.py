@@ -303,22 +303,27 @@ class _PromptLogprobsChoice(msgspec.Struct):
 
 
 class _PromptLogprobsResponse(msgspec.Struct):
-    choices: list[_PromptLogprobsChoice]
+    # `/v1/completions` answers in its choice; the token route (`/inference/v1/generate`) at the top.
+    choices: list[_PromptLogprobsChoice] = []
+    prompt_logprobs: list[dict[str, _RankedLogprob] | None] | None = None
 
 
 _prompt_logprobs_decoder = msgspec.json.Decoder(_PromptLogprobsResponse)
 
 
 def parse_prompt_logprobs(body: bytes, positions: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """A teacher-forced scoring's answer (`prompt_logprobs`) at `positions` (indices into the scored
-    sequence): (ids (n, width) int64, log-probs (n, width) float32), each row in rank order (the top-1
-    first), -1 / -inf padded. vLLM reports the top-k candidates plus the realized token when it ranks
-    lower; a NaN log-prob is dropped (not a score), a position without a report is all padding."""
+    """A teacher-forced scoring's answer (`prompt_logprobs`, either route's) at `positions` (indices
+    into the scored sequence): (ids (n, width) int64, log-probs (n, width) float32), each row in rank
+    order (the top-1 first), -1 / -inf padded. vLLM reports the top-k candidates plus the realized
+    token when it ranks lower; a NaN log-prob is dropped (not a score), a position without a report is
+    all padding."""
     try:
-        choices = _prompt_logprobs_decoder.decode(body).choices
+        answer = _prompt_logprobs_decoder.decode(body)
     except msgspec.DecodeError as error:
         raise MalformedResponseError(f"unreadable prompt_logprobs response: {error}") from error
-    reports = choices[0].prompt_logprobs if choices else None
+    reports = answer.prompt_logprobs
+    if reports is None and answer.choices:
+        reports = answer.choices[0].prompt_logprobs
     if reports is None:
         raise MalformedResponseError("the server answered without prompt_logprobs")
     ids = np.full((len(positions), width), -1, dtype=np.int64)
