@@ -10,6 +10,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
+    "AsyncDistillationConfig": "asyncgrpo.config",
+    "AsyncDistillationTrainer": "asyncgrpo.trainer.distillation_trainer",
     "AsyncGRPOConfig": "asyncgrpo.config",
     "AsyncGRPOTrainer": "asyncgrpo.trainer.async_grpo_trainer",
     "AsyncRolloutLoop": "asyncgrpo.rollout.loop",
@@ -22,10 +24,11 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.config import AsyncDistillationConfig, AsyncGRPOConfig
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
     from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
     from asyncgrpo.trainer.async_grpo_trainer import AsyncGRPOTrainer
+    from asyncgrpo.trainer.distillation_trainer import AsyncDistillationTrainer
     from asyncgrpo.trainer.harness_trainer import HarnessAsyncGRPOTrainer
 
 

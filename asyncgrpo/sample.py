@@ -31,6 +31,15 @@ class Sample:
     # layer, (R, layers, top_k), in the narrowest integer type that holds the expert count (uint8 up
     # to 256 experts: a routing can outweigh the rest of a sample). None: not recorded.
     routed_experts: np.ndarray | None = None
+    # On-policy distillation: the teacher's reported tokens at each trained token's position (its top-k
+    # in rank order plus the realized token, -1 / -inf padded), and which teacher scored the sample
+    # (its place in teacher_server_urls). None / -1: no teacher.
+    teacher_ids: np.ndarray | None = None  # (T, K) int64
+    teacher_logprobs: np.ndarray | None = None  # (T, K) float32
+    teacher_index: int = -1
+    # GRPO with a teacher (teacher_kl_coef): each trained token's own advantage, `advantage` plus its
+    # teacher term. None: every trained token takes `advantage`.
+    token_advantages: np.ndarray | None = None  # (T,) float32
     row_index: int = -1  # dataset row of its prompt
     stream_index: int = -1  # the prompt's place in the stream of prompts (epoch * len(dataset) + k)
     epoch: int = 0
@@ -70,6 +79,13 @@ class Sample:
                 return "top_ids and top_logprobs must have the same shape"
             if self.top_ids.shape[0] != trained:
                 return "one top-N row per trained token"
+        if self.teacher_ids is not None:
+            if self.teacher_logprobs is None or self.teacher_ids.shape != self.teacher_logprobs.shape:
+                return "teacher_ids and teacher_logprobs must have the same shape"
+            if self.teacher_ids.ndim != 2 or self.teacher_ids.shape[0] != trained:
+                return "one row of teacher tokens per trained token"
+        if self.token_advantages is not None and self.token_advantages.shape != (trained,):
+            return "one token advantage per trained token"
         if self.candidate_sets is not None and len(self.candidate_sets) != trained:
             return "one candidate set per trained token"
         if self.routed_experts is not None and (

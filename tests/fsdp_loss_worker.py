@@ -28,10 +28,9 @@ from asyncgrpo.losses.regularizers import entropy_threshold  # noqa: E402
 from asyncgrpo.packing.planner import TokenBudgetBatcher  # noqa: E402
 from asyncgrpo.packing.tree_attention import enable_tree_attention  # noqa: E402
 from asyncgrpo.trainer.algorithm_state import AlgorithmState  # noqa: E402
-from asyncgrpo.trainer.async_grpo_trainer import row_loss  # noqa: E402
 from asyncgrpo.trainer.distributed import Processes, shard_model  # noqa: E402
 from asyncgrpo.trainer.loss_menu import LossMenu  # noqa: E402
-from asyncgrpo.trainer.row_loss import StepLoss, algorithm_settings  # noqa: E402
+from asyncgrpo.trainer.row_loss import StepLoss, algorithm_settings, row_loss  # noqa: E402
 
 TOP_N = 4
 ARGS = loss_args(

@@ -46,6 +46,7 @@ from worker_side import (  # noqa: E402 (what the rollout worker imports: tests/
 
 import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
 import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
+import asyncgrpo.trainer.loss_menu as loss_menu_module  # noqa: E402 (its row_loss: what the loop calls)
 from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
 from asyncgrpo.cli.main import main as cli_main  # noqa: E402
 from asyncgrpo.generation.client import SamplingParams, VLLMClient  # noqa: E402
@@ -133,7 +134,7 @@ def test_a_reward_that_always_fails_stops_the_run_naming_it(vllm_server, tiny_mo
 
 def poisoned_row_loss(poison_step):
     """row_loss, made NaN on the steps `poison_step(step)` names (one row per step in these runs)."""
-    original, calls = trainer_module.row_loss, {"step": 0}
+    original, calls = loss_menu_module.row_loss, {"step": 0}
 
     def row_loss(*args, **kwargs):
         loss, stats = original(*args, **kwargs)
@@ -146,7 +147,7 @@ def poisoned_row_loss(poison_step):
 def test_nonfinite_steps_are_skipped_and_never_reach_the_server(
     vllm_server, tiny_model_dir, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(trainer_module, "row_loss", poisoned_row_loss(lambda step: step <= 2))
+    monkeypatch.setattr(loss_menu_module, "row_loss", poisoned_row_loss(lambda step: step <= 2))
     args = make_config(vllm_server, tmp_path, max_steps=4, learning_rate=1e-2)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
     initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -161,7 +162,7 @@ def test_nonfinite_steps_are_skipped_and_never_reach_the_server(
 
 
 def test_three_nonfinite_steps_in_a_row_stop_the_run(vllm_server, tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "row_loss", poisoned_row_loss(lambda step: True))
+    monkeypatch.setattr(loss_menu_module, "row_loss", poisoned_row_loss(lambda step: True))
     args = make_config(vllm_server, tmp_path, max_steps=6)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
     before = server_greedy(vllm_server.url)

@@ -202,7 +202,7 @@ def test_cuda_defaults_loss_gradient_matches_reference(keep_logits):
     from loss_args import loss_args
 
     from asyncgrpo.packing.trie import pack_row
-    from asyncgrpo.trainer.async_grpo_trainer import row_loss
+    from asyncgrpo.trainer.row_loss import row_loss
 
     args = loss_args(
         temperature=0.9,

@@ -149,7 +149,7 @@ def test_row_loss_adds_the_weighted_aux_loss(model_dirs, tmp_path):
     """The trainer's row loss: + coef x aux_loss x the row's share of the step's trained tokens, and
     `aux_loss` logged before the coefficient; coefficient 0 adds and logs nothing."""
     from asyncgrpo import AsyncGRPOConfig
-    from asyncgrpo.trainer.async_grpo_trainer import row_loss
+    from asyncgrpo.trainer.row_loss import row_loss
 
     model = enable_tree_attention(load_model(str(model_dirs["qwen3_moe"])))
     rng = np.random.default_rng(1)

@@ -127,7 +127,7 @@ def scored(group: RolloutGroup, per_function, config) -> list[Sample]:
     """The group scored as the rollout worker scores it (RolloutScheduler._scored_samples)."""
     loop = SimpleNamespace(config=config, eos_token_ids=[EOS], metrics=MetricsWindow())
     loop.compute_advantages = lambda g: AsyncRolloutLoop.compute_advantages(loop, g)
-    scheduler = SimpleNamespace(config=config, loop=loop)
+    scheduler = SimpleNamespace(config=config, loop=loop, teachers=None)  # a run without a teacher
     return RolloutScheduler._scored_samples(
         scheduler, group, per_function, [lambda **kw: None] * len(per_function)
     )

@@ -26,6 +26,7 @@ from asyncgrpo.config.pipeline import PipelineFields
 from asyncgrpo.config.reference import ReferenceFields
 from asyncgrpo.config.reward_shaping import RewardShapingFields
 from asyncgrpo.config.server import ServerFields
+from asyncgrpo.config.teacher import TeacherFields
 from asyncgrpo.config.training_arguments import TrainingArgumentsDefaults
 from asyncgrpo.trl_compat import TrlCompatFields
 
@@ -39,6 +40,7 @@ class AsyncGRPOConfig(
     CompletionsTableFields,
     EvaluationFields,
     PipelineFields,
+    TeacherFields,
     ReferenceFields,
     RewardShapingFields,
     AlgorithmFields,
@@ -65,13 +67,14 @@ class AsyncGRPOConfig(
         self._resolve_loss()
         self._resolve_reward_shaping()
         self._resolve_evaluation()
+        self._resolve_teacher()
         self._apply_trl_compat(_DEFAULTS["max_concurrent_rollouts"], _DEFAULTS["rollout_worker_timeout"])
         self._validate()
         super().__post_init__()
 
     def _validate(self) -> None:
         def fail(message: str) -> None:
-            raise ValueError(f"AsyncGRPOConfig: {message}")
+            raise ValueError(f"{type(self).__name__}: {message}")
 
         self._validate_generation(fail)
         self._validate_server(fail)
@@ -79,6 +82,7 @@ class AsyncGRPOConfig(
         self._validate_algorithm(fail)
         self._validate_reward_shaping(fail)
         self._validate_reference(fail)
+        self._validate_teacher(fail)
         self._validate_model(fail)
         self._validate_pipeline(fail)
         self._validate_training_arguments(fail)

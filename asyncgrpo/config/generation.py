@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 class GenerationFields:
     """What the servers sample for training, and how rollouts are rendered."""
 
+    # GRPO compares a group's rollouts, so a group needs two; a trainer whose loss needs no group
+    # (distillation: config/distillation.py) clears it.
+    _group_needs_advantage = True
+
     num_generations: int = field(
         default=8,
         metadata={
@@ -101,11 +105,13 @@ class GenerationFields:
             self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
 
     def _validate_generation(self, fail) -> None:
-        if self.num_generations < 2:
+        if self._group_needs_advantage and self.num_generations < 2:
             fail(
                 f"num_generations={self.num_generations}: a group needs at least 2 rollouts to have an "
                 "advantage"
             )
+        if self.num_generations < 1:
+            fail(f"num_generations={self.num_generations} must be >= 1")
         if self.max_completion_length < 1:
             fail(f"max_completion_length={self.max_completion_length} must be >= 1")
         if self.temperature <= 0:

@@ -291,3 +291,58 @@ def compact_routing(routing: np.ndarray) -> np.ndarray:
     """`routing` as uint8 when every expert id fits (up to 256 experts), else uint16."""
     largest = int(routing.max()) if routing.size else 0
     return routing.astype(np.uint8 if largest <= np.iinfo(np.uint8).max else np.uint16, copy=False)
+
+
+class _RankedLogprob(msgspec.Struct):
+    logprob: float | None  # None: a NaN, as vLLM's JSON writes it
+    rank: int | None = None  # 1 = most likely
+
+
+class _PromptLogprobsChoice(msgspec.Struct):
+    prompt_logprobs: list[dict[str, _RankedLogprob] | None] | None = None
+
+
+class _PromptLogprobsResponse(msgspec.Struct):
+    # `/v1/completions` answers in its choice; the token route (`/inference/v1/generate`) at the top.
+    choices: list[_PromptLogprobsChoice] = []
+    prompt_logprobs: list[dict[str, _RankedLogprob] | None] | None = None
+
+
+_prompt_logprobs_decoder = msgspec.json.Decoder(_PromptLogprobsResponse)
+
+
+def parse_prompt_logprobs(body: bytes, positions: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A teacher-forced scoring's answer (`prompt_logprobs`, either route's) at `positions` (indices
+    into the scored sequence): (ids (n, width) int64, log-probs (n, width) float32), each row in rank
+    order (the top-1 first), -1 / -inf padded. vLLM reports the top-k candidates plus the realized
+    token when it ranks lower; a NaN log-prob is dropped (not a score), a position without a report is
+    all padding."""
+    try:
+        answer = _prompt_logprobs_decoder.decode(body)
+    except msgspec.DecodeError as error:
+        raise MalformedResponseError(f"unreadable prompt_logprobs response: {error}") from error
+    reports = answer.prompt_logprobs
+    if reports is None and answer.choices:
+        reports = answer.choices[0].prompt_logprobs
+    if reports is None:
+        raise MalformedResponseError("the server answered without prompt_logprobs")
+    ids = np.full((len(positions), width), -1, dtype=np.int64)
+    logprobs = np.full((len(positions), width), -np.inf, dtype=np.float32)
+    for row, position in enumerate(positions.tolist()):
+        report = reports[position] if position < len(reports) else None
+        if not report:
+            continue
+        ranked = sorted(
+            (
+                (
+                    entry.rank if entry.rank is not None else 1 << 30,
+                    int(key.removeprefix(TOKEN_ID_PREFIX)),
+                    value,
+                )
+                for key, entry in report.items()
+                if (value := entry.logprob) is not None and value == value  # NaN is not equal to itself
+            ),
+        )[:width]
+        for column, (_, token, value) in enumerate(ranked):
+            ids[row, column], logprobs[row, column] = token, value
+    return ids, logprobs

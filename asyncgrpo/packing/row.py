@@ -47,6 +47,12 @@ class PackedRow:
     # when no sample of the row carries a routing.
     routed_experts: np.ndarray | None = None
     routed: np.ndarray | None = None
+    # On-policy distillation: (E, K) the teacher's reported tokens and log-probs at each entry, -1 / -inf
+    # padded (an entry of a sample without a teacher has none), and (S,) each sample's teacher (-1:
+    # none). None when no sample of the row carries a teacher's scores.
+    teacher_ids: np.ndarray | None = None
+    teacher_logprobs: np.ndarray | None = None
+    sample_teachers: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

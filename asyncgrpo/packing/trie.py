@@ -260,7 +260,15 @@ def _loss_entries(samples: list[Sample]) -> dict:
     entry_starts = np.cumsum(num_trained) - num_trained
     fields = dict(
         target_ids=_concat([s.token_ids[s.trained] for s in samples], np.int64),
-        advantages=np.repeat(np.array([s.advantage for s in samples], dtype=np.float32), num_trained),
+        advantages=_concat(
+            [
+                np.full(s.num_trained, s.advantage, np.float32)
+                if s.token_advantages is None
+                else s.token_advantages
+                for s in samples
+            ],
+            np.float32,
+        ),
         sampler_logprobs=_concat([s.sampler_logprobs for s in samples], np.float32),
         entry_sample=np.repeat(np.arange(len(samples), dtype=np.int32), num_trained),
         num_samples=len(samples),
@@ -281,6 +289,21 @@ def _loss_entries(samples: list[Sample]) -> dict:
             top_ids[e : e + t, :n] = s.top_ids
             top_logprobs[e : e + t, :n] = s.top_logprobs
         fields.update(top_ids=top_ids, top_logprobs=top_logprobs)
+
+    with_teacher = [(s, e) for s, e in zip(samples, entry_starts) if s.teacher_ids is not None]
+    if with_teacher:  # samples without a teacher, or with a narrower report, are padded
+        width = max(s.teacher_ids.shape[1] for s, _ in with_teacher)
+        teacher_ids = np.full((num_entries, width), -1, dtype=np.int64)
+        teacher_logprobs = np.full((num_entries, width), -np.inf, dtype=np.float32)
+        for s, e in with_teacher:
+            n, t = s.teacher_ids.shape[1], s.num_trained
+            teacher_ids[e : e + t, :n] = s.teacher_ids
+            teacher_logprobs[e : e + t, :n] = s.teacher_logprobs
+        fields.update(
+            teacher_ids=teacher_ids,
+            teacher_logprobs=teacher_logprobs,
+            sample_teachers=np.array([s.teacher_index for s in samples], dtype=np.int64),
+        )
 
     with_sets = [(s, e) for s, e in zip(samples, entry_starts) if s.candidate_sets is not None]
     if with_sets:  # an entry without a set gets an empty one: the full vocabulary

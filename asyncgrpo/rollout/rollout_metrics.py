@@ -67,7 +67,7 @@ def record_group_metrics(
     scored_totals = rewards[~np.isnan(rewards)]
     for value in scored_totals:
         metrics.record("reward", float(value))
-    if not dropped and num_samples:
+    if not dropped and num_samples and len(scored_totals):
         metrics.record("reward_group_std", float(np.std(scored_totals)), weight=num_samples)
     metrics.record("frac_zero_std_groups", 1.0 if dropped else 0.0)
     # TRL's GRPOTrainer name for the same share: what a user coming from it looks for.

@@ -43,6 +43,7 @@ from asyncgrpo.rollout.scoring import (
 )
 from asyncgrpo.rollout.sequences import build_training_sequences
 from asyncgrpo.rollout.server_share import ServerShare, initial_servers
+from asyncgrpo.rollout.teacher import TeacherScoring, realized_teacher_logprobs, with_teacher_term
 from asyncgrpo.rollout.types import Rollout, RolloutGroup
 from asyncgrpo.rollout.worker_shares import owns_stream_index, share_of_range
 
@@ -127,6 +128,8 @@ class RolloutScheduler:
             self.environments = EnvironmentPool(
                 loop.environment_factory, self._tool_executor, lambda: loop.metrics
             )
+        # Distillation: the teachers score each group's samples beside the reward functions.
+        self.teachers = TeacherScoring.of(config)
         self.client = loop.client = VLLMClient(
             initial_servers(channels, config.vllm_server_urls),
             timeout=config.vllm_server_timeout,
@@ -150,6 +153,8 @@ class RolloutScheduler:
                 candidate_sets=candidate_sets,
                 routing_replay=config.moe_routing_replay,
             )
+            if self.teachers is not None:
+                await self.teachers.start()
             await loop.setup()
             await self._start_state()
             self.channels.ready_event.set()
@@ -182,6 +187,8 @@ class RolloutScheduler:
             finally:
                 timeline.activate(None)
                 await self.client.close()
+                if self.teachers is not None:
+                    await self.teachers.close()
                 self._tool_executor.shutdown(wait=False, cancel_futures=True)
                 self._reward_executor.shutdown(wait=False, cancel_futures=True)
 
@@ -453,6 +460,8 @@ class RolloutScheduler:
                 self.loop.metrics.record("rollout/reward_failed_groups", 1, Reduce.SUM)
             else:
                 samples = self._scored_samples(group, per_function, reward_funcs)
+            if self.teachers is not None and samples:
+                samples = await self._teacher_scored(group, samples)
             self.loop.metrics.record("rollout/score_s", time.monotonic() - started)
             timeline.interval(
                 "score", started_us, timeline.now_us(), lane=f"scorer {index}", group=group.group_id
@@ -494,17 +503,40 @@ class RolloutScheduler:
                 "compute_advantages returned a non-finite advantage for dataset row "
                 f"{group.row_index}: {advantages}"
             )
-        dropped = is_degenerate_group(advantage_basis(group, config.multi_objective_aggregation))
+        # With a teacher its scores are a signal of their own (distillation, or GRPO's teacher term): every
+        # rollout is a sample, and no group is dropped for equal rewards or for having none.
+        taught = self.teachers is not None
+        dropped = not taught and is_degenerate_group(
+            advantage_basis(group, config.multi_objective_aggregation)
+        )
         left_out = frozenset()
         if config.mask_truncated_completions:
             eos = self.loop.eos_token_ids
             left_out = frozenset(i for i, rollout in enumerate(group.rollouts) if is_truncated(rollout, eos))
-        samples = [] if dropped else training_samples(group, advantages, left_out)
+        samples = [] if dropped else training_samples(group, advantages, left_out, keep_unscored=taught)
         names = [reward_function_name(function) for function in reward_funcs] + env_names
         record_group_metrics(
             self.loop.metrics, group, [*per_function, *env_sources], names, dropped, len(samples)
         )
         return samples
+
+    async def _teacher_scored(self, group: RolloutGroup, samples: list) -> list:
+        """The group's samples with their teacher's report at every trained token."""
+        started = time.monotonic()
+        teacher = self.teachers.teacher_of(group.reward_kwargs, group.row_index)
+        scored = await self.teachers.score(samples, teacher)
+        self.loop.metrics.record("rollout/teacher_score_s", time.monotonic() - started)
+        coef = self.config.teacher_kl_coef
+        if coef > 0:  # GRPO with a teacher: the teacher term in every trained token's advantage
+            gaps = np.concatenate([s.sampler_logprobs - realized_teacher_logprobs(s) for s in scored])
+            scored_gaps = gaps[~np.isnan(gaps)]
+            if len(scored_gaps):
+                self.loop.metrics.record("teacher_kl", float(scored_gaps.mean()), weight=len(scored_gaps))
+            scored = [with_teacher_term(sample, coef) for sample in scored]
+        self.loop.metrics.record(
+            "rollout/teacher_scored_tokens", sum(sample.num_tokens for sample in scored), Reduce.SUM
+        )
+        return scored
 
     def _put_result(self, result: GroupResult) -> None:
         self.channels.rollout_buffer.put(result)

@@ -174,15 +174,18 @@ def is_degenerate_group(rewards: np.ndarray) -> bool:
 
 
 def training_samples(
-    group: RolloutGroup, advantages: np.ndarray, left_out: frozenset[int] = frozenset()
+    group: RolloutGroup,
+    advantages: np.ndarray,
+    left_out: frozenset[int] = frozenset(),
+    keep_unscored: bool = False,
 ) -> list[Sample]:
     """Training samples of a kept group. Unscored rollouts (advantage 0) add no gradient, only
-    forward cost, so they are not queued; nor are the rollouts `left_out` (truncated ones, with
-    mask_truncated_completions)."""
+    forward cost, so they are not queued, unless `keep_unscored` (distillation: the teacher's scores
+    train them); nor are the rollouts `left_out` (truncated ones, with mask_truncated_completions)."""
     samples = []
     now = time.time()
     for index, sequences in enumerate(group.completions_sequences):
-        if np.isnan(group.rewards[index]) or index in left_out:
+        if (np.isnan(group.rewards[index]) and not keep_unscored) or index in left_out:
             continue
         for sequence in sequences:
             samples.append(

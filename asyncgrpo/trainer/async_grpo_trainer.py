@@ -59,10 +59,11 @@ from asyncgrpo.trainer.nonfinite import MAX_NONFINITE_STEPS, NonFiniteTrainingEr
 from asyncgrpo.trainer.optimizer_step import queue_clipped_step, takes_device_decisions, with_triton_update
 from asyncgrpo.trainer.policy_model import load_policy_model, prepare_policy_model, prepare_tokenizer
 from asyncgrpo.trainer.progress import AsyncProgressCallback
-from asyncgrpo.trainer.row_loss import QueuedRows, replayed_routing_of, row_loss, values_on_host
+from asyncgrpo.trainer.row_loss import QueuedRows, replayed_routing_of, values_on_host
 from asyncgrpo.trainer.run_directory import RunDirectoryCallback
 from asyncgrpo.trainer.run_setup import RunSetup
 from asyncgrpo.trainer.step_metrics import StepResult
+from asyncgrpo.trainer.teacher_check import check_teachers
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
     # The rollout loop runs an agent whose rollouts carry their own reward (Rollout.reward) and whose
     # prompts carry tools: reward_funcs may be empty, and the tokenizer gets the training template.
     _agent_loop = False
+    # The loss's signal needs no reward source (distillation: the teacher's scores).
+    _signal_without_rewards = False
     _tag_names = ["trl", "async-grpo", "asyncgrpo"]
 
     def __init__(
@@ -123,7 +126,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         check_reward_funcs(list(reward_funcs))
         check_reward_weights(list(reward_funcs), args.reward_weights)
         tools = list(tools or [])
-        check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args, self._agent_loop)
+        rewards_optional = self._agent_loop or self._signal_without_rewards
+        check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args, rewards_optional)
         if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
             train_dataset = EnvironmentOwnedData()
         check_no_injected_protocols(rollout_worker, weight_transfer)
@@ -142,6 +146,7 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             AsyncRolloutLoop.generate_one
         )
         processing_class = prepare_tokenizer(processing_class, model_id, args, agentic, reads_tool_calls)
+        check_teachers(processing_class, model_id, args, train_dataset)  # before the model moves anywhere
 
         # torch_compile means regional compilation of the decoder layers here (trainer/compile.py); the
         # base Trainer would compile the whole model, whose forward this trainer does not call.
@@ -153,8 +158,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
         self.environment_factory = environment_factory
         self.model_id = model_id
         self.streaming = streaming
-        # The reference (a copy of the model as given, or its adapter off) and the entropy coefficient.
-        self._loss_menu = LossMenu(model, args)
+        # The loss: GRPO's menu (the reference, the entropy coefficient) or a subclass's (`_make_loss`).
+        self._loss_menu = self._make_loss(model, args)
         self._progress = AsyncProgressCallback(
             total=args.max_steps
             if args.max_steps > 0
@@ -208,6 +213,10 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
     @staticmethod
     def _load_model(model_id: str, args: AsyncGRPOConfig) -> PreTrainedModel:
         return load_policy_model(model_id, args)
+
+    def _make_loss(self, model: PreTrainedModel, args: AsyncGRPOConfig) -> LossMenu:
+        """The rows' loss and its state across steps: GRPO's loss menu (a subclass swaps it)."""
+        return LossMenu(model, args)
 
     # -- transformers.Trainer overrides. Private ones: `_inner_training_loop` and `_save_checkpoint` (and
     # `_tag_names` above); the others, and the base methods they call, are listed in docs/architecture.md
@@ -401,8 +410,8 @@ class AsyncGRPOTrainer(RunSetup, TrainerEvaluation, Trainer):
             with replayed_routing_of(model, row):
                 with self.compute_loss_context_manager(), timeline.span("forward", tokens=row.num_tokens):
                     row_step = self._loss_menu.for_row(step, counted=weight > 0)
-                    loss, stats = row_loss(
-                        model, row, entries_global, args, row_step, keep_logits, batch.model_version
+                    loss, stats = self._loss_menu.row_loss(
+                        model, row, entries_global, row_step, keep_logits, batch.model_version
                     )
                 forward_done = clock.mark()
                 # FSDP2 averages gradients over processes; the loss is already normalized globally.

@@ -29,6 +29,7 @@ _SCALARS = (
     "reward",
     "rollout_id",
     "queued_at",
+    "teacher_index",
 )
 
 
@@ -45,6 +46,11 @@ def save_held_samples(samples: list[Sample], directory: str | os.PathLike) -> No
             arrays[f"{index}.top_logprobs"] = sample.top_logprobs
         if sample.routed_experts is not None:
             arrays[f"{index}.routed_experts"] = sample.routed_experts
+        if sample.token_advantages is not None:
+            arrays[f"{index}.token_advantages"] = sample.token_advantages
+        if sample.teacher_ids is not None:
+            arrays[f"{index}.teacher_ids"] = sample.teacher_ids
+            arrays[f"{index}.teacher_logprobs"] = sample.teacher_logprobs
         if sample.candidate_sets is not None:
             arrays[f"{index}.candidate_sizes"] = np.array(
                 [len(c) for c in sample.candidate_sets], dtype=np.int64
@@ -85,6 +91,9 @@ def load_held_samples(directory: str | os.PathLike) -> list[Sample]:
                     top_logprobs=top_logprobs,
                     candidate_sets=candidate_sets,
                     routed_experts=arrays.get(f"{index}.routed_experts"),
+                    teacher_ids=arrays.get(f"{index}.teacher_ids"),
+                    teacher_logprobs=arrays.get(f"{index}.teacher_logprobs"),
+                    token_advantages=arrays.get(f"{index}.token_advantages"),
                     **scalars,
                 )
             )

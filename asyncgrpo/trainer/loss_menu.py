@@ -19,7 +19,7 @@ from asyncgrpo.trainer.algorithm_state import AlgorithmState
 from asyncgrpo.trainer.distributed import Processes, full_model_state, load_full_model_state
 from asyncgrpo.trainer.intake import StepBatch
 from asyncgrpo.trainer.reference_model import ReferenceModel
-from asyncgrpo.trainer.row_loss import StepLoss, algorithm_settings
+from asyncgrpo.trainer.row_loss import StepLoss, algorithm_settings, row_loss
 
 # The row metric the adaptive coefficient reads: the mean entropy over the tokens the bonus acts on.
 BONUS_ENTROPY_METRIC = "entropy/bonus_tokens_mean"
@@ -76,6 +76,13 @@ class LossMenu:
             return step
         threshold = self._threshold_over_processes(counted)
         return dataclasses.replace(step, micro_batch_entropy_threshold=threshold)
+
+    def row_loss(
+        self, model, row, entries_global: float, step: StepLoss, keep_logits: bool, policy_version: int
+    ) -> tuple[torch.Tensor, dict[str, Stat]]:
+        """One packed row's loss and metrics (trainer/row_loss.py): the micro-batch's trained tokens
+        over every process are `entries_global`."""
+        return row_loss(model, row, entries_global, self.args, step, keep_logits, policy_version)
 
     def _threshold_over_processes(self, counted: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         def threshold(entropy: torch.Tensor) -> torch.Tensor:

