@@ -9,24 +9,32 @@ import copy
 import json
 import math
 
-import numpy as np
 import pytest
-import torch
-from aiohttp import web
-from datasets import Dataset
 
-from asyncgrpo import AsyncDistillationConfig, AsyncGRPOConfig
-from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
-from asyncgrpo.generation.errors import VLLMUnavailableError
-from asyncgrpo.generation.responses import MalformedResponseError, parse_prompt_logprobs
-from asyncgrpo.losses.distillation import distillation_divergence, teacher_support
-from asyncgrpo.packing.tree_attention import enable_tree_attention
-from asyncgrpo.packing.trie import pack_row
-from asyncgrpo.rollout.teacher import TeacherScoring, realized_teacher_logprobs, with_teacher_term
-from asyncgrpo.sample import Sample
-from asyncgrpo.trainer.distillation_loss import DistillationLoss
-from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
-from asyncgrpo.trainer.teacher_check import check_teacher_ids
+pytest.importorskip(
+    "datasets", reason="datasets is not installed (a GPU host may lack the non-torch dependencies)"
+)
+pytest.importorskip(
+    "msgspec", reason="msgspec is not installed (a GPU host may lack the non-torch dependencies)"
+)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from aiohttp import web  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+from asyncgrpo import AsyncDistillationConfig, AsyncGRPOConfig  # noqa: E402
+from asyncgrpo.cli.tiny_model import build_model, build_tokenizer  # noqa: E402
+from asyncgrpo.generation.errors import VLLMUnavailableError  # noqa: E402
+from asyncgrpo.generation.responses import MalformedResponseError, parse_prompt_logprobs  # noqa: E402
+from asyncgrpo.losses.distillation import distillation_divergence, teacher_support  # noqa: E402
+from asyncgrpo.packing.tree_attention import enable_tree_attention  # noqa: E402
+from asyncgrpo.packing.trie import pack_row  # noqa: E402
+from asyncgrpo.rollout.teacher import TeacherScoring, realized_teacher_logprobs, with_teacher_term  # noqa: E402
+from asyncgrpo.sample import Sample  # noqa: E402
+from asyncgrpo.trainer.distillation_loss import DistillationLoss  # noqa: E402
+from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples  # noqa: E402
+from asyncgrpo.trainer.teacher_check import check_teacher_ids  # noqa: E402
 
 K = 4  # the teacher's report: top-3 plus the realized token
 
