@@ -235,13 +235,15 @@ MAX_AGENTS, GROUP = 1, 2
 
 
 def adversary_processes() -> list:
-    """The adversary agents alive (their supervisors, whose command lines name the agent, left out)."""
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if str(ADVERSARY) in cmdline and not any("supervisor.py" in part for part in cmdline):
-            found.append(process)
-    return found
+    """The adversary agents alive: the processes running the agent's own command line, and its children
+    (which share it). The processes that only name the agent in theirs are left out: its supervisor,
+    and the sandbox's bubblewrap processes, whose namespace init, once its session has closed, may
+    still be on its way out, reparented away from any supervisor, while the next agent starts."""
+    return [
+        process
+        for process in psutil.process_iter(["cmdline"])
+        if process.info["cmdline"] == [sys.executable, str(ADVERSARY)]
+    ]
 
 
 def agents_alive() -> int:
@@ -274,9 +276,7 @@ def host_pid(namespace_pid: int) -> int | None:
         except OSError:
             continue
         nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
-        if process.info["cmdline"] == [sys.executable, str(ADVERSARY)] and nspids[-1:] == [
-            str(namespace_pid)
-        ]:
+        if nspids[-1:] == [str(namespace_pid)]:
             return process.pid
     return None
 
