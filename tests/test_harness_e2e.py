@@ -246,6 +246,17 @@ def adversary_processes() -> list:
     ]
 
 
+def processes_naming_the_agent() -> list:
+    """Every process whose command line names the adversary agent but its supervisors': once the run
+    has ended, the agents, their children and their sandboxes' processes must all be gone."""
+    return [
+        process
+        for process in psutil.process_iter(["cmdline"])
+        if str(ADVERSARY) in (process.info["cmdline"] or [])
+        and not any("supervisor.py" in part for part in process.info["cmdline"])
+    ]
+
+
 def agents_alive() -> int:
     """The adversary agents alive, one per session: an agent's own children (the escapee, which a
     supervisor adopts as its subreaper) share its command line and count with it; a process that no
@@ -432,7 +443,7 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
     assert any(entry.get("rollout/harness_session_wait_s", 0) > 0 for entry in history)
     # Escape: every process that double-forked out of its agent's session is gone.
     assert len(list(report.glob("escapee-*.pid"))) >= GROUP
-    assert not escapees() and not adversary_processes() and not list(agent_tmp.iterdir())
+    assert not escapees() and not processes_naming_the_agent() and not list(agent_tmp.iterdir())
 
 
 def escapees() -> list:
