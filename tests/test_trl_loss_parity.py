@@ -16,18 +16,23 @@ TESTS = Path(__file__).resolve().parent
 TRL_FOLDER = Path(os.environ.get("ASYNCGRPO_TRL_PARITY", Path(sys.prefix) / "trl-parity"))
 
 
-def test_every_loss_type_and_ratio_level_matches_trls_own_code():
-    assert (TRL_FOLDER / "trl" / "trainer" / "grpo_trainer.py").is_file(), (
-        f"{TRL_FOLDER} does not hold TRL: run `make venv` (Makefile, TRL_PARITY)"
-    )
+def run_beside_trl(script: str) -> subprocess.CompletedProcess:
+    """Run the check script `script` of tests/ in a process with TRL's folder on its path."""
     path = os.pathsep.join([str(TRL_FOLDER), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, str(TESTS / "trl_loss_parity_check.py")],
+    return subprocess.run(
+        [sys.executable, str(TESTS / script)],
         env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def test_every_loss_type_and_ratio_level_matches_trls_own_code():
+    assert (TRL_FOLDER / "trl" / "trainer" / "grpo_trainer.py").is_file(), (
+        f"{TRL_FOLDER} does not hold TRL: run `make venv` (Makefile, TRL_PARITY)"
+    )
+    done = run_beside_trl("trl_loss_parity_check.py")
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines and lines[-1] == "parity", done.stdout + done.stderr[-4000:]
     assert "138 cases, 0 failed" in done.stdout, "every loss_type x level x setting must have run"
