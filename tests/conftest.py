@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from gpu_limits import bound_gpu_tests, one_config_autotune
+from gpu_limits import bound_gpu_tests, gpu_test_group, longest_first, one_config_autotune
 
 from asyncgrpo import AsyncGRPOConfig, cpu_use
 from asyncgrpo.cli.tiny_model import build_tokenizer, save_tiny_model
@@ -122,10 +122,13 @@ def pytest_collection_modifyitems(config, items):
         # modules with servers first, the joined group leading, and the many short modules that need
         # none last, where they even out the two workers' ends.
         groups = worker_groups(items)
+        on_gpu = torch.cuda.is_available()
         for item in items:
-            in_group(item, groups[item.path])
+            in_group(item, (on_gpu and gpu_test_group(item)) or groups[item.path])
         joined = {path: group != path.stem for path, group in groups.items()}
         items.sort(key=lambda item: (not needs_server[item.path], not joined[item.path]))
+        if on_gpu:  # the long GPU tests first, side by side (tests/gpu_limits.py)
+            items.sort(key=longest_first)
     else:
         # One process: the modules that need no server run first, each module's tests in their order,
         # and the servers the session will need start meanwhile (servers_launched_ahead).

@@ -13,6 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# A bound against a hang, past the slowest script seen (the sm_90 compile check: 12-25 s on 2 loaded cores).
+SCRIPT_SECONDS = 600
+
 
 def triton_for_the_interpreter() -> str | None:
     """Where Triton can be imported from: the environment itself (a GPU host, ""), or the folder
@@ -37,6 +42,18 @@ def run_interpreted(script_name: str, interpret: bool = True) -> str:
     if folder:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, env.get("PYTHONPATH")]))
     script = Path(__file__).with_name(script_name)
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=SCRIPT_SECONDS
+        )
+    except subprocess.TimeoutExpired as stopped:  # what it printed says where it was
+        tail = output_tail(stopped.stdout, stopped.stderr)
+        pytest.fail(f"{script_name} ran past {SCRIPT_SECONDS} s:\n{tail}")
+    assert done.returncode == 0, output_tail(done.stdout, done.stderr)
     return done.stdout
+
+
+def output_tail(stdout: str | bytes | None, stderr: str | bytes | None) -> str:
+    """The end of a child's stdout and stderr (a timed-out child's may be bytes, or None)."""
+    text = [s.decode(errors="replace") if isinstance(s, bytes) else s or "" for s in (stdout, stderr)]
+    return text[0][-2000:] + text[1][-4000:]

@@ -10,6 +10,7 @@ import math
 import pytest
 
 pytest.importorskip("msgspec", reason="the trainer needs msgspec (a GPU host may lack it)")
+pytest.importorskip("datasets", reason="the test workers need datasets (a GPU host may lack it)")
 
 import torch  # noqa: E402
 from conftest import make_config  # noqa: E402
