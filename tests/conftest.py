@@ -95,9 +95,12 @@ def in_group(item: pytest.Item, group: str) -> None:
     node's `_nodeid`, which pytest 9 no longer reads (its node ids live in `_id`): set here instead,
     and checked, so that a pytest that changes it again fails collection instead of scattering a
     module's tests over the workers."""
-    from _pytest.nodeid import coerce_node_id
-
-    item._id = coerce_node_id(f"{item.nodeid}@{group}")
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # pytest 8 (a GPU host's image) keeps node ids in `_nodeid`, as xdist sets them
+        item._nodeid = f"{item.nodeid}@{group}"
+    else:
+        item._id = coerce_node_id(f"{item.nodeid}@{group}")
     if not item.nodeid.endswith(f"@{group}"):
         raise pytest.UsageError(f"cannot put {item.nodeid} in an xdist group (tests/conftest.py, in_group)")
 

@@ -153,19 +153,24 @@ def test_tree_rule_equals_each_sample_alone(device, dtype, shape):
     inputs = [t.to(dtype) for t in (q, k, v)] + [g, beta.to(dtype)]
 
     # Truth: each sample alone in fp64; a token in several samples has one output, counted once in
-    # the loss, so each sample's share of a token's cotangent is 1 / (samples containing it).
+    # the loss, so each sample's share of a token's cotangent is 1 / (samples containing it). The
+    # loss's gradient is the sum of each sample's, taken one sample at a time: the token-by-token
+    # graph of every sample at once keeps a few fp64 states per token step, tens of GB at the GPU
+    # case's shape (with the fp32 and bf16 cases side by side in parallel workers, a third test ran
+    # out of memory: bench/RESULTS.md, issue 59).
     paths = sample_paths(parents, lengths)
     multiplicity = np.bincount(np.concatenate(paths), minlength=num_tokens)
     leaves = [t.double().requires_grad_() for t in inputs]
     truth_out = torch.zeros(num_tokens, heads, dim, dtype=torch.float64, device=device)
-    loss = 0.0
+    truth_grads = [torch.zeros_like(leaf) for leaf in leaves]
     for path in paths:
         index = torch.from_numpy(path).to(device)
         out = recurrence_fp64(*(t[index] for t in leaves))
         truth_out[index] = out.detach()
         share = cotangent[index].double() / torch.from_numpy(multiplicity[path]).to(device)[:, None, None]
-        loss = loss + (out * share).sum()
-    truth = [truth_out, *torch.autograd.grad(loss, leaves)]
+        for total, grad in zip(truth_grads, torch.autograd.grad((out * share).sum(), leaves)):
+            total += grad
+    truth = [truth_out, *truth_grads]
 
     chunk_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)  # the padded path's rule
     tree = rule_errors(
