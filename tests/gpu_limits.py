@@ -10,7 +10,8 @@
 - in parallel workers (`make test-gpu`), each GPU test is a group of its own and the longest start
   first: what takes the time is compiling kernels (Triton's for fla-core, inductor's for the compiled
   layers), one CPU core per process, so tests compile side by side on the GPU machine's cores instead
-  of one after another (in one process the whole run took more than 9 minutes on a fresh H100).
+  of one after another (in one process the whole run took more than 9 minutes on a fresh H100); the
+  few tests that hold tens of GB of GPU memory share one group, so that they never run side by side.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ LONGEST_FIRST = (
     "test_cuda_compiled_layers_run_the_kernels",
     "test_path_conv_on_this_gpu",
 )
+# The GPU tests that hold tens of GB at their peak: the Qwen3.5-2B model test (two fp32 copies of the
+# model and several copies of its gradients), the tree-attention kernels against dense float64 scores
+# over rows of 3,300 tokens (32 heads: 2.8 GB a score matrix, several kept for backward), the MoE
+# experts at Qwen3-30B-A3B's shape. One xdist group, so they run one after another: with 8 workers
+# on an 80 GB H100 the 2B test ran out of memory twice beside another worker holding 28-30 GB
+# (bench/RESULTS.md, issue 59).
+MEMORY_HEAVY = (
+    "test_qwen3_5_2b_packed_bf16_equals_alone",
+    "test_cuda_tree_attention_kernels_match_dense",
+    "test_cuda_grouped_experts_match_the_loop_at_qwen3_30b_a3b_shape",
+)
 _ONE_CONFIG = Path(__file__).resolve().parents[1] / "bench" / "one_config_autotune" / "sitecustomize.py"
 
 
@@ -52,8 +64,13 @@ def bound_gpu_tests(items) -> None:
 
 
 def gpu_test_group(item: pytest.Item) -> str | None:
-    """The xdist group of a GPU test in parallel workers: the test alone; None for other tests."""
-    return f"{item.path.stem}::{item.name}" if "gpu" in item.keywords else None
+    """The xdist group of a GPU test in parallel workers: the memory-heavy ones together, any other
+    alone; None for tests that are not GPU tests."""
+    if "gpu" not in item.keywords:
+        return None
+    if getattr(item, "originalname", item.name) in MEMORY_HEAVY:
+        return "gpu-memory-heavy"
+    return f"{item.path.stem}::{item.name}"
 
 
 def longest_first(item: pytest.Item) -> int:
