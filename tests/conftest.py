@@ -92,12 +92,12 @@ def worker_groups(items) -> dict[Path, str]:
 def in_group(item: pytest.Item, group: str) -> None:
     """Put `item` in xdist group `group`: the "@group" suffix of its node id is what the scheduler of
     `--dist loadgroup` reads. pytest-xdist 3.8 adds it from the `xdist_group` marker by setting the
-    node's `_nodeid`, which pytest 9 no longer reads (its node ids live in `_id`): set here instead,
+    node's `_nodeid`, which pytest 9.2 no longer reads (its node ids live in `_id`): set here instead,
     and checked, so that a pytest that changes it again fails collection instead of scattering a
     module's tests over the workers."""
     try:
         from _pytest.nodeid import coerce_node_id
-    except ImportError:  # pytest 8 (a GPU host's image) keeps node ids in `_nodeid`, as xdist sets them
+    except ImportError:  # an earlier pytest (9.1 on the GPU image) keeps them in `_nodeid`, as xdist sets
         item._nodeid = f"{item.nodeid}@{group}"
     else:
         item._id = coerce_node_id(f"{item.nodeid}@{group}")

@@ -155,7 +155,7 @@ def test_tree_rule_equals_each_sample_alone(device, dtype, shape):
     # Truth: each sample alone in fp64; a token in several samples has one output, counted once in
     # the loss, so each sample's share of a token's cotangent is 1 / (samples containing it). The
     # loss's gradient is the sum of each sample's, taken one sample at a time: the token-by-token
-    # graph keeps about two fp64 states (0.5 MB each at the GPU case's shape) per step, ~3 GB for
+    # graph keeps about two fp64 states (0.5 MB each at the GPU case's shape) per step: by count ~3 GB for
     # all 16 samples at once against 0.5 GB for the longest alone, which matters where parallel
     # workers share the GPU (tests/gpu_limits.py).
     paths = sample_paths(parents, lengths)
