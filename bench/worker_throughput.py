@@ -52,7 +52,7 @@ def main() -> None:
     from asyncgrpo.cli.tiny_model import build_tokenizer
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
-    from asyncgrpo.rollout.worker import RolloutWorkerPool
+    from asyncgrpo.rollout.worker import RolloutWorkerPool, worker_inputs
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from instant_vllm import start_instant_server
@@ -90,7 +90,7 @@ def main() -> None:
     )
     pool = RolloutWorkerPool(
         AsyncRolloutLoop,
-        dict(
+        worker_inputs(
             config=config,
             model_name="fake",
             dataset=dataset,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -13,6 +14,7 @@ from asyncgrpo import AsyncGRPOConfig
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rollout.activity import ActivityBoard
 from asyncgrpo.rollout.chat import render_prompt_ids
+from asyncgrpo.rollout.settings import rollout_settings
 from asyncgrpo.rollout.types import TurnRecord
 
 # Excerpts of what each family's template declares (the parts the format and family are read by).
@@ -68,12 +70,14 @@ class ScriptedLoop:
 
     def __init__(self, tokenizer, replies: dict[str, list[str]], **config):
         self.config = AsyncGRPOConfig(output_dir="unused", report_to="none", **config)
+        self.settings = rollout_settings(self.config)
         self.tokenizer = tokenizer
         self.replies = replies
         self.metrics = MetricsWindow()
-        self.max_model_len = 4096
-        self.tool_executor = ThreadPoolExecutor(4)
-        self._activity = ActivityBoard()
+        # The parts of the hook context (rollout/context.py) the tool loop reads.
+        self.context = SimpleNamespace(
+            max_model_len=4096, tool_executor=ThreadPoolExecutor(4), activity=ActivityBoard()
+        )
 
     def render_prompt(self, prompt, tools, group_id):
         return render_prompt_ids(self.tokenizer, prompt, tools)

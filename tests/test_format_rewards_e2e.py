@@ -37,7 +37,7 @@ from asyncgrpo.cli.tiny_model import build_model, build_tokenizer  # noqa: E402
 from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.metrics import MetricsWindow  # noqa: E402
 from asyncgrpo.rollout.chat import render_prompt_ids  # noqa: E402
-from asyncgrpo.rollout.worker import RolloutWorker, plain_settings  # noqa: E402
+from asyncgrpo.rollout.worker import RolloutWorker, worker_inputs  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -149,8 +149,8 @@ def test_format_and_reference_rewards_score_what_the_model_wrote(
     tokenizer = AutoTokenizer.from_pretrained(format_model_dir)
     worker = RolloutWorker(
         RecordingLoop,
-        dict(
-            config=plain_settings(run.args),  # as the trainer sends it
+        worker_inputs(
+            config=run.args,  # its settings built as the trainer builds them
             model_name=str(tiny_model_dir),  # the name the shared server serves its model under
             dataset=dataset,
             reward_funcs=run.reward_funcs,

@@ -123,11 +123,13 @@ def test_gdpo_standardizes_over_the_step():
     assert untouched[0].advantage == 0.7
 
 
-def scored(group: RolloutGroup, per_function, config) -> list[Sample]:
-    """The group scored as the rollout worker scores it (RolloutScheduler._scored_samples)."""
-    loop = SimpleNamespace(config=config, eos_token_ids=[EOS], metrics=MetricsWindow())
+def scored(group: RolloutGroup, per_function, scoring) -> list[Sample]:
+    """The group scored as the rollout worker scores it (RolloutScheduler._scored_samples), under
+    `scoring` (the fields of ScoringSettings it reads)."""
+    settings = SimpleNamespace(scoring=scoring)
+    loop = SimpleNamespace(settings=settings, eos_token_ids=[EOS], metrics=MetricsWindow())
     loop.compute_advantages = lambda g: AsyncRolloutLoop.compute_advantages(loop, g)
-    scheduler = SimpleNamespace(config=config, loop=loop, teachers=None)  # a run without a teacher
+    scheduler = SimpleNamespace(scoring=scoring, loop=loop, teachers=None)  # a run without a teacher
     return RolloutScheduler._scored_samples(
         scheduler, group, per_function, [lambda **kw: None] * len(per_function)
     )

@@ -331,13 +331,18 @@ def test_completions_table_prints_prompt_completion_and_reward(capsys):
 
 
 def test_a_loop_subclass_inherits_only_the_documented_attributes():
-    # docs/agents.md lists what a subclass may read and the private names it must leave alone; the
-    # scheduler's state (queues, cap, allowance, tasks) must not land on the loop a user subclasses.
+    # docs/agents.md lists what a subclass may read; the scheduler's state (queues, cap, allowance,
+    # tasks) must not land on the loop a user subclasses, nor private names a hook would reach into:
+    # what exists only in the running process comes in the public hook context.
     from asyncgrpo import AsyncGRPOConfig, AsyncRolloutLoop
+    from asyncgrpo.rollout.context import LoopInputs, hook_context
 
     config = AsyncGRPOConfig(output_dir="unused", report_to="none")
-    loop = AsyncRolloutLoop(config, "m", [], [], None, [0], channels=None)
+    inputs = LoopInputs.of(config, model_name="m", processing_class=None, eos_token_ids=[0])
+    context = hook_context(inputs, client="client", sampler=None, max_model_len=64, tool_executor=None)
+    loop = AsyncRolloutLoop(inputs, context)
     readable = {
+        "settings",
         "config",
         "model_name",
         "dataset",
@@ -348,11 +353,10 @@ def test_a_loop_subclass_inherits_only_the_documented_attributes():
         "environment_factory",
         "lora_name",
         "metrics",
-        "client",
-        "max_model_len",
+        "context",
     }
-    private = {"_scheduling", "_sampler", "_tool_executor", "_rendered", "_activity"}
-    assert set(vars(loop)) == readable | private
+    assert set(vars(loop)) == readable
+    assert (loop.client, loop.max_model_len) == ("client", 64), "read from the hook context"
 
 
 def test_groups_without_reward_signal_are_counted_under_trl_grpos_name_too():
@@ -375,13 +379,14 @@ def test_groups_without_reward_signal_are_counted_under_trl_grpos_name_too():
 
 
 def test_the_rollout_process_gets_the_configs_values_without_transformers_training_arguments(tmp_path):
+    import dataclasses
     import pickle
     import subprocess
     import sys
     from dataclasses import dataclass
 
     from asyncgrpo import AsyncGRPOConfig
-    from asyncgrpo.rollout.worker import plain_settings
+    from asyncgrpo.rollout.settings import rollout_settings
 
     @dataclass
     class CurriculumConfig(AsyncGRPOConfig):
@@ -392,7 +397,12 @@ def test_the_rollout_process_gets_the_configs_values_without_transformers_traini
         vllm_server_base_url="http://127.0.0.1:1,http://127.0.0.1:2",
         pass_rate_cap=0.25,
     )
-    settings = plain_settings(config)
+    typed = rollout_settings(config)
+    assert typed.scheduling.num_generations == config.num_generations and typed.sampling.seed == config.seed
+    assert typed.servers.urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"], "a property"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        typed.sampling.temperature = 0.5
+    settings = typed.config  # what hooks read as `self.config`
     assert settings.pass_rate_cap == 0.25, "a subclass's field"
     assert settings.num_generations == config.num_generations and settings.seed == config.seed
     assert settings.vllm_server_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"], "a property"
@@ -405,7 +415,7 @@ def test_the_rollout_process_gets_the_configs_values_without_transformers_traini
     # A fresh interpreter unpickles it without importing transformers (nor torch).
     unpickle = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print(sorted(sys.modules))"
     loaded = subprocess.run(
-        [sys.executable, "-c", unpickle], input=pickle.dumps(settings), capture_output=True, check=True
+        [sys.executable, "-c", unpickle], input=pickle.dumps(typed), capture_output=True, check=True
     ).stdout.decode()
     assert "'transformers'" not in loaded and "'torch'" not in loaded
 

@@ -38,7 +38,7 @@ from asyncgrpo.rollout.worker import (  # noqa: E402
     RolloutWorker,
     RolloutWorkerError,
     RolloutWorkerPool,
-    plain_settings,
+    worker_inputs,
 )
 
 pytestmark = pytest.mark.vllm
@@ -79,8 +79,8 @@ def make_worker(
     )
     options.update(config_overrides)
     config = AsyncGRPOConfig(**options)
-    loop_kwargs = dict(
-        config=plain_settings(config),  # as the trainer sends it
+    inputs = worker_inputs(
+        config=config,  # its settings built as the trainer builds them
         model_name=str(model_dir),
         dataset=counting_prompts(),
         reward_funcs=reward_funcs,
@@ -91,9 +91,9 @@ def make_worker(
     )
     if num_workers is not None:
         return RolloutWorkerPool(
-            loop_cls, loop_kwargs, num_workers, initial_allowance=allowance, worker_timeout=60
+            loop_cls, inputs, num_workers, initial_allowance=allowance, worker_timeout=60
         )
-    return RolloutWorker(loop_cls, loop_kwargs, initial_allowance=allowance, worker_timeout=60)
+    return RolloutWorker(loop_cls, inputs, initial_allowance=allowance, worker_timeout=60)
 
 
 def collect(worker, count: int, timeout: float = 120):

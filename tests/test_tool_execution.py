@@ -287,12 +287,14 @@ def test_slow_sync_reward_functions_do_not_take_the_tools_threads(tokenizer):
     # until released. A tool call made meanwhile must answer before they are released (it queued
     # behind them when they shared one pool).
     from asyncgrpo import AsyncRolloutLoop
+    from asyncgrpo.rollout.context import LoopInputs
+    from asyncgrpo.rollout.prompts import StreamStart
     from asyncgrpo.rollout.scheduler import RolloutScheduler
     from asyncgrpo.rollout.scoring import call_reward_functions
 
     config = AsyncGRPOConfig(output_dir="unused", report_to="none", max_concurrent_rollouts=2)
-    loop = AsyncRolloutLoop(config, "m", [], [slow_judge], tokenizer, [0], channels=None)
-    scheduler = RolloutScheduler(loop)
+    inputs = LoopInputs.of(config, model_name="m", processing_class=tokenizer, eos_token_ids=[0])
+    scheduler = RolloutScheduler(AsyncRolloutLoop, inputs, channels=None, stream=StreamStart())
     scheduler._make_thread_pools()
     _, calls = parse_tool_calls('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>')
     JUDGES_RELEASE.clear()
@@ -306,7 +308,7 @@ def test_slow_sync_reward_functions_do_not_take_the_tools_threads(tokenizer):
         try:
             for _ in range(2):  # both reward threads are held by a judge now
                 assert await asyncio.to_thread(JUDGES_HOLDING.acquire, timeout=60), "no judge started"
-            tool_call = run_tool_calls(calls, [multiply], loop.tool_executor, lambda: MetricsWindow())
+            tool_call = run_tool_calls(calls, [multiply], scheduler.tool_executor, lambda: MetricsWindow())
             messages, _ = await asyncio.wait_for(tool_call, timeout=30)
         finally:
             JUDGES_RELEASE.set()

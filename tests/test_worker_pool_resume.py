@@ -25,7 +25,7 @@ from worker_side import noisy_reward  # noqa: E402 (what the rollout worker impo
 from asyncgrpo.cli.tiny_model import build_tokenizer  # noqa: E402
 from asyncgrpo.config import AsyncGRPOConfig  # noqa: E402
 from asyncgrpo.rollout.loop import AsyncRolloutLoop  # noqa: E402
-from asyncgrpo.rollout.worker import RolloutWorkerPool, plain_settings  # noqa: E402
+from asyncgrpo.rollout.worker import RolloutWorkerPool, worker_inputs  # noqa: E402
 from asyncgrpo.trainer.prompt_ledger import PromptLedger  # noqa: E402
 
 WORKERS = 2
@@ -59,8 +59,8 @@ def make_pool(urls, resume: tuple[int, list[int]]) -> RolloutWorkerPool:
         report_to="none",
     )
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Q{i}?"}] for i in range(PROMPTS)]})
-    loop_kwargs = dict(
-        config=plain_settings(config),  # as the trainer sends it
+    inputs = worker_inputs(
+        config=config,  # its settings built as the trainer builds them
         model_name="fake",
         dataset=dataset,
         reward_funcs=[noisy_reward],
@@ -69,9 +69,7 @@ def make_pool(urls, resume: tuple[int, list[int]]) -> RolloutWorkerPool:
         dataset_start_index=resume[0],
         skip_stream_indices=frozenset(resume[1]),
     )
-    return RolloutWorkerPool(
-        AsyncRolloutLoop, loop_kwargs, WORKERS, initial_allowance=1e15, worker_timeout=60
-    )
+    return RolloutWorkerPool(AsyncRolloutLoop, inputs, WORKERS, initial_allowance=1e15, worker_timeout=60)
 
 
 def train_on(pool: RolloutWorkerPool, ledger: PromptLedger, done) -> list[tuple[int, int]]:

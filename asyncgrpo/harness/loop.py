@@ -164,9 +164,9 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
     async def generate_one(self, prompt, tools, group_id: int = 0) -> Rollout:
         row = self.dataset_row()
         task = row if getattr(self._factory, "takes_dataset_row", False) else prompt
-        version = self._sampler.model_version_value.value
+        version = self.context.sampler.model_version_value.value
         started = time.monotonic()
-        with self._activity.waiting_on(f"a place for a harness session ({self._gate.what})"):
+        with self.context.activity.waiting_on(f"a place for a harness session ({self._gate.what})"):
             waited_s = await self._gate.acquire()
         try:
             if self._gate.limit is not None:
@@ -256,7 +256,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         on_late_result: Callable[[Any], None] | None = None,
     ):
         """`function()` under its deadline, and on the activity board while it runs."""
-        with self._activity.waiting_on(what):
+        with self.context.activity.waiting_on(what):
             return call_with_deadline(function, timeout_s, what, setting, on_late_result)
 
     def _close_quietly(self, session) -> None:
@@ -310,7 +310,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
                 "max_tokens": self.config.max_completion_length,
             },
         )
-        guarded = ToolDeadlineSession(session, self.config.tool_timeout, self._activity)
+        guarded = ToolDeadlineSession(session, self.config.tool_timeout, self.context.activity)
         try:
             result = self._bounded(
                 lambda: self.harness.adapter.run_white_box(sampler, guarded, limits),

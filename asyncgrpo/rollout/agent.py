@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.chat import render_prompt_ids, tool_name, tool_schema
+from asyncgrpo.rollout.context import HookContext
+from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.tool_calls import (
     FORMAT_MARKERS,
     REASONING_MARKERS,
@@ -34,10 +36,22 @@ from asyncgrpo.rollout.tool_calls import (
     typed_arguments,
 )
 from asyncgrpo.rollout.tools import run_tool_calls
-from asyncgrpo.rollout.types import Rollout
+from asyncgrpo.rollout.types import Rollout, TurnRecord
 
-if TYPE_CHECKING:
-    from asyncgrpo.rollout.loop import AsyncRolloutLoop
+
+class ToolLoopHost(Protocol):
+    """What the tool loop uses of the rollout loop that runs it (an AsyncRolloutLoop)."""
+
+    settings: RolloutSettings
+    tokenizer: Any
+    context: HookContext
+    metrics: MetricsWindow
+
+    def render_prompt(
+        self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int
+    ) -> list[int]: ...
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord: ...
 
 
 @functools.lru_cache(maxsize=8)
@@ -118,14 +132,14 @@ def assistant_message(text: str, parsed) -> dict[str, Any]:
 
 
 async def run_tool_loop(
-    loop: AsyncRolloutLoop, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int
+    loop: ToolLoopHost, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int
 ) -> Rollout:
-    config = loop.config
+    sampling, context = loop.settings.sampling, loop.context
     template = loop.tokenizer.chat_template if isinstance(loop.tokenizer.chat_template, str) else ""
     fmt = _format_of(template)
     if tools and fmt is None:  # the trainer refuses this at start; a custom loop may still get here
         require_call_format(template, getattr(loop, "model_name", "the model"))
-    limit = config.max_tool_calling_iterations
+    limit = loop.settings.tools.max_tool_calling_iterations
     conversation = [dict(message) for message in prompt]
     completion: list[dict[str, Any]] = []
     turns = []
@@ -136,7 +150,7 @@ async def run_tool_loop(
         turn = await loop.generate_one_turn(prompt_ids)
         turns.append(turn)
         text = turn_text(loop.tokenizer, turn.output_ids, fmt)
-        parsed = parse_turn(text, fmt, with_tools=bool(tools), reasoning=config.parse_reasoning)
+        parsed = parse_turn(text, fmt, with_tools=bool(tools), reasoning=sampling.parse_reasoning)
         type_text_arguments(parsed.calls, tools)
         completion.append(assistant_message(text, parsed))
         conversation.append({"role": "assistant", "content": text})
@@ -148,10 +162,10 @@ async def run_tool_loop(
         results, failed = await run_tool_calls(
             parsed.calls,
             tools,
-            loop.tool_executor,
+            context.tool_executor,
             lambda: loop.metrics,
-            timeout_s=config.tool_timeout,
-            activity=loop._activity,
+            timeout_s=loop.settings.tools.tool_timeout,
+            activity=context.activity,
         )
         tool_turns += 1
         completion.extend(results)
@@ -161,8 +175,8 @@ async def run_tool_loop(
         )
         calls += len(parsed.calls)
         failures += failed
-        prompt_ids = render_prompt_ids(loop.tokenizer, conversation, tools, config.chat_template_kwargs)
-        if len(prompt_ids) >= loop.max_model_len:
+        prompt_ids = render_prompt_ids(loop.tokenizer, conversation, tools, sampling.chat_template_kwargs)
+        if len(prompt_ids) >= context.max_model_len:
             break  # no room left to answer the tool results: the rollout ends here, clipped
     if tools:
         loop.metrics.record("tools/loop_exhausted_frac", float(exhausted))

@@ -98,6 +98,29 @@ def render_prompt_ids(
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
+class RenderCache:
+    """A group's prompt rendered once for all its rollouts when they share the prompt (an
+    environment's reset() may give each its own): `render` caches per group id, `forget` drops a
+    group once its rollouts are done."""
+
+    def __init__(self, tokenizer, chat_template_kwargs: dict | None):
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs
+        self._by_group: dict[int, tuple[list[dict[str, Any]], list[int]]] = {}
+
+    def render(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int) -> list[int]:
+        """The prompt's token ids through the chat template, with the tools' schemas."""
+        cached = self._by_group.get(group_id)
+        if cached is not None and cached[0] is prompt:
+            return cached[1]
+        ids = render_prompt_ids(self.tokenizer, prompt, tools, self.chat_template_kwargs)
+        self._by_group[group_id] = (prompt, ids)
+        return ids
+
+    def forget(self, group_id: int) -> None:
+        self._by_group.pop(group_id, None)
+
+
 class RewriteDetector:
     """Warns once when an unknown template re-renders earlier turns differently (a fork between
     turns), which costs forwarded tokens on every multi-turn rollout."""

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.rollout.advantages import is_truncated, source_weights
+from asyncgrpo.rollout.context import LoopInputs, hook_context
 from asyncgrpo.rollout.environments import EnvironmentPool
 from asyncgrpo.rollout.eval_metrics import PromptOutcome
 from asyncgrpo.rollout.prompts import CURRENT_ROW
@@ -29,6 +30,9 @@ from asyncgrpo.rollout.scoring import (
     reward_function_name,
     sum_rewards,
 )
+
+if TYPE_CHECKING:
+    from asyncgrpo.rollout.loop import AsyncRolloutLoop
 
 
 class EvalSampler(PolicySampler):
@@ -55,13 +59,17 @@ class EvalRunner:
         reward_funcs: list[Callable],
         seed: int,
     ):
-        self.config = loop_kwargs["config"]  # the eval settings already applied (trainer/evaluator.py)
-        self.loop = loop_cls(**loop_kwargs, channels=None)
+        # `loop_kwargs`: LoopInputs.of's arguments, its config with the eval settings already applied
+        # (trainer/evaluator.py).
+        self.loop_cls = loop_cls
+        self.inputs = LoopInputs.of(**loop_kwargs)
+        self.settings = self.inputs.settings
+        self.loop: AsyncRolloutLoop | None = None  # built by open(), once the servers answer
         self.client = client
         self.reward_funcs = list(reward_funcs)
         self.seed = seed
         self.version = SimpleNamespace(value=0)  # the policy version requests are labelled with
-        size = self.config.max_concurrent_rollouts
+        size = self.settings.scheduling.max_concurrent_rollouts
         # Tools and reward functions get pools of their own, as in the rollout worker: a slow judge must
         # not take the threads the tools of running rollouts wait for.
         self._tool_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="eval-tool")
@@ -70,24 +78,23 @@ class EvalRunner:
         self.sampler: EvalSampler | None = None
         # A reward function that raises on an eval prompt leaves that prompt unscored by it, under the
         # training's policy (rollout/reward_errors.py), counted over the eval prompts.
-        self._reward_errors = RewardErrorBudget(
-            self.config.reward_error_tolerance, self.config.reward_error_window
-        )
+        scoring = self.settings.scoring
+        self._reward_errors = RewardErrorBudget(scoring.reward_error_tolerance, scoring.reward_error_window)
 
     async def open(self) -> None:
-        loop = self.loop
-        loop.client = self.client
-        loop.max_model_len = await self.client.max_model_len()
-        loop._tool_executor = self._tool_executor
         # Token ids in and out where the server offers it: that route also reports which weights
         # sampled each token. No candidate sets: nothing here is trained on.
         token_route = await self.client.supports_token_generate()
-        self.sampler = loop._sampler = EvalSampler(
-            self.client, self.version, loop.lora_name, self.seed, token_route, candidate_sets=False
+        inputs = self.inputs
+        self.sampler = EvalSampler(
+            self.client, self.version, inputs.lora_name, self.seed, token_route, candidate_sets=False
         )
-        if loop.environment_factory is not None:
+        max_model_len = await self.client.max_model_len()
+        context = hook_context(inputs, self.client, self.sampler, max_model_len, self._tool_executor)
+        self.loop = loop = self.loop_cls(inputs, context)
+        if inputs.environment_factory is not None:
             self.environments = EnvironmentPool(
-                loop.environment_factory, self._tool_executor, lambda: loop.metrics
+                inputs.environment_factory, self._tool_executor, lambda: loop.metrics
             )
         await loop.setup()
 
@@ -96,13 +103,14 @@ class EvalRunner:
         labels the servers reported for the sampled tokens)."""
         self.version.value = version
         self.sampler.labels_seen = set()
-        slots = asyncio.Semaphore(self.config.max_concurrent_rollouts)
+        slots = asyncio.Semaphore(self.settings.scheduling.max_concurrent_rollouts)
         outcomes = await asyncio.gather(*(self._prompt(index, row, slots) for index, row in enumerate(rows)))
         return list(outcomes), set(self.sampler.labels_seen)
 
     async def close(self) -> None:
         try:
-            await self.loop.close()
+            if self.loop is not None:
+                await self.loop.close()
         finally:
             self._tool_executor.shutdown(wait=False, cancel_futures=True)
             self._reward_executor.shutdown(wait=False, cancel_futures=True)
@@ -110,10 +118,10 @@ class EvalRunner:
     async def _prompt(self, index: int, row: dict[str, Any], slots: asyncio.Semaphore) -> PromptOutcome:
         if "prompt" not in row and self.environments is None:
             raise KeyError(f"eval dataset row {index} has no 'prompt' column")
-        size = self.config.num_generations
+        size = self.settings.scheduling.num_generations
         group_id = -1 - index  # apart from any training group id, for the loop's rendered-prompt cache
         results = await asyncio.gather(*(self._rollout(row, group_id, slots) for _ in range(size)))
-        self.loop._rendered.pop(group_id, None)
+        self.loop.context.renders.forget(group_id)
         rollouts = [rollout for rollout, _, _ in results]
         columns = {key: [value] * size for key, value in row.items() if key != "prompt"}
         per_function = await call_reward_functions(
@@ -123,7 +131,7 @@ class EvalRunner:
             [rollout.completion for rollout in rollouts],
             [rollout.completion_ids for rollout in rollouts],
             columns,
-            timeout_s=self.config.reward_timeout,
+            timeout_s=self.settings.scoring.reward_timeout,
             where=f" (eval dataset row {index})",
             catch_errors=self._reward_errors.catches,
         )
@@ -135,7 +143,7 @@ class EvalRunner:
         sources = [*per_function, *env_sources]
         names = [reward_function_name(function) for function in self.reward_funcs] + env_names
         eos = set(self.loop.eos_token_ids)
-        weights = source_weights(self.config.reward_weights, len(per_function), len(sources) + 1)
+        weights = source_weights(self.settings.scoring.reward_weights, len(per_function), len(sources) + 1)
         return PromptOutcome(
             rewards=sum_rewards([*sources, rollout_rewards], size, weights),  # as training weighs them
             per_source=dict(zip(names, sources)),

@@ -53,6 +53,15 @@ class PromptOrder:
         return "in dataset order" if self.seed is None else f"shuffled with seed {self.seed}"
 
 
+@dataclass(frozen=True)
+class StreamStart:
+    """Where a worker's prompt stream resumes: the first untrained stream index, and the indices
+    after it that were already trained (a fresh run: 0 and none)."""
+
+    first_index: int = 0
+    skip: frozenset[int] = frozenset()
+
+
 def _is_iterable_dataset(dataset: Any) -> bool:
     return not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__")
 

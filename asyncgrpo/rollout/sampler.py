@@ -21,6 +21,7 @@ from asyncgrpo.generation.client import (
     policy_cache_salt,
 )
 from asyncgrpo.generation.server_info import ROUTING_REPLAY_HINT
+from asyncgrpo.rollout.settings import SamplingSettings
 from asyncgrpo.rollout.types import TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,10 @@ class RoutingNotReturnedError(RuntimeError):
     """MoE routing replay is on, but a server answered without the routed experts."""
 
 
-async def wants_candidate_sets(client: VLLMClient, config) -> bool:
+async def wants_candidate_sets(client: VLLMClient, sampling: SamplingSettings) -> bool:
     """Whether samples carry each token's candidate set: top-p/top-k/min-p restrict sampling and
     the server returns the sets. Warns when they restrict it but the server cannot."""
-    if config.top_p >= 1.0 and config.top_k == 0 and not (config.min_p or 0) > 0:
+    if sampling.top_p >= 1.0 and sampling.top_k == 0 and not sampling.min_p > 0:
         return False
     if await client.supports_sampling_mask():
         return True

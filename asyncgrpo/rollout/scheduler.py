@@ -2,8 +2,9 @@
 
 It owns everything a hook must not touch: the prompt stream, the staleness budget (token
 allowance), the concurrency cap and its load polling, the scoring queue and scorers, the heartbeat,
-the metric flushes and the failure of any task. It calls the loop's hooks and hands the loop what
-they may read (client, max_model_len, tool_executor). Order of events and timing: docs/architecture.md.
+the metric flushes and the failure of any task. The rollout process (rollout/worker.py) builds it;
+once the servers answer it builds the user's loop with what the hooks may read (rollout/context.py)
+and calls the hooks. Order of events and timing: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,10 +26,11 @@ from asyncgrpo.rollout.agent import record_tool_rollout_metrics
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.chat import RewriteDetector
 from asyncgrpo.rollout.concurrency import TokenAllowance
+from asyncgrpo.rollout.context import LoopInputs, hook_context
 from asyncgrpo.rollout.environments import EnvironmentPool
 from asyncgrpo.rollout.idle_clock import IdleClock
 from asyncgrpo.rollout.messages import GroupResult
-from asyncgrpo.rollout.prompts import CURRENT_ROW, PromptItem, PromptOrder, prompt_stream
+from asyncgrpo.rollout.prompts import CURRENT_ROW, PromptItem, StreamStart, prompt_stream
 from asyncgrpo.rollout.reward_errors import RewardErrorBudget
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
 from asyncgrpo.rollout.sampler import PolicySampler, ServerLostWeightsError, wants_candidate_sets
@@ -64,34 +65,28 @@ SCORE_CONCURRENCY = 64
 CLOSE_HOOK_TIMEOUT_S = 30.0
 # Beyond reward_timeout, how long a full scoring queue may stand still before scoring counts as stuck.
 SCORE_QUEUE_GRACE_S = 60.0
+# Generated groups waiting for a scorer; past this many, a finished group waits to be queued.
+SCORE_QUEUE_MAXSIZE = 16
 # How many vllm_server_timeouts the trainer may leave the staleness budget unmoved before it counts as stuck.
 ALLOWANCE_STALL_FACTOR = 4
 
 
-@dataclass(frozen=True)
-class SchedulingArgs:
-    """The loop's constructor arguments that only the scheduler reads: the link to the trainer
-    and where the prompt stream resumes."""
-
-    channels: WorkerChannels  # the queues and shared values of the trainer (rollout/channels.py)
-    score_queue_maxsize: int
-    dataset_start_index: int
-    skip_stream_indices: frozenset[int]
-
-
 class RolloutScheduler:
-    def __init__(self, loop: AsyncRolloutLoop):
-        self.loop = loop
-        self.config = loop.config
-        args = loop._scheduling
-        self.channels = args.channels
-        self.score_queue_maxsize = args.score_queue_maxsize
-        self.dataset_start_index = args.dataset_start_index
-        self.skip_stream_indices = args.skip_stream_indices
+    """Runs one rollout process: builds the user's loop (`loop_cls`) once the servers answer, and
+    drives its hooks until cancelled or until something fails."""
+
+    def __init__(self, loop_cls, inputs: LoopInputs, channels: WorkerChannels, stream: StreamStart):
+        self.loop_cls = loop_cls
+        self.inputs = inputs
+        self.settings = settings = inputs.settings
+        self.scoring = settings.scoring
+        self.channels = channels
+        self.stream = stream
+        self.loop: AsyncRolloutLoop | None = None  # built in _main, once the servers answer
         self.environments: EnvironmentPool | None = None  # made in _main, with the tool thread pool
         self._rewrites = RewriteDetector()
         self._reward_errors = RewardErrorBudget(
-            self.config.reward_error_tolerance, self.config.reward_error_window
+            self.scoring.reward_error_tolerance, self.scoring.reward_error_window
         )
         self._tasks: set[asyncio.Task] = set()
         # The worker's side of the run's timeline, sent to the trainer with each metrics flush.
@@ -102,10 +97,9 @@ class RolloutScheduler:
         """Sync tools and environments get max_concurrent_rollouts threads, one per running rollout,
         so a tool call never waits for a thread. Sync reward functions get their own pool: groups
         scored at once (up to SCORE_CONCURRENCY) with a slow judge must not take the tools' threads."""
-        size = self.config.max_concurrent_rollouts
-        self._tool_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="tool")
+        size = self.settings.scheduling.max_concurrent_rollouts
+        self.tool_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="tool")
         self._reward_executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="reward")
-        self.loop._tool_executor = self._tool_executor
 
     # -- the process's main -------------------------------------------------------------------------------
 
@@ -114,7 +108,7 @@ class RolloutScheduler:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        config, loop, channels = self.config, self.loop, self.channels
+        inputs, channels = self.inputs, self.channels
         # The trainer stops the worker with SIGTERM: unwind through the finally below (close() runs).
         # Only the first SIGTERM counts: another one must not interrupt the clean-up it started.
         main_task = asyncio.current_task()
@@ -124,38 +118,24 @@ class RolloutScheduler:
         self._timeline.process = timeline.worker_process(channels.worker_index, channels.num_workers)
         timeline.activate(self._timeline)
         self._make_thread_pools()
-        if loop.environment_factory is not None:
+        if inputs.environment_factory is not None:
             self.environments = EnvironmentPool(
-                loop.environment_factory, self._tool_executor, lambda: loop.metrics
+                inputs.environment_factory, self.tool_executor, lambda: self.loop.metrics
             )
         # Distillation: the teachers score each group's samples beside the reward functions.
-        self.teachers = TeacherScoring.of(config)
-        self.client = loop.client = VLLMClient(
-            initial_servers(channels, config.vllm_server_urls),
-            timeout=config.vllm_server_timeout,
-            model=loop.model_name,
-            request_timeout=config.request_timeout,
+        self.teachers = TeacherScoring.of(self.settings.teachers, self.settings.servers)
+        servers = self.settings.servers
+        self.client = VLLMClient(
+            initial_servers(channels, servers.urls),
+            timeout=servers.timeout,
+            model=inputs.model_name,
+            request_timeout=servers.request_timeout,
         )
         try:
-            await self.client.wait_until_ready()
-            self.max_model_len = loop.max_model_len = await self.client.max_model_len()
-            candidate_sets = await wants_candidate_sets(self.client, config)
-            # Token in, token out wherever the server offers it: the same samples, far less work
-            # for the server's API process than `/v1/completions`, which detokenizes every top
-            # log-prob (bench/RESULTS.md, "overlap").
-            token_route = candidate_sets or await self.client.supports_token_generate()
-            self.sampler = loop._sampler = PolicySampler(
-                self.client,
-                self.channels.model_version_value,
-                loop.lora_name,
-                seed=config.seed,
-                token_route=token_route,
-                candidate_sets=candidate_sets,
-                routing_replay=config.moe_routing_replay,
-            )
+            await self._build_loop()
             if self.teachers is not None:
                 await self.teachers.start()
-            await loop.setup()
+            await self.loop.setup()
             await self._start_state()
             self.channels.ready_event.set()
             self._fatal: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -174,38 +154,66 @@ class RolloutScheduler:
                 self._watch(asyncio.create_task(coroutine))
             await self._fatal
         finally:
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            try:
-                await asyncio.wait_for(loop.close(), CLOSE_HOOK_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                logger.warning(
-                    "the rollout loop's close() did not finish within %.0f s; leaving without it",
-                    CLOSE_HOOK_TIMEOUT_S,
-                )
-            finally:
-                timeline.activate(None)
-                await self.client.close()
-                if self.teachers is not None:
-                    await self.teachers.close()
-                self._tool_executor.shutdown(wait=False, cancel_futures=True)
-                self._reward_executor.shutdown(wait=False, cancel_futures=True)
+            await self._stop()
+
+    async def _build_loop(self) -> None:
+        """Once the servers answer: the sampler, the hook context and the user's loop."""
+        await self.client.wait_until_ready()
+        self.max_model_len = await self.client.max_model_len()
+        sampling = self.settings.sampling
+        candidate_sets = await wants_candidate_sets(self.client, sampling)
+        # Token in, token out wherever the server offers it: the same samples, far less work
+        # for the server's API process than `/v1/completions`, which detokenizes every top
+        # log-prob (bench/RESULTS.md, "overlap").
+        token_route = candidate_sets or await self.client.supports_token_generate()
+        sampler = PolicySampler(
+            self.client,
+            self.channels.model_version_value,
+            self.inputs.lora_name,
+            seed=sampling.seed,
+            token_route=token_route,
+            candidate_sets=candidate_sets,
+            routing_replay=sampling.moe_routing_replay,
+        )
+        context = hook_context(self.inputs, self.client, sampler, self.max_model_len, self.tool_executor)
+        self.loop = self.loop_cls(self.inputs, context)
+
+    async def _stop(self) -> None:
+        """Cancel every task, give the loop's close() its time, then release the servers' clients
+        and the thread pools."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            if self.loop is not None:
+                await asyncio.wait_for(self.loop.close(), CLOSE_HOOK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            logger.warning(
+                "the rollout loop's close() did not finish within %.0f s; leaving without it",
+                CLOSE_HOOK_TIMEOUT_S,
+            )
+        finally:
+            timeline.activate(None)
+            await self.client.close()
+            if self.teachers is not None:
+                await self.teachers.close()
+            self.tool_executor.shutdown(wait=False, cancel_futures=True)
+            self._reward_executor.shutdown(wait=False, cancel_futures=True)
 
     async def _start_state(self) -> None:
-        config = self.config
-        self.allowance = TokenAllowance(config.num_generations)
+        scheduling = self.settings.scheduling
+        self.allowance = TokenAllowance(scheduling.num_generations)
         self.share = ServerShare(
             self.client,
             self.channels,
-            config.max_concurrent_rollouts,
-            stall_timeout_s=config.vllm_server_timeout,
+            scheduling.max_concurrent_rollouts,
+            stall_timeout_s=self.settings.servers.timeout,
             metrics=lambda: self.loop.metrics,
-            describe_waits=self.loop._activity.describe,
+            describe_waits=self.loop.context.activity.describe,
         )
         await self.share.start(self.max_model_len)
         self.slots = self.share.slots
-        self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
+        self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=SCORE_QUEUE_MAXSIZE)
         self._generated_tokens = 0
         self._last_flush = time.monotonic()
         self._reported_retries = self._reported_moves = 0
@@ -229,10 +237,10 @@ class RolloutScheduler:
     # -- generation ---------------------------------------------------------------------------------------
 
     async def _generate_loop(self) -> None:
-        dataset = self.loop.dataset
+        dataset = self.inputs.dataset
         rejected_in_epoch: dict[int, int] = {}
-        order = PromptOrder.of(self.config)  # data_seed (or seed) and train_sampling_strategy
-        stream = prompt_stream(dataset, order.seed, self.dataset_start_index, self.skip_stream_indices)
+        order = self.settings.scheduling.prompt_order  # data_seed (or seed) and train_sampling_strategy
+        stream = prompt_stream(dataset, order.seed, self.stream.first_index, self.stream.skip)
         num_rows = len(dataset) if hasattr(dataset, "__len__") else None
         worker, num_workers = self.channels.worker_index, self.channels.num_workers
         for item in stream:
@@ -262,13 +270,13 @@ class RolloutScheduler:
             self._next_group_id += self.channels.num_workers
             self.allowance.group_started()
             self.channels.publish_committed_tokens(self.allowance.committed_tokens)
-            self.slots.reserve(self.config.num_generations)
+            self.slots.reserve(self.settings.scheduling.num_generations)
             self._watch(asyncio.create_task(self._run_group(item, group_id)))
 
     def _prompt_problem(self, item: PromptItem) -> str | None:
         """Why a dataset row cannot be generated for (None when it can): no prompt, not a list of
         messages, a chat template that fails on it, or too long for the server."""
-        if self.loop.environment_factory is not None and "prompt" not in item.row:
+        if self.environments is not None and "prompt" not in item.row:
             return None  # the environment's reset() provides the prompt
         prompt = item.row.get("prompt")
         if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m for m in prompt):
@@ -278,7 +286,7 @@ class RolloutScheduler:
         except Exception as error:  # the chat template refused it: the row is the problem
             return f"the chat template failed on it ({type(error).__name__}: {error})"
         finally:
-            self.loop._rendered.pop(-2 - item.stream_index, None)
+            self.loop.context.renders.forget(-2 - item.stream_index)
         if length >= self.max_model_len:
             return (
                 f"its prompt is {length} tokens, which leaves no room to generate under "
@@ -310,7 +318,7 @@ class RolloutScheduler:
         started = moved = time.monotonic()
         held_since = timeline.now_us()
         limit = self.channels.token_allowance.value
-        bound = ALLOWANCE_STALL_FACTOR * self.config.vllm_server_timeout
+        bound = ALLOWANCE_STALL_FACTOR * self.settings.servers.timeout
         while not self._may_start_group():
             await asyncio.sleep(0.01)
             if self.channels.token_allowance.value != limit:
@@ -335,16 +343,16 @@ class RolloutScheduler:
             raise KeyError(f"dataset row {item.row_index} has no 'prompt' column")
         model_version = self.channels.model_version_value.value
         rollouts = await asyncio.gather(
-            *(self._run_rollout(item.row, group_id) for _ in range(self.config.num_generations))
+            *(self._run_rollout(item.row, group_id) for _ in range(self.settings.scheduling.num_generations))
         )
-        self.loop._rendered.pop(group_id, None)
+        self.loop.context.renders.forget(group_id)
         group = self._make_group(item, group_id, model_version, rollouts)
         blocked_since = time.monotonic()
         group.queued_at = blocked_since
         if self.score_queue.full():
             # Every scorer is busy; each call is bounded by reward_timeout, so a queue that does not
             # move for longer means scoring itself is stuck.
-            bound = self.config.reward_timeout + SCORE_QUEUE_GRACE_S
+            bound = self.scoring.reward_timeout + SCORE_QUEUE_GRACE_S
             try:
                 await asyncio.wait_for(self.score_queue.put(group), bound)
             except asyncio.TimeoutError:
@@ -450,7 +458,7 @@ class RolloutScheduler:
                 group.completions,
                 group.completions_ids,
                 group.reward_kwargs,
-                timeout_s=self.config.reward_timeout,
+                timeout_s=self.scoring.reward_timeout,
                 where=where,
                 catch_errors=self._reward_errors.catches,
             )
@@ -488,9 +496,9 @@ class RolloutScheduler:
             group.env_rewards, group.rollout_rewards
         )
         sources = [*per_function, *env_sources, rollout_rewards]
-        config = self.config
+        scoring = self.scoring
         group.source_rewards = sources
-        group.source_weights = source_weights(config.reward_weights, len(per_function), len(sources))
+        group.source_weights = source_weights(scoring.reward_weights, len(per_function), len(sources))
         group.rewards = sum_rewards(sources, len(group.prompts), group.source_weights)
         advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
         if advantages.shape != (len(group.prompts),):
@@ -507,10 +515,10 @@ class RolloutScheduler:
         # rollout is a sample, and no group is dropped for equal rewards or for having none.
         taught = self.teachers is not None
         dropped = not taught and is_degenerate_group(
-            advantage_basis(group, config.multi_objective_aggregation)
+            advantage_basis(group, scoring.multi_objective_aggregation)
         )
         left_out = frozenset()
-        if config.mask_truncated_completions:
+        if scoring.mask_truncated_completions:
             eos = self.loop.eos_token_ids
             left_out = frozenset(i for i, rollout in enumerate(group.rollouts) if is_truncated(rollout, eos))
         samples = [] if dropped else training_samples(group, advantages, left_out, keep_unscored=taught)
@@ -526,7 +534,7 @@ class RolloutScheduler:
         teacher = self.teachers.teacher_of(group.reward_kwargs, group.row_index)
         scored = await self.teachers.score(samples, teacher)
         self.loop.metrics.record("rollout/teacher_score_s", time.monotonic() - started)
-        coef = self.config.teacher_kl_coef
+        coef = self.scoring.teacher_kl_coef
         if coef > 0:  # GRPO with a teacher: the teacher term in every trained token's advantage
             gaps = np.concatenate([s.sampler_logprobs - realized_teacher_logprobs(s) for s in scored])
             scored_gaps = gaps[~np.isnan(gaps)]

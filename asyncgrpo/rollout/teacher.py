@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from asyncgrpo.generation.teacher_client import TeacherClient
+from asyncgrpo.rollout.settings import ServerSettings, TeacherSettings
 from asyncgrpo.sample import Sample
 
 TEACHER_ID_COLUMN = "teacher_id"
@@ -37,17 +38,12 @@ class TeacherScoring:
         ]
 
     @classmethod
-    def of(cls, config) -> TeacherScoring | None:
+    def of(cls, teachers: TeacherSettings | None, servers: ServerSettings) -> TeacherScoring | None:
         """The run's teachers; None for a run without any (GRPO)."""
-        urls = getattr(config, "teacher_server_urls", None)
-        if not urls:
+        if teachers is None:
             return None
         return cls(
-            urls,
-            config.teacher_top_k,
-            config.teacher_temperature,
-            config.vllm_server_timeout,
-            config.request_timeout,
+            teachers.urls, teachers.top_k, teachers.temperature, servers.timeout, servers.request_timeout
         )
 
     async def start(self) -> None:

@@ -12,7 +12,6 @@ can be left behind by the other: the worker watches the trainer's pid and always
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -23,13 +22,15 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from enum import Enum
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.parent_watch import exit_when_parent_dies
 from asyncgrpo.rollout.channels import WorkerChannels
+from asyncgrpo.rollout.context import LoopInputs
 from asyncgrpo.rollout.messages import GroupResult
+from asyncgrpo.rollout.prompts import StreamStart
+from asyncgrpo.rollout.scheduler import RolloutScheduler
 from asyncgrpo.run_files import attach_warnings_file
 
 logger = logging.getLogger(__name__)
@@ -39,36 +40,22 @@ class RolloutWorkerError(RuntimeError):
     """The rollout process failed, hung or died; training cannot continue."""
 
 
-def plain_settings(config) -> SimpleNamespace:
-    """Every field of the trainer's `config` (a dataclass: AsyncGRPOConfig or a subclass) as an
-    attribute of a plain object, Enum members as their values and nested dataclasses as plain objects
-    too: what the rollout process gets as `config`. The config itself would make the process import
-    transformers' TrainingArguments to unpickle it, seconds of CPU at each start for nothing the loop
-    reads (docs/agents.md, bench/RESULTS.md "make_test")."""
-    values = {
-        field.name: _plain(getattr(config, field.name))
-        for field in dataclasses.fields(config)
-        if hasattr(config, field.name)
-    }
-    # Values derived from fields (asyncgrpo's own and a subclass's properties, such as
-    # vllm_server_urls); transformers' (device, world_size...) would set up torch.distributed.
-    for cls in type(config).__mro__:
-        if cls.__module__.split(".")[0] in ("transformers", "builtins"):
-            continue
-        for name, attribute in vars(cls).items():
-            if isinstance(attribute, property) and name not in values:
-                values[name] = _plain(getattr(config, name))
-    return SimpleNamespace(**values)
+@dataclass(frozen=True)
+class WorkerInputs:
+    """What each rollout process is started with, beside its channels (all of it pickles)."""
+
+    loop: LoopInputs  # what its rollout loop is built from
+    stream: StreamStart = StreamStart()  # where its prompt stream resumes
 
 
-def _plain(value):
-    if isinstance(value, Enum):
-        return value.value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return plain_settings(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(item) for item in value)
-    return value
+def worker_inputs(
+    config, *, dataset_start_index: int = 0, skip_stream_indices=frozenset(), **loop_fields
+) -> WorkerInputs:
+    """The rollout processes' inputs, from the trainer's config (its settings are built here, in the
+    trainer's process), where the prompt stream resumes, and LoopInputs' other fields."""
+    return WorkerInputs(
+        LoopInputs.of(config, **loop_fields), StreamStart(dataset_start_index, frozenset(skip_stream_indices))
+    )
 
 
 def check_picklable(objects: dict[str, Any]) -> None:
@@ -95,8 +82,8 @@ def check_worker_payload(reward_funcs, loop_cls, tools=None, environment_factory
     check_picklable({"environment_factory": environment_factory})
 
 
-def _worker_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels) -> None:
-    """Entry point of the spawned process."""
+def _worker_main(loop_cls, inputs: WorkerInputs, channels: WorkerChannels) -> None:
+    """Entry point of the spawned process: its scheduler builds the loop and runs it."""
     exit_when_parent_dies(channels.parent_pid)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # The trainer stops us with SIGTERM; Ctrl-C reaches the whole process group, and the trainer
@@ -109,8 +96,7 @@ def _worker_main(loop_cls, loop_kwargs: dict[str, Any], channels: WorkerChannels
     attach_warnings_file()  # the run directory's warnings.log, when the trainer keeps one
     exit_code = 0
     try:
-        rollout_loop = loop_cls(**loop_kwargs, channels=channels)
-        rollout_loop.run()
+        RolloutScheduler(loop_cls, inputs.loop, channels, inputs.stream).run()
     except BaseException as error:  # everything, so the trainer hears of it
         if not isinstance(
             error, (SystemExit, KeyboardInterrupt, asyncio.CancelledError)
@@ -195,7 +181,7 @@ class RolloutWorker:
     def __init__(
         self,
         loop_cls,
-        loop_kwargs: dict[str, Any],
+        inputs: WorkerInputs,
         initial_allowance: float,
         worker_timeout: float,
         worker_index: int = 0,
@@ -207,7 +193,7 @@ class RolloutWorker:
         self.loop_cls = loop_cls
         self.worker_timeout = worker_timeout
         self._context = multiprocessing.get_context("spawn")
-        self.loop_kwargs = loop_kwargs  # the loop's constructor arguments, but for `channels`
+        self.inputs = inputs
         self.channels = WorkerChannels.create(
             self._context, initial_allowance, worker_index, num_workers, committed_tokens, server_urls
         )
@@ -227,15 +213,11 @@ class RolloutWorker:
     def spawn(self) -> None:
         """Start the process; it starts up (imports, the servers, `setup()`) and then waits for
         `start_generating`, so its start-up can overlap the trainer's (the first weight sync)."""
-        check_worker_payload(
-            self.loop_kwargs.get("reward_funcs"),
-            self.loop_cls,
-            self.loop_kwargs.get("tools"),
-            self.loop_kwargs.get("environment_factory"),
-        )
+        loop = self.inputs.loop
+        check_worker_payload(loop.reward_funcs, self.loop_cls, loop.tools, loop.environment_factory)
         self.process = self._context.Process(
             target=_worker_main,
-            args=(self.loop_cls, self.loop_kwargs, self.channels),
+            args=(self.loop_cls, self.inputs, self.channels),
             name=self.name,
             # Not a daemon: reward code may start processes of its own (accuracy_reward's verifier
             # pool), which daemons may not. The trainer stops it in every case, and it exits by
@@ -325,7 +307,7 @@ class RolloutWorkerPool:
     def __init__(
         self,
         loop_cls,
-        loop_kwargs: dict[str, Any],
+        inputs: WorkerInputs,
         num_workers: int,
         initial_allowance: float,
         worker_timeout: float,
@@ -337,7 +319,7 @@ class RolloutWorkerPool:
         self.workers = [
             RolloutWorker(
                 loop_cls,
-                loop_kwargs,
+                inputs,
                 initial_allowance,
                 worker_timeout,
                 worker_index=index,

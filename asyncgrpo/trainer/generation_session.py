@@ -24,7 +24,7 @@ from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.advantages import scale_over_batch
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
-from asyncgrpo.rollout.worker import RolloutWorkerPool, check_worker_payload, plain_settings
+from asyncgrpo.rollout.worker import RolloutWorkerPool, check_worker_payload, worker_inputs
 from asyncgrpo.routing_replay import moe_routers
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.checkpoint import ResumePoint
@@ -123,8 +123,8 @@ class GenerationSession:
         rollout = self.resume.rollout
         self.worker = RolloutWorkerPool(
             trainer.loop_cls,
-            dict(
-                config=plain_settings(args),
+            worker_inputs(
+                config=args,
                 model_name=served_name,
                 dataset=trainer.train_dataset,
                 reward_funcs=trainer.reward_funcs,
