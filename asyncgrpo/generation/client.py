@@ -27,6 +27,7 @@ import msgspec
 
 from asyncgrpo.generation.control import UNREACHABLE_AFTER_S, ServerControl, _all_finished
 from asyncgrpo.generation.errors import (
+    ServerLostError,
     VLLMAuthenticationError,
     VLLMError,
     VLLMRequestError,
@@ -209,7 +210,7 @@ class VLLMClient(ServerControl):
         broadcast): any failure raises at once. `retry_server_errors=False` still waits out an
         unreachable server but takes a 5xx answer as final (a reload the server rejects is not
         going to succeed on the next try). `unreachable_after`: connection failures are retried
-        for that many seconds at most, then VLLMServerLostError says the server is gone (None:
+        for that many seconds at most, then ServerLostError says the server is gone (None:
         until the deadline, as any failure)."""
         url = base_url + path
         budget = self.timeout if timeout is None else timeout
@@ -240,10 +241,10 @@ class VLLMClient(ServerControl):
                     if response.status < 500:
                         raise VLLMRequestError(url, response.status, message)
                     if any(marker in message for marker in _DEAD_ENGINE_MARKERS):
-                        raise VLLMServerLostError(
-                            base_url,
+                        raise ServerLostError(
                             f"the vLLM engine behind {url} has died and will not recover: {message} "
                             "(its log has the cause); restart the server",
+                            base_url,
                         )
                     if not retry_server_errors:
                         raise VLLMRequestError(url, response.status, message)
@@ -253,7 +254,7 @@ class VLLMClient(ServerControl):
                 if unreachable_after is not None:
                     lost_since = loop.time() if lost_since is None else lost_since
                     if loop.time() - lost_since >= unreachable_after:
-                        raise VLLMServerLostError(base_url, f"vLLM server {url} is unreachable: {error}")
+                        raise ServerLostError(f"vLLM server {url} is unreachable: {error}", base_url)
             except asyncio.TimeoutError:
                 if timeouts_left <= 0 or not retry:
                     raise VLLMUnavailableError(
@@ -477,7 +478,7 @@ class VLLMClient(ServerControl):
                         timeout=self.request_timeout, unreachable_after=patience,
                     )  # fmt: skip
                     return url, body
-                except VLLMServerLostError as error:
+                except ServerLostError as error:
                     reason = str(error)
                 except asyncio.CancelledError:
                     if not self.servers.was_dropped(task) or task.uncancel() > 0:
@@ -562,6 +563,7 @@ def _server_message(body: bytes) -> str:
 
 __all__ = [  # the errors live in errors.py; callers import them from here, with the client
     "SamplingParams",
+    "ServerLostError",
     "VLLMAuthenticationError",
     "VLLMClient",
     "VLLMError",

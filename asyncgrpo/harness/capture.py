@@ -32,6 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
+from asyncgrpo.errors import HarnessError
 from asyncgrpo.harness.contract import TrainingTrace, TrainingTurn
 from asyncgrpo.harness.openai_chat import chat_completion, parse_sampled_turn, template_messages
 from asyncgrpo.harness.trace import CaptureContractError, training_turn
@@ -240,7 +241,7 @@ def _socket_folder() -> Path:
     return Path(tempfile.mkdtemp(prefix="asyncgrpo-capture-", dir="/tmp"))
 
 
-class _Refused(Exception):
+class _Refused(HarnessError):
     """A request the proxy answers with an error status: the agent's mistake, not the run's."""
 
     def __init__(self, status: int, message: str):

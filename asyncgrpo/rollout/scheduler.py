@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncgrpo import timeline
-from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.generation.client import ServerLostError, VLLMClient
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.advantages import advantage_basis, is_truncated, source_weights
 from asyncgrpo.rollout.agent import record_tool_rollout_metrics
@@ -32,7 +32,7 @@ from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompts import CURRENT_ROW, PromptItem, PromptOrder, prompt_stream
 from asyncgrpo.rollout.reward_errors import RewardErrorBudget
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
-from asyncgrpo.rollout.sampler import PolicySampler, ServerLostWeightsError, wants_candidate_sets
+from asyncgrpo.rollout.sampler import PolicySampler, wants_candidate_sets
 from asyncgrpo.rollout.scoring import (
     call_reward_functions,
     checked_extra_sources,
@@ -370,7 +370,9 @@ class RolloutScheduler:
                 try:
                     rollout, prompt, env_reward = await self._generate_episode(row, group_id)
                     break
-                except ServerLostWeightsError as error:
+                except ServerLostError as error:
+                    if not error.weights_lost:
+                        raise
                     # A server answered with weights the trainer never pushed: it restarted from its
                     # checkpoint. It is avoided until the trainer gives it the weights again (the
                     # client waits for a server, within vllm_server_timeout); the rollout starts anew.

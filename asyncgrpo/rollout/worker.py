@@ -27,6 +27,7 @@ from enum import Enum
 from types import SimpleNamespace
 from typing import Any
 
+from asyncgrpo.errors import RolloutError
 from asyncgrpo.parent_watch import exit_when_parent_dies
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.messages import GroupResult
@@ -35,7 +36,7 @@ from asyncgrpo.run_files import attach_warnings_file
 logger = logging.getLogger(__name__)
 
 
-class RolloutWorkerError(RuntimeError):
+class RolloutWorkerError(RolloutError):
     """The rollout process failed, hung or died; training cannot continue."""
 
 

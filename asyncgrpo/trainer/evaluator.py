@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgrpo.errors import WeightSyncError
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.rollout.eval_metrics import summarize
@@ -27,7 +28,7 @@ from asyncgrpo.trainer.generation_session import eos_token_ids
 logger = logging.getLogger(__name__)
 
 
-class EvalWeightsChanged(RuntimeError):
+class EvalWeightsChanged(WeightSyncError):
     """The servers ran other weights during an evaluation than when it started."""
 
 
