@@ -2,8 +2,9 @@
 user would catch failures of. Every exception class asyncgrpo defines derives from one of them, so
 `except AsyncGRPOError` catches whatever the library raises of its own.
 
-Each branch keeps the builtin base its errors had before there was a family (configuration errors
-are `ValueError`s, most others `RuntimeError`s), so code that catches those still catches them.
+Each branch keeps the builtin base its errors had before there was a family (configuration and
+contract errors are `ValueError`s, most others `RuntimeError`s), so code that catches those still
+catches them.
 """
 
 from __future__ import annotations
@@ -14,8 +15,15 @@ class AsyncGRPOError(Exception):
 
 
 class ConfigurationError(AsyncGRPOError, ValueError):
-    """A setting (a config field, a CLI option, an argument, a model or a server that does not fit
-    the run) that cannot work: the message names it and says what to set instead."""
+    """A setting that cannot work: a config field, a CLI option, an argument, a dataset, a model or a
+    checkpoint that does not fit the run, a server started without what the run needs. The message
+    names it and says what to set instead."""
+
+
+class ContractError(AsyncGRPOError, ValueError):
+    """What a user's code handed the library breaks the contract its docs state: a custom rollout
+    loop's samples or turns, a hook's result, an environment's answer, a metric recorded two ways.
+    The message names the rule and the value that broke it."""
 
 
 class ServerError(AsyncGRPOError, RuntimeError):

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.kernels.fused_head import FusedHeadLogprobs, candidate_mask
 from asyncgrpo.models import load_balancing_loss
 from asyncgrpo.packing.row import PackedRow
@@ -57,7 +58,9 @@ def output_head(model) -> OutputHead:
     """The output head of a HF causal LM, with the logit transforms its forward applies."""
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
-        raise ValueError(f"{type(model).__name__} has no linear output head (get_output_embeddings())")
+        raise ConfigurationError(
+            f"{type(model).__name__} has no linear output head (get_output_embeddings())"
+        )
     config = model.config.get_text_config()
     scale = float(getattr(model, "logit_scale", None) or getattr(config, "logit_scale", None) or 1.0)
     if getattr(config, "logits_scaling", None):
@@ -214,7 +217,7 @@ def row_logprobs(
     load-balancing loss over the row's tokens, each counted once per sample that contains it."""
     config = model.config.get_text_config()
     if config._attn_implementation != TREE_ATTENTION:
-        raise ValueError(
+        raise ConfigurationError(
             f"model uses attn_implementation={config._attn_implementation!r}: call "
             "asyncgrpo.packing.tree_attention.enable_tree_attention(model) before packing rows"
         )

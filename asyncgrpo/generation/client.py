@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.control import UNREACHABLE_AFTER_S, ServerControl, _all_finished
 from asyncgrpo.generation.errors import (
     ServerLostError,
@@ -142,7 +143,7 @@ class VLLMClient(ServerControl):
     ):
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
-            raise ValueError("VLLMClient needs at least one server URL")
+            raise ConfigurationError("VLLMClient needs at least one server URL")
         self.servers = ServerSet([url.rstrip("/") for url in urls])
         self.timeout = float(timeout)
         self.model = model

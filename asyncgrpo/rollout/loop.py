@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.client import SamplingParams, VLLMClient
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rollout.activity import ActivityBoard
@@ -94,7 +95,7 @@ class AsyncRolloutLoop:
         """Sample one response from the vLLM server with the config's sampling settings."""
         max_tokens = min(self.config.max_completion_length, self.max_model_len - len(prompt_ids))
         if max_tokens < 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"a prompt of {len(prompt_ids)} tokens leaves no room to generate under the server's "
                 f"max_model_len={self.max_model_len}: shorten the prompts or restart vLLM with a larger "
                 "--max-model-len"

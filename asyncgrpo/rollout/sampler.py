@@ -12,7 +12,7 @@ import asyncio
 import logging
 import random
 
-from asyncgrpo.errors import ServerError
+from asyncgrpo.errors import ConfigurationError, ServerError
 from asyncgrpo.generation.client import (
     SamplingParams,
     ServerLostError,
@@ -66,7 +66,7 @@ class PolicySampler:
         routing_replay: bool = False,
     ):
         if routing_replay and not token_route:
-            raise ValueError(
+            raise ConfigurationError(
                 "moe_routing_replay=True needs vLLM's token route, which returns the routed experts: start "
                 f"the server with --enable-scale-out; {ROUTING_REPLAY_HINT}"
             )

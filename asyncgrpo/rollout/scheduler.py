@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncgrpo import timeline
+from asyncgrpo.errors import ContractError, RewardError, RolloutError
 from asyncgrpo.generation.client import ServerLostError, VLLMClient
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.advantages import advantage_basis, is_truncated, source_weights
@@ -246,7 +247,7 @@ class RolloutScheduler:
                     else None
                 )
                 if owned is not None and rejected_in_epoch[item.epoch] >= owned:
-                    raise RuntimeError(
+                    raise RolloutError(
                         f"filter_prompt rejected every prompt of epoch {item.epoch}: no sample can reach the "
                         "trainer"
                     )
@@ -316,7 +317,7 @@ class RolloutScheduler:
             if self.channels.token_allowance.value != limit:
                 limit, moved = self.channels.token_allowance.value, time.monotonic()
             elif time.monotonic() - moved > bound:
-                raise RuntimeError(
+                raise RolloutError(
                     f"the trainer took no sample for {time.monotonic() - moved:.0f} s while the worker held "
                     f"a full staleness budget ({ALLOWANCE_STALL_FACTOR} x vllm_server_timeout): the trainer "
                     "is stuck"
@@ -348,7 +349,7 @@ class RolloutScheduler:
             try:
                 await asyncio.wait_for(self.score_queue.put(group), bound)
             except asyncio.TimeoutError:
-                raise RuntimeError(
+                raise RewardError(
                     f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s)"
                 ) from None
             self.loop.metrics.record("rollout/score_block_s", time.monotonic() - blocked_since)
@@ -496,12 +497,12 @@ class RolloutScheduler:
         group.rewards = sum_rewards(sources, len(group.prompts), group.source_weights)
         advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
         if advantages.shape != (len(group.prompts),):
-            raise ValueError(
+            raise ContractError(
                 f"compute_advantages must return one advantage per rollout ({len(group.prompts)}), "
                 f"got shape {advantages.shape}"
             )
         if not np.all(np.isfinite(advantages)):
-            raise ValueError(
+            raise ContractError(
                 "compute_advantages returned a non-finite advantage for dataset row "
                 f"{group.row_index}: {advantages}"
             )
