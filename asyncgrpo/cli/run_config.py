@@ -154,66 +154,20 @@ def build_run_config(raw: dict) -> RunConfig:
     """Check every key, type and import path of `raw`; build the AsyncGRPOConfig."""
     from asyncgrpo.config import AsyncGRPOConfig
 
-    arg_types = typing.get_type_hints(AsyncGRPOConfig)
     arg_names = {f.name for f in fields(AsyncGRPOConfig) if f.init}
     _reject_unknown(raw, set(RUN_KEYS) | arg_names, "")
     if "model" not in raw:
         raise ConfigurationError("the config has no `model`: give a Hub id or a local model directory")
     model = _expect(raw["model"], str, "model")
-    arg_values = {}
-    for name in arg_names & set(raw):
-        value = raw[name]
-        if isinstance(value, str) and _accepts(arg_types[name], float) and not _accepts(arg_types[name], str):
-            value = _float_from_text(value, name)  # YAML reads 1e-6 (no dot) as a string
-        if not _matches(value, arg_types[name]):
-            raise ConfigurationError(
-                f"{name}: expected {_type_name(arg_types[name])}, got {type(value).__name__} {value!r}"
-            )
-        arg_values[name] = value
-    arg_values.setdefault("output_dir", f"{Path(model).name or 'model'}-AsyncGRPO")
-    try:
-        args = AsyncGRPOConfig(**arg_values)
-    except (ValueError, TypeError) as error:
-        raise ConfigurationError(str(error)) from error
-
-    dataset = raw.get("dataset")
-    if dataset is not None:
-        _check_dataset_spec(dataset, "dataset")
-    eval_dataset = raw.get("eval_dataset")
-    if eval_dataset is not None:
-        _expect(eval_dataset, dict, "eval_dataset")
-        if _is_named_datasets(eval_dataset):
-            for name, spec in eval_dataset.items():
-                _check_dataset_spec(spec, f"eval_dataset.{name}")
-        else:
-            _check_dataset_spec(eval_dataset, "eval_dataset")
-    environment = raw.get("environment_factory")
-    if isinstance(environment, dict):
-        environment = {
-            name: resolve(path, f"environment_factory.{name}") for name, path in environment.items()
-        }
-    elif environment is not None:
-        environment = resolve(environment, "environment_factory")
+    args = _training_arguments(raw, arg_names, model)
+    dataset, eval_dataset = _checked_datasets(raw)
+    environment = _environment_factory(raw)
     if dataset is None and environment is None:
         raise ConfigurationError(
             "the config has no `dataset`: give one (or an environment_factory that makes prompts)"
         )
-    loop_class = resolve(raw["loop_class"], "loop_class") if "loop_class" in raw else None
-    if loop_class is not None:
-        from asyncgrpo.rollout.loop import AsyncRolloutLoop
-
-        if not (isinstance(loop_class, type) and issubclass(loop_class, AsyncRolloutLoop)):
-            raise ConfigurationError(
-                f"loop_class {raw['loop_class']!r} is not a subclass of AsyncRolloutLoop"
-            )
-    warm_start = raw.get("warm_start")
-    if warm_start is not None:
-        _expect(warm_start, dict, "warm_start")
-        _reject_unknown(warm_start, set(WARM_START_KEYS), "warm_start.")
-        warm_start = {
-            "function": resolve(warm_start.get("function"), "warm_start.function"),
-            "kwargs": _expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs"),
-        }
+    loop_class = _loop_class(raw)
+    warm_start = _warm_start(raw)
     harness, rollout_reward_fn = _harness(raw)
     peft_config = _expect(raw["peft_config"], dict, "peft_config") if "peft_config" in raw else None
     if peft_config is not None:
@@ -237,6 +191,77 @@ def build_run_config(raw: dict) -> RunConfig:
         harness_timeout_s=float(raw["harness_timeout_s"]) if "harness_timeout_s" in raw else None,
         raw=raw,
     )
+
+
+def _training_arguments(raw: dict, arg_names: set[str], model: str):
+    """The AsyncGRPOConfig of the config's top-level fields, each checked against its type."""
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    arg_types = typing.get_type_hints(AsyncGRPOConfig)
+    arg_values = {}
+    for name in arg_names & set(raw):
+        value = raw[name]
+        if isinstance(value, str) and _accepts(arg_types[name], float) and not _accepts(arg_types[name], str):
+            value = _float_from_text(value, name)  # YAML reads 1e-6 (no dot) as a string
+        if not _matches(value, arg_types[name]):
+            raise ConfigurationError(
+                f"{name}: expected {_type_name(arg_types[name])}, got {type(value).__name__} {value!r}"
+            )
+        arg_values[name] = value
+    arg_values.setdefault("output_dir", f"{Path(model).name or 'model'}-AsyncGRPO")
+    try:
+        return AsyncGRPOConfig(**arg_values)
+    except (ValueError, TypeError) as error:
+        raise ConfigurationError(str(error)) from error
+
+
+def _checked_datasets(raw: dict) -> tuple[dict | None, dict | None]:
+    """The `dataset` and `eval_dataset` mappings (one dataset, or name -> dataset), checked."""
+    dataset = raw.get("dataset")
+    if dataset is not None:
+        _check_dataset_spec(dataset, "dataset")
+    eval_dataset = raw.get("eval_dataset")
+    if eval_dataset is not None:
+        _expect(eval_dataset, dict, "eval_dataset")
+        if _is_named_datasets(eval_dataset):
+            for name, spec in eval_dataset.items():
+                _check_dataset_spec(spec, f"eval_dataset.{name}")
+        else:
+            _check_dataset_spec(eval_dataset, "eval_dataset")
+    return dataset, eval_dataset
+
+
+def _environment_factory(raw: dict) -> Any:
+    """`environment_factory` imported: one class, a name -> class mapping, or None."""
+    environment = raw.get("environment_factory")
+    if isinstance(environment, dict):
+        return {name: resolve(path, f"environment_factory.{name}") for name, path in environment.items()}
+    return None if environment is None else resolve(environment, "environment_factory")
+
+
+def _loop_class(raw: dict) -> type | None:
+    """`loop_class` imported and checked to be an AsyncRolloutLoop, or None."""
+    if "loop_class" not in raw:
+        return None
+    loop_class = resolve(raw["loop_class"], "loop_class")
+    from asyncgrpo.rollout.loop import AsyncRolloutLoop
+
+    if not (isinstance(loop_class, type) and issubclass(loop_class, AsyncRolloutLoop)):
+        raise ConfigurationError(f"loop_class {raw['loop_class']!r} is not a subclass of AsyncRolloutLoop")
+    return loop_class
+
+
+def _warm_start(raw: dict) -> dict | None:
+    """`warm_start` with its function imported, or None."""
+    warm_start = raw.get("warm_start")
+    if warm_start is None:
+        return None
+    _expect(warm_start, dict, "warm_start")
+    _reject_unknown(warm_start, set(WARM_START_KEYS), "warm_start.")
+    return {
+        "function": resolve(warm_start.get("function"), "warm_start.function"),
+        "kwargs": _expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs"),
+    }
 
 
 def _is_named_datasets(spec: dict) -> bool:

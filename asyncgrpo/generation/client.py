@@ -236,20 +236,7 @@ class VLLMClient(ServerControl):
                     data = await response.read()
                     if response.status < 400:
                         return data
-                    message = _server_message(data)
-                    if response.status == 401:
-                        raise VLLMAuthenticationError(unauthorized_message(base_url))
-                    if response.status < 500:
-                        raise VLLMRequestError(url, response.status, message)
-                    if any(marker in message for marker in _DEAD_ENGINE_MARKERS):
-                        raise ServerLostError(
-                            f"the vLLM engine behind {url} has died and will not recover: {message} "
-                            "(its log has the cause); restart the server",
-                            base_url,
-                        )
-                    if not retry_server_errors:
-                        raise VLLMRequestError(url, response.status, message)
-                    error: str = f"HTTP {response.status}: {message}"
+                    error: str = _failed_answer(url, base_url, response.status, data, retry_server_errors)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 if unreachable_after is not None:
@@ -541,6 +528,25 @@ class VLLMClient(ServerControl):
                 f"no vLLM server answered /metrics ({', '.join(urls) or 'none usable'})"
             )
         return ServerLoad.combine(loads)
+
+
+def _failed_answer(url: str, base_url: str, status: int, data: bytes, retry_server_errors: bool) -> str:
+    """What an answer of HTTP 400 or above means: raises when it is final (a refused key, a rejected
+    request, an engine that died, a 5xx not to be retried); else the failure's text, to retry."""
+    message = _server_message(data)
+    if status == 401:
+        raise VLLMAuthenticationError(unauthorized_message(base_url))
+    if status < 500:
+        raise VLLMRequestError(url, status, message)
+    if any(marker in message for marker in _DEAD_ENGINE_MARKERS):
+        raise ServerLostError(
+            f"the vLLM engine behind {url} has died and will not recover: {message} "
+            "(its log has the cause); restart the server",
+            base_url,
+        )
+    if not retry_server_errors:
+        raise VLLMRequestError(url, status, message)
+    return f"HTTP {status}: {message}"
 
 
 def _server_message(body: bytes) -> str:
