@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.kernels.fused_head import FusedHeadLogprobs, candidate_mask
 from asyncgrpo.models import load_balancing_loss
 from asyncgrpo.packing.row import PackedRow
@@ -57,7 +58,9 @@ def output_head(model) -> OutputHead:
     """The output head of a HF causal LM, with the logit transforms its forward applies."""
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
-        raise ValueError(f"{type(model).__name__} has no linear output head (get_output_embeddings())")
+        raise ConfigurationError(
+            f"{type(model).__name__} has no linear output head (get_output_embeddings())"
+        )
     config = model.config.get_text_config()
     scale = float(getattr(model, "logit_scale", None) or getattr(config, "logit_scale", None) or 1.0)
     if getattr(config, "logits_scaling", None):
@@ -115,39 +118,17 @@ def token_logprobs(
     weight-gradient accumulation). keep_logits (fused path, no candidate sets): one chunk, whose
     (E, V) head output is kept for backward instead of recomputed (see `fused_head`).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
     if fused is None:
         fused = hidden.device.type == "cuda"
     if chunk_size is None:
         chunk_size = FUSED_CHUNK_SIZE if fused else CHUNK_SIZE
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if (candidate_offsets is None) != (candidate_ids is None):
-        raise ValueError("pass both candidate_offsets and candidate_ids, or neither")
-    if candidate_offsets is not None and candidate_offsets.shape != (hidden.shape[0] + 1,):
-        raise ValueError(
-            f"candidate_offsets must have E + 1 = {hidden.shape[0] + 1} entries, "
-            f"got {tuple(candidate_offsets.shape)}"
-        )
+    _check_inputs(hidden, targets, temperature, top_ids, candidate_offsets, candidate_ids, chunk_size)
     if not isinstance(head, OutputHead):
         head = OutputHead(head)
-    num_entries = hidden.shape[0]
     keep_logits = keep_logits and fused and candidate_offsets is None
     if keep_logits:
-        chunk_size = max(num_entries, 1)
-    if targets.shape != (num_entries,) or (top_ids is not None and top_ids.shape[0] != num_entries):
-        raise ValueError(f"hidden has {num_entries} entries; targets and top_ids must have as many rows")
-    if candidate_offsets is not None:
-        offsets = candidate_offsets.tolist()  # (E + 1,): slicing bounds, read once
-        sizes = candidate_offsets[1:] - candidate_offsets[:-1]  # (E,)
-    chunks = []  # (start, stop, candidates): candidates = (set sizes (C,), ids) or None
-    for start in range(0, num_entries, chunk_size):
-        stop = min(start + chunk_size, num_entries)
-        candidates = None
-        if candidate_offsets is not None:
-            candidates = (sizes[start:stop], candidate_ids[offsets[start] : offsets[stop]])
-        chunks.append((start, stop, candidates))
+        chunk_size = max(hidden.shape[0], 1)
+    chunks = _chunks(hidden.shape[0], chunk_size, candidate_offsets, candidate_ids)
     grad_wanted = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     if fused and chunks:
         inputs = (hidden, head.weight, head.bias)
@@ -164,6 +145,65 @@ def token_logprobs(
             keep_logits and grad_wanted,
         )
         return TokenLogprobs(logprobs, entropy, top)
+    return _chunked_logprobs(hidden, head, targets, temperature, top_ids, chunks, grad_wanted)
+
+
+def _check_inputs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    top_ids: torch.Tensor | None,
+    candidate_offsets: torch.Tensor | None,
+    candidate_ids: torch.Tensor | None,
+    chunk_size: int,
+) -> None:
+    """Raise ValueError naming the first argument of `token_logprobs` that does not fit the others."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if (candidate_offsets is None) != (candidate_ids is None):
+        raise ValueError("pass both candidate_offsets and candidate_ids, or neither")
+    num_entries = hidden.shape[0]
+    if candidate_offsets is not None and candidate_offsets.shape != (num_entries + 1,):
+        raise ValueError(
+            f"candidate_offsets must have E + 1 = {num_entries + 1} entries, "
+            f"got {tuple(candidate_offsets.shape)}"
+        )
+    if targets.shape != (num_entries,) or (top_ids is not None and top_ids.shape[0] != num_entries):
+        raise ValueError(f"hidden has {num_entries} entries; targets and top_ids must have as many rows")
+
+
+def _chunks(
+    num_entries: int,
+    chunk_size: int,
+    candidate_offsets: torch.Tensor | None,
+    candidate_ids: torch.Tensor | None,
+) -> list[tuple[int, int, tuple[torch.Tensor, torch.Tensor] | None]]:
+    """(start, stop, candidates) of each chunk of entries; candidates = (set sizes (C,), ids) or None."""
+    if candidate_offsets is not None:
+        offsets = candidate_offsets.tolist()  # (E + 1,): slicing bounds, read once
+        sizes = candidate_offsets[1:] - candidate_offsets[:-1]  # (E,)
+    chunks = []
+    for start in range(0, num_entries, chunk_size):
+        stop = min(start + chunk_size, num_entries)
+        candidates = None
+        if candidate_offsets is not None:
+            candidates = (sizes[start:stop], candidate_ids[offsets[start] : offsets[stop]])
+        chunks.append((start, stop, candidates))
+    return chunks
+
+
+def _chunked_logprobs(
+    hidden: torch.Tensor,
+    head: OutputHead,
+    targets: torch.Tensor,
+    temperature: float,
+    top_ids: torch.Tensor | None,
+    chunks: list,
+    grad_wanted: bool,
+) -> TokenLogprobs:
+    """The unfused path: each chunk's logits materialized, and recomputed in backward."""
     parts = []
     for start, stop, candidates in chunks:
         chunk_top = None if top_ids is None else top_ids[start:stop]
@@ -214,7 +254,7 @@ def row_logprobs(
     load-balancing loss over the row's tokens, each counted once per sample that contains it."""
     config = model.config.get_text_config()
     if config._attn_implementation != TREE_ATTENTION:
-        raise ValueError(
+        raise ConfigurationError(
             f"model uses attn_implementation={config._attn_implementation!r}: call "
             "asyncgrpo.packing.tree_attention.enable_tree_attention(model) before packing rows"
         )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.metrics import Reduce, Stat
 from asyncgrpo.off_policy import Correction, CorrectionSettings, correct, mismatch_kl, per_sequence_sum
 
@@ -92,7 +93,7 @@ def score_centered_loss(
     the correction's keep mask; a reweighting mode also multiplies the term by its weight w_t.
     """
     if x.top_logprobs is None or x.sampler_top_logprobs is None:
-        raise ValueError(
+        raise ConfigurationError(
             "score centering needs the sampler's top-N log-probs of every trained token: set "
             "num_sampler_logprobs > 0, or score_centering=False"
         )

@@ -12,6 +12,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+from asyncgrpo.errors import ContractError
+
 
 class Reduce(enum.Enum):
     MEAN = "mean"  # sum(value * weight) / sum(weight)
@@ -32,7 +34,7 @@ class Stat:
 
     def merge(self, other: "Stat") -> None:
         if other.reduce is not self.reduce:
-            raise ValueError(f"metric recorded with {self.reduce.value} and {other.reduce.value}")
+            raise ContractError(f"metric recorded with {self.reduce.value} and {other.reduce.value}")
         if self.reduce in (Reduce.MEAN, Reduce.SUM, Reduce.RATE):
             self.value += other.value
             self.weight += other.weight

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
+from asyncgrpo.errors import ConfigurationError
+
 # Set on a model by `freeze_outside_language_model`: the parameter/buffer names weight sync skips.
 NOT_SERVED_ATTR = "_asyncgrpo_not_served"
 
@@ -68,7 +70,7 @@ def router_aux_loss_coef(config, requested: float | None) -> float:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not is_moe(config):
         if requested:
-            raise ValueError(
+            raise ConfigurationError(
                 f"router_aux_loss_coef={requested} but {getattr(text, 'model_type', 'the model')} has no "
                 "routed experts (no num_experts in its config): leave router_aux_loss_coef unset for dense "
                 "models"

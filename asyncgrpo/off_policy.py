@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncgrpo.errors import ConfigurationError
+
 # The default: two-sided token masking, as IcePop masks, without a weight of its own (the clipped
 # loss already carries the ratio, score centering needs none).
 ICEPOP = "icepop"
@@ -43,7 +45,7 @@ class CorrectionSettings:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(
+            raise ConfigurationError(
                 f"vllm_importance_sampling_mode={self.mode!r} is not a mode: pick one of {', '.join(MODES)}"
             )
 

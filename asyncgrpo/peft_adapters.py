@@ -15,6 +15,7 @@ import re
 
 import torch
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.models import NOT_SERVED_ATTR
 
 logger = logging.getLogger(__name__)
@@ -35,13 +36,13 @@ def check_peft_config(peft_config) -> None:
     except ImportError as error:
         raise ImportError("peft_config needs the peft library: pip install 'asyncgrpo[peft]'") from error
     if getattr(peft_config, "is_prompt_learning", False):
-        raise ValueError(
+        raise ConfigurationError(
             f"{type(peft_config).__name__} is a prompt-learning method: its virtual tokens cannot be merged "
             "into the weights vLLM serves. Use a LoraConfig (or another adapter that merges into the linear "
             "layers)."
         )
     if getattr(peft_config, "target_parameters", None):
-        raise ValueError(
+        raise ConfigurationError(
             "peft_config.target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported: "
             "target modules instead"
         )
@@ -91,7 +92,7 @@ def _refuse_frozen_modules(peft_model, model: torch.nn.Module) -> None:
     roots = _frozen_roots(model)
     for name, module in peft_model.get_base_model().named_modules():
         if isinstance(module, BaseTunerLayer) and any(name == r or name.startswith(r + ".") for r in roots):
-            raise ValueError(
+            raise ConfigurationError(
                 f"the adapter wraps {name}, outside the language model (a vision tower, frozen for text-only "
                 "training and not served from the trainer): keep target_modules / exclude_modules to the "
                 "language model"
@@ -101,7 +102,7 @@ def _refuse_frozen_modules(peft_model, model: torch.nn.Module) -> None:
 def _refuse_output_head(peft_model, head: torch.nn.Module | None) -> None:
     name = _wrapping(peft_model, head) if head is not None else None
     if name is not None:
-        raise ValueError(
+        raise ConfigurationError(
             f"the adapter wraps the output head ({name}): PEFT on lm_head is not supported (the loss "
             "reads the head's weight directly, and vLLM cannot serve it as an adapter). Remove lm_head "
             "from target_modules / modules_to_save."
@@ -114,7 +115,7 @@ def _refuse_tied_embedding(peft_model, embedding: torch.nn.Module) -> None:
     head stays the base one, so the served policy would not be the trained one."""
     name = _wrapping(peft_model, embedding)
     if name is not None:
-        raise ValueError(
+        raise ConfigurationError(
             f"the adapter wraps the input embedding ({name}) of a model whose output "
             "head shares its weight (tie_word_embeddings): merged into the served weights it would change "
             "lm_head too, and PEFT on lm_head is not supported. Remove the embedding from target_modules / "

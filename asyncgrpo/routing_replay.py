@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
+from asyncgrpo.errors import ConfigurationError
+
 
 def replayed_routing(
     router_logits: torch.Tensor,
@@ -42,7 +44,7 @@ def moe_routers(model) -> list[torch.nn.Module]:
     (logits, scores, indices))."""
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
     if not routers:
-        raise ValueError(
+        raise ConfigurationError(
             f"{type(model).__name__} has no top-k MoE router (Qwen3-MoE's Qwen3MoeTopKRouter): routing "
             "replay applies to mixture-of-experts models only"
         )

@@ -38,6 +38,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from asyncgrpo.errors import CheckpointError
+
 logger = logging.getLogger(__name__)
 
 # How often an owner refreshes its lock's mtime: often enough that STALE_AFTER_S can stay short,
@@ -49,7 +51,7 @@ STALE_AFTER_S = 120.0
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
-class DirectoryInUseError(RuntimeError):
+class DirectoryInUseError(CheckpointError, RuntimeError):
     """Another live owner holds the directory's lock."""
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from asyncgrpo.errors import ContractError
+
 
 @dataclass
 class Sample:
@@ -61,7 +63,7 @@ class Sample:
         `generate_one`). Explicit checks, not asserts, so that `python -O` keeps them."""
         problem = self._broken_invariant()
         if problem:
-            raise ValueError(
+            raise ContractError(
                 f"malformed sample (rollout {self.rollout_id!r}, dataset row {self.row_index}): {problem}"
             )
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from asyncgrpo.errors import ConfigurationError
+
 logger = logging.getLogger(__name__)
 
 # TRL 1.16's defaults, which also mean "not set" for the fields that only warn.
@@ -63,12 +65,12 @@ class TrlCompatFields:
         """Map TRL's names onto ours (a conflict between the two is a ValueError), warn about the
         fields without effect. Called by AsyncGRPOConfig.__post_init__ before validation."""
         if self.max_inflight_tasks == 0 or self.max_inflight_tasks < -1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"AsyncGRPOConfig: max_inflight_tasks={self.max_inflight_tasks} must be -1 (auto) or >= 1"
             )
         if self.max_inflight_tasks > 0:
             if self.max_concurrent_rollouts not in (default_concurrency, self.max_inflight_tasks):
-                raise ValueError(
+                raise ConfigurationError(
                     f"AsyncGRPOConfig: max_inflight_tasks={self.max_inflight_tasks} and "
                     f"max_concurrent_rollouts={self.max_concurrent_rollouts} set the same limit: give only "
                     "one of them"
@@ -76,7 +78,7 @@ class TrlCompatFields:
             self.max_concurrent_rollouts = self.max_inflight_tasks
         if self.heartbeat_stale_after_s != TRL_HEARTBEAT_STALE_AFTER_S:
             if self.rollout_worker_timeout not in (default_worker_timeout, self.heartbeat_stale_after_s):
-                raise ValueError(
+                raise ConfigurationError(
                     f"AsyncGRPOConfig: heartbeat_stale_after_s={self.heartbeat_stale_after_s} and "
                     f"rollout_worker_timeout={self.rollout_worker_timeout} set the same limit: give only one "
                     "of them"

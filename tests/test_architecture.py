@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "asyncgrpo"
 # A part is a subpackage or a module at the package's root; "asyncgrpo" is the root `__init__` (the
 # public API). A part may import parts of lower layers only (and itself).
 LAYERS: list[set[str]] = [
-    {"redaction"},
+    {"redaction", "errors"},
     {
         "sample",
         "metrics",

@@ -21,11 +21,12 @@ from test_client_faults import GOOD_BODY, SAMPLING, serve  # noqa: E402
 
 from asyncgrpo.config import AsyncGRPOConfig  # noqa: E402
 from asyncgrpo.generation.client import VLLMClient, policy_label  # noqa: E402
+from asyncgrpo.generation.errors import ServerLostError  # noqa: E402
 from asyncgrpo.generation.server_info import ServerInfo, server_differences  # noqa: E402
 from asyncgrpo.generation.server_set import ServerSet  # noqa: E402
 from asyncgrpo.metrics import MetricsWindow  # noqa: E402
 from asyncgrpo.rollout.concurrency import rescaled_cap  # noqa: E402
-from asyncgrpo.trainer.server_roster import Probe, ServerLossError, ServerRoster, read_server_list  # noqa: E402
+from asyncgrpo.trainer.server_roster import Probe, ServerRoster, read_server_list  # noqa: E402
 
 A, B, C = "http://a:8000", "http://b:8000", "http://c:8000"
 INFO = ServerInfo(dtype="float32", logprobs_mode="processed_logprobs", device="cpu")
@@ -184,8 +185,11 @@ def test_the_run_stops_when_no_server_is_left_for_the_timeout():
     probe(roster, A, failures=2)
     roster.refresh(version=1)  # lost: the clock starts
     time.sleep(0.3)
-    with pytest.raises(ServerLossError, match=r"no vLLM server has been live .* lost: http://a:8000"):
+    with pytest.raises(
+        ServerLostError, match=r"no vLLM server has been live .* lost: http://a:8000"
+    ) as error:
         roster.refresh(version=1)
+    assert not error.value.run_can_go_on and error.value.lost == (A,)
 
 
 def test_the_run_stops_when_more_than_the_allowed_fraction_is_lost():
@@ -193,8 +197,11 @@ def test_the_run_stops_when_more_than_the_allowed_fraction_is_lost():
     probe(roster, A, failures=2)
     roster.refresh(version=1)  # one of three: a third, within a half
     probe(roster, B, failures=2)
-    with pytest.raises(ServerLossError, match="2 of 3 vLLM servers are lost .* max_lost_server_fraction=0.5"):
+    with pytest.raises(
+        ServerLostError, match="2 of 3 vLLM servers are lost .* max_lost_server_fraction=0.5"
+    ) as error:
         roster.refresh(version=1)
+    assert not error.value.run_can_go_on and set(error.value.lost) == {A, B}
 
 
 def test_the_server_list_file_is_read_line_by_line(tmp_path):

@@ -18,7 +18,6 @@ pytest.importorskip(
 
 from asyncgrpo.cli import main
 from asyncgrpo.cli.run_config import (
-    ConfigError,
     build_run_config,
     load_eval_dataset,
     load_training_dataset,
@@ -26,6 +25,7 @@ from asyncgrpo.cli.run_config import (
     read_config,
 )
 from asyncgrpo.cli.train_command import server_options_for
+from asyncgrpo.errors import ConfigurationError
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -113,17 +113,17 @@ def test_the_loss_menu_from_a_config_file(tmp_path):
     ).args
     assert (args.scale_rewards, args.reward_weights, args.loss_type) == ("none", [2.0, 0.5], "grpo")
     assert (args.importance_sampling_level, args.beta) == ("sequence", 0.04)
-    with pytest.raises(ConfigError, match="loss_type='gspo' is not a loss: pick one of grpo"):
+    with pytest.raises(ConfigurationError, match="loss_type='gspo' is not a loss: pick one of grpo"):
         build(loss_type="gspo")
-    with pytest.raises(ConfigError, match="reward_weights: expected list"):
+    with pytest.raises(ConfigurationError, match="reward_weights: expected list"):
         build(reward_weights="2,1")
     with pytest.raises(
-        ConfigError, match=r"reward_funcs\[0\]: asyncgrpo.rewards:get_soft_overlong_punishment"
+        ConfigurationError, match=r"reward_funcs\[0\]: asyncgrpo.rewards:get_soft_overlong_punishment"
     ):
         build(
             reward_funcs=[{"function": "asyncgrpo.rewards:get_soft_overlong_punishment", "kwargs": {"x": 1}}]
         )
-    with pytest.raises(ConfigError, match=r"unknown key reward_funcs\[0\]\.kwarg"):
+    with pytest.raises(ConfigurationError, match=r"unknown key reward_funcs\[0\]\.kwarg"):
         build(reward_funcs=[{"function": "asyncgrpo.rewards:get_soft_overlong_punishment", "kwarg": {}}])
 
 
@@ -140,61 +140,63 @@ def test_overrides_are_yaml_values_and_reach_into_sections(tmp_path):
     )
     run = build_run_config(raw)
     assert run.args.learning_rate == 2e-5 and run.args.max_steps == 3  # "2e-5" is a string to YAML
-    with pytest.raises(ConfigError, match="--max_steps needs a value"):
+    with pytest.raises(ConfigurationError, match="--max_steps needs a value"):
         parse_overrides(["--max_steps"])
-    with pytest.raises(ConfigError, match="expected --key value"):
+    with pytest.raises(ConfigurationError, match="expected --key value"):
         parse_overrides(["max_steps", "3"])
 
 
 def test_unknown_keys_name_the_closest_valid_ones():
-    with pytest.raises(ConfigError, match="unknown key max_stalenes; did you mean max_staleness"):
+    with pytest.raises(ConfigurationError, match="unknown key max_stalenes; did you mean max_staleness"):
         build(max_stalenes=2)
-    with pytest.raises(ConfigError, match="unknown key reward_func; did you mean reward_funcs"):
+    with pytest.raises(ConfigurationError, match="unknown key reward_func; did you mean reward_funcs"):
         build(reward_func="asyncgrpo.rewards:accuracy_reward")
-    with pytest.raises(ConfigError, match="unknown key dataset.spilt; did you mean dataset.split"):
+    with pytest.raises(ConfigurationError, match="unknown key dataset.spilt; did you mean dataset.split"):
         build(dataset={"name": "d", "spilt": "train"})
-    with pytest.raises(ConfigError, match="unknown key qwertyuiop$"):
+    with pytest.raises(ConfigurationError, match="unknown key qwertyuiop$"):
         build(qwertyuiop=1)
     # LoraConfig's keywords are checked with the rest, not when the model is already loaded.
     with pytest.raises(
-        ConfigError, match="unknown key peft_config.lora_alpah; did you mean peft_config.lora_alpha"
+        ConfigurationError, match="unknown key peft_config.lora_alpah; did you mean peft_config.lora_alpha"
     ):
         build(peft_config={"r": 8, "lora_alpah": 16})
 
 
 def test_wrong_types_name_the_expected_type():
-    with pytest.raises(ConfigError, match="max_steps: expected int, got str 'many'"):
+    with pytest.raises(ConfigurationError, match="max_steps: expected int, got str 'many'"):
         build(max_steps="many")
-    with pytest.raises(ConfigError, match="learning_rate: expected float, got str 'fast'"):
+    with pytest.raises(ConfigurationError, match="learning_rate: expected float, got str 'fast'"):
         build(learning_rate="fast")
-    with pytest.raises(ConfigError, match="gradient_checkpointing: expected bool, got int 1"):
+    with pytest.raises(ConfigurationError, match="gradient_checkpointing: expected bool, got int 1"):
         build(gradient_checkpointing=1)
-    with pytest.raises(ConfigError, match="dataset: expected dict"):
+    with pytest.raises(ConfigurationError, match="dataset: expected dict"):
         build(dataset="trl-lib/DeepMath-103K")
     # AsyncGRPOConfig's own checks run too, with their message.
-    with pytest.raises(ConfigError, match="num_generations=1"):
+    with pytest.raises(ConfigurationError, match="num_generations=1"):
         build(num_generations=1)
 
 
 def test_import_paths_that_do_not_resolve_say_which_part_failed():
-    with pytest.raises(ConfigError, match=r"reward_funcs\[0\]: cannot import module 'no_such_module'"):
+    with pytest.raises(ConfigurationError, match=r"reward_funcs\[0\]: cannot import module 'no_such_module'"):
         build(reward_funcs="no_such_module:reward")
-    with pytest.raises(ConfigError, match=r"reward_funcs\[1\]: 'asyncgrpo.rewards' has no attribute 'nope'"):
+    with pytest.raises(
+        ConfigurationError, match=r"reward_funcs\[1\]: 'asyncgrpo.rewards' has no attribute 'nope'"
+    ):
         build(reward_funcs=["asyncgrpo.rewards:accuracy_reward", "asyncgrpo.rewards:nope"])
     with pytest.raises(
-        ConfigError, match="tools\\[0\\]: 'asyncgrpo.rewards.accuracy_reward' is not an import path"
+        ConfigurationError, match="tools\\[0\\]: 'asyncgrpo.rewards.accuracy_reward' is not an import path"
     ):
         build(tools=["asyncgrpo.rewards.accuracy_reward"])
-    with pytest.raises(ConfigError, match="loop_class .* is not a subclass of AsyncRolloutLoop"):
+    with pytest.raises(ConfigurationError, match="loop_class .* is not a subclass of AsyncRolloutLoop"):
         build(loop_class="asyncgrpo.rewards:accuracy_reward")
 
 
 def test_missing_model_or_data_and_ambiguous_dataset():
-    with pytest.raises(ConfigError, match="no `model`"):
+    with pytest.raises(ConfigurationError, match="no `model`"):
         build_run_config({"dataset": {"name": "d"}})
-    with pytest.raises(ConfigError, match="no `dataset`"):
+    with pytest.raises(ConfigurationError, match="no `dataset`"):
         build_run_config({"model": "m"})
-    with pytest.raises(ConfigError, match="exactly one of `name`"):
+    with pytest.raises(ConfigurationError, match="exactly one of `name`"):
         build(dataset={"name": "d", "data_files": "x.jsonl"})
 
 
@@ -219,9 +221,13 @@ def test_local_files_load_through_datasets_with_a_split_and_column_renames(tmp_p
     # The format comes from `format` when the extension does not tell it.
     (tmp_path / "rows.data").write_text(train.read_text())
     assert load_training_dataset({"data_files": str(tmp_path / "rows.data"), "format": "json"}).num_rows == 3
-    with pytest.raises(ConfigError, match="cannot tell the format of .*rows.data.*; set dataset.format"):
+    with pytest.raises(
+        ConfigurationError, match="cannot tell the format of .*rows.data.*; set dataset.format"
+    ):
         load_training_dataset({"data_files": str(tmp_path / "rows.data")})
-    with pytest.raises(ConfigError, match=r"dataset.columns: \['problem'\] not among the dataset's columns"):
+    with pytest.raises(
+        ConfigurationError, match=r"dataset.columns: \['problem'\] not among the dataset's columns"
+    ):
         load_training_dataset({"data_files": str(train), "columns": {"problem": "prompt"}})
 
 
@@ -234,11 +240,11 @@ def test_eval_dataset_is_one_dataset_or_named_ones(tmp_path):
     named = build(eval_dataset={"easy": {"data_files": str(held_out)}, "all": {"data_files": str(held_out)}})
     loaded = load_eval_dataset(named.eval_dataset)
     assert sorted(loaded) == ["all", "easy"] and loaded["easy"].num_rows == 2
-    with pytest.raises(ConfigError, match="eval_dataset.easy: give exactly one of `name`"):
+    with pytest.raises(ConfigurationError, match="eval_dataset.easy: give exactly one of `name`"):
         build(eval_dataset={"easy": {"split": "test"}})
-    with pytest.raises(ConfigError, match="unknown key eval_dataset.spilt"):
+    with pytest.raises(ConfigurationError, match="unknown key eval_dataset.spilt"):
         build(eval_dataset={"data_files": str(held_out), "spilt": "test"})
-    with pytest.raises(ConfigError, match="set eval_dataset.format"):
+    with pytest.raises(ConfigurationError, match="set eval_dataset.format"):
         load_eval_dataset({"data_files": str(tmp_path / "rows.data")})
 
 
@@ -452,7 +458,7 @@ def test_the_harness_and_its_example_config_load_in_the_environment_as_installed
     ],
 )
 def test_bad_harness_settings_are_refused(changes, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigurationError, match=message):
         build(**changes)
 
 
@@ -483,8 +489,10 @@ def test_the_harness_keys_of_a_config_set_the_agents_sandbox(tmp_path):
     assert factory.sandbox.limits == SandboxLimits(memory_bytes=2**30, processes=64)
     assert factory.sandbox.readable_paths == factory.sandbox.writable_paths == (str(tmp_path),)
     spec["harness_session_factory"]["agent_limits"] = {"memory": 1}
-    with pytest.raises(ConfigError, match="unknown key harness_session_factory.agent_limits.memory"):
+    with pytest.raises(ConfigurationError, match="unknown key harness_session_factory.agent_limits.memory"):
         build_run_config(spec)
     spec["harness_session_factory"]["agent_limits"] = {"processes": 0}
-    with pytest.raises(ConfigError, match=r"agent_limits: SandboxLimits.processes=0 must be a positive"):
+    with pytest.raises(
+        ConfigurationError, match=r"agent_limits: SandboxLimits.processes=0 must be a positive"
+    ):
         build_run_config(spec)

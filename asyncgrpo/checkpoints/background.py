@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from asyncgrpo import timeline
+from asyncgrpo.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class ShardedWriter:
         return SaveResult(pending.step, time.perf_counter() - pending.started, error, local)
 
 
-class _RankFailure(Exception):
+class _RankFailure(CheckpointError):
     def __init__(self, rank: int, error: BaseException):
         super().__init__(f"rank {rank}: {type(error).__name__}: {error}")
         self.error = error

@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 
 from asyncgrpo.checkpoints.background import SaveResult
+from asyncgrpo.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 MAX_FAILED_SAVES_IN_A_ROW = 3
 
 
-class CheckpointSaveError(OSError):
+class CheckpointSaveError(CheckpointError, OSError):
     """A checkpoint could not be written (raised on the ranks that did not see the error itself)."""
 
 

@@ -21,6 +21,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from asyncgrpo.errors import ConfigurationError
+
 SHARDS_DIR = "shards"
 MANIFEST_FILE = "asyncgrpo_checkpoint.json"
 SHARDED = "sharded"
@@ -54,7 +56,7 @@ class ShardedManifest:
         path = Path(directory) / MANIFEST_FILE
         fields = json.loads(path.read_text())
         if fields.get("format") != _FORMAT_NAME or fields.get("version", 0) > _VERSION:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{path}: a checkpoint of format {fields.get('format')!r} version {fields.get('version')}, "
                 f"which this asyncgrpo cannot read (it reads {_FORMAT_NAME} up to version {_VERSION}): "
                 "upgrade asyncgrpo"
@@ -68,7 +70,7 @@ def checkpoint_layout(directory: str | Path) -> str:
     if (directory / MANIFEST_FILE).is_file():
         return SHARDED
     if (directory / SHARDS_DIR).is_dir():
-        raise ValueError(
+        raise ConfigurationError(
             f"{directory} holds shards but no {MANIFEST_FILE}: it is not a complete checkpoint (checkpoints "
             "are renamed into place only once complete: was it copied by hand before it was?)"
         )

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from asyncgrpo.checkpoints.layout import MODEL_KEY, OPTIMIZER_KEY, SHARDS_DIR, ShardedManifest
+from asyncgrpo.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def load_training_state(
         dcp.load(state, checkpoint_id=str(Path(checkpoint) / SHARDS_DIR), no_dist=not distributed)
     except (Exception, CheckpointException) as error:  # DCP's exception is a BaseException
         adapter = "a PEFT adapter" if manifest.peft_adapter else "a whole model (no PEFT adapter)"
-        raise ValueError(
+        raise ConfigurationError(
             f"{checkpoint}: its shards do not fit the model being trained ({error}). It holds {adapter} "
             f"in {manifest.dtype}: resume with the model and peft_config it was written with"
         ) from error

@@ -8,6 +8,7 @@ import time
 
 from asyncgrpo.checkpoints.export import export_checkpoint
 from asyncgrpo.checkpoints.hf_folder import DEFAULT_MAX_FILE_BYTES
+from asyncgrpo.errors import ConfigurationError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -16,7 +17,7 @@ def parse_size(text: str) -> int:
     """'4GB', '500MB', '2GiB' or a number of bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if match is None or match.group(2).upper() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: write it as 4GB, 500MB, 2GiB or a number of bytes")
+        raise ConfigurationError(f"{text!r} is not a size: write it as 4GB, 500MB, 2GiB or a number of bytes")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from asyncgrpo.errors import ConfigurationError
+
 
 def _tiny_model(args: argparse.Namespace) -> int:
     from asyncgrpo.cli.tiny_model import save_tiny_model
@@ -22,7 +24,7 @@ def _server_api_key(args: argparse.Namespace) -> str | None:
 
     given = [flag for flag in ("api_key_file", "generate_api_key", "api_key") if getattr(args, flag)]
     if len(given) > 1:
-        raise ValueError("give one of --api-key-file, --generate-api-key and --api-key")
+        raise ConfigurationError("give one of --api-key-file, --generate-api-key and --api-key")
     if args.api_key_file:
         key, warning = read_api_key_file(args.api_key_file)
         if warning:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.errors import ConfigurationError
+
 RUN_KEYS = {
     "model": "a Hub id or a local model directory",
     "dataset": "the training prompts: a mapping (see DATASET_KEYS)",
@@ -76,10 +78,6 @@ REWARD_FACTORY_KEYS = {
 _FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
-class ConfigError(ValueError):
-    """A config file or override that cannot describe a run; the message says what to change."""
-
-
 @dataclass
 class RunConfig:
     model: str
@@ -107,13 +105,13 @@ def read_config(path: str | Path, overrides: list[str] | None = None) -> dict:
 
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigurationError(f"config file {path} does not exist")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {error}") from error
+        raise ConfigurationError(f"{path} is not valid YAML: {error}") from error
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping of keys to values, not a {type(raw).__name__}")
+        raise ConfigurationError(f"{path} must hold a mapping of keys to values, not a {type(raw).__name__}")
     for key, value in parse_overrides(overrides or []).items():
         _set_dotted(raw, key, value)
     return raw
@@ -128,11 +126,11 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
     while index < len(tokens):
         token = tokens[index]
         if not token.startswith("--") or token == "--":
-            raise ConfigError(f"expected --key value after the config file, got {token!r}")
+            raise ConfigurationError(f"expected --key value after the config file, got {token!r}")
         key, has_value, value = token[2:].partition("=")
         if not has_value:
             if index + 1 >= len(tokens) or tokens[index + 1].startswith("--"):
-                raise ConfigError(f"--{key} needs a value (--{key} VALUE or --{key}=VALUE)")
+                raise ConfigurationError(f"--{key} needs a value (--{key} VALUE or --{key}=VALUE)")
             value = tokens[index + 1]
             index += 1
         overrides[key.replace("-", "_")] = yaml.safe_load(value) if value != "" else ""
@@ -145,7 +143,7 @@ def _set_dotted(mapping: dict, key: str, value: Any) -> None:
     for section in sections:
         mapping = mapping.setdefault(section, {})
         if not isinstance(mapping, dict):
-            raise ConfigError(f"--{key}: {section} is not a section")
+            raise ConfigurationError(f"--{key}: {section} is not a section")
     mapping[last] = value
 
 
@@ -156,64 +154,20 @@ def build_run_config(raw: dict) -> RunConfig:
     """Check every key, type and import path of `raw`; build the AsyncGRPOConfig."""
     from asyncgrpo.config import AsyncGRPOConfig
 
-    arg_types = typing.get_type_hints(AsyncGRPOConfig)
     arg_names = {f.name for f in fields(AsyncGRPOConfig) if f.init}
     _reject_unknown(raw, set(RUN_KEYS) | arg_names, "")
     if "model" not in raw:
-        raise ConfigError("the config has no `model`: give a Hub id or a local model directory")
+        raise ConfigurationError("the config has no `model`: give a Hub id or a local model directory")
     model = _expect(raw["model"], str, "model")
-    arg_values = {}
-    for name in arg_names & set(raw):
-        value = raw[name]
-        if isinstance(value, str) and _accepts(arg_types[name], float) and not _accepts(arg_types[name], str):
-            value = _float_from_text(value, name)  # YAML reads 1e-6 (no dot) as a string
-        if not _matches(value, arg_types[name]):
-            raise ConfigError(
-                f"{name}: expected {_type_name(arg_types[name])}, got {type(value).__name__} {value!r}"
-            )
-        arg_values[name] = value
-    arg_values.setdefault("output_dir", f"{Path(model).name or 'model'}-AsyncGRPO")
-    try:
-        args = AsyncGRPOConfig(**arg_values)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(str(error)) from error
-
-    dataset = raw.get("dataset")
-    if dataset is not None:
-        _check_dataset_spec(dataset, "dataset")
-    eval_dataset = raw.get("eval_dataset")
-    if eval_dataset is not None:
-        _expect(eval_dataset, dict, "eval_dataset")
-        if _is_named_datasets(eval_dataset):
-            for name, spec in eval_dataset.items():
-                _check_dataset_spec(spec, f"eval_dataset.{name}")
-        else:
-            _check_dataset_spec(eval_dataset, "eval_dataset")
-    environment = raw.get("environment_factory")
-    if isinstance(environment, dict):
-        environment = {
-            name: resolve(path, f"environment_factory.{name}") for name, path in environment.items()
-        }
-    elif environment is not None:
-        environment = resolve(environment, "environment_factory")
+    args = _training_arguments(raw, arg_names, model)
+    dataset, eval_dataset = _checked_datasets(raw)
+    environment = _environment_factory(raw)
     if dataset is None and environment is None:
-        raise ConfigError(
+        raise ConfigurationError(
             "the config has no `dataset`: give one (or an environment_factory that makes prompts)"
         )
-    loop_class = resolve(raw["loop_class"], "loop_class") if "loop_class" in raw else None
-    if loop_class is not None:
-        from asyncgrpo.rollout.loop import AsyncRolloutLoop
-
-        if not (isinstance(loop_class, type) and issubclass(loop_class, AsyncRolloutLoop)):
-            raise ConfigError(f"loop_class {raw['loop_class']!r} is not a subclass of AsyncRolloutLoop")
-    warm_start = raw.get("warm_start")
-    if warm_start is not None:
-        _expect(warm_start, dict, "warm_start")
-        _reject_unknown(warm_start, set(WARM_START_KEYS), "warm_start.")
-        warm_start = {
-            "function": resolve(warm_start.get("function"), "warm_start.function"),
-            "kwargs": _expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs"),
-        }
+    loop_class = _loop_class(raw)
+    warm_start = _warm_start(raw)
     harness, rollout_reward_fn = _harness(raw)
     peft_config = _expect(raw["peft_config"], dict, "peft_config") if "peft_config" in raw else None
     if peft_config is not None:
@@ -239,6 +193,77 @@ def build_run_config(raw: dict) -> RunConfig:
     )
 
 
+def _training_arguments(raw: dict, arg_names: set[str], model: str):
+    """The AsyncGRPOConfig of the config's top-level fields, each checked against its type."""
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    arg_types = typing.get_type_hints(AsyncGRPOConfig)
+    arg_values = {}
+    for name in arg_names & set(raw):
+        value = raw[name]
+        if isinstance(value, str) and _accepts(arg_types[name], float) and not _accepts(arg_types[name], str):
+            value = _float_from_text(value, name)  # YAML reads 1e-6 (no dot) as a string
+        if not _matches(value, arg_types[name]):
+            raise ConfigurationError(
+                f"{name}: expected {_type_name(arg_types[name])}, got {type(value).__name__} {value!r}"
+            )
+        arg_values[name] = value
+    arg_values.setdefault("output_dir", f"{Path(model).name or 'model'}-AsyncGRPO")
+    try:
+        return AsyncGRPOConfig(**arg_values)
+    except (ValueError, TypeError) as error:
+        raise ConfigurationError(str(error)) from error
+
+
+def _checked_datasets(raw: dict) -> tuple[dict | None, dict | None]:
+    """The `dataset` and `eval_dataset` mappings (one dataset, or name -> dataset), checked."""
+    dataset = raw.get("dataset")
+    if dataset is not None:
+        _check_dataset_spec(dataset, "dataset")
+    eval_dataset = raw.get("eval_dataset")
+    if eval_dataset is not None:
+        _expect(eval_dataset, dict, "eval_dataset")
+        if _is_named_datasets(eval_dataset):
+            for name, spec in eval_dataset.items():
+                _check_dataset_spec(spec, f"eval_dataset.{name}")
+        else:
+            _check_dataset_spec(eval_dataset, "eval_dataset")
+    return dataset, eval_dataset
+
+
+def _environment_factory(raw: dict) -> Any:
+    """`environment_factory` imported: one class, a name -> class mapping, or None."""
+    environment = raw.get("environment_factory")
+    if isinstance(environment, dict):
+        return {name: resolve(path, f"environment_factory.{name}") for name, path in environment.items()}
+    return None if environment is None else resolve(environment, "environment_factory")
+
+
+def _loop_class(raw: dict) -> type | None:
+    """`loop_class` imported and checked to be an AsyncRolloutLoop, or None."""
+    if "loop_class" not in raw:
+        return None
+    loop_class = resolve(raw["loop_class"], "loop_class")
+    from asyncgrpo.rollout.loop import AsyncRolloutLoop
+
+    if not (isinstance(loop_class, type) and issubclass(loop_class, AsyncRolloutLoop)):
+        raise ConfigurationError(f"loop_class {raw['loop_class']!r} is not a subclass of AsyncRolloutLoop")
+    return loop_class
+
+
+def _warm_start(raw: dict) -> dict | None:
+    """`warm_start` with its function imported, or None."""
+    warm_start = raw.get("warm_start")
+    if warm_start is None:
+        return None
+    _expect(warm_start, dict, "warm_start")
+    _reject_unknown(warm_start, set(WARM_START_KEYS), "warm_start.")
+    return {
+        "function": resolve(warm_start.get("function"), "warm_start.function"),
+        "kwargs": _expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs"),
+    }
+
+
 def _is_named_datasets(spec: dict) -> bool:
     """A mapping name -> dataset mapping (each evaluated under its name) rather than one dataset."""
     return (
@@ -250,7 +275,9 @@ def _check_dataset_spec(spec: Any, where: str) -> None:
     _expect(spec, dict, where)
     _reject_unknown(spec, set(DATASET_KEYS), f"{where}.")
     if ("name" in spec) == ("data_files" in spec):
-        raise ConfigError(f"{where}: give exactly one of `name` (a Hub id) or `data_files` (local files)")
+        raise ConfigurationError(
+            f"{where}: give exactly one of `name` (a Hub id) or `data_files` (local files)"
+        )
     if "columns" in spec:
         _expect(spec["columns"], dict, f"{where}.columns")
 
@@ -261,11 +288,11 @@ def _harness(raw: dict) -> tuple[Any, Callable | None]:
     if spec is None:
         for key in ("rollout_reward_fn", "harness_timeout_s"):
             if key in raw:
-                raise ConfigError(f"{key} needs harness_session_factory (it is a harness setting)")
+                raise ConfigurationError(f"{key} needs harness_session_factory (it is a harness setting)")
         return None, None
     clashing = [key for key in ("tools", "environment_factory", "loop_class") if key in raw]
     if clashing:
-        raise ConfigError(
+        raise ConfigurationError(
             f"harness_session_factory runs the agent's own loop: remove {', '.join(clashing)} (the agent "
             "brings its tools and its loop)"
         )
@@ -275,7 +302,9 @@ def _harness(raw: dict) -> tuple[Any, Callable | None]:
     _reject_unknown(spec, set(HARNESS_PROCESS_KEYS), "harness_session_factory.")
     command = _expect(spec.get("command"), list, "harness_session_factory.command")
     if not command or not all(isinstance(part, str) for part in command):
-        raise ConfigError(f"harness_session_factory.command: expected a list of strings, got {command!r}")
+        raise ConfigurationError(
+            f"harness_session_factory.command: expected a list of strings, got {command!r}"
+        )
     from asyncgrpo.harness import ProcessSessionFactory
 
     if command[0] in BARE_PYTHON_NAMES:
@@ -309,23 +338,27 @@ def _sandbox_limits(spec: dict, where: str) -> Any:
     try:
         return SandboxLimits(**spec)
     except ValueError as error:
-        raise ConfigError(f"{where}: {error}") from None
+        raise ConfigurationError(f"{where}: {error}") from None
 
 
 def resolve(path: Any, where: str) -> Any:
     """The object named by `module:attribute` (the attribute may be dotted)."""
     if not isinstance(path, str) or path.count(":") != 1:
-        raise ConfigError(f"{where}: {path!r} is not an import path of the form module:attribute")
+        raise ConfigurationError(f"{where}: {path!r} is not an import path of the form module:attribute")
     module_name, attribute = path.split(":")
     if str(Path.cwd()) not in sys.path and "" not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # like `python -m`: the project's own modules import
     try:
         value = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        raise ConfigError(f"{where}: cannot import module {module_name!r} of {path!r} ({error})") from error
+        raise ConfigurationError(
+            f"{where}: cannot import module {module_name!r} of {path!r} ({error})"
+        ) from error
     for part in attribute.split("."):
         if not hasattr(value, part):
-            raise ConfigError(f"{where}: {module_name!r} has no attribute {attribute!r} (from {path!r})")
+            raise ConfigurationError(
+                f"{where}: {module_name!r} has no attribute {attribute!r} (from {path!r})"
+            )
         value = getattr(value, part)
     return value
 
@@ -341,7 +374,7 @@ def _reward_function(entry: Any, where: str) -> Callable:
     try:
         return factory(**kwargs)
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"{where}: {entry['function']}(**{kwargs!r}) failed: {error}") from error
+        raise ConfigurationError(f"{where}: {entry['function']}(**{kwargs!r}) failed: {error}") from error
 
 
 def _reject_unknown(mapping: dict, valid: set[str], prefix: str) -> None:
@@ -349,20 +382,20 @@ def _reject_unknown(mapping: dict, valid: set[str], prefix: str) -> None:
         if key not in valid:
             close = difflib.get_close_matches(str(key), sorted(valid), n=3, cutoff=0.6)
             hint = f"; did you mean {', '.join(prefix + name for name in close)}?" if close else ""
-            raise ConfigError(f"unknown key {prefix}{key}{hint}")
+            raise ConfigurationError(f"unknown key {prefix}{key}{hint}")
 
 
 def _lora_config_keys() -> set[str]:
     try:
         from peft import LoraConfig
     except ModuleNotFoundError as error:
-        raise ConfigError("peft_config needs peft: pip install 'asyncgrpo[peft]'") from error
+        raise ConfigurationError("peft_config needs peft: pip install 'asyncgrpo[peft]'") from error
     return {f.name for f in fields(LoraConfig) if f.init}
 
 
 def _expect(value: Any, kind: type, where: str) -> Any:
     if not isinstance(value, kind):
-        raise ConfigError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        raise ConfigurationError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -440,12 +473,14 @@ def load_training_dataset(spec: dict, where: str = "dataset"):
         first = first[0] if isinstance(first, list) else first
         builder = spec.get("format") or _FORMATS.get(Path(first).suffix)
         if builder is None:
-            raise ConfigError(f"{where}.data_files: cannot tell the format of {first!r}; set {where}.format")
+            raise ConfigurationError(
+                f"{where}.data_files: cannot tell the format of {first!r}; set {where}.format"
+            )
         dataset = load_dataset(builder, data_files=files, split=split)
     columns = spec.get("columns") or {}
     missing = [name for name in columns if name not in dataset.column_names]
     if missing:
-        raise ConfigError(
+        raise ConfigurationError(
             f"{where}.columns: {missing} not among the dataset's columns {dataset.column_names}"
         )
     return dataset.rename_columns(columns) if columns else dataset

@@ -33,6 +33,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.rollout.training_templates import QWEN3_TRAINING_TEMPLATE
 
 # The placeholders of Qwen3.5's image-text-to-text config; text-only training never emits them.
@@ -217,7 +218,7 @@ def build_model(
         )
         model_class = Qwen3_5ForConditionalGeneration
     else:
-        raise ValueError(f"unknown tiny-model arch {arch!r}: pick one of {', '.join(ARCHES)}")
+        raise ConfigurationError(f"unknown tiny-model arch {arch!r}: pick one of {', '.join(ARCHES)}")
     torch.manual_seed(spec.seed)
     model = model_class(config)
     # The default init (std 0.02) makes every next-token distribution nearly uniform; a larger

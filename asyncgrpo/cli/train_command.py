@@ -7,7 +7,8 @@ import signal
 from pathlib import Path
 from urllib.parse import urlparse
 
-from asyncgrpo.cli.run_config import ConfigError, RunConfig, build_run_config, build_trainer, read_config
+from asyncgrpo.cli.run_config import RunConfig, build_run_config, build_trainer, read_config
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.server import lora_flags_for_run
 from asyncgrpo.redaction import redact_config
 
@@ -17,7 +18,7 @@ RESOLVED_CONFIG_FILE = "config.yaml"
 def run_train(config_path: str, overrides: list[str], check_only: bool = False) -> int:
     try:
         run = build_run_config(read_config(config_path, overrides))
-    except ConfigError as error:
+    except ConfigurationError as error:
         print(f"asyncgrpo train: {config_path}: {error}")
         return 2
     if check_only:
@@ -70,7 +71,7 @@ def server_options_for(run: RunConfig, cpu: bool | None = None):
         try:
             flags = lora_flags_for_run(int(run.peft_config.get("r", 8)), args.max_staleness)
         except ValueError as error:
-            raise ConfigError(f"peft_config: {error}") from None
+            raise ConfigurationError(f"peft_config: {error}") from None
         options.enable_lora, options.max_lora_rank, options.max_loras = (
             True,
             flags["max_lora_rank"],
@@ -89,7 +90,7 @@ def run_serve_for(
     try:
         run = build_run_config(read_config(config_path))
         options = server_options_for(run, cpu=True if cpu else None)
-    except ConfigError as error:
+    except ConfigurationError as error:
         print(f"asyncgrpo serve --for: {config_path}: {error}")
         return 2
     for name, value in given.items():

@@ -28,6 +28,7 @@ from asyncgrpo.config.reward_shaping import RewardShapingFields
 from asyncgrpo.config.server import ServerFields
 from asyncgrpo.config.teacher import TeacherFields
 from asyncgrpo.config.training_arguments import TrainingArgumentsDefaults
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.trl_compat import TrlCompatFields
 
 
@@ -74,7 +75,7 @@ class AsyncGRPOConfig(
 
     def _validate(self) -> None:
         def fail(message: str) -> None:
-            raise ValueError(f"{type(self).__name__}: {message}")
+            raise ConfigurationError(f"{type(self).__name__}: {message}")
 
         self._validate_generation(fail)
         self._validate_server(fail)

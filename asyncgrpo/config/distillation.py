@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncgrpo.config.async_grpo_config import AsyncGRPOConfig
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.trl_compat import warn_once
 
 # TRL 1.16's default teacher when teacher_server_urls is None.
@@ -76,7 +77,7 @@ class AsyncDistillationConfig(AsyncGRPOConfig):
         super()._validate()
 
         def fail(message: str) -> None:
-            raise ValueError(f"AsyncDistillationConfig: {message}")
+            raise ConfigurationError(f"AsyncDistillationConfig: {message}")
 
         if not 0.0 <= self.beta <= 1.0:
             fail(f"beta={self.beta} must be in [0, 1] (0: forward KL, 1: reverse KL)")

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+from asyncgrpo.errors import ConfigurationError
+
 # vLLM caps prompt_logprobs at 20 unless the server runs with --max-logprobs -1.
 VLLM_DEFAULT_MAX_LOGPROBS = 20
 
@@ -58,7 +60,7 @@ class TeacherFields:
             try:
                 self.teacher_server_urls = parse_teacher_urls(self.teacher_server_urls)
             except ValueError as error:  # a malformed JSON object too
-                raise ValueError(f"{type(self).__name__}: {error}") from None
+                raise ConfigurationError(f"{type(self).__name__}: {error}") from None
 
     def _validate_teacher(self, fail) -> None:
         """GRPO: a teacher and teacher_kl_coef > 0 come together (a teacher without the term would
@@ -100,7 +102,7 @@ def parse_teacher_urls(value: dict[str, str] | str) -> dict[str, str]:
         text = value.strip()
         value = json.loads(text) if text.startswith("{") else {"default": text}
     if not isinstance(value, dict):
-        raise ValueError(
+        raise ConfigurationError(
             f"teacher_server_urls must be a dict {{teacher_id: url}}, got {type(value).__name__}"
         )
     return {str(key): str(url).rstrip("/") for key, url in value.items()}

@@ -25,8 +25,10 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.control import UNREACHABLE_AFTER_S, ServerControl, _all_finished
 from asyncgrpo.generation.errors import (
+    ServerLostError,
     VLLMAuthenticationError,
     VLLMError,
     VLLMRequestError,
@@ -141,7 +143,7 @@ class VLLMClient(ServerControl):
     ):
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
-            raise ValueError("VLLMClient needs at least one server URL")
+            raise ConfigurationError("VLLMClient needs at least one server URL")
         self.servers = ServerSet([url.rstrip("/") for url in urls])
         self.timeout = float(timeout)
         self.model = model
@@ -209,7 +211,7 @@ class VLLMClient(ServerControl):
         broadcast): any failure raises at once. `retry_server_errors=False` still waits out an
         unreachable server but takes a 5xx answer as final (a reload the server rejects is not
         going to succeed on the next try). `unreachable_after`: connection failures are retried
-        for that many seconds at most, then VLLMServerLostError says the server is gone (None:
+        for that many seconds at most, then ServerLostError says the server is gone (None:
         until the deadline, as any failure)."""
         url = base_url + path
         budget = self.timeout if timeout is None else timeout
@@ -234,26 +236,13 @@ class VLLMClient(ServerControl):
                     data = await response.read()
                     if response.status < 400:
                         return data
-                    message = _server_message(data)
-                    if response.status == 401:
-                        raise VLLMAuthenticationError(unauthorized_message(base_url))
-                    if response.status < 500:
-                        raise VLLMRequestError(url, response.status, message)
-                    if any(marker in message for marker in _DEAD_ENGINE_MARKERS):
-                        raise VLLMServerLostError(
-                            base_url,
-                            f"the vLLM engine behind {url} has died and will not recover: {message} "
-                            "(its log has the cause); restart the server",
-                        )
-                    if not retry_server_errors:
-                        raise VLLMRequestError(url, response.status, message)
-                    error: str = f"HTTP {response.status}: {message}"
+                    error: str = _failed_answer(url, base_url, response.status, data, retry_server_errors)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 if unreachable_after is not None:
                     lost_since = loop.time() if lost_since is None else lost_since
                     if loop.time() - lost_since >= unreachable_after:
-                        raise VLLMServerLostError(base_url, f"vLLM server {url} is unreachable: {error}")
+                        raise ServerLostError(f"vLLM server {url} is unreachable: {error}", base_url)
             except asyncio.TimeoutError:
                 if timeouts_left <= 0 or not retry:
                     raise VLLMUnavailableError(
@@ -477,7 +466,7 @@ class VLLMClient(ServerControl):
                         timeout=self.request_timeout, unreachable_after=patience,
                     )  # fmt: skip
                     return url, body
-                except VLLMServerLostError as error:
+                except ServerLostError as error:
                     reason = str(error)
                 except asyncio.CancelledError:
                     if not self.servers.was_dropped(task) or task.uncancel() > 0:
@@ -541,6 +530,25 @@ class VLLMClient(ServerControl):
         return ServerLoad.combine(loads)
 
 
+def _failed_answer(url: str, base_url: str, status: int, data: bytes, retry_server_errors: bool) -> str:
+    """What an answer of HTTP 400 or above means: raises when it is final (a refused key, a rejected
+    request, an engine that died, a 5xx not to be retried); else the failure's text, to retry."""
+    message = _server_message(data)
+    if status == 401:
+        raise VLLMAuthenticationError(unauthorized_message(base_url))
+    if status < 500:
+        raise VLLMRequestError(url, status, message)
+    if any(marker in message for marker in _DEAD_ENGINE_MARKERS):
+        raise ServerLostError(
+            f"the vLLM engine behind {url} has died and will not recover: {message} "
+            "(its log has the cause); restart the server",
+            base_url,
+        )
+    if not retry_server_errors:
+        raise VLLMRequestError(url, status, message)
+    return f"HTTP {status}: {message}"
+
+
 def _server_message(body: bytes) -> str:
     """The human part of an error body: vLLM's `{"error": {"message"}}`, FastAPI's `{"detail"}`."""
     try:
@@ -562,6 +570,7 @@ def _server_message(body: bytes) -> str:
 
 __all__ = [  # the errors live in errors.py; callers import them from here, with the client
     "SamplingParams",
+    "ServerLostError",
     "VLLMAuthenticationError",
     "VLLMClient",
     "VLLMError",

@@ -3,8 +3,10 @@ which failures are retried and for how long)."""
 
 from __future__ import annotations
 
+from asyncgrpo.errors import ServerError
 
-class VLLMError(RuntimeError):
+
+class VLLMError(ServerError):
     """A vLLM server could not do what was asked."""
 
 
@@ -25,9 +27,29 @@ class VLLMAuthenticationError(VLLMError):
     callers that read a 4xx as "route missing" must not take a refused key for that."""
 
 
-class VLLMServerLostError(VLLMUnavailableError):
-    """A server stopped serving: it refused or dropped the connection, or its engine died."""
+class ServerLostError(VLLMUnavailableError):
+    """A vLLM server is lost to the run (docs/reliability.md, "Elastic servers"): the one type for
+    every way of losing one, told apart by what it carries.
 
-    def __init__(self, url: str, message: str):
-        self.url = url
+    `url`: the server; None when the run has lost more of its servers than it may, and `lost` names
+    them. `weights_lost`: the server answered, but with weights the trainer did not push (it restarted
+    from its checkpoint): it is avoided until the trainer pushes the weights again, and the rollout
+    starts anew on another. `run_can_go_on`: False when the run has lost more servers than it may and
+    stops; True when the others carry it (a lost server costs its share of generation)."""
+
+    def __init__(
+        self,
+        message: str,
+        url: str | None = None,
+        *,
+        weights_lost: bool = False,
+        run_can_go_on: bool = True,
+        lost: tuple[str, ...] = (),
+    ):
         super().__init__(message)
+        self.url, self.weights_lost, self.run_can_go_on = url, weights_lost, run_can_go_on
+        self.lost = lost or ((url,) if url else ())
+
+
+# The name the client exported before there was one lost-server type; code that catches it goes on working.
+VLLMServerLostError = ServerLostError

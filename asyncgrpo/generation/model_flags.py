@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.vllm_worker_extension import WORKER_EXTENSION
 
 
@@ -54,7 +55,7 @@ def model_flags(model: str, on_cpu: bool, dtype: str | None) -> tuple[list[str],
         )
     if on_cpu and "linear_attention" in (text.get("layer_types") or []):
         if dtype not in (None, "bfloat16"):
-            raise ValueError(
+            raise ConfigurationError(
                 f"--dtype {dtype}: vLLM-CPU runs Gated DeltaNet layers in bfloat16 only; drop --dtype or "
                 "pass bfloat16"
             )

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from asyncgrpo.errors import ServerError
+
 TOKEN_ID_PREFIX = "token_id:"
 _PREFIX_LEN = len(TOKEN_ID_PREFIX)
 _QUOTED_KEY_PREFIX = b'"' + TOKEN_ID_PREFIX.encode()  # how each top-N key starts in the raw body
@@ -114,7 +116,7 @@ _TO_NUMBER_LISTS = bytes.maketrans(b'{}:"', b"[], ")
 _generate_decoder = msgspec.json.Decoder(_GenerateResponse)
 
 
-class MalformedResponseError(ValueError):
+class MalformedResponseError(ServerError, ValueError):
     """The server answered 200 with a body that lacks what was asked for."""
 
 

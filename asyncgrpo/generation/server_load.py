@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from asyncgrpo.generation.responses import MalformedResponseError
+
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+(\S+)", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -36,7 +38,8 @@ class ServerLoad:
 
 
 def parse_server_load(text: str) -> ServerLoad:
-    """Parse `/metrics`. Raises ValueError when the text holds no vLLM engine metrics."""
+    """Parse `/metrics`. Raises MalformedResponseError (a ValueError) when the text holds no vLLM
+    engine metrics."""
     usage: list[float] = []
     running = waiting = preemptions = kv_tokens = 0
     found = False
@@ -54,7 +57,7 @@ def parse_server_load(text: str) -> ServerLoad:
         elif name == "vllm:cache_config_info":
             kv_tokens += _kv_capacity_tokens(dict(_LABEL.findall(labels)))
     if not found:
-        raise ValueError("no vllm:* engine metrics in /metrics")
+        raise MalformedResponseError("no vllm:* engine metrics in /metrics")
     return ServerLoad(max(usage, default=0.0), running, waiting, preemptions, kv_tokens)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.sandbox import AGENT_LIMITS, SandboxLimits, check_available
 from asyncgrpo.sandbox.bubblewrap import HOME, PROXY_PORT, TMP, WORK, SandboxCommand, SandboxFolders
 
@@ -67,27 +68,27 @@ def agent_sandbox(
 ) -> AgentSandbox | None:
     """The sandbox the factory's options ask for (None: `agent_sandbox="none"`), checked."""
     if choice not in (SANDBOXED, UNSANDBOXED):
-        raise ValueError(
+        raise ConfigurationError(
             f"agent_sandbox={choice!r}: use {SANDBOXED!r} (the default: every agent in a sandbox) or "
             f"{UNSANDBOXED!r} (agents run as the trainer's user, with its view of the machine)"
         )
     paths = {"agent_readable_paths": readable_paths, "agent_writable_paths": writable_paths}
     for name, value in paths.items():
         if isinstance(value, str) or not all(isinstance(path, str) for path in value or ()):
-            raise ValueError(f"{name} must be a list of paths, got {value!r}")
+            raise ConfigurationError(f"{name} must be a list of paths, got {value!r}")
         missing = [path for path in value or () if not os.path.exists(path)]
         if missing:
-            raise ValueError(f"{name} names {missing}, which do not exist on this machine")
+            raise ConfigurationError(f"{name} names {missing}, which do not exist on this machine")
     if choice == UNSANDBOXED:
         given = [name for name, value in {"agent_limits": limits, **paths}.items() if value]
         if given:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{', '.join(given)} bound the agent's sandbox, which agent_sandbox='none' turns off: "
                 "remove them, or keep the sandbox"
             )
         return None
     if limits is not None and not isinstance(limits, SandboxLimits):
-        raise ValueError(f"agent_limits must be an asyncgrpo.sandbox.SandboxLimits, got {limits!r}")
+        raise ConfigurationError(f"agent_limits must be an asyncgrpo.sandbox.SandboxLimits, got {limits!r}")
     return AgentSandbox(limits or AGENT_LIMITS, tuple(readable_paths or ()), tuple(writable_paths or ()))
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
+from asyncgrpo.errors import ConfigurationError, HarnessError
 from asyncgrpo.harness.contract import TrainingTrace, TrainingTurn
 from asyncgrpo.harness.openai_chat import chat_completion, parse_sampled_turn, template_messages
 from asyncgrpo.harness.trace import CaptureContractError, training_turn
@@ -90,7 +91,7 @@ class CaptureProxy:
         max_request_bytes: int,
     ):
         if max_request_bytes < 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"max_request_bytes={max_request_bytes} must be >= 1 (the largest body accepted)"
             )
         self.tokenizer = tokenizer
@@ -240,7 +241,7 @@ def _socket_folder() -> Path:
     return Path(tempfile.mkdtemp(prefix="asyncgrpo-capture-", dir="/tmp"))
 
 
-class _Refused(Exception):
+class _Refused(HarnessError):
     """A request the proxy answers with an error status: the agent's mistake, not the run's."""
 
     def __init__(self, status: int, message: str):

@@ -17,13 +17,14 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from asyncgrpo.errors import HarnessError
 from asyncgrpo.harness.contract import ToolResult
 from asyncgrpo.rollout.activity import ActivityBoard
 
 Result = TypeVar("Result")
 
 
-class DeadlineExceeded(Exception):
+class DeadlineExceeded(HarnessError):
     """A call into user code ran past its deadline and was abandoned."""
 
     def __init__(self, what: str, timeout_s: float, setting: str):

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from asyncgrpo.errors import HarnessError
 from asyncgrpo.harness.capture import CaptureProxy
 from asyncgrpo.harness.contract import HarnessRunLimits
 from asyncgrpo.harness.deadlines import DeadlineExceeded, ToolDeadlineSession, call_with_deadline
@@ -76,7 +77,7 @@ class HarnessSettings:
     timeout_s: float = DEFAULT_HARNESS_TIMEOUT_S
 
 
-class SessionFailure(Exception):
+class SessionFailure(HarnessError):
     """The agent or its session failed: the rollout is unscorable (not a training error)."""
 
     def __init__(self, message: str, timed_out: bool = False):

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.harness.agent_environment import agent_environment, default_max_agents
 from asyncgrpo.harness.agent_sandbox import SANDBOXED, AgentSandbox
 from asyncgrpo.harness.agent_sandbox import agent_sandbox as _agent_sandbox
@@ -312,26 +313,26 @@ class ProcessSessionFactory:
         agent_writable_paths: Sequence[str] | None = None,
     ):
         if not command or not all(isinstance(part, str) for part in command):
-            raise ValueError(
+            raise ConfigurationError(
                 f"command must be a non-empty list of strings (the agent's argv), got {command!r}"
             )
         if not callable(verify):
-            raise ValueError(
+            raise ConfigurationError(
                 f"verify must be a function verify(workdir, transcript, row) -> float | None, got {verify!r}"
             )
         if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0 (seconds an agent may run)")
+            raise ConfigurationError(f"timeout_s={timeout_s} must be > 0 (seconds an agent may run)")
         columns = list(agent_columns or [])
         if isinstance(agent_columns, str) or not all(isinstance(name, str) for name in columns):
-            raise ValueError(f"agent_columns must be a list of column names, got {agent_columns!r}")
+            raise ConfigurationError(f"agent_columns must be a list of column names, got {agent_columns!r}")
         reserved = [name for name in columns if name in SESSION_KEYS]
         if reserved:
-            raise ValueError(
+            raise ConfigurationError(
                 f"agent_columns names {reserved}: task.json sets {', '.join(SESSION_KEYS)} itself (the "
                 "prompt always goes to the agent); rename the dataset column"
             )
         if max_agents is not None and max_agents < 1:
-            raise ValueError(f"max_agents={max_agents} must be >= 1 (agent processes alive at once)")
+            raise ConfigurationError(f"max_agents={max_agents} must be >= 1 (agent processes alive at once)")
         # The agent runs in its own directory: a relative path to an existing file (the agent's script,
         # given from the directory the trainer runs in) would name nothing there.
         self.command = [_absolute_if_file(part) for part in command]
@@ -367,14 +368,14 @@ class ProcessSessionFactory:
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> ProcessSession:
         if self.capture is None:
-            raise ValueError(
+            raise ConfigurationError(
                 "ProcessSessionFactory has no capture endpoint: give it to HarnessAsyncGRPOTrainer as "
                 "harness_session_factory (the trainer binds its proxy), not an instance made by hand"
             )
         row = dict(task) if isinstance(task, dict) else {"prompt": task}
         missing = [name for name in self.agent_columns if name not in row]
         if missing:
-            raise ValueError(
+            raise ConfigurationError(
                 f"agent_columns names {missing}, which the dataset row lacks (it has {sorted(row)})"
             )
         payload = {

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncgrpo.errors import HarnessError
 from asyncgrpo.harness.contract import TrainingTrace, TrainingTurn, check_training_turn
 from asyncgrpo.rollout.types import TurnRecord
 
@@ -27,7 +28,7 @@ SAMPLING_MASK_KEY = "sampling_mask"  # per completion token, its candidate set (
 FINISH_REASON_KEY = "finish_reason"
 
 
-class CaptureContractError(ValueError):
+class CaptureContractError(HarnessError, ValueError):
     """A captured turn cannot be trained on: ids that do not match the log-probs, a turn without
     ids, a missing top-N the loss needs, a malformed mask."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncgrpo.config.algorithm import CLIPPED_LOSS_TYPES, LOSS_TYPES
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.loss import (
     LossInputs,
     clip_ratio_metrics,
@@ -51,7 +52,7 @@ class AlgorithmSettings:
 
     def __post_init__(self):
         if self.loss_type is not None and self.loss_type not in LOSS_TYPES:
-            raise ValueError(
+            raise ConfigurationError(
                 f"loss_type={self.loss_type!r} is not a loss: pick one of {', '.join(LOSS_TYPES)}"
             )
 

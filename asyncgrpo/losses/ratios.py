@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.off_policy import Correction, per_sequence_sum
 
 
@@ -28,7 +29,7 @@ def log_importance_weights(
         return log_ratio
     if level == "sequence":
         return sequence_mean(log_ratio, entry_sample, num_samples)
-    raise ValueError(f"importance_sampling_level={level!r} must be 'token' or 'sequence'")
+    raise ConfigurationError(f"importance_sampling_level={level!r} must be 'token' or 'sequence'")
 
 
 def correction_factor(correction: Correction, loss_ratio: torch.Tensor) -> torch.Tensor:

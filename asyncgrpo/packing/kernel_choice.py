@@ -23,6 +23,8 @@ import functools
 import importlib.util
 import os
 
+from asyncgrpo.errors import ConfigurationError
+
 PATH_CONV_ENV = "ASYNCGRPO_PATH_CONV"
 PATH_CONVS = ("triton", "fla", "conv1d")
 GATED_NORM_ENV = "ASYNCGRPO_GATED_NORM"
@@ -47,10 +49,12 @@ def _choice(variable: str, choices: tuple[str, ...], device_type: str, fallback:
     if not value:
         return "triton" if installed("triton") else fallback
     if value not in choices:
-        raise ValueError(f"{variable}={value!r}: choose one of {', '.join(choices)} (or unset it)")
+        raise ConfigurationError(f"{variable}={value!r}: choose one of {', '.join(choices)} (or unset it)")
     package = _PACKAGE_OF.get(value)
     if package is not None and not installed(package):
-        raise ValueError(f"{variable}={value}: {package} is not installed ({_INSTALL[package]}); unset it")
+        raise ConfigurationError(
+            f"{variable}={value}: {package} is not installed ({_INSTALL[package]}); unset it"
+        )
     return value
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.packing.trie import PrefixTrie, prediction_targets
 from asyncgrpo.sample import Sample
@@ -89,7 +90,7 @@ class TokenBudgetBatcher:
         if num_rows < 1:
             raise ValueError(f"num_rows (one per training process) must be >= 1, got {num_rows}")
         if token_budget <= 0 and samples_per_row < 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"token_budget={token_budget} (fixed-count rows) needs samples_per_row >= 1, got "
                 f"{samples_per_row}"
             )

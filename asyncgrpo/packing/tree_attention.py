@@ -23,6 +23,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.packing.gated_deltanet import LINEAR_ATTENTION, enable_tree_recurrence, is_gated_deltanet
 from asyncgrpo.packing.kernel_choice import tree_attention_choice
 from asyncgrpo.packing.recurrent_layout import RecurrentLayout, recurrent_layout
@@ -368,12 +369,14 @@ def tree_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, s_aux=s_aux, **kwargs
         )
     if s_aux is not None:
-        raise ValueError(f"{TREE_ATTENTION} attention does not support attention sinks (gpt-oss)")
+        raise ConfigurationError(f"{TREE_ATTENTION} attention does not support attention sinks (gpt-oss)")
     if dropout:
-        raise ValueError(f"{TREE_ATTENTION} attention has no dropout: set config.attention_dropout = 0")
+        raise ConfigurationError(
+            f"{TREE_ATTENTION} attention has no dropout: set config.attention_dropout = 0"
+        )
     mask_window = getattr(attention_mask, _WINDOW_ATTR, None)
     if mask_window != sliding_window:
-        raise ValueError(
+        raise ConfigurationError(
             f"layer {getattr(module, 'layer_idx', '?')} has sliding_window={sliding_window} but got a "
             f"mask built for {mask_window}: pass tree_attention_masks(config, ...), which builds one mask "
             "per layer type"
@@ -405,7 +408,7 @@ def check_tree_packable(model: PreTrainedModel) -> None:
     config = _text_config(model)
     sinks = [name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"]
     if sinks or getattr(config, "model_type", "") == "gpt_oss":
-        raise ValueError(
+        raise ConfigurationError(
             f"{type(model).__name__} has attention sinks ({sinks[0] if sinks else 'gpt_oss'}), which tree "
             "attention does not implement yet: " + CANNOT_TRAIN
         )
@@ -413,7 +416,7 @@ def check_tree_packable(model: PreTrainedModel) -> None:
         if layer_type == LINEAR_ATTENTION and any(is_gated_deltanet(m) for m in model.modules()):
             continue  # Gated DeltaNet: packed by gated_deltanet.py
         if layer_type not in _PACKABLE_LAYER_TYPES:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{type(model).__name__} has '{layer_type}' layers; tree packing supports full and "
                 "sliding-window attention and Gated DeltaNet layers (Mamba / other linear-attention / other "
                 "token mixers are not supported yet): " + CANNOT_TRAIN
@@ -423,16 +426,18 @@ def check_tree_packable(model: PreTrainedModel) -> None:
         if any(name == g or name.startswith(g + ".") for g in gated_deltanets):
             continue
         if _RECURRENT_MODULE.search(type(module).__name__):
-            raise ValueError(
+            raise ConfigurationError(
                 f"{type(model).__name__} has a {type(module).__name__} layer ({name}); tree packing "
                 "supports only attention layers (recurrent / linear-attention layers are not supported "
                 "yet): " + CANNOT_TRAIN
             )
     windows = layer_windows(config)
     if "sliding_attention" in windows and windows["sliding_attention"] is None:
-        raise ValueError("config has 'sliding_attention' layers but no sliding_window: fix the model config")
+        raise ConfigurationError(
+            "config has 'sliding_attention' layers but no sliding_window: fix the model config"
+        )
     if getattr(config, "attention_dropout", 0.0):
-        raise ValueError(
+        raise ConfigurationError(
             f"tree attention has no attention dropout (config.attention_dropout={config.attention_dropout}): "
             "set it to 0"
         )
@@ -446,7 +451,7 @@ def enable_tree_attention(model: PreTrainedModel) -> PreTrainedModel:
     enable_tree_recurrence(model)
     model.set_attn_implementation(TREE_ATTENTION)
     if _text_config(model)._attn_implementation != TREE_ATTENTION:
-        raise ValueError(
+        raise ConfigurationError(
             f"{type(model).__name__} cannot switch its attention implementation (its attention does not go "
             "through transformers' AttentionInterface): " + CANNOT_TRAIN
         )

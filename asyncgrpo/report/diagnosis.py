@@ -11,7 +11,7 @@ are judgement calls, stated so a reader can disagree.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from asyncgrpo.off_policy import MISMATCH_KL_PRECISION_FLOOR
 from asyncgrpo.report.history import History
@@ -80,35 +80,68 @@ def _steady(history: History) -> History:
 # -- which side is the bottleneck -------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Waits:
+    """The waits of a run's steady part: the trainer's for samples, generation's (backpressure)."""
+
+    step_s: float
+    rollout_wait_s: float  # per step
+    backpressure_s: float  # per window, counting 0 for the windows in which generation did not wait
+    held_windows: float  # the share of windows in which generation waited
+
+    @property
+    def wait_share(self) -> float:
+        return self.rollout_wait_s / self.step_s
+
+    @property
+    def held_share(self) -> float:
+        return self.backpressure_s / self.step_s
+
+    @property
+    def waiting(self) -> bool:
+        return self.wait_share > WAIT_SHARE_HIGH
+
+    @property
+    def held(self) -> bool:
+        return self.held_share > BACKPRESSURE_SHARE_HIGH or (
+            self.held_windows >= BACKPRESSURE_FREQUENT and self.held_share > BACKPRESSURE_FREQUENT_SHARE
+        )
+
+
 def diagnose_bottleneck(history: History) -> Finding:
     steady = _steady(history)
-    span = _step_range(steady.steps)
     step_s = _mean(steady.series("perf/step_s")[1])
-    waits = steady.series("perf/rollout_wait_s")[1]
-    if not waits or not step_s > 0:
+    rollout_waits = steady.series("perf/rollout_wait_s")[1]
+    if not rollout_waits or not step_s > 0:
         return Finding(
             "bottleneck",
             "unknown",
             "perf/step_s and perf/rollout_wait_s were not logged.",
             "Log every step.",
         )
-    wait_share = _mean(waits) / step_s
     # backpressure_s is only logged by windows in which generation waited: the others count as 0.
     backpressure = [record.get("rollout/backpressure_s") or 0.0 for record in steady.records]
-    held_share = _mean(backpressure) / step_s
     held_windows = sum(1 for value in backpressure if value > 0) / len(backpressure)
+    waits = _Waits(step_s, _mean(rollout_waits), _mean(backpressure), held_windows)
+    return _bottleneck_reading(steady, waits, _bottleneck_evidence(steady, waits))
+
+
+def _bottleneck_evidence(steady: History, waits: _Waits) -> list[str]:
+    """The waits on each side, the queue and the staleness, as the finding quotes them."""
+    span = _step_range(steady.steps)
     queue = _mean(steady.series("rollout/queue_size")[1])
     samples_per_step = _mean(steady.series("batch/samples_per_step")[1])
     staleness = _mean(steady.series("sample/staleness_mean")[1])
     max_staleness = steady.config.get("max_staleness")
     evidence = [
         (
-            f"perf/rollout_wait_s averages {_mean(waits):.3g} s, {wait_share:.0%} of perf/step_s "
-            f"({step_s:.3g} s), over {span}"
+            f"perf/rollout_wait_s averages {waits.rollout_wait_s:.3g} s, {waits.wait_share:.0%} of "
+            f"perf/step_s ({waits.step_s:.3g} s), over {span}"
         ),
         (
-            f"rollout/backpressure_s averages {_mean(backpressure):.3g} s per window ({held_share:.0%} of a "
-            f"step); generation waited in {held_windows:.0%} of the windows of {span}"
+            f"rollout/backpressure_s averages {waits.backpressure_s:.3g} s per window "
+            f"({waits.held_share:.0%} of a step); generation waited in {waits.held_windows:.0%} of the "
+            f"windows of {span}"
         ),
     ]
     if not math.isnan(queue):
@@ -118,11 +151,12 @@ def diagnose_bottleneck(history: History) -> Finding:
         evidence.append(queue_text + f" over {span}")
     if not math.isnan(staleness) and max_staleness is not None:
         evidence.append(f"sample/staleness_mean averages {staleness:.2g} (max_staleness={max_staleness})")
-    waiting = wait_share > WAIT_SHARE_HIGH
-    held = held_share > BACKPRESSURE_SHARE_HIGH or (
-        held_windows >= BACKPRESSURE_FREQUENT and held_share > BACKPRESSURE_FREQUENT_SHARE
-    )
-    if waiting and held:
+    return evidence
+
+
+def _bottleneck_reading(steady: History, waits: _Waits, evidence: list[str]) -> Finding:
+    """The verdict from whether the trainer waits for samples and whether generation is held back."""
+    if waits.waiting and waits.held:
         return Finding(
             "bottleneck",
             "max_staleness too tight",
@@ -131,7 +165,7 @@ def diagnose_bottleneck(history: History) -> Finding:
             "Raise max_staleness.",
             evidence,
         )
-    if waiting:
+    if waits.waiting:
         action = (
             "Look at rollout/generated_tokens_per_s, rollout/concurrency and rollout/score_queue_size: add "
             "or speed up vLLM servers, raise max_concurrent_rollouts if concurrency sits at it with a low "
@@ -149,7 +183,7 @@ def diagnose_bottleneck(history: History) -> Finding:
             action,
             evidence + _concurrency_evidence(steady),
         )
-    if held:
+    if waits.held:
         return Finding(
             "bottleneck",
             "trainer-bound",
@@ -196,32 +230,59 @@ def _concurrency_evidence(history: History) -> list[str]:
 # -- saturation, regression, collapse ---------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Saturation:
+    """The first-to-last-third trends, on the reward range's scale (0: its bottom, 1: its top)."""
+
+    frac_last: float  # frac_zero_std_groups in the last third
+    climbing: bool  # more groups without signal than at the start, and many
+    reward_change: float
+    reward_position: float
+    stuck: bool  # reward_zero_std_groups was logged: the fields below say where those groups sit
+    position: float = math.nan
+    stuck_change: float = math.nan
+
+
 def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0.0, 1.0)) -> Finding:
-    low, high = reward_range
-    width = high - low
     if not history.has("frac_zero_std_groups") or not history.has("reward"):
         return Finding(
             "saturation", "unknown", "frac_zero_std_groups or reward was not logged.", "Log every step."
         )
+    return _saturation_reading(history, *_saturation_trends(history, reward_range))
+
+
+def _saturation_trends(history: History, reward_range: tuple[float, float]) -> tuple[_Saturation, list[str]]:
+    """The trends the saturation reading goes by, and the evidence quoting them."""
+    low, high = reward_range
+    width = high - low
     frac_first, frac_last, first_span, last_span = _thirds(history, "frac_zero_std_groups")
     reward_first, reward_last, _, _ = _thirds(history, "reward")
     evidence = [
         f"frac_zero_std_groups {frac_first:.2f} ({first_span}) -> {frac_last:.2f} ({last_span})",
         f"reward {reward_first:.3g} -> {reward_last:.3g} (reward range assumed [{low:g}, {high:g}])",
     ]
-    stuck = history.has("reward_zero_std_groups")
-    if stuck:
+    trends = _Saturation(
+        frac_last,
+        climbing=frac_last - frac_first >= FRAC_CLIMB and frac_last >= FRAC_LOW,
+        reward_change=(reward_last - reward_first) / width,
+        reward_position=(reward_last - low) / width,
+        stuck=history.has("reward_zero_std_groups"),
+    )
+    if trends.stuck:
         stuck_first, stuck_last, _, _ = _thirds(history, "reward_zero_std_groups")
-        position = (stuck_last - low) / width
-        stuck_change = (stuck_last - stuck_first) / width
+        trends = replace(
+            trends, position=(stuck_last - low) / width, stuck_change=(stuck_last - stuck_first) / width
+        )
         evidence.append(
             f"reward_zero_std_groups {stuck_first:.3g} -> {stuck_last:.3g}: the groups without signal sit "
-            f"{position:.0%} of the way up the reward range"
+            f"{trends.position:.0%} of the way up the reward range"
         )
-    reward_change = (reward_last - reward_first) / width
-    reward_position = (reward_last - low) / width
-    climbing = frac_last - frac_first >= FRAC_CLIMB and frac_last >= FRAC_LOW
-    if frac_last < FRAC_LOW and not climbing:
+    return trends, evidence
+
+
+def _saturation_reading(history: History, trend: _Saturation, evidence: list[str]) -> Finding:
+    """The verdict: healthy, saturated at the top, stuck at the bottom, a mixture, a regression."""
+    if trend.frac_last < FRAC_LOW and not trend.climbing:
         return Finding(
             "saturation",
             "healthy",
@@ -229,7 +290,7 @@ def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0
             "Nothing to change.",
             evidence,
         )
-    if not stuck:
+    if not trend.stuck:
         return Finding(
             "saturation",
             "unknown",
@@ -237,7 +298,7 @@ def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0
             "Read a few completions.",
             evidence,
         )
-    if climbing and stuck_change <= -REWARD_TREND and reward_change <= -REWARD_TREND:
+    if trend.climbing and trend.stuck_change <= -REWARD_TREND and trend.reward_change <= -REWARD_TREND:
         return Finding(
             "saturation",
             "regression",
@@ -246,9 +307,9 @@ def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0
             evidence,
         )
     if (
-        (climbing or frac_last >= FRAC_HIGH)
-        and position >= TOP
-        and (reward_change >= REWARD_TREND or reward_position >= TOP)
+        (trend.climbing or trend.frac_last >= FRAC_HIGH)
+        and trend.position >= TOP
+        and (trend.reward_change >= REWARD_TREND or trend.reward_position >= TOP)
     ):
         return Finding(
             "saturation",
@@ -259,10 +320,10 @@ def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0
             evidence,
         )
     if (
-        frac_last >= FRAC_HIGH
-        and position <= BOTTOM
-        and reward_position <= BOTTOM
-        and abs(reward_change) < REWARD_TREND
+        trend.frac_last >= FRAC_HIGH
+        and trend.position <= BOTTOM
+        and trend.reward_position <= BOTTOM
+        and abs(trend.reward_change) < REWARD_TREND
     ):
         return Finding(
             "saturation",
@@ -273,7 +334,7 @@ def diagnose_saturation(history: History, reward_range: tuple[float, float] = (0
             "read a few completions to check that the reward function can parse them.",
             evidence + _clipped_evidence(history),
         )
-    if frac_last >= FRAC_HIGH and BOTTOM < position < TOP:
+    if trend.frac_last >= FRAC_HIGH and BOTTOM < trend.position < TOP:
         return Finding(
             "saturation",
             "mixture",

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.run_files import CONFIG_FILE, METRICS_FILE
 
 
@@ -90,7 +91,7 @@ def load_run(run_dir: str | Path) -> History:
         except json.JSONDecodeError as error:
             if number == len(lines):
                 break  # a run killed mid-write leaves a partial last line
-            raise ValueError(f"{metrics_path}:{number} is not JSON: {error}") from error
+            raise ConfigurationError(f"{metrics_path}:{number} is not JSON: {error}") from error
         if record is not None:
             records.append(record)
     config_path = run_dir / CONFIG_FILE

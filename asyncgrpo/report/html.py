@@ -7,6 +7,7 @@ import base64
 import html
 from pathlib import Path
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.report.core_use import cores_lines
 from asyncgrpo.report.diagnosis import Finding, diagnose
 from asyncgrpo.report.history import History, load_run
@@ -41,7 +42,7 @@ def write_report(run_dir: str | Path, reward_range: tuple[float, float] = (0.0, 
     run_dir = Path(run_dir)
     history = load_run(run_dir)
     if not history.records:
-        raise ValueError(f"{run_dir} has no logged steps yet: nothing to report")
+        raise ConfigurationError(f"{run_dir} has no logged steps yet: nothing to report")
     plot_dir = run_dir / PLOTS_DIR
     plot_dir.mkdir(exist_ok=True)
     figures = []

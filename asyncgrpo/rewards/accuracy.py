@@ -28,6 +28,7 @@ import queue
 import threading
 from typing import Any
 
+from asyncgrpo.errors import RewardError
 from asyncgrpo.rollout.tool_calls import split_reasoning
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class VerifierPool:
             self._idle.get().kill()
 
 
-class _VerifierLost(Exception):
+class _VerifierLost(RewardError):
     """A verifier that will not answer: past its deadline, or dead."""
 
 

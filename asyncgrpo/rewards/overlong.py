@@ -15,6 +15,8 @@ it with `mask_truncated_completions=True` for the completions that were cut. TRL
 
 from __future__ import annotations
 
+from asyncgrpo.errors import ConfigurationError
+
 
 class SoftOverlongPunishment:
     """A reward function (picklable: the rollout worker is a spawned process); metrics name it
@@ -24,7 +26,7 @@ class SoftOverlongPunishment:
 
     def __init__(self, max_completion_len: int, soft_punish_cache: int):
         if max_completion_len < 1 or not 0 <= soft_punish_cache <= max_completion_len:
-            raise ValueError(
+            raise ConfigurationError(
                 f"need max_completion_len >= 1 and 0 <= soft_punish_cache <= max_completion_len, got "
                 f"{max_completion_len} and {soft_punish_cache}"
             )

@@ -14,6 +14,7 @@ import asyncio
 import math
 from collections.abc import Callable
 
+from asyncgrpo.errors import RolloutError
 from asyncgrpo.generation.server_load import ServerLoad
 
 RAISE_BELOW_KV_USAGE = 0.60
@@ -139,7 +140,7 @@ class RolloutSlots:
                 if waits
                 else "a server or a tool that never answers?"
             )
-            raise RuntimeError(
+            raise RolloutError(
                 f"waited {self.stall_timeout_s:g} s {what} but none of the {self.running} running rollouts "
                 f"finished: generation is stuck ({state})"
             ) from None

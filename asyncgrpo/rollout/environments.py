@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from asyncgrpo.errors import ConfigurationError, ContractError
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rollout.tools import call_maybe_async
 
@@ -63,10 +64,12 @@ def check_routing(factory: Any, dataset: Any) -> None:
     if not isinstance(factory, dict):
         return
     if not factory:
-        raise ValueError("environment_factory is an empty dict: give at least one name -> environment class")
+        raise ConfigurationError(
+            "environment_factory is an empty dict: give at least one name -> environment class"
+        )
     columns = getattr(dataset, "column_names", None) or []
     if dataset is None or ROUTING_COLUMN not in columns:
-        raise ValueError(
+        raise ConfigurationError(
             f"environment_factory is a dict ({sorted(factory)}): each train_dataset row must name its "
             f"environment in an {ROUTING_COLUMN!r} column"
         )
@@ -79,7 +82,7 @@ def prompt_with_observation(
     appended to the row prompt's last user message when it has one."""
     if observation is None:
         if prompt is None:
-            raise ValueError(
+            raise ContractError(
                 "the dataset row has no 'prompt' and the environment's reset() returned None: without a "
                 "prompt column, reset() must return the user prompt as a string"
             )
@@ -117,7 +120,7 @@ class EnvironmentPool:
             return None
         name = row.get(ROUTING_COLUMN)
         if name not in self.factories:
-            raise ValueError(
+            raise ConfigurationError(
                 f"dataset row routes to environment {name!r}, which environment_factory does not have "
                 f"(it has {sorted(self.factories)})"
             )

@@ -14,6 +14,8 @@ from math import comb
 
 import numpy as np
 
+from asyncgrpo.errors import ConfigurationError
+
 
 @dataclass
 class PromptOutcome:
@@ -30,7 +32,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k of a prompt with `n` rollouts of which `c` pass: the chance that a draw
     of k of them without replacement holds at least one passing rollout."""
     if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+        raise ConfigurationError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
@@ -49,7 +51,7 @@ def summarize(outcomes: list[PromptOutcome], threshold: float) -> dict[str, floa
     and `reward_std` over every scored rollout, `rewards/{source}/mean`, `pass@k` for each k of
     `pass_k_values`, `completions/mean_length` and `completions/clipped_ratio`."""
     if not outcomes:
-        raise ValueError("an evaluation needs at least one prompt")
+        raise ConfigurationError("an evaluation needs at least one prompt")
     every = np.concatenate([outcome.rewards for outcome in outcomes])
     scored = every[~np.isnan(every)]
     figures = {

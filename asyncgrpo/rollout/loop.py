@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rollout.advantages import rollout_advantages
@@ -79,7 +80,7 @@ class AsyncRolloutLoop:
         sampling = self.settings.sampling
         max_tokens = min(sampling.max_completion_length, self.max_model_len - len(prompt_ids))
         if max_tokens < 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"a prompt of {len(prompt_ids)} tokens leaves no room to generate under the server's "
                 f"max_model_len={self.max_model_len}: shorten the prompts or restart vLLM with a larger "
                 "--max-model-len"

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncgrpo.errors import ConfigurationError
+
 # The dataset row of the rollout being generated, set by the scheduler around each `generate_one`
 # (each rollout runs in its own asyncio task, so each sees its own row). `generate_one` gets the prompt
 # alone, as in TRL; a loop whose rollouts need the row's other columns (the harness's task.json) reads it
@@ -87,7 +89,7 @@ def prompt_stream(
         return
     num_rows = len(dataset)
     if num_rows == 0:
-        raise ValueError("train_dataset is empty: there is nothing to generate from")
+        raise ConfigurationError("train_dataset is empty: there is nothing to generate from")
     epoch, position = divmod(start_index, num_rows)
     while True:
         order = epoch_order(num_rows, seed, epoch)
@@ -113,4 +115,4 @@ def _iterable_stream(dataset: Any, seed: int | None) -> Iterator[PromptItem]:
             yield PromptItem(stream_index, epoch, row_index, row)
             stream_index += 1
         if empty:
-            raise ValueError("train_dataset (IterableDataset) yielded no rows")
+            raise ConfigurationError("train_dataset (IterableDataset) yielded no rows")

@@ -21,6 +21,8 @@ import re
 from collections import deque
 from dataclasses import dataclass
 
+from asyncgrpo.errors import RewardError
+
 logger = logging.getLogger(__name__)
 
 # Distinct errors logged in full; past them a new one is counted only, so a function whose messages
@@ -30,7 +32,7 @@ MAX_ERRORS_LOGGED = 100
 _NUMBERS = re.compile(r"\b(?:0x)?[0-9a-fA-F]*\d[0-9a-fA-F]*\b")
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(RewardError):
     """A reward function broke its contract: too slow, a value that cannot be trained on, or failing
     on too many groups."""
 

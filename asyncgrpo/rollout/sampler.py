@@ -12,8 +12,10 @@ import asyncio
 import logging
 import random
 
+from asyncgrpo.errors import ConfigurationError, ServerError
 from asyncgrpo.generation.client import (
     SamplingParams,
+    ServerLostError,
     VLLMClient,
     VLLMRequestError,
     parse_policy_label,
@@ -31,15 +33,7 @@ logger = logging.getLogger(__name__)
 ADAPTER_MISSING_RETRIES = 30
 
 
-class ServerLostWeightsError(RuntimeError):
-    """A server answered with weights the trainer did not push (it restarted from its checkpoint)."""
-
-    def __init__(self, message: str, url: str | None = None):
-        super().__init__(message)
-        self.url = url  # the server that answered
-
-
-class RoutingNotReturnedError(RuntimeError):
+class RoutingNotReturnedError(ServerError):
     """MoE routing replay is on, but a server answered without the routed experts."""
 
 
@@ -73,7 +67,7 @@ class PolicySampler:
         routing_replay: bool = False,
     ):
         if routing_replay and not token_route:
-            raise ValueError(
+            raise ConfigurationError(
                 "moe_routing_replay=True needs vLLM's token route, which returns the routed experts: start "
                 f"the server with --enable-scale-out; {ROUTING_REPLAY_HINT}"
             )
@@ -116,10 +110,11 @@ class PolicySampler:
             return version
         versions = [parse_policy_label(label) for label in weight_labels]
         if None in versions:
-            raise ServerLostWeightsError(
+            raise ServerLostError(
                 f"tokens sampled by weights labelled {weight_labels}: vLLM server {url} restarted and runs "
                 "weights the trainer did not push",
                 url,
+                weights_lost=True,
             )
         # With adapters, the adapter the request named sampled every token.
         return version if self.lora_name else min(versions)

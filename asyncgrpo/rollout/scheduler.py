@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncgrpo import timeline
-from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.errors import ContractError, RewardError, RolloutError
+from asyncgrpo.generation.client import ServerLostError, VLLMClient
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.advantages import advantage_basis, is_truncated, source_weights
 from asyncgrpo.rollout.agent import record_tool_rollout_metrics
@@ -33,7 +34,7 @@ from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompts import CURRENT_ROW, PromptItem, StreamStart, prompt_stream
 from asyncgrpo.rollout.reward_errors import RewardErrorBudget
 from asyncgrpo.rollout.rollout_metrics import record_group_metrics, record_rollout_metrics
-from asyncgrpo.rollout.sampler import PolicySampler, ServerLostWeightsError, wants_candidate_sets
+from asyncgrpo.rollout.sampler import PolicySampler, wants_candidate_sets
 from asyncgrpo.rollout.scoring import (
     call_reward_functions,
     checked_extra_sources,
@@ -254,7 +255,7 @@ class RolloutScheduler:
                     else None
                 )
                 if owned is not None and rejected_in_epoch[item.epoch] >= owned:
-                    raise RuntimeError(
+                    raise RolloutError(
                         f"filter_prompt rejected every prompt of epoch {item.epoch}: no sample can reach the "
                         "trainer"
                     )
@@ -324,7 +325,7 @@ class RolloutScheduler:
             if self.channels.token_allowance.value != limit:
                 limit, moved = self.channels.token_allowance.value, time.monotonic()
             elif time.monotonic() - moved > bound:
-                raise RuntimeError(
+                raise RolloutError(
                     f"the trainer took no sample for {time.monotonic() - moved:.0f} s while the worker held "
                     f"a full staleness budget ({ALLOWANCE_STALL_FACTOR} x vllm_server_timeout): the trainer "
                     "is stuck"
@@ -356,7 +357,7 @@ class RolloutScheduler:
             try:
                 await asyncio.wait_for(self.score_queue.put(group), bound)
             except asyncio.TimeoutError:
-                raise RuntimeError(
+                raise RewardError(
                     f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s)"
                 ) from None
             self.loop.metrics.record("rollout/score_block_s", time.monotonic() - blocked_since)
@@ -378,7 +379,9 @@ class RolloutScheduler:
                 try:
                     rollout, prompt, env_reward = await self._generate_episode(row, group_id)
                     break
-                except ServerLostWeightsError as error:
+                except ServerLostError as error:
+                    if not error.weights_lost:
+                        raise
                     # A server answered with weights the trainer never pushed: it restarted from its
                     # checkpoint. It is avoided until the trainer gives it the weights again (the
                     # client waits for a server, within vllm_server_timeout); the rollout starts anew.
@@ -502,12 +505,12 @@ class RolloutScheduler:
         group.rewards = sum_rewards(sources, len(group.prompts), group.source_weights)
         advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
         if advantages.shape != (len(group.prompts),):
-            raise ValueError(
+            raise ContractError(
                 f"compute_advantages must return one advantage per rollout ({len(group.prompts)}), "
                 f"got shape {advantages.shape}"
             )
         if not np.all(np.isfinite(advantages)):
-            raise ValueError(
+            raise ContractError(
                 "compute_advantages returned a non-finite advantage for dataset row "
                 f"{group.row_index}: {advantages}"
             )

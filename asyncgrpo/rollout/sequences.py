@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from asyncgrpo.errors import ContractError
 from asyncgrpo.rollout.types import TrainingSequence, TurnRecord
 
 
@@ -80,7 +81,7 @@ class _SequenceBuilder:
         if not mask.any():
             return
         if len(turn.output_log_probs) != len(output):
-            raise ValueError(
+            raise ContractError(
                 f"TurnRecord has {len(turn.output_log_probs)} output_log_probs for {len(output)} output_ids: "
                 "the sampler log-prob of every trained token is needed for the importance ratio"
             )

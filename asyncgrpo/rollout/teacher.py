@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.teacher_client import TeacherClient
 from asyncgrpo.rollout.settings import ServerSettings, TeacherSettings
 from asyncgrpo.sample import Sample
@@ -61,7 +62,7 @@ class TeacherScoring:
             return 0
         chosen = columns.get(TEACHER_ID_COLUMN, [None])[0]
         if chosen not in self.teacher_ids:
-            raise ValueError(
+            raise ConfigurationError(
                 f"dataset row {row_index} has teacher_id={chosen!r}, which is not a teacher of "
                 f"teacher_server_urls ({', '.join(self.teacher_ids)}): with several teachers every row "
                 f"names its own in a {TEACHER_ID_COLUMN!r} column"

@@ -37,6 +37,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncgrpo.errors import ConfigurationError
+
 # What a template must declare for each format, tried in this order (GLM-4.5 and Qwen3.5 declare
 # `<tool_call>` too, so they come before hermes).
 _DEEPSEEK_BEGIN, _DEEPSEEK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -135,7 +137,7 @@ def require_call_format(chat_template: Any, model_id: str) -> str:
     fmt = tool_call_format(chat_template)
     if fmt is None:
         supported = "; ".join(f"{name} ({families})" for name, families in CALL_FORMATS.items())
-        raise ValueError(
+        raise ConfigurationError(
             f"tools or an environment are on, but the chat template of {model_id!r} teaches no tool-call "
             f"format the tool loop reads, so no call of the model would ever run. Supported formats: "
             f"{supported}. Train a model of one of these families, or pass a processing_class whose "
@@ -283,7 +285,7 @@ def parse_tool_calls(text: str, fmt: str | None = "hermes") -> tuple[str, list[T
         parsed = _parse_harmony(text, with_tools=True, reasoning=False)
         return parsed.content, parsed.calls
     if fmt not in ("hermes", "xml", "glm45"):
-        raise ValueError(f"unknown tool-call format {fmt!r}: one of {', '.join(CALL_FORMATS)}")
+        raise ConfigurationError(f"unknown tool-call format {fmt!r}: one of {', '.join(CALL_FORMATS)}")
     read = {"hermes": _read_call, "xml": _read_xml_call, "glm45": _read_glm_call}[fmt]
     calls = [read(block.strip()) for block in _BLOCK.findall(text)]
     if not calls:

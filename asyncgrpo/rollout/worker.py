@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgrpo.errors import RolloutError
 from asyncgrpo.parent_watch import exit_when_parent_dies
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.context import LoopInputs
@@ -36,7 +37,7 @@ from asyncgrpo.run_files import attach_warnings_file
 logger = logging.getLogger(__name__)
 
 
-class RolloutWorkerError(RuntimeError):
+class RolloutWorkerError(RolloutError):
     """The rollout process failed, hung or died; training cannot continue."""
 
 

@@ -10,6 +10,8 @@ the same one. docs/scaling.md says when to raise K.
 
 from __future__ import annotations
 
+from asyncgrpo.errors import ConfigurationError
+
 
 def owns_stream_index(stream_index: int, worker_index: int, num_workers: int) -> bool:
     return stream_index % num_workers == worker_index
@@ -18,7 +20,7 @@ def owns_stream_index(stream_index: int, worker_index: int, num_workers: int) ->
 def worker_servers(urls: list[str], worker_index: int, num_workers: int) -> list[str]:
     """The servers worker `worker_index` sends its requests to."""
     if not urls:
-        raise ValueError("no vLLM server URL to share among the rollout workers")
+        raise ConfigurationError("no vLLM server URL to share among the rollout workers")
     if len(urls) >= num_workers:
         return urls[worker_index::num_workers]
     return [urls[worker_index % len(urls)]]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from asyncgrpo.errors import ConfigurationError
+
 GiB, MiB = 2**30, 2**20
 # How often the writable folders of a running sandbox are measured against disk_bytes: a writer at
 # the page cache's speed passes the bound by what it writes in this time before it is ended (measured:
@@ -40,9 +42,9 @@ class SandboxLimits:
     def __post_init__(self):
         for name, value in asdict(self).items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SandboxLimits.{name}={value!r} must be a positive whole number")
+                raise ConfigurationError(f"SandboxLimits.{name}={value!r} must be a positive whole number")
         if self.processes < 2:
-            raise ValueError(
+            raise ConfigurationError(
                 f"SandboxLimits.processes={self.processes} must be >= 2: the sandbox's own first process "
                 "counts, beside the command"
             )

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.sandbox.bubblewrap import HOME, TMP, SandboxCommand, SandboxFolders
 from asyncgrpo.sandbox.files import disk_usage, remove_tree
 from asyncgrpo.sandbox.limits import CODE_LIMITS, WATCH_INTERVAL_S, SandboxLimits
@@ -70,7 +71,7 @@ def run(
     ValueError for arguments that are wrong; never for what the command does."""
     command = _checked_command(command)
     if not timeout_s > 0:
-        raise ValueError(f"timeout_s={timeout_s} must be > 0 (seconds the command may run)")
+        raise ConfigurationError(f"timeout_s={timeout_s} must be > 0 (seconds the command may run)")
     root = Path(tempfile.mkdtemp(prefix="asyncgrpo-sandbox-"))  # mode 0700
     try:
         folders = SandboxFolders.make(root)
@@ -86,7 +87,7 @@ def run(
 
 def _checked_command(command: Sequence[str]) -> list[str]:
     if isinstance(command, str) or not command or not all(isinstance(part, str) for part in command):
-        raise ValueError(f"command must be a non-empty list of strings (an argv), got {command!r}")
+        raise ConfigurationError(f"command must be a non-empty list of strings (an argv), got {command!r}")
     return list(command)
 
 
@@ -94,7 +95,9 @@ def _write_files(work: Path, files: Mapping[str, str | bytes]) -> None:
     for name, content in files.items():
         relative = PurePosixPath(name)
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:
-            raise ValueError(f"files: {name!r} must be a path relative to the working folder, without '..'")
+            raise ConfigurationError(
+                f"files: {name!r} must be a path relative to the working folder, without '..'"
+            )
         path = work / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content.encode() if isinstance(content, str) else content)

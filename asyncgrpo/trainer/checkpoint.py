@@ -31,7 +31,7 @@ from asyncgrpo.checkpoints.live_model import save_consolidated
 from asyncgrpo.checkpoints.sharded_state import load_training_state
 from asyncgrpo.durable_files import publish_directory, staging_path
 from asyncgrpo.rollout.prompts import PromptOrder
-from asyncgrpo.run_lock import OwnerLock
+from asyncgrpo.run_lock import DirectoryInUseError, OwnerLock
 from asyncgrpo.sample import Sample
 from asyncgrpo.sharded import full_tensor
 from asyncgrpo.trainer.algorithm_state import AlgorithmState
@@ -131,7 +131,7 @@ def refuse_if_taken_over(lock: OwnerLock | None, run_directory: Path, processes:
         )
     refusal = processes.broadcast(refusal)
     if refusal is not None:
-        raise RuntimeError(refusal)
+        raise DirectoryInUseError(refusal)
 
 
 def note_best_checkpoint(trainer: Trainer, run_directory: Path) -> None:

@@ -33,7 +33,7 @@ from asyncgrpo.checkpoints.layout import SHARDED, SHARDS_DIR, ShardedManifest
 from asyncgrpo.checkpoints.sharded_state import tied_aliases, training_state
 from asyncgrpo.durable_files import fsync_path, publish_directory, staging_path
 from asyncgrpo.metrics import MetricsWindow, Reduce
-from asyncgrpo.run_lock import OwnerLock
+from asyncgrpo.run_lock import DirectoryInUseError, OwnerLock
 from asyncgrpo.trainer.checkpoint import (
     ResumePoint,
     note_best_checkpoint,
@@ -222,7 +222,7 @@ def publish_sharded(
     """Rank 0, once every rank's shards are on the disk: the manifest (the last file), the staging
     directory made durable and renamed into place, then older checkpoints rotated away."""
     if lock is not None and not lock.held():
-        raise RuntimeError(
+        raise DirectoryInUseError(
             f"{lock.path.parent}: another run took this directory over; no checkpoint is published"
         )
     manifest.save(staging)

@@ -10,6 +10,8 @@ import torch
 import transformers
 from packaging.version import Version
 
+from asyncgrpo.errors import ConfigurationError
+
 # The lowest release pyproject.toml allows (tests/test_transformers_contract.py checks they agree).
 MIN_TRANSFORMERS = "5.17.0"
 
@@ -25,14 +27,14 @@ def check_transformers_version() -> None:
 def check_reward_funcs(reward_funcs: list[Any]) -> None:
     for index, function in enumerate(reward_funcs):
         if isinstance(function, str) or isinstance(function, torch.nn.Module):
-            raise ValueError(
+            raise ConfigurationError(
                 f"reward_funcs[{index}] is {'a model id' if isinstance(function, str) else 'a model'} "
                 f"({function if isinstance(function, str) else type(function).__name__}): reward models are "
                 "not supported. Pass a Python callable; to score with a model, serve it (vLLM, TGI...) and "
                 "call it from an async reward function."
             )
         if not callable(function):
-            raise ValueError(f"reward_funcs[{index}] ({function!r}) is not callable")
+            raise ConfigurationError(f"reward_funcs[{index}] ({function!r}) is not callable")
         check = getattr(function, "check_before_rollouts", None)
         if callable(check):  # code_execution_reward: the sandbox it runs code in must start here
             check()
@@ -42,7 +44,7 @@ def check_reward_weights(reward_funcs: list[Any], reward_weights: list[float] | 
     """One weight per reward function, as TRL requires (an environment's get_reward and a Rollout.reward
     are reward sources of their own, weighing 1)."""
     if reward_weights is not None and len(reward_weights) != len(reward_funcs):
-        raise ValueError(
+        raise ConfigurationError(
             f"reward_weights has {len(reward_weights)} weights for {len(reward_funcs)} reward functions: "
             "give one weight per reward function, in reward_funcs' order (or reward_weights=None for 1 each)"
         )
@@ -62,7 +64,9 @@ def check_no_injected_protocols(rollout_worker, weight_transfer) -> None:
 def check_epochs_can_end(streaming: bool, max_steps: int) -> None:
     """Without max_steps, epochs counted in prompts end training: a dataset without a length has none."""
     if streaming and max_steps <= 0:
-        raise ValueError("an IterableDataset has no length, so epochs cannot end training: set max_steps > 0")
+        raise ConfigurationError(
+            "an IterableDataset has no length, so epochs cannot end training: set max_steps > 0"
+        )
 
 
 def check_conversational(dataset, environment_factory: Callable | None) -> None:
@@ -73,20 +77,20 @@ def check_conversational(dataset, environment_factory: Callable | None) -> None:
     if "prompt" not in column_names:
         if environment_factory is not None:
             return  # the environment's reset() provides the prompt
-        raise ValueError(
+        raise ConfigurationError(
             f"train_dataset has no 'prompt' column (columns: {column_names}); each row needs "
             "prompt=[{'role': 'user', 'content': ...}]"
         )
     for image_column in ("image", "images"):
         if image_column in column_names:
-            raise ValueError(
+            raise ConfigurationError(
                 f"train_dataset has an {image_column!r} column: prompts with images are not supported "
                 "(vision-language checkpoints train on text-only data, docs/models.md)"
             )
     row = next(iter(dataset))
     prompt = row["prompt"]
     if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m for m in prompt):
-        raise ValueError(
+        raise ConfigurationError(
             "prompts must be in conversational format, e.g. [{'role': 'user', 'content': 'What is 2+2?'}]; "
             f"got {type(prompt).__name__}: {str(prompt)[:80]!r}. Wrap a plain-text prompt as "
             "[{'role': 'user', 'content': text}]."
@@ -96,7 +100,7 @@ def check_conversational(dataset, environment_factory: Callable | None) -> None:
         if isinstance(content, list) and any(
             isinstance(part, dict) and part.get("type") in ("image", "image_url") for part in content
         ):
-            raise ValueError(
+            raise ConfigurationError(
                 "prompts with images are not supported (vision-language checkpoints train on text-only data, "
                 "docs/models.md): use text-only prompts"
             )
@@ -119,7 +123,7 @@ def check_prompt_lengths(
             continue  # not messages: the rollout worker skips such a row and counts it
         length = render(prompt)
         if length >= max_model_len:
-            raise ValueError(
+            raise ConfigurationError(
                 f"train_dataset row {index}: its prompt is {length} tokens after the chat template, which "
                 f"leaves no room to generate under the vLLM server's max_model_len={max_model_len}. Shorten "
                 "or filter such prompts, or restart the server with a larger --max-model-len."
@@ -132,7 +136,7 @@ def check_launch(num_processes: int, use_cpu: bool) -> None:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and num_processes == 1:
         hint = "" if use_cpu else " (on CPU-only machines pass use_cpu=True)"
-        raise ValueError(
+        raise ConfigurationError(
             f"launched on {launched} processes (WORLD_SIZE) but the Trainer runs each alone{hint}; "
             "every process would train its own copy against the same server"
         )
@@ -142,12 +146,12 @@ def check_multi_process(deepspeed: bool, has_optimizer: bool) -> None:
     """What several training processes do not support, said before anything starts. An accelerate
     FSDP config is accepted (trainer/fsdp_launch.py); a DeepSpeed one is not."""
     if deepspeed:
-        raise ValueError(
+        raise ConfigurationError(
             "asyncgrpo shards the model with FSDP2 itself when launched on several processes: launch with "
             "torchrun, `accelerate launch` or an accelerate FSDP config, not a DeepSpeed one"
         )
     if has_optimizer:
-        raise ValueError(
+        raise ConfigurationError(
             "with several processes the optimizer is built after sharding: do not pass `optimizers`"
         )
 
@@ -165,20 +169,22 @@ def check_agent_inputs(
         and not rollouts_scored
         and (environment_factory is None or not factory_defines_reward(environment_factory))
     ):
-        raise ValueError(
+        raise ConfigurationError(
             "reward_funcs is empty: give at least one reward function, or an environment_factory whose "
             "environments define get_reward()"
         )
     if train_dataset is None:
         if environment_factory is None:
-            raise ValueError("train_dataset is required (it must have a conversational 'prompt' column)")
+            raise ConfigurationError(
+                "train_dataset is required (it must have a conversational 'prompt' column)"
+            )
         if isinstance(environment_factory, dict):
-            raise ValueError(
+            raise ConfigurationError(
                 "environment_factory is a dict but there is no train_dataset: the dataset's 'environment' "
                 "column routes each rollout to its environment"
             )
         if args.max_steps <= 0:
-            raise ValueError(
+            raise ConfigurationError(
                 "environment_factory without train_dataset: the environment owns the data, so there are no "
                 "epochs to end training; set max_steps > 0 in AsyncGRPOConfig"
             )
@@ -202,6 +208,6 @@ def check_agent_inputs(
         names.append(tool_name(tool))
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise ValueError(
+        raise ConfigurationError(
             f"several tools share the name(s) {duplicates}: the model calls a tool by its __name__"
         )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from asyncgrpo.errors import ConfigurationError
+
 
 def layer_compile_options(args) -> dict[str, str | None] | None:
     """The `torch.compile` options of each decoder layer (`torch_compile_mode`, `torch_compile_backend`),
@@ -29,7 +31,9 @@ def compile_decoder_layers(
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(decoder).__name__} has no `layers` to compile; set torch_compile=False")
+        raise ConfigurationError(
+            f"{type(decoder).__name__} has no `layers` to compile; set torch_compile=False"
+        )
     options = {"mode": mode, "backend": backend}
     for layer in layers:
         layer.compile(dynamic=True, **{name: value for name, value in options.items() if value is not None})

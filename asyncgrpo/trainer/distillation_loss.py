@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.config import AsyncDistillationConfig
+from asyncgrpo.errors import ContractError
 from asyncgrpo.logprobs import row_logprobs, to_device
 from asyncgrpo.losses.distillation import distillation_divergence, teacher_support
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
@@ -55,7 +56,7 @@ class DistillationLoss:
         `teacher_entropy` over the entries its teacher scored, and per teacher with several (MOPD)."""
         args = self.args
         if row.teacher_ids is None:
-            raise ValueError(
+            raise ContractError(
                 "a row reached the distillation loss without the teacher's scores: its samples were not "
                 "scored by a teacher (a custom rollout loop must keep Sample.teacher_ids)"
             )

@@ -17,6 +17,7 @@ import time
 from transformers.trainer_utils import SaveStrategy
 
 from asyncgrpo.checkpoints.layout import is_sharded
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.trainer.checkpoint import load_sharded_weights
@@ -81,7 +82,7 @@ class TrainerEvaluation:
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
-            raise ValueError(
+            raise ConfigurationError(
                 "evaluate() needs an eval dataset: pass eval_dataset= to AsyncGRPOTrainer or to evaluate()"
             )
         if isinstance(dataset, dict):

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgrpo.errors import ConfigurationError, WeightSyncError
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.rollout.eval_metrics import summarize
@@ -27,7 +28,7 @@ from asyncgrpo.trainer.generation_session import eos_token_ids
 logger = logging.getLogger(__name__)
 
 
-class EvalWeightsChanged(RuntimeError):
+class EvalWeightsChanged(WeightSyncError):
     """The servers ran other weights during an evaluation than when it started."""
 
 
@@ -49,7 +50,7 @@ def dataset_rows(dataset) -> list[dict[str, Any]]:
             "has none; take a fixed number of rows with `.take(n)` and `Dataset.from_list`)"
         )
     if len(dataset) == 0:
-        raise ValueError("the eval dataset is empty: give it at least one row")
+        raise ConfigurationError("the eval dataset is empty: give it at least one row")
     return [dict(dataset[index]) for index in range(len(dataset))]
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from asyncgrpo.errors import ConfigurationError
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,7 +29,7 @@ def read_fsdp_launch(plugin) -> FsdpLaunch | None:
         return None
     offload = getattr(plugin, "cpu_offload", None)
     if type(offload).__name__ == "CPUOffloadPolicy" or getattr(offload, "offload_params", False):
-        raise ValueError(
+        raise ConfigurationError(
             "the accelerate FSDP config sets fsdp_offload_params: true, which asyncgrpo does not support "
             "(the weight sync and the packed forward need the parameters on the training device); set it to "
             "false"

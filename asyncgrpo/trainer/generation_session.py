@@ -205,7 +205,7 @@ class GenerationSession:
         """Rank 0: act on what the watch over the servers saw (trainer/server_roster.py): servers
         lost leave the run, servers back or new join it with the served weights. Raises
         ServersLostWeights for servers that need a full sync with every process to join (NCCL), and
-        ServerLossError when the run has lost more servers than it may."""
+        ServerLostError when the run has lost more servers than it may."""
         joining = self.roster.refresh(self.model_version)
         if joining:
             raise ServersLostWeights(joining)

@@ -11,6 +11,7 @@ import functools
 from typing import Any, Callable
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.harness.agent_sandbox import check_factory_before_rollouts
 from asyncgrpo.harness.loop import (
     DEFAULT_HARNESS_TIMEOUT_S,
@@ -57,17 +58,17 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
         harness_timeout_s: float = DEFAULT_HARNESS_TIMEOUT_S,
     ):
         if not callable(harness_session_factory):
-            raise ValueError(
+            raise ConfigurationError(
                 "harness_session_factory is required: a callable returning an OpenEnv "
                 "ResourceSessionFactory, e.g. functools.partial(asyncgrpo.harness.ProcessSessionFactory, "
                 "command=[...], verify=...)"
             )
         if train_dataset is None:
-            raise ValueError(
+            raise ConfigurationError(
                 "train_dataset is required: each row's 'prompt' (and columns) is a session's task"
             )
         if not harness_timeout_s > 0:
-            raise ValueError(
+            raise ConfigurationError(
                 f"harness_timeout_s={harness_timeout_s} must be > 0 (seconds a session's own code may take "
                 "per call)"
             )

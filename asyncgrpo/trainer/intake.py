@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from asyncgrpo import timeline
+from asyncgrpo.errors import TrainingError
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.packing.planner import MIN_SHARED_TOKENS, MicroBatchPlan, Placement, TokenBudgetBatcher
 from asyncgrpo.rollout.worker import RolloutWorkerPool
@@ -30,7 +31,7 @@ WAIT_LOG_INTERVAL_S = 30.0
 SERVER_CHECK_INTERVAL_S = 5.0
 
 
-class NoTrainingSignalError(RuntimeError):
+class NoTrainingSignalError(TrainingError):
     """A whole pass over the prompts produced nothing to train on."""
 
 

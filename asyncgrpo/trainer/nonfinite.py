@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from asyncgrpo.errors import TrainingError
+
 # Steps in a row with a non-finite loss or gradient norm (each skipped) before the run stops.
 MAX_NONFINITE_STEPS = 3
 
 
-class NonFiniteTrainingError(RuntimeError):
+class NonFiniteTrainingError(TrainingError):
     """Training produced inf/NaN values that must not reach the weights or the server."""
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncgrpo.durable_files import write_atomically
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.rollout.prompts import PromptOrder
 
 ROLLOUT_STATE_NAME = "rollout_state.json"
@@ -47,7 +48,7 @@ class RolloutState:
             if saved.seed is None
             else f"data_seed={saved.seed} (train_sampling_strategy='random')"
         )
-        raise ValueError(
+        raise ConfigurationError(
             f"{checkpoint} drew its prompts {saved.describe()}, this config {order.describe()}: the resume "
             "position counts prompts in the checkpoint's order, so another order would train some "
             f"prompts twice and skip others. Resume with {settings}."

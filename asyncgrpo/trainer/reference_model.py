@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.logprobs import row_logprobs
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.peft_adapters import is_peft_model
@@ -38,7 +39,7 @@ class ReferenceModel:
             return None
         if is_peft_model(model):
             if args.sync_ref_model:
-                raise ValueError(
+                raise ConfigurationError(
                     "sync_ref_model=True with a PEFT adapter: the reference is the base model (the adapter "
                     "off), so there is no reference copy to move toward the policy (TRL refuses it too). Use "
                     "sync_ref_model=False, or train without peft_config to keep a reference copy."

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.errors import ContractError
 from asyncgrpo.logprobs import row_logprobs, to_device
 from asyncgrpo.loss import LossInputs
 from asyncgrpo.losses import AlgorithmSettings, LossTotals, algorithm_loss
@@ -176,7 +177,9 @@ def row_loss(
     )
     if args.beta != 0.0:
         if step.reference is None:
-            raise ValueError("beta > 0 needs the step's reference model (StepLoss.reference, the LossMenu's)")
+            raise ContractError(
+                "beta > 0 needs the step's reference model (StepLoss.reference, the LossMenu's)"
+            )
         inputs.ref_logprobs = step.reference.row_logprobs(model, row, args.temperature)
     if args.top_entropy_quantile < 1.0:
         threshold_of = step.micro_batch_entropy_threshold

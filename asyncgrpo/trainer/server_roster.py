@@ -30,7 +30,13 @@ from typing import Callable
 
 from asyncgrpo import timeline
 from asyncgrpo.generation.background import BackgroundLoop
-from asyncgrpo.generation.client import VLLMClient, VLLMError, VLLMRequestError, parse_policy_label
+from asyncgrpo.generation.client import (
+    ServerLostError,
+    VLLMClient,
+    VLLMError,
+    VLLMRequestError,
+    parse_policy_label,
+)
 from asyncgrpo.generation.server_info import ServerInfo, server_differences
 from asyncgrpo.metrics import MetricsWindow, Reduce
 
@@ -51,8 +57,8 @@ JOIN_CHECK_TIMEOUT_S = 60.0
 LIVE, LOST, JOINING, REFUSED, LEFT = "live", "lost", "joining", "refused", "left"
 
 
-class ServerLossError(RuntimeError):
-    """The run has lost more of its servers than it may (docs/reliability.md)."""
+# The name this error had before there was one lost-server type (docs/reliability.md names it).
+ServerLossError = ServerLostError
 
 
 def read_server_list(path: str | Path) -> list[str]:
@@ -193,7 +199,7 @@ class ServerRoster:
     def refresh(self, version: int) -> list[str]:
         """Act on what the probes saw (see the module's docstring). Servers that can be given the
         served version without the model join here; the others (NCCL) are returned, for a full sync
-        with every process. Raises ServerLossError when the run has lost more than it may."""
+        with every process. Raises ServerLostError when the run has lost more than it may."""
         with self.probe.lock:
             results, listed = dict(self.probe.results), self.probe.listed
         now = time.monotonic()
@@ -377,15 +383,19 @@ class ServerRoster:
         else:
             self._none_live_since = self._none_live_since or now
             if now - self._none_live_since > self.timeout_s:
-                raise ServerLossError(
+                raise ServerLostError(
                     f"no vLLM server has been live for {now - self._none_live_since:.0f} s "
                     f"(vllm_server_timeout={self.timeout_s:g}); lost: {', '.join(lost) or 'none'}. "
-                    "Restart them (on the same URLs), or list new ones in vllm_server_urls_file"
+                    "Restart them (on the same URLs), or list new ones in vllm_server_urls_file",
+                    run_can_go_on=False,
+                    lost=tuple(lost),
                 )
         if lost and len(lost) / (len(lost) + len(live)) > self.max_lost_fraction:
-            raise ServerLossError(
+            raise ServerLostError(
                 f"{len(lost)} of {len(lost) + len(live)} vLLM servers are lost ({', '.join(lost)}): more "
-                f"than max_lost_server_fraction={self.max_lost_fraction:g} of them"
+                f"than max_lost_server_fraction={self.max_lost_fraction:g} of them",
+                run_can_go_on=False,
+                lost=tuple(lost),
             )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.teacher_client import TeacherClient
 from asyncgrpo.rollout.teacher import TEACHER_ID_COLUMN
 
@@ -37,13 +38,13 @@ def check_teacher_ids(train_dataset, teacher_ids: list[str]) -> None:
     if len(teacher_ids) < 2 or not hasattr(train_dataset, "__len__") or names is None:
         return
     if TEACHER_ID_COLUMN not in names:
-        raise ValueError(
+        raise ConfigurationError(
             f"teacher_server_urls has {len(teacher_ids)} teachers ({', '.join(teacher_ids)}) but the dataset "
             f"has no {TEACHER_ID_COLUMN!r} column to say which one scores each row"
         )
     unknown = sorted({str(value) for value in train_dataset[TEACHER_ID_COLUMN]} - set(teacher_ids))
     if unknown:
-        raise ValueError(
+        raise ConfigurationError(
             f"dataset rows name teachers that teacher_server_urls does not have: {unknown} (it has "
             f"{', '.join(teacher_ids)})"
         )
@@ -62,7 +63,7 @@ def check_teacher_tokenizers(tokenizer, student: str, args) -> None:
                 (i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b),
                 min(len(tokens), len(expected)),
             )
-            raise ValueError(
+            raise ConfigurationError(
                 f"teacher {teacher_id!r} at {url} serves {model}, whose tokenizer is not the student's "
                 f"({student}): the same text gives {len(tokens)} tokens there and {len(expected)} here, "
                 f"first differing at token {first}. A teacher must share the student's tokenizer (samples "

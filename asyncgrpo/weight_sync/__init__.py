@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from asyncgrpo.config import WEIGHT_SYNC_BACKENDS
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.server_info import ServerInfo
 from asyncgrpo.generation.vllm_worker_extension import WORKER_EXTENSION
 from asyncgrpo.models import is_moe
@@ -38,12 +39,12 @@ def choose_backend(
     if requested == "auto":
         return "nccl" if server_has_nccl and trainer_on_gpu else "filesystem"
     if requested == SharedMemoryWeightSync.name and shared_memory_refusal is not None:
-        raise ValueError(
+        raise ConfigurationError(
             f"weight_sync_backend='shared_memory' cannot be used: {shared_memory_refusal}; use "
             "weight_sync_backend='filesystem' (or 'auto')"
         )
     if requested == "nccl" and info is not None and not server_has_nccl:
-        raise ValueError(
+        raise ConfigurationError(
             "weight_sync_backend='nccl' but the vLLM server was not started with the NCCL engine: serve with "
             '--weight-transfer-config \'{"backend": "nccl"}\' (`asyncgrpo serve` does on GPU)'
         )
@@ -75,14 +76,14 @@ def make_weight_sync(
             # Older servers join through a TCP store the trainer would host: unauthenticated, and what
             # the servers read from it they unpickle, so anyone who reaches its port could run code
             # on them. That path is not offered (docs/security.md).
-            raise ValueError(
+            raise ConfigurationError(
                 f"weight_sync_backend='nccl' needs vLLM >= {MIN_NCCL_VLLM[0]}.{MIN_NCCL_VLLM[1]} on the "
                 f"servers (the NCCL id then travels only in the authenticated HTTP call); the server runs "
                 f"vLLM {version}: upgrade it, or use weight_sync_backend='filesystem'"
             )
         logger.info("weight sync: NCCL broadcast to the vLLM workers")
         return NcclWeightSync(client, loop, NcclTransport(), timeout_s)
-    raise ValueError(f"unknown weight-sync backend {backend!r} (one of {WEIGHT_SYNC_BACKENDS})")
+    raise ConfigurationError(f"unknown weight-sync backend {backend!r} (one of {WEIGHT_SYNC_BACKENDS})")
 
 
 def make_sender(
@@ -122,7 +123,7 @@ def check_moe_reload(info: ServerInfo | None, model) -> None:
         return
     if not is_moe(model.config):
         return
-    raise ValueError(
+    raise ConfigurationError(
         "the vLLM server runs on CPU and the model has routed experts, but the server was started without "
         "asyncgrpo's worker extension: vLLM-CPU's weight reload leaves fused expert weights unpacked, and "
         "after the first weight sync the server would sample from corrupted weights. Restart it with "

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.client import VLLMRequestError, policy_adapter_name, policy_label
 from asyncgrpo.generation.server import SERVABLE_LORA_RANKS, serving_lora_rank
 from asyncgrpo.generation.server_info import ServerInfo
@@ -49,7 +50,7 @@ def check_lora_server(max_rank: int, max_loras: int, url: str, rank: int, max_st
             "versions stay loaded, and each sync loads the next one before unloading the oldest)"
         )
     if problems:
-        raise ValueError(
+        raise ConfigurationError(
             f"the vLLM server at {url} runs with --enable-lora, but "
             + "; ".join(problems)
             + ". Restart it with "

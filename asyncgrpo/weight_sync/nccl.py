@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from asyncgrpo.errors import WeightSyncError
 from asyncgrpo.generation.client import VLLMRequestError, VLLMUnavailableError, policy_label
 from asyncgrpo.sharded import full_tensor
 from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_tensors
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 CLEANUP_TIMEOUT_S = 10.0
 
 
-class WeightTransferError(RuntimeError):
+class WeightTransferError(WeightSyncError):
     pass
 
 

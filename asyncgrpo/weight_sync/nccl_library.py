@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from asyncgrpo.errors import WeightSyncError
+
 NCCL_UNIQUE_ID_BYTES = 128
 _IN_PROGRESS = 7  # ncclInProgress
 _SUM = 0  # ncclSum
@@ -35,7 +37,7 @@ _DATA_TYPES = {  # ncclDataType_t
 }
 
 
-class NcclError(RuntimeError):
+class NcclError(WeightSyncError):
     pass
 
 

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from asyncgrpo.errors import WeightSyncError
 from asyncgrpo.weight_sync.nccl_library import NcclCommunicator, NcclLibrary
 
 
@@ -42,7 +43,7 @@ class BroadcastTransport(Protocol):
 class NcclTransport:
     def __init__(self, library: NcclLibrary | None = None):
         if not torch.cuda.is_available():
-            raise RuntimeError(
+            raise WeightSyncError(
                 "NCCL weight sync needs a CUDA GPU on the trainer; use weight_sync_backend='filesystem'"
             )
         self.library = library or NcclLibrary()
