@@ -201,7 +201,7 @@ def test_bad_rows_later_in_the_dataset_are_skipped_and_counted(vllm_server, tiny
     # The epoch can end while a good prompt of it is still in flight (a prompt of the next epoch that
     # had nothing to train counts toward it), so look at the bad rows' own stream positions.
     order = epoch_order(len(dataset), args.seed, 0).tolist()
-    watermark, resolved_ahead = trainer._ledger.state()
+    watermark, resolved_ahead = trainer._run.ledger.state()
     for bad_row in (3, 6):
         position = order.index(bad_row)
         assert position < watermark or position in resolved_ahead, (

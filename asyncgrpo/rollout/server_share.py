@@ -15,6 +15,7 @@ import logging
 import queue
 from typing import Callable
 
+from asyncgrpo.config.server import starting_servers
 from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.channels import WorkerChannels
@@ -30,7 +31,11 @@ SERVERS_POLL_INTERVAL_S = 0.25
 
 def initial_servers(channels: WorkerChannels, configured: list[str]) -> list[str]:
     """The worker's share of the servers live when it was made (the config's without a trainer)."""
-    return worker_servers(channels.server_urls or configured, channels.worker_index, channels.num_workers)
+    return worker_servers(
+        starting_servers(configured, handed=channels.server_urls or ()),
+        channels.worker_index,
+        channels.num_workers,
+    )
 
 
 class ServerShare:

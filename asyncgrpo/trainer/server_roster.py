@@ -25,10 +25,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from asyncgrpo import timeline
+from asyncgrpo.config.server import read_server_list
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, VLLMError, VLLMRequestError, parse_policy_label
 from asyncgrpo.generation.server_info import ServerInfo, server_differences
@@ -53,21 +53,6 @@ LIVE, LOST, JOINING, REFUSED, LEFT = "live", "lost", "joining", "refused", "left
 
 class ServerLossError(RuntimeError):
     """The run has lost more of its servers than it may (docs/reliability.md)."""
-
-
-def read_server_list(path: str | Path) -> list[str]:
-    """The URLs a server list file names, one per line, in order ('#' starts a comment). A file
-    not there yet names none: the servers may not have written it."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return []
-    urls = []
-    for line in text.splitlines():
-        url = line.split("#", 1)[0].strip().rstrip("/")
-        if url and url not in urls:
-            urls.append(url)
-    return urls
 
 
 @dataclass
