@@ -233,8 +233,9 @@ def test_one_epoch_ends_training_once_every_prompt_is_counted(vllm_server, tiny_
     output = trainer.train()
     assert output.global_step >= 1
     assert trainer._run.ledger.epoch_prompts >= 6 and trainer.state.epoch >= 1.0
-    watermark, resolved_after = trainer._run.ledger.state()
-    assert watermark + len(resolved_after) >= trainer._run.ledger.epoch_prompts, "a counted prompt is resolved"
+    ledger = trainer._run.ledger
+    watermark, resolved_after = ledger.state()
+    assert watermark + len(resolved_after) >= ledger.epoch_prompts, "a counted prompt is resolved"
 
 
 class EpochEnds(TrainerCallback):
