@@ -15,8 +15,8 @@ import logging
 import queue
 from typing import Callable
 
-from asyncgrpo.config.server import starting_servers
 from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
+from asyncgrpo.generation.server_list import starting_servers
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.concurrency import RolloutSlots, initial_cap, next_cap, rescaled_cap

@@ -3,7 +3,7 @@
 A rollout worker (spawned process) generates and scores groups against vLLM while this loop trains.
 Here: the TRL surface, the transformers overrides and the step (`_train_step`, read top to bottom).
 A train() call's state and parts are its per-run object (`TrainingRun`, trainer/training_run.py;
-docs/architecture.md, "The trainer's parts"). Logging, checkpointing and callbacks go through the
+docs/architecture.md, "The trainer's modules"). Logging, checkpointing and callbacks go through the
 base Trainer's machinery, so `report_to`, `save_strategy`, `resume_from_checkpoint` and user
 callbacks behave as usual.
 """
@@ -202,27 +202,19 @@ class AsyncGRPOTrainer(Trainer):
     def _reads_tool_calls(self) -> bool:
         """The built-in tool loop (or the agent harness) reads the calls; a loop_cls with its own
         generate_one may read them itself, and the worker refuses an unreadable format if it does not."""
-        return (
-            self._agent_loop or getattr(self.loop_cls, "generate_one", None) is AsyncRolloutLoop.generate_one
-        )
+        built_in = getattr(self.loop_cls, "generate_one", None) is AsyncRolloutLoop.generate_one
+        return self._agent_loop or built_in
 
     def _rollout_inputs(self) -> RolloutInputs:
         """What the rollout loops (training's workers, the evaluator) are built from."""
-        eos = eos_token_ids(self.model, self.processing_class)
-        reward_funcs, tools = self.reward_funcs, self.tools
+        eos, tools = eos_token_ids(self.model, self.processing_class), self.tools
         return RolloutInputs(
-            self.loop_cls, reward_funcs, self.processing_class, eos, tools, self.environment_factory
-        )
-
-    def _session_inputs(self) -> SessionInputs:
-        """What the run's generation session opens with."""
-        return SessionInputs(
-            self.args, self.model, self._rollout_inputs(), self.train_dataset, self.streaming
+            self.loop_cls, self.reward_funcs, self.processing_class, eos, tools, self.environment_factory
         )
 
     # -- transformers.Trainer overrides. Private ones: `_inner_training_loop`, `_save_checkpoint`,
     # `_load_from_checkpoint` and `_load_best_model` (and `_tag_names` above); the others, and the base
-    # methods they call, are listed in docs/architecture.md ("The trainer's parts").
+    # methods they call, are listed in docs/architecture.md ("The trainer's modules").
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
         """`Trainer.train`, with SIGTERM (`kill`, a scheduler's timeout) unwinding like Ctrl-C: the
@@ -249,9 +241,10 @@ class AsyncGRPOTrainer(Trainer):
         started, first_step = time.time(), self.state.global_step
         try:
             with timeline.span("open generation session"):
-                run.session.open(
-                    self._session_inputs(), run.ledger, stop_condition=lambda: self._should_stop(args)
+                inputs = SessionInputs(
+                    args, self.model, self._rollout_inputs(), self.train_dataset, self.streaming
                 )
+                run.session.open(inputs, run.ledger, stop_condition=lambda: self._should_stop(args))
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             # The servers run exactly the weights training starts from.
             run.session.sync_weights(self.accelerator.unwrap_model(model))
@@ -274,11 +267,17 @@ class AsyncGRPOTrainer(Trainer):
             self._finish(model, trial, epochs, ended_before_max_steps=not self.control.should_training_stop)
         finally:
             run.close()
-        metrics = run.metrics.run_totals(time.time() - started, self.state.global_step - first_step)
+        runtime, steps = time.time() - started, self.state.global_step - first_step
+        train_loss = run.metrics.train_loss_sum / max(steps, 1)
+        metrics = {
+            "train_runtime": runtime,
+            "train_steps_per_second": steps / max(runtime, 1e-9),
+            "train_loss": train_loss,
+        }
         self._memory_tracker.stop_and_update_metrics(metrics)  # skip_memory_metrics=False: as the base loop
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+        return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def _finish(self, model, trial, epochs: EpochCallbacks, ended_before_max_steps: bool) -> None:
         """The end of training: the last epoch closed, what the schedule gives the last step (as at

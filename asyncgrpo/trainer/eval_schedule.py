@@ -16,9 +16,9 @@ import time
 from typing import Any, Callable
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.config.server import starting_servers
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.generation.server_list import starting_servers
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.trainer.distributed import Processes
 from asyncgrpo.trainer.evaluator import Evaluator, dataset_rows

@@ -18,10 +18,10 @@ import torch
 
 from asyncgrpo import timeline
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.config.server import starting_servers
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
 from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode, check_routing_replay
+from asyncgrpo.generation.server_list import starting_servers
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.advantages import scale_over_batch
 from asyncgrpo.rollout.chat import render_prompt_ids

@@ -6,7 +6,7 @@ run's `TrainingRun` (trainer/training_run.py) from explicit inputs: the prompt l
 the checkpoints, the generation session, the evaluation schedule, the rows' pass and rank 0's
 timeline. `prepare_model` makes the model to train and its optimizer through transformers' own
 machinery (the base Trainer's, as trainer/checkpoint.py does). docs/architecture.md, "The trainer's
-parts".
+modules".
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from transformers import Trainer
 
 from asyncgrpo.checkpoints.layout import choose_layout, is_sharded
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.config.server import starting_servers
+from asyncgrpo.generation.server_list import starting_servers
 from asyncgrpo.run_lock import DirectoryInUseError, OwnerLock
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
 from asyncgrpo.trainer.checkpoint import ResumePoint, load_sharded_checkpoint, load_sharded_optimizer

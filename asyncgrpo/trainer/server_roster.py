@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from asyncgrpo import timeline
-from asyncgrpo.config.server import read_server_list
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, VLLMError, VLLMRequestError, parse_policy_label
 from asyncgrpo.generation.server_info import ServerInfo, server_differences
+from asyncgrpo.generation.server_list import read_server_list
 from asyncgrpo.metrics import MetricsWindow, Reduce
 
 logger = logging.getLogger(__name__)

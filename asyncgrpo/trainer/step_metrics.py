@@ -110,14 +110,6 @@ class StepMetrics:
             self.recent_samples = (self.recent_samples + batch.samples)[-RECENT_SAMPLES_KEPT:]
         return forwarded, padded
 
-    def run_totals(self, runtime_s: float, steps: int) -> dict[str, float]:
-        """The figures the base Trainer's loop logs at the end of a run of `steps` steps."""
-        return {
-            "train_runtime": runtime_s,
-            "train_steps_per_second": steps / max(runtime_s, 1e-9),
-            "train_loss": self.train_loss_sum / max(steps, 1),
-        }
-
     def flush(self) -> dict[str, float]:
         """The window's values to log (a value with nothing behind it, NaN, is left out); the window
         starts over."""

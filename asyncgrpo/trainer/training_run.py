@@ -6,7 +6,7 @@ run's parts, each with explicit inputs: the processes, the prompt ledger, the st
 checkpoints, the generation session, the evaluation schedule, the rows' pass through the model and
 rank 0's timeline; and the two
 counters of the run: the step whose weights the servers run, and the non-finite steps in a row.
-docs/architecture.md, "The trainer's parts".
+docs/architecture.md, "The trainer's modules".
 """
 
 from __future__ import annotations
