@@ -246,9 +246,7 @@ class AsyncGRPOTrainer(Trainer):
                 )
                 run.session.open(inputs, run.ledger, stop_condition=lambda: self._should_stop(args))
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-            # The servers run exactly the weights training starts from.
-            run.session.sync_weights(self.accelerator.unwrap_model(model))
-            run.served_step = self.state.global_step
+            run.serve_starting_weights(self.accelerator.unwrap_model(model), self.state.global_step)
             with timeline.span("wait for rollout worker"):
                 run.session.start_rollouts(ready_timeout=args.vllm_server_timeout + 300)
             run.evaluations.open()

@@ -47,6 +47,11 @@ class TrainingRun:
     served_step: int = -1  # the global step whose weights the servers run (-1: not pushed yet)
     nonfinite_streak: int = 0  # steps skipped in a row for a non-finite loss or gradient norm
 
+    def serve_starting_weights(self, model: torch.nn.Module, step: int) -> None:
+        """The servers run exactly the weights training starts from (`step`'s), as the current version."""
+        self.session.sync_weights(model)
+        self.served_step = step
+
     def push_weights(self, model: torch.nn.Module, step: int) -> None:
         """A new policy version, pushed to the servers (every process): `model`'s weights (unwrapped),
         those of global step `step`."""
