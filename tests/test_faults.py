@@ -44,7 +44,6 @@ from worker_side import (  # noqa: E402 (what the rollout worker imports: tests/
     token_parity_reward,
 )
 
-import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
 import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
 import asyncgrpo.trainer.loss_menu as loss_menu_module  # noqa: E402 (its row_loss: what the loop calls)
 from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
@@ -55,6 +54,7 @@ from asyncgrpo.rollout.worker import RolloutWorkerError  # noqa: E402
 from asyncgrpo.run_lock import DirectoryInUseError  # noqa: E402
 from asyncgrpo.trainer.held_samples import load_held_samples  # noqa: E402
 from asyncgrpo.trainer.intake import SampleIntake  # noqa: E402
+from asyncgrpo.trainer.nonfinite import NonFiniteTrainingError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 FAULT_TRAIN = Path(__file__).with_name("fault_train.py")
@@ -166,7 +166,7 @@ def test_three_nonfinite_steps_in_a_row_stop_the_run(vllm_server, tiny_model_dir
     args = make_config(vllm_server, tmp_path, max_steps=6)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
     before = server_greedy(vllm_server.url)
-    with pytest.raises(trainer_module.NonFiniteTrainingError, match="3 steps in a row"):
+    with pytest.raises(NonFiniteTrainingError, match="3 steps in a row"):
         trainer.train()
     assert server_greedy(vllm_server.url) == before == hf_greedy(trainer.model.eval())
     assert np.all(np.isfinite(server_logprobs(vllm_server.url)))
