@@ -53,7 +53,7 @@ from asyncgrpo.rollout.prompts import epoch_order  # noqa: E402
 from asyncgrpo.rollout.worker import RolloutWorkerError  # noqa: E402
 from asyncgrpo.run_lock import DirectoryInUseError  # noqa: E402
 from asyncgrpo.trainer.held_samples import load_held_samples  # noqa: E402
-from asyncgrpo.trainer.intake import SampleIntake  # noqa: E402
+from asyncgrpo.trainer.intake import SampleIntake, StepBatch  # noqa: E402
 from asyncgrpo.trainer.nonfinite import NonFiniteTrainingError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -228,9 +228,10 @@ def record_trained(monkeypatch) -> list[tuple[int, str]]:
     original = SampleIntake.next_step
 
     def recording(self, *args, **kwargs):
-        batch = original(self, *args, **kwargs)
-        trained.extend((sample.stream_index, sample.rollout_id) for sample in batch.samples)
-        return batch
+        outcome = original(self, *args, **kwargs)  # a batch, or what interrupted taking one
+        if isinstance(outcome, StepBatch):
+            trained.extend((sample.stream_index, sample.rollout_id) for sample in outcome.samples)
+        return outcome
 
     monkeypatch.setattr(SampleIntake, "next_step", recording)
     return trained
