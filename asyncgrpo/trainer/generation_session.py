@@ -339,7 +339,7 @@ class GenerationSession:
 
 
 def first_servers(args: AsyncGRPOConfig) -> list[str]:
-    """The servers the run starts with (config/server.py, `starting_servers`); with no
+    """The servers the run starts with (generation/server_list.py, `starting_servers`); with no
     vllm_server_base_url, those vllm_server_urls_file lists once it lists one (within
     vllm_server_timeout)."""
     deadline = time.monotonic() + args.vllm_server_timeout
