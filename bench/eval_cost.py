@@ -43,7 +43,7 @@ class BlockingEvalTrainer(AsyncGRPOTrainer):
 
     def _start_eval(self, trial) -> None:
         super()._start_eval(trial)
-        self._join_eval(trial)
+        self._run.evaluations.join(trial)
 
 
 def prompts(n: int, offset: int = 0) -> Dataset:

@@ -233,7 +233,7 @@ def timed_steps(trainer, plans, repeats: int, warmup: int, label: str = "") -> f
 
 def memory_plan(trainer) -> dict:
     """What the row memory plans chose since the last call (a mean over rows; None off CUDA)."""
-    window = trainer._metrics.window.summarize()
+    window = trainer._run.metrics.window.summarize()
     return {
         "checkpointed_layers": window.get("perf/checkpointed_layers"),
         "head_logits_kept": window.get("perf/head_logits_kept"),
@@ -245,7 +245,7 @@ def activation_probe(trainer, plans) -> dict:
     measured (peak allocated above the memory held between steps, less the gradients, which the
     planner counts apart) against the planner's estimate for its largest row
     (trainer/activation_memory.py; the estimate includes its safety factor)."""
-    fit = trainer._fit_checkpointing
+    fit = trainer._run.rows.fit_checkpointing
     if fit is None or not torch.cuda.is_available():
         return {}
 
@@ -308,9 +308,9 @@ def measure_variant(name, overrides, fused, args, peak, out_dir) -> dict:
 def _measure_variant(name, overrides, fused, args, peak, out_dir) -> dict:
     set_fused(fused)
     trainer = make_trainer(overrides, args.smoke, out_dir)
-    if name == "recomputed-head-logits" and trainer._fit_checkpointing is not None:
-        plan_row = trainer._fit_checkpointing.before_row
-        trainer._fit_checkpointing.before_row = lambda *row: dataclasses.replace(
+    if name == "recomputed-head-logits" and trainer._run.rows.fit_checkpointing is not None:
+        plan_row = trainer._run.rows.fit_checkpointing.before_row
+        trainer._run.rows.fit_checkpointing.before_row = lambda *row: dataclasses.replace(
             plan_row(*row), keep_logits=False
         )
     vocab = trainer._model.config.vocab_size
@@ -622,7 +622,7 @@ def memory_sweep(args, out_dir, deadline: float) -> list[dict]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        trainer._metrics.window.summarize()  # start with an empty window
+        trainer._run.metrics.window.summarize()  # start with an empty window
         try:
             started = time.perf_counter()
             step(trainer, plans)

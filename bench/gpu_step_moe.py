@@ -97,7 +97,7 @@ def measure(name: str, model, trainer, plans, flops, peak: float, args) -> dict:
         "mfu": plan_flops(flops, rows) / seconds / peak, "row_tokens": [r.num_tokens for r in rows],
         "wall_s": time.perf_counter() - started,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
-        "checkpointed_layers": trainer._metrics.window.summarize().get("perf/checkpointed_layers"),
+        "checkpointed_layers": trainer._run.metrics.window.summarize().get("perf/checkpointed_layers"),
     }  # fmt: skip
     log(f"variant {json.dumps(result)}")
     result["profile"] = profile(trainer, plans, f"{name} step")

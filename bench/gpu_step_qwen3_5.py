@@ -152,7 +152,7 @@ def measure(trainer, plans, flops, peak: float, args, warmup: int, label: str) -
         "mfu": plan_flops(flops, rows) / seconds / peak, "model_flops": plan_flops(flops, rows),
         "unpacked_tok_s": unpacked / seconds, "forwarded_tok_s": forwarded / seconds,
         "packing_ratio": unpacked / forwarded, "peak_memory_gb": peak_memory_gb(),
-        "checkpointed_layers": trainer._metrics.window.summarize().get("perf/checkpointed_layers"),
+        "checkpointed_layers": trainer._run.metrics.window.summarize().get("perf/checkpointed_layers"),
     }  # fmt: skip
 
 

@@ -68,7 +68,7 @@ def run_segment(work: Path, url: str, model: str, segment: int, resume: bool) ->
     from transformers import TrainerCallback
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.trainer.intake import SampleIntake
+    from asyncgrpo.trainer.intake import SampleIntake, StepBatch
     from asyncgrpo.trainer.prompt_ledger import PromptLedger
 
     record = open(work / f"record-{segment}.jsonl", "a", buffering=1)  # noqa: SIM115 - for the run's life
@@ -91,10 +91,10 @@ def run_segment(work: Path, url: str, model: str, segment: int, resume: bool) ->
         return sample_done(self, stream_index, trained)
 
     def recording_next_step(self, *args, **kwargs):
-        batch = next_step(self, *args, **kwargs)
-        for sample in batch.samples:
+        outcome = next_step(self, *args, **kwargs)  # a batch, or what interrupted taking one
+        for sample in outcome.samples if isinstance(outcome, StepBatch) else []:
             note(e="trained", i=int(sample.stream_index), r=sample.rollout_id)
-        return batch
+        return outcome
 
     PromptLedger.add_group, PromptLedger.sample_done = recording_add_group, recording_sample_done
     SampleIntake.next_step = recording_next_step

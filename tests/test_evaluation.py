@@ -221,7 +221,7 @@ def test_evaluations_run_at_the_schedule_with_the_weights_of_their_step(
     assert measured[2]["eval_reward"] != measured[1]["eval_reward"], "the negated head moved it"
     # The training run never saw an eval prompt (first_token_reward would have failed the worker), and
     # the prompt ledger counts training prompts only.
-    assert trainer._ledger.epoch_prompts <= 40
+    assert trainer._run.ledger.epoch_prompts <= 40
 
 
 class EpochEnds(TrainerCallback):

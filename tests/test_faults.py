@@ -44,7 +44,6 @@ from worker_side import (  # noqa: E402 (what the rollout worker imports: tests/
     token_parity_reward,
 )
 
-import asyncgrpo.trainer.async_grpo_trainer as trainer_module  # noqa: E402
 import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
 import asyncgrpo.trainer.loss_menu as loss_menu_module  # noqa: E402 (its row_loss: what the loop calls)
 from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
@@ -54,7 +53,8 @@ from asyncgrpo.rollout.prompts import epoch_order  # noqa: E402
 from asyncgrpo.rollout.worker import RolloutWorkerError  # noqa: E402
 from asyncgrpo.run_lock import DirectoryInUseError  # noqa: E402
 from asyncgrpo.trainer.held_samples import load_held_samples  # noqa: E402
-from asyncgrpo.trainer.intake import SampleIntake  # noqa: E402
+from asyncgrpo.trainer.intake import SampleIntake, StepBatch  # noqa: E402
+from asyncgrpo.trainer.nonfinite import NonFiniteTrainingError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 FAULT_TRAIN = Path(__file__).with_name("fault_train.py")
@@ -166,7 +166,7 @@ def test_three_nonfinite_steps_in_a_row_stop_the_run(vllm_server, tiny_model_dir
     args = make_config(vllm_server, tmp_path, max_steps=6)
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts())
     before = server_greedy(vllm_server.url)
-    with pytest.raises(trainer_module.NonFiniteTrainingError, match="3 steps in a row"):
+    with pytest.raises(NonFiniteTrainingError, match="3 steps in a row"):
         trainer.train()
     assert server_greedy(vllm_server.url) == before == hf_greedy(trainer.model.eval())
     assert np.all(np.isfinite(server_logprobs(vllm_server.url)))
@@ -201,7 +201,7 @@ def test_bad_rows_later_in_the_dataset_are_skipped_and_counted(vllm_server, tiny
     # The epoch can end while a good prompt of it is still in flight (a prompt of the next epoch that
     # had nothing to train counts toward it), so look at the bad rows' own stream positions.
     order = epoch_order(len(dataset), args.seed, 0).tolist()
-    watermark, resolved_ahead = trainer._ledger.state()
+    watermark, resolved_ahead = trainer._run.ledger.state()
     for bad_row in (3, 6):
         position = order.index(bad_row)
         assert position < watermark or position in resolved_ahead, (
@@ -228,9 +228,10 @@ def record_trained(monkeypatch) -> list[tuple[int, str]]:
     original = SampleIntake.next_step
 
     def recording(self, *args, **kwargs):
-        batch = original(self, *args, **kwargs)
-        trained.extend((sample.stream_index, sample.rollout_id) for sample in batch.samples)
-        return batch
+        outcome = original(self, *args, **kwargs)  # a batch, or what interrupted taking one
+        if isinstance(outcome, StepBatch):
+            trained.extend((sample.stream_index, sample.rollout_id) for sample in outcome.samples)
+        return outcome
 
     monkeypatch.setattr(SampleIntake, "next_step", recording)
     return trained

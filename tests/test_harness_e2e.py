@@ -566,9 +566,9 @@ class RecordingTrainer(HarnessAsyncGRPOTrainer):
     """Keeps every sample the trainer takes."""
 
     def _wait_for_samples(self, model):
-        batch = super()._wait_for_samples(model)
-        self.taken = getattr(self, "taken", []) + list(batch.samples)
-        return batch
+        outcome = super()._wait_for_samples(model)  # the step's batch, or TrainingComplete
+        self.taken = getattr(self, "taken", []) + list(getattr(outcome, "samples", []))
+        return outcome
 
 
 def trained_segments(sample) -> list[tuple[int, int]]:

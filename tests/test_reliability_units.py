@@ -293,12 +293,12 @@ def intake_fed(tops_and_samples, prompts=4, stop_when_saturated=True):
 
 
 def verdict_of(intake):
-    """Check progress as the intake does while waiting: what it raises, or None."""
+    """Check progress as the intake does while waiting: what it returns (TrainingComplete) or raises,
+    or None."""
     try:
-        intake._check_progress_possible()
+        return intake._check_progress_possible()
     except Exception as error:  # the verdict under test
         return error
-    return None
 
 
 def drain_a_pass(tops_and_samples, prompts=4, stop_when_saturated=True):

@@ -467,7 +467,6 @@ def test_load_best_model_at_end_reads_a_sharded_best_checkpoint(tiny_model_dir, 
             for parameter in trainer.model.parameters():
                 parameter.add_(1.0)  # the training after the best checkpoint
         trainer.state.best_model_checkpoint = str(tmp_path / "checkpoint-2")
-        trainer._processes = Processes(1, 0)
         trainer._load_best_model()
     finally:
         trainer.callback_handler.on_train_end(args, trainer.state, trainer.control)

@@ -213,7 +213,7 @@ def test_training_steps_change_the_weights_the_server_runs_and_log_the_documente
     assert 0.0 <= first["frac_zero_std_groups"] <= 1.0
     # skip_memory_metrics=False: the base Trainer's memory metrics close the run, as its own loop does.
     assert "train_mem_cpu_alloc_delta" in trainer.state.log_history[-1]
-    assert not trainer._session.mismatch_watch.warned  # a float32 server agrees with the trainer
+    assert not trainer._run.session.mismatch_watch.warned  # a float32 server agrees with the trainer
     # Every step logs its loss (a step's window may hold no finished group, so no reward, on a busy machine).
     metrics = [entry for entry in tracker.logged if "train/loss" in entry]
     tables = [entry["completions"] for entry in tracker.logged if "completions" in entry]
@@ -232,9 +232,10 @@ def test_one_epoch_ends_training_once_every_prompt_is_counted(vllm_server, tiny_
     trainer = AsyncGRPOTrainer(str(tiny_model_dir), token_parity_reward, args, train_dataset=prompts(6))
     output = trainer.train()
     assert output.global_step >= 1
-    assert trainer._ledger.epoch_prompts >= 6 and trainer.state.epoch >= 1.0
-    watermark, resolved_after = trainer._ledger.state()
-    assert watermark + len(resolved_after) >= trainer._ledger.epoch_prompts, "a counted prompt is resolved"
+    assert trainer._run.ledger.epoch_prompts >= 6 and trainer.state.epoch >= 1.0
+    ledger = trainer._run.ledger
+    watermark, resolved_after = ledger.state()
+    assert watermark + len(resolved_after) >= ledger.epoch_prompts, "a counted prompt is resolved"
 
 
 class EpochEnds(TrainerCallback):
@@ -264,7 +265,7 @@ def test_an_epoch_whose_last_prompts_bring_no_step_ends_whole(vllm_server, tiny_
     trainer.train()
     assert trainer.state.global_step == 0, "4 samples of one prompt fill no step of token_budget=256"
     # (A prompt of the next epoch may have been consumed too: it counts toward the epoch figure.)
-    assert trainer._ledger.epoch_prompts >= 6
+    assert trainer._run.ledger.epoch_prompts >= 6
     assert ends.epochs == [trainer.state.epoch] and trainer.state.epoch >= 1.0
 
 

@@ -257,6 +257,7 @@ def test_vision_language_checkpoint_trains_on_text(tmp_path):
 def test_resuming_an_iterable_dataset_warns_that_it_restarts_from_the_first_prompt(
     tiny_model_dir, tmp_path, caplog
 ):
+    from asyncgrpo.trainer.checkpoint import start_trainer_state
     from asyncgrpo.trainer.prompt_ledger import RolloutState
 
     checkpoint = tmp_path / "checkpoint-3"
@@ -269,7 +270,7 @@ def test_resuming_an_iterable_dataset_warns_that_it_restarts_from_the_first_prom
         str(tiny_model_dir), some_reward, args, train_dataset=conversational().to_iterable_dataset()
     )
     with caplog.at_level("WARNING"):
-        state = trainer._restore_state(trainer.args, str(checkpoint)).rollout
+        state = start_trainer_state(trainer, trainer.args, str(checkpoint), trainer.streaming).rollout
     assert "cannot be repositioned" in caplog.text
     assert (state.first_untrained_index, state.consumed_after, state.model_version) == (0, [], 3)
 

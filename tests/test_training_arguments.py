@@ -279,20 +279,21 @@ def test_torch_compile_mode_and_backend_reach_the_compiled_layers(monkeypatch):
     import torch
 
     from asyncgrpo.cli.tiny_model import build_model, build_tokenizer
-    from asyncgrpo.trainer.compile import compile_decoder_layers, layer_compile_options
+    from asyncgrpo.trainer.compile import compile_decoder_layers, take_compile_options
 
     args = AsyncGRPOConfig(
         "x", report_to="none", torch_compile_mode="max-autotune-no-cudagraphs", torch_compile_backend="eager"
     )
     assert args.torch_compile
-    options = layer_compile_options(args)
+    options = take_compile_options(args)
     assert options == {"mode": "max-autotune-no-cudagraphs", "backend": "eager"}
+    assert not args.torch_compile, "taken off the trainer's args: the base Trainer compiles nothing"
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.append(kwargs))
     model = build_model(build_tokenizer())
     assert compile_decoder_layers(model, **options) == len(compiled) > 0
     assert all(kwargs == {"dynamic": True, **options} for kwargs in compiled)
-    assert layer_compile_options(AsyncGRPOConfig("x", report_to="none", torch_compile=False)) is None
+    assert take_compile_options(AsyncGRPOConfig("x", report_to="none", torch_compile=False)) is None
 
 
 def configuration_page_rows(section: str) -> dict[str, str]:

@@ -16,6 +16,7 @@ import queue
 from typing import Callable
 
 from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
+from asyncgrpo.generation.server_list import starting_servers
 from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.concurrency import RolloutSlots, initial_cap, next_cap, rescaled_cap
@@ -30,7 +31,11 @@ SERVERS_POLL_INTERVAL_S = 0.25
 
 def initial_servers(channels: WorkerChannels, configured: list[str]) -> list[str]:
     """The worker's share of the servers live when it was made (the config's without a trainer)."""
-    return worker_servers(channels.server_urls or configured, channels.worker_index, channels.num_workers)
+    return worker_servers(
+        starting_servers(configured, handed=channels.server_urls or ()),
+        channels.worker_index,
+        channels.num_workers,
+    )
 
 
 class ServerShare:

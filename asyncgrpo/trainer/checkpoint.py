@@ -228,14 +228,27 @@ def read_resume_point(checkpoint: str, streaming: bool) -> ResumePoint:
     return ResumePoint(rollout, load_held_samples(checkpoint), AlgorithmState.load(checkpoint))
 
 
-def restore_trainer_state(trainer: Trainer, checkpoint: str, max_steps: int) -> None:
-    """The checkpoint's trainer state and callback states, when it has them (the step count, the log
-    history, what stateful callbacks saved); the run's `max_steps` stays."""
+def start_trainer_state(trainer: Trainer, args, checkpoint: str | None, streaming: bool) -> ResumePoint:
+    """The trainer state of a train() call, fresh or the checkpoint's (the step count, the log history,
+    what stateful callbacks saved; the run's `max_steps` stays), and the checkpoint's resume point."""
+    max_steps = args.max_steps if args.max_steps > 0 else 2**62  # epochs end training (_should_stop)
+    callbacks = trainer.callback_handler.callbacks + [trainer.control]
+    trainer.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if hasattr(cb, "state")])
+    trainer.state.train_batch_size = trainer._train_batch_size
+    trainer.state.max_steps = max_steps
+    trainer.state.compute_steps(args, max_steps)
+    if checkpoint is None:
+        return ResumePoint()
     state_file = Path(checkpoint) / TRAINER_STATE_FILE
     if state_file.exists():
         trainer.state = TrainerState.load_from_json(str(state_file))
         trainer.state.max_steps = max_steps
         trainer._load_callback_state()
+    resume = read_resume_point(checkpoint, streaming)
+    if not streaming:
+        # The prompt order (data_seed, train_sampling_strategy) must be the checkpoint's.
+        resume.rollout.check_prompt_order(PromptOrder.of(args), checkpoint)
+    return resume
 
 
 def load_sharded_optimizer(trainer: Trainer, checkpoint: str) -> None:

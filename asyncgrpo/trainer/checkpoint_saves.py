@@ -1,9 +1,10 @@
 """One run's checkpoints: the layout it writes, its saves in flight, and the failed ones retried.
 
-`_begin_run` makes a `RunCheckpoints`; the training loop calls `save` where the schedule asks (every
-rank), `before_optimizer_step` (a background save's copy of the weights is taken before they change),
-`check` at every step's end (a save in flight is settled once every rank has written its part),
-`finish` when training ends and `close` in any case. The layouts (asyncgrpo/checkpoints/layout.py):
+`begin_run` (trainer/run_setup.py) makes a `RunCheckpoints`; the training loop calls `save` where the
+schedule asks (every rank), `before_optimizer_step` (a background save's copy of the weights is taken
+before they change), `check` at every step's end (a save in flight is settled once every rank has
+written its part), `finish` when training ends and `close` in any case. The layouts
+(asyncgrpo/checkpoints/layout.py):
 
 - sharded: rank 0 writes the small files (config, tokenizer, trainer and rollout states) at once,
   every rank writes its shards of the model and optimizer, in the background unless

@@ -4,6 +4,7 @@ construction or start instead of a late crash. Settings-only checks live in Asyn
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -11,6 +12,8 @@ import transformers
 from packaging.version import Version
 
 from asyncgrpo.errors import ConfigurationError
+from asyncgrpo.peft_adapters import check_peft_config
+from asyncgrpo.rollout.environments import EnvironmentOwnedData
 
 # The lowest release pyproject.toml allows (tests/test_transformers_contract.py checks they agree).
 MIN_TRANSFORMERS = "5.17.0"
@@ -22,6 +25,41 @@ def check_transformers_version() -> None:
             f"AsyncGRPOTrainer needs transformers>={MIN_TRANSFORMERS}, found {transformers.__version__}: "
             f"pip install -U 'transformers>={MIN_TRANSFORMERS}'"
         )
+
+
+@dataclass(frozen=True)
+class TrainerInputs:
+    """The trainer's constructor arguments, checked and in the form the run reads them."""
+
+    reward_funcs: list[Callable]
+    tools: list[Callable]
+    train_dataset: Any  # EnvironmentOwnedData when the environment owns the data
+    streaming: bool  # the dataset has no length: epochs cannot end training
+
+
+def check_trainer_inputs(
+    reward_funcs, args, train_dataset, tools, environment_factory, peft_config, rewards_optional: bool
+) -> TrainerInputs:
+    """The checks of the trainer's arguments that need no model: a refused argument costs no download.
+    `rewards_optional`: the loop or the loss brings its own training signal (an agent's
+    Rollout.reward, a teacher)."""
+    if reward_funcs is None:
+        reward_funcs = []
+    elif not isinstance(reward_funcs, (list, tuple)):
+        reward_funcs = [reward_funcs]
+    reward_funcs = list(reward_funcs)
+    check_reward_funcs(reward_funcs)
+    check_reward_weights(reward_funcs, args.reward_weights)
+    tools = list(tools or [])
+    check_agent_inputs(reward_funcs, train_dataset, tools, environment_factory, args, rewards_optional)
+    if train_dataset is None:  # the environment owns the data (checked above: max_steps is set)
+        train_dataset = EnvironmentOwnedData()
+    streaming = not hasattr(train_dataset, "__len__")
+    check_epochs_can_end(streaming, args.max_steps)
+    check_conversational(train_dataset, environment_factory)
+    if peft_config is not None:
+        check_peft_config(peft_config)
+    return TrainerInputs(reward_funcs, tools, train_dataset, streaming)
 
 
 def check_reward_funcs(reward_funcs: list[Any]) -> None:

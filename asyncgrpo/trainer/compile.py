@@ -15,12 +15,15 @@ import torch
 from asyncgrpo.errors import ConfigurationError
 
 
-def layer_compile_options(args) -> dict[str, str | None] | None:
+def take_compile_options(args) -> dict[str, str | None] | None:
     """The `torch.compile` options of each decoder layer (`torch_compile_mode`, `torch_compile_backend`),
-    or None when `torch_compile` is off."""
+    or None when `torch_compile` is off; taken off the trainer's own `args`: the base Trainer would
+    compile the whole model, whose forward this trainer does not call."""
     if not args.torch_compile:
         return None
-    return {"mode": args.torch_compile_mode, "backend": args.torch_compile_backend}
+    options = {"mode": args.torch_compile_mode, "backend": args.torch_compile_backend}
+    args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
+    return options
 
 
 def compile_decoder_layers(

@@ -10,8 +10,6 @@ needed. docs/distillation.md.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from transformers import PreTrainedModel
 
 from asyncgrpo.config import AsyncDistillationConfig
@@ -25,8 +23,12 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
     the student minimises the generalized JSD to them. No reward function. `eval_dataset` is not
     supported yet."""
 
+    # What a second trainer supplies (docs/architecture.md, "A second trainer"): its config, its loss
+    # (`_make_loss`), and that its signal needs no reward function. The per-sample scoring is the
+    # rollout worker's teacher step, which the config's teacher_server_urls turn on.
     _tag_names = ["trl", "async-distillation", "asyncgrpo"]
     _signal_without_rewards = True
+    config_class = AsyncDistillationConfig  # its teachers and the divergence's settings
 
     def __init__(
         self,
@@ -40,26 +42,9 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
         rollout_worker=None,
         weight_transfer=None,
     ):
-        model_id = model if isinstance(model, str) else model.config._name_or_path
-        if args is None:
-            args = AsyncDistillationConfig(output_dir=f"{Path(model_id).name or 'model'}-AsyncDistillation")
-        if not isinstance(args, AsyncDistillationConfig):
-            raise TypeError(
-                "AsyncDistillationTrainer needs an AsyncDistillationConfig (its teachers and the "
-                f"divergence's settings), got {type(args).__name__}"
-            )
-        super().__init__(
-            model,
-            reward_funcs=None,
-            args=args,
-            train_dataset=train_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            peft_config=peft_config,
-            rollout_worker=rollout_worker,
-            weight_transfer=weight_transfer,
-        )
+        # TRL's order has no reward_funcs: the base trainer's positional order, with none.
+        trl_order = (model, None, args, train_dataset, processing_class, callbacks, optimizers, peft_config)
+        super().__init__(*trl_order, rollout_worker=rollout_worker, weight_transfer=weight_transfer)
 
     def _make_loss(self, model: PreTrainedModel, args: AsyncDistillationConfig) -> DistillationLoss:
         return DistillationLoss(args)

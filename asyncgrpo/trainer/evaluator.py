@@ -23,7 +23,7 @@ from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.rollout.eval_metrics import summarize
 from asyncgrpo.rollout.evaluation import EvalRunner
-from asyncgrpo.trainer.generation_session import eos_token_ids
+from asyncgrpo.trainer.rollout_inputs import RolloutInputs
 
 logger = logging.getLogger(__name__)
 
@@ -72,27 +72,24 @@ class Evaluator:
         self.pending: PendingEval | None = None
 
     @classmethod
-    def for_trainer(
-        cls, trainer, http: BackgroundLoop, client: VLLMClient, model_name: str, lora_name: str | None = None
+    def of_run(
+        cls,
+        args,
+        rollout: RolloutInputs,
+        http: BackgroundLoop,
+        client: VLLMClient,
+        model_name: str,
+        lora_name: str | None = None,
     ) -> Evaluator:
-        """The trainer's evaluator: its rollout loop class, reward functions, tools and environments,
-        with the eval settings; `lora_name`: the policy adapters' prefix (adapter-only weight sync)."""
-        args = trainer.args
+        """The run's evaluator: the trainer's rollout loop class, reward functions, tools and
+        environments, with the eval settings of `args`; `lora_name`: the policy adapters' prefix
+        (adapter-only weight sync)."""
         runner = EvalRunner(
-            trainer.loop_cls,
-            dict(
-                config=eval_config(args),
-                model_name=model_name,
-                dataset=None,  # the eval rows are handed to each run, never to a prompt stream
-                reward_funcs=trainer.reward_funcs,
-                processing_class=trainer.processing_class,
-                eos_token_ids=eos_token_ids(trainer.model, trainer.processing_class),
-                tools=trainer.tools,
-                environment_factory=trainer.environment_factory,
-                lora_name=lora_name,
-            ),
+            rollout.loop_cls,
+            # The eval rows are handed to each run, never to a prompt stream.
+            rollout.loop_kwargs(eval_config(args), model_name, dataset=None, lora_name=lora_name),
             client,
-            trainer.reward_funcs,
+            rollout.reward_funcs,
             seed=args.seed,
         )
         return cls(http, client, runner, args.eval_pass_threshold)

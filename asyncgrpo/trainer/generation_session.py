@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -19,7 +20,8 @@ from asyncgrpo import timeline
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
-from asyncgrpo.generation.server_info import check_logprobs_mode, check_routing_replay
+from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode, check_routing_replay
+from asyncgrpo.generation.server_list import starting_servers
 from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.advantages import scale_over_batch
 from asyncgrpo.rollout.chat import render_prompt_ids
@@ -30,18 +32,45 @@ from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.checkpoint import ResumePoint
 from asyncgrpo.trainer.checks import check_prompt_lengths
 from asyncgrpo.trainer.distributed import Processes
-from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, TrainingComplete
+from asyncgrpo.trainer.intake import SampleIntake, ServersLostWeights, StepBatch, StepOutcome
 from asyncgrpo.trainer.mismatch_watch import MismatchWatch
 from asyncgrpo.trainer.nonfinite import NonFiniteTrainingError, weights_are_finite
 from asyncgrpo.trainer.prompt_ledger import PromptLedger
-from asyncgrpo.trainer.server_roster import ServerRoster, read_server_list
+from asyncgrpo.trainer.rollout_inputs import RolloutInputs
+from asyncgrpo.trainer.server_roster import ServerRoster
 from asyncgrpo.weight_sync import LoraAdapterSync, make_sender, make_weight_sync
 from asyncgrpo.weight_sync.merged import sync_policy
 
-if TYPE_CHECKING:
-    from asyncgrpo.trainer.async_grpo_trainer import AsyncGRPOTrainer
-
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionInputs:
+    """What a run's generation session is opened with (rank 0 reads all of it)."""
+
+    args: AsyncGRPOConfig
+    model: torch.nn.Module  # the policy, unwrapped: its dtype, routers and weights reach the servers
+    rollout: RolloutInputs  # what the rollout workers' loops are built from
+    train_dataset: Any  # the prompts (EnvironmentOwnedData when an environment owns the data)
+    streaming: bool  # the prompts have no length
+
+    @property
+    def prompts_per_epoch(self) -> int | None:
+        """The prompts of a pass; None for data without one. Environment-owned data has no pass over
+        prompts (its length is not a pass: one degenerate group is not a dead dataset); the intake then
+        counts a fixed number of prompts as one."""
+        if self.streaming or isinstance(self.train_dataset, EnvironmentOwnedData):
+            return None
+        return len(self.train_dataset)
+
+
+@dataclass(frozen=True)
+class ServersReached:
+    """The run's first servers, as they answered when the session opened."""
+
+    urls: list[str]
+    max_model_len: int
+    info: ServerInfo | None  # None: a server that does not say (no /server_info)
 
 
 class GenerationSession:
@@ -66,51 +95,74 @@ class GenerationSession:
         self.mismatch_watch: MismatchWatch | None = None  # rank 0, once open
         self.advantage_scaling = ("group", "sum_then_normalize")  # scale_rewards, the aggregation
 
-    def open(
-        self, trainer: AsyncGRPOTrainer, ledger: PromptLedger, stop_condition: Callable[[], bool]
-    ) -> None:
+    def open(self, inputs: SessionInputs, ledger: PromptLedger, stop_condition: Callable[[], bool]) -> None:
         """Reach the servers, size the rows, start the weight-sync backend and build the rollout
         worker and the intake (rank 0); the other processes learn the row size and the backend from
         it. The worker is spawned here and starts up while the trainer syncs the starting weights;
         it generates once `start_rollouts` lets it."""
-        args = trainer.args
+        args = inputs.args
         self.advantage_scaling = (args.scale_rewards, args.multi_objective_aggregation)
         if not self.processes.is_main:
             self.token_budget, backend = self.processes.broadcast(None)
             self.weight_sync = make_weight_sync(backend, is_sender=False)
             return
         # Before anything slow: a lambda fails here.
+        rollout = inputs.rollout
         check_worker_payload(
-            trainer.reward_funcs, trainer.loop_cls, trainer.tools, trainer.environment_factory
+            rollout.reward_funcs, rollout.loop_cls, rollout.tools, rollout.environment_factory
         )
+        servers = self._reach_servers(args)
+        self._check_servers_fit(inputs, servers)
+        self._start_weight_sync(inputs, servers)
+        self._build_worker_pool(inputs, servers)
+        self._start_roster(args, servers)
+        # Spawned now: its start-up (a fresh interpreter's imports, the servers, setup()) overlaps the
+        # trainer's remaining set-up and the first weight sync (bench/RESULTS.md, "timeline").
+        self.worker.spawn()
+        self._open_intake(inputs, servers, ledger, stop_condition)
+        self.processes.broadcast((self.token_budget, self.weight_sync.name))
+
+    def _reach_servers(self, args: AsyncGRPOConfig) -> ServersReached:
+        """The client of the run's first servers, once they answer, and what they say of themselves;
+        the rows' size follows from their context length."""
         self.http = BackgroundLoop(
             default_timeout_s=max(args.vllm_server_timeout, args.weight_sync_timeout) + 60
         )
-        initial = args.vllm_server_urls or first_listed_servers(args)
+        initial = first_servers(args)
         self.client = VLLMClient(initial, timeout=args.vllm_server_timeout)
         logger.info("waiting for the vLLM server at %s", ", ".join(initial))
         self.http.run(self.client.wait_until_ready())
         max_model_len = self.http.run(self.client.max_model_len())
-        served_name = self.served_name = self.http.run(self.client.model_name())
+        self.served_name = self.http.run(self.client.model_name())
         server_info = self.http.run(self.client.server_info())
-        check_logprobs_mode(server_info, initial[0])
-        self.mismatch_watch = MismatchWatch(server_info.dtype if server_info else None, trainer.model)
-        if args.moe_routing_replay:
-            moe_routers(trainer.model)  # a model without top-k routers has nothing to replay
-            check_routing_replay(server_info, initial[0])
         # token_budget <= 0: rows of per_device_train_batch_size samples, no token cap (TRL's fixed count)
         self.token_budget = max_model_len if args.token_budget is None else args.token_budget
+        return ServersReached(initial, max_model_len, server_info)
+
+    def _check_servers_fit(self, inputs: SessionInputs, servers: ServersReached) -> None:
+        """What the servers run must fit the policy and the data, checked before the worker starts."""
+        args, rollout = inputs.args, inputs.rollout
+        check_logprobs_mode(servers.info, servers.urls[0])
+        self.mismatch_watch = MismatchWatch(servers.info.dtype if servers.info else None, inputs.model)
+        if args.moe_routing_replay:
+            moe_routers(inputs.model)  # a model without top-k routers has nothing to replay
+            check_routing_replay(servers.info, servers.urls[0])
 
         def prompt_length(prompt) -> int:
             # The trainer's tools only: an environment's tools depend on the instance a rollout gets.
-            tokenizer = trainer.processing_class
-            return len(render_prompt_ids(tokenizer, prompt, trainer.tools, args.chat_template_kwargs))
+            return len(
+                render_prompt_ids(rollout.processing_class, prompt, rollout.tools, args.chat_template_kwargs)
+            )
 
-        check_prompt_lengths(trainer.train_dataset, prompt_length, max_model_len)  # before the worker starts
+        check_prompt_lengths(inputs.train_dataset, prompt_length, servers.max_model_len)
+
+    def _start_weight_sync(self, inputs: SessionInputs, servers: ServersReached) -> None:
+        """The sending side of the weight-sync backend, reaching the servers."""
+        args = inputs.args
         self.weight_sync = make_sender(
             args.weight_sync_backend,
-            trainer.model,
-            server_info,
+            inputs.model,
+            servers.info,
             self.client,
             self.http,
             args.output_dir,
@@ -120,43 +172,53 @@ class GenerationSession:
         )
         adapter_sync = self.weight_sync if isinstance(self.weight_sync, LoraAdapterSync) else None
         self.lora_name = adapter_sync.prefix if adapter_sync is not None else None
-        rollout = self.resume.rollout
+
+    def _build_worker_pool(self, inputs: SessionInputs, servers: ServersReached) -> None:
+        """The rollout workers (not spawned yet), starting where the resumed run left its prompts."""
+        args, rollout = inputs.args, self.resume.rollout
+        held = {sample.stream_index for sample in self.resume.held_samples}
         self.worker = RolloutWorkerPool(
-            trainer.loop_cls,
+            inputs.rollout.loop_cls,
             worker_inputs(
-                config=args,
-                model_name=served_name,
-                dataset=trainer.train_dataset,
-                reward_funcs=trainer.reward_funcs,
-                processing_class=trainer.processing_class,
-                eos_token_ids=eos_token_ids(trainer.model, trainer.processing_class),
-                tools=trainer.tools,
-                environment_factory=trainer.environment_factory,
-                dataset_start_index=rollout.first_untrained_index,
-                skip_stream_indices=frozenset(rollout.consumed_after)
-                | {sample.stream_index for sample in self.resume.held_samples},
-                lora_name=self.lora_name,
+                **inputs.rollout.loop_kwargs(
+                    args,
+                    self.served_name,
+                    inputs.train_dataset,
+                    self.lora_name,
+                    dataset_start_index=rollout.first_untrained_index,
+                    skip_stream_indices=frozenset(rollout.consumed_after) | held,
+                )
             ),
             num_workers=args.num_rollout_workers,
             initial_allowance=0.0,  # SampleIntake publishes the allowance
             worker_timeout=args.rollout_worker_timeout,
-            server_urls=initial,
+            server_urls=servers.urls,
         )
+
+    def _start_roster(self, args: AsyncGRPOConfig, servers: ServersReached) -> None:
+        """The watch over the run's servers, starting with the first ones."""
         self.roster = ServerRoster(
             self.client,
             self.http,
             self.weight_sync,
-            server_info,
-            served_name,
-            max_model_len,
+            servers.info,
+            self.served_name,
+            servers.max_model_len,
             args,
             publish=self.worker.publish_servers,
             window=self.window,
         )
-        self.roster.start(initial)
-        # Spawned now: its start-up (a fresh interpreter's imports, the servers, setup()) overlaps the
-        # trainer's remaining set-up and the first weight sync (bench/RESULTS.md, "timeline").
-        self.worker.spawn()
+        self.roster.start(servers.urls)
+
+    def _open_intake(
+        self,
+        inputs: SessionInputs,
+        servers: ServersReached,
+        ledger: PromptLedger,
+        stop_condition: Callable[[], bool],
+    ) -> None:
+        """The trainer's side of the rollout queue, holding first the samples a checkpoint carried."""
+        args = inputs.args
         self.intake = SampleIntake(
             self.worker,
             ledger,
@@ -165,19 +227,14 @@ class GenerationSession:
             num_rows=self.processes.world_size,
             rows_per_step=args.gradient_accumulation_steps * self.processes.world_size,
             samples_per_row=args.per_device_train_batch_size,
-            max_sample_tokens=max_model_len,
-            # Environment-owned data has no pass over prompts (its length is not a pass: one degenerate
-            # group is not a dead dataset); the intake then counts a fixed number of prompts as one.
-            prompts_per_epoch=None
-            if trainer.streaming or isinstance(trainer.train_dataset, EnvironmentOwnedData)
-            else len(trainer.train_dataset),
+            max_sample_tokens=servers.max_model_len,
+            prompts_per_epoch=inputs.prompts_per_epoch,
             stop_condition=stop_condition,
             check_servers=self.check_servers,
             stop_when_saturated=args.stop_when_saturated,
         )
         self.intake.restore(self.resume.held_samples)
         self.worker.publish_model_version(self.model_version)
-        self.processes.broadcast((self.token_budget, self.weight_sync.name))
 
     def start_rollouts(self, ready_timeout: float) -> None:
         """Rank 0, once the servers run the starting weights: wait for the rollout workers to be
@@ -185,30 +242,27 @@ class GenerationSession:
         if self.worker is not None:
             self.worker.start_generating(ready_timeout=ready_timeout)
 
-    def next_batch(self, gradient_accumulation_steps: int) -> StepBatch | ServersLostWeights | None:
+    def next_batch(self, gradient_accumulation_steps: int) -> StepOutcome:
         """Rank 0: the step's samples, planned into rows for every process; ServersLostWeights for
-        servers to push the policy to again first; None once training is complete (the last prompts
-        were consumed while waiting)."""
-        try:
-            self.check_servers()
-            batch = self.intake.next_step(gradient_accumulation_steps, self.window, self.model_version)
+        servers to push the policy to again first (every rank learns it, and helps push the weights);
+        TrainingComplete once the last prompts were consumed while waiting."""
+        lost = self.check_servers()
+        if lost is not None:
+            return lost
+        outcome = self.intake.next_step(gradient_accumulation_steps, self.window, self.model_version)
+        if isinstance(outcome, StepBatch):
             # What the step's advantages need of the whole batch (scale_rewards="batch", GDPO), before
             # the plan is broadcast: docs/algorithm.md, "Advantages".
-            scale_over_batch(batch.samples, *self.advantage_scaling)
-            return batch
-        except TrainingComplete:
-            return None
-        except ServersLostWeights as lost:  # every rank learns it, and helps push the weights again
-            return lost
+            scale_over_batch(outcome.samples, *self.advantage_scaling)
+        return outcome
 
-    def check_servers(self) -> None:
+    def check_servers(self) -> ServersLostWeights | None:
         """Rank 0: act on what the watch over the servers saw (trainer/server_roster.py): servers
-        lost leave the run, servers back or new join it with the served weights. Raises
-        ServersLostWeights for servers that need a full sync with every process to join (NCCL), and
-        ServerLostError when the run has lost more servers than it may."""
+        lost leave the run, servers back or new join it with the served weights. Returns the servers
+        that need a full sync with every process to join (NCCL); raises ServerLostError when the run
+        has lost more servers than it may."""
         joining = self.roster.refresh(self.model_version)
-        if joining:
-            raise ServersLostWeights(joining)
+        return ServersLostWeights(joining) if joining else None
 
     def restore_server_weights(self, model: torch.nn.Module, lost: ServersLostWeights) -> None:
         """Servers back after a loss, restarted or new, that only a full sync can give the weights
@@ -286,12 +340,14 @@ class GenerationSession:
                 logger.warning("while shutting down: %s", error)
 
 
-def first_listed_servers(args: AsyncGRPOConfig) -> list[str]:
-    """With no vllm_server_base_url, the run starts with the servers vllm_server_urls_file lists
-    once it lists one (within vllm_server_timeout)."""
+def first_servers(args: AsyncGRPOConfig) -> list[str]:
+    """The servers the run starts with (generation/server_list.py, `starting_servers`); with no
+    vllm_server_base_url, those vllm_server_urls_file lists once it lists one (within
+    vllm_server_timeout)."""
     deadline = time.monotonic() + args.vllm_server_timeout
-    logger.info("waiting for %s to list a vLLM server", args.vllm_server_urls_file)
-    while not (listed := read_server_list(args.vllm_server_urls_file)):
+    if not args.vllm_server_urls:
+        logger.info("waiting for %s to list a vLLM server", args.vllm_server_urls_file)
+    while not (listed := starting_servers(args.vllm_server_urls, args.vllm_server_urls_file)):
         if time.monotonic() > deadline:
             raise VLLMUnavailableError(
                 f"{args.vllm_server_urls_file} listed no vLLM server within vllm_server_timeout="
@@ -299,13 +355,3 @@ def first_listed_servers(args: AsyncGRPOConfig) -> list[str]:
             )
         time.sleep(1.0)
     return listed
-
-
-def eos_token_ids(model: torch.nn.Module, processing_class) -> list[int]:
-    ids = {processing_class.eos_token_id}
-    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(generation_eos, int):
-        ids.add(generation_eos)
-    elif generation_eos:
-        ids.update(generation_eos)
-    return sorted(token for token in ids if token is not None)

@@ -5,6 +5,10 @@ trainer takes from it). A sample older than `max_staleness` weight updates when 
 A step is `gradient_accumulation_steps` micro-batches planned by the TokenBudgetBatcher (rows of
 `token_budget` tokens, or with `token_budget <= 0` of `samples_per_row` samples); a sample that
 closes a micro-batch is the first of the next one (it waits at the head of the buffer).
+
+Taking a step's samples ends one of three ways, each a value the caller reads (`StepOutcome`): the
+step's batch, `ServersLostWeights` (servers to give the policy first; the samples taken wait), or
+`TrainingComplete` (the stop condition met while waiting, or a pass without signal after training).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from asyncgrpo import timeline
 from asyncgrpo.errors import TrainingError
@@ -35,17 +40,25 @@ class NoTrainingSignalError(TrainingError):
     """A whole pass over the prompts produced nothing to train on."""
 
 
-class TrainingComplete(Exception):
-    """The stop condition was met while waiting for samples (epochs counted in prompts)."""
+@dataclass(frozen=True)
+class TrainingComplete:
+    """The stop condition was met while waiting for samples (epochs counted in prompts), or a pass
+    without signal came after training (docs/reliability.md)."""
 
 
-class ServersLostWeights(Exception):
+@dataclass(frozen=True)
+class ServersLostWeights:
     """vLLM servers that answer but do not run the trainer's weights (back after a loss, restarted, or
     new), which only a sync with every training process can give them (NCCL)."""
 
-    def __init__(self, urls: list[str]):
-        super().__init__(f"vLLM server(s) {', '.join(urls)} need the trainer's weights")
-        self.urls = urls
+    urls: list[str]
+
+    def __str__(self) -> str:
+        return f"vLLM server(s) {', '.join(self.urls)} need the trainer's weights"
+
+
+# What stops the taking of a step's samples before the batch is planned.
+Interruption = ServersLostWeights | TrainingComplete
 
 
 # Data without a length (a streaming dataset, environment-owned episodes) has no pass to wait out: this
@@ -116,6 +129,10 @@ class StepBatch:
     model_version: int = 0  # the trainer's policy version when the samples were taken
 
 
+# How taking a step's samples ended: its batch, or what interrupted it.
+StepOutcome = StepBatch | ServersLostWeights | TrainingComplete
+
+
 ROWS_NAMED = 20  # dataset rows a saturation warning lists of each kind
 
 
@@ -169,11 +186,11 @@ class SampleIntake:
         max_sample_tokens: int = 0,
         prompts_per_epoch: int | None = None,
         stop_condition=lambda: False,
-        check_servers=lambda: None,
+        check_servers: Callable[[], ServersLostWeights | None] = lambda: None,
         stop_when_saturated: bool = True,
     ):
         self.worker = worker
-        self.check_servers = check_servers  # raises ServersLostWeights
+        self.check_servers = check_servers
         self.prompts_per_epoch = prompts_per_epoch
         self.stop_condition = stop_condition
         self.ledger = ledger
@@ -225,23 +242,29 @@ class SampleIntake:
             self.buffer.extend(result.samples)
             result = self.worker.next_result(timeout=0.0)
 
-    def _wait_for_samples(self, batch: StepBatch) -> None:
-        """Until the buffer holds a sample (results without samples only move the ledger)."""
+    def _wait_for_samples(self, batch: StepBatch) -> Interruption | None:
+        """Until the buffer holds a sample (results without samples only move the ledger), or what
+        interrupted the wait."""
         self._drain(0.0)
         if self.buffer:
-            return
+            return None
         self._publish_allowance(held_tokens=sum(sample.num_tokens for sample in batch.samples))
         with timeline.span("wait for samples"):
-            self._wait_until_buffered(batch)
+            return self._wait_until_buffered(batch)
 
-    def _wait_until_buffered(self, batch: StepBatch) -> None:
+    def _wait_until_buffered(self, batch: StepBatch) -> Interruption | None:
         started = last_note = last_server_check = time.monotonic()
         while not self.buffer:
             self._drain(1.0)
-            self._check_progress_possible()
+            complete = self._check_progress_possible()
+            if complete is not None:
+                batch.wait_s += time.monotonic() - started
+                return complete
             if time.monotonic() - last_server_check > SERVER_CHECK_INTERVAL_S:
                 batch.wait_s += time.monotonic() - started
-                self.check_servers()
+                lost = self.check_servers()
+                if lost is not None:
+                    return lost
                 started = last_server_check = time.monotonic()
             if time.monotonic() - last_note > WAIT_LOG_INTERVAL_S:
                 logger.warning(
@@ -252,15 +275,16 @@ class SampleIntake:
                 )
                 last_note = time.monotonic()
         batch.wait_s += time.monotonic() - started
+        return None
 
-    def _check_progress_possible(self) -> None:
+    def _check_progress_possible(self) -> TrainingComplete | None:
         """Never wait forever: stop when training is over; at a pass without signal, end (or train on
         through it) when the run has trained, fail when it never has (docs/reliability.md)."""
         if self.stop_condition():
-            raise TrainingComplete
+            return TrainingComplete()
         streak = self.ledger.prompts_without_samples_streak
         if streak < self.pass_span * (self._saturated_passes + 1):
-            return
+            return None
         what = (
             "a whole pass over the dataset"
             if self.prompts_per_epoch
@@ -278,9 +302,10 @@ class SampleIntake:
         message = saturation_message(self.signal.verdict(), self.signal.best, streak, what)
         if self.stop_when_saturated:
             logger.warning("%s Training ends here, as at max_steps.", message)
-            raise TrainingComplete
+            return TrainingComplete()
         self._saturated_passes += 1
         logger.warning("%s Training goes on (stop_when_saturated=False).", message)
+        return None
 
     def _reward_note(self) -> str:
         if self.signal.best == -math.inf:
@@ -291,11 +316,15 @@ class SampleIntake:
             f"{self.signal.best:.4g}."
         )
 
-    def _next_sample(self, batch: StepBatch, metrics: MetricsWindow, model_version: int) -> Sample:
+    def _next_sample(
+        self, batch: StepBatch, metrics: MetricsWindow, model_version: int
+    ) -> Sample | Interruption:
         """The next sample that is fresh enough, waiting for the worker when the buffer is empty."""
         while True:
             if not self.buffer:
-                self._wait_for_samples(batch)
+                interruption = self._wait_for_samples(batch)
+                if interruption is not None:
+                    return interruption
             sample = self.buffer.popleft()
             staleness = model_version - sample.model_version
             if staleness > self.max_staleness:
@@ -310,17 +339,17 @@ class SampleIntake:
 
     def next_step(
         self, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int
-    ) -> StepBatch:
-        """Plan one optimizer step's micro-batches from the queue."""
+    ) -> StepOutcome:
+        """Plan one optimizer step's micro-batches from the queue, or say what interrupted it."""
         batch = StepBatch(plans=[], model_version=model_version)
         self._drain(0.0)  # what the worker queued joins the buffer, so the size counts samples only
         metrics.record("rollout/queue_size", len(self.buffer))
-        try:
-            self._plan(batch, gradient_accumulation_steps, metrics, model_version)
-        except ServersLostWeights:
+        interruption = self._plan(batch, gradient_accumulation_steps, metrics, model_version)
+        if isinstance(interruption, ServersLostWeights):
             # Nothing of this batch was trained: its samples wait at the head of the buffer.
             self.buffer.extendleft(reversed(batch.samples))
-            raise
+        if interruption is not None:
+            return interruption
         for sample in batch.samples:
             self._consumed(sample, trained=True)
         self.last_step_tokens = sum(sample.num_tokens for sample in batch.samples)
@@ -329,12 +358,14 @@ class SampleIntake:
 
     def _plan(
         self, batch: StepBatch, gradient_accumulation_steps: int, metrics: MetricsWindow, model_version: int
-    ) -> None:
+    ) -> Interruption | None:
         batcher = TokenBudgetBatcher(
             self.token_budget, self.num_rows, MIN_SHARED_TOKENS, samples_per_row=self.samples_per_row
         )
         while len(batch.plans) < gradient_accumulation_steps:
             sample = self._next_sample(batch, metrics, model_version)
+            if not isinstance(sample, Sample):
+                return sample
             placement = batcher.offer(sample)
             if placement is Placement.PLACED:
                 batch.samples.append(sample)
@@ -353,6 +384,7 @@ class SampleIntake:
             else:  # CLOSED: this sample opens the next micro-batch
                 self.buffer.appendleft(sample)
                 batch.plans.append(batcher.close())
+        return None
 
     def _record_taken(self, sample: Sample, metrics: MetricsWindow, model_version: int) -> None:
         staleness = model_version - sample.model_version

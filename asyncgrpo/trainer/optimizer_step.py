@@ -13,8 +13,13 @@ afterwards, once the whole step is queued.
 from __future__ import annotations
 
 import math
+import time
+from typing import Callable
 
 import torch
+
+from asyncgrpo.trainer.row_loss import QueuedRows
+from asyncgrpo.trainer.step_metrics import StepResult
 
 CLIP_EPSILON = 1e-6  # torch.nn.utils.clip_grad_norm_'s: max_norm / (norm + 1e-6)
 
@@ -55,6 +60,60 @@ def queue_clipped_step(
     finally:
         del inner.grad_scale, inner.found_inf
     return norm, skipped
+
+
+def max_grad_norm(setting: float | None) -> float:
+    """The clipping bound of `max_grad_norm`: inf (measure only) when unset or not positive."""
+    return setting if setting and setting > 0 else math.inf
+
+
+def host_decided_step(
+    optimizer,
+    clip: Callable[[float], float],
+    max_norm: float,
+    result: StepResult,
+    before_step: Callable[[], None],
+    device: torch.device,
+) -> StepResult:
+    """Clip (`clip(max_norm)` -> the gradient norm) and step deciding on the host (several processes,
+    or an optimizer that cannot decide on the device), the rows already read into `result`."""
+    started = _now(device)
+    result.grad_norm = clip(max_norm)
+    # Both are global: every rank agrees.
+    result.stepped = math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+    if result.stepped:
+        before_step()
+        optimizer.step()
+    result.optimizer_s = _now(device) - started
+    return result
+
+
+def device_decided_step(
+    optimizer,
+    parameters: list[torch.nn.Parameter],
+    max_norm: float,
+    queued: QueuedRows,
+    read_rows: Callable[[QueuedRows], StepResult],
+    before_step: Callable[[], None],
+) -> StepResult:
+    """Clipping and the finiteness check queued on the device behind the last backward
+    (`queue_clipped_step`); the host reads the step's values once, at the end (`read_rows`)."""
+    clock = queued.clock
+    started = clock.mark()
+    loss = torch.stack(queued.losses).sum() if queued.losses else torch.zeros(())
+    before_step()
+    grad_norm, skipped = queue_clipped_step(optimizer, parameters, max_norm, loss)
+    done = clock.mark()
+    result = read_rows(queued)
+    result.grad_norm, result.stepped = float(grad_norm), not bool(skipped)
+    result.optimizer_s = clock.seconds(started, done)
+    return result
+
+
+def _now(device: torch.device) -> float:
+    if torch.cuda.is_available() and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def with_triton_update(optimizer_cls: type, kwargs: dict, args) -> type:

@@ -69,6 +69,13 @@ class AsyncProgressCallback(TrainerCallback):
         self._start_done = 0
         self._started = time.monotonic()
 
+    @classmethod
+    def for_run(cls, args, train_dataset) -> AsyncProgressCallback:
+        """Counting steps with max_steps, else the prompts of `num_train_epochs` passes."""
+        if args.max_steps > 0:
+            return cls(total=args.max_steps, unit="step")
+        return cls(total=math.ceil(args.num_train_epochs * len(train_dataset)), unit="prompt")
+
     def on_train_begin(self, args, state, control, **kwargs):
         self._started, self._start_done = time.monotonic(), self._done
         if not state.is_world_process_zero or args.disable_tqdm:

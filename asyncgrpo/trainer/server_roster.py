@@ -25,7 +25,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from asyncgrpo import timeline
@@ -38,6 +37,7 @@ from asyncgrpo.generation.client import (
     parse_policy_label,
 )
 from asyncgrpo.generation.server_info import ServerInfo, server_differences
+from asyncgrpo.generation.server_list import read_server_list
 from asyncgrpo.metrics import MetricsWindow, Reduce
 
 logger = logging.getLogger(__name__)
@@ -59,21 +59,6 @@ LIVE, LOST, JOINING, REFUSED, LEFT = "live", "lost", "joining", "refused", "left
 
 # The name this error had before there was one lost-server type (docs/reliability.md names it).
 ServerLossError = ServerLostError
-
-
-def read_server_list(path: str | Path) -> list[str]:
-    """The URLs a server list file names, one per line, in order ('#' starts a comment). A file
-    not there yet names none: the servers may not have written it."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return []
-    urls = []
-    for line in text.splitlines():
-        url = line.split("#", 1)[0].strip().rstrip("/")
-        if url and url not in urls:
-            urls.append(url)
-    return urls
 
 
 @dataclass
