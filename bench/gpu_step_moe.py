@@ -8,7 +8,7 @@ only to fit, fused head, bf16 autocast, tree packing, the router's load-balancin
 config's 0.001, no routing replay), then `_forward_backward` and `_optimizer_step` on 2 micro-batches
 of one DeepMath-like row each; no vLLM server, only the samples are synthetic.
 MFU counts the active parameters (the 8 routed experts and the router of each token, attention, the
-head on trained tokens: asyncgrpo.perf), against the card's bf16 matmul peak measured in the call.
+head on trained tokens: asyncgrpo.modeling.perf), against the card's bf16 matmul peak measured in the call.
 
 Variants, in this order, on the same model (`--variants`):
   - `transformers`: the experts as transformers runs them for these fp32 weights in compiled layers
@@ -40,7 +40,7 @@ from gpu_step import deepmath_plans, log, make_trainer, plan_flops, profile, tim
 from gpu_training import matmul_peak, require_cuda  # noqa: E402
 
 from asyncgrpo.kernels.moe_experts import GROUPED_EXPERTS  # noqa: E402
-from asyncgrpo.perf import flop_model  # noqa: E402
+from asyncgrpo.modeling.perf import flop_model  # noqa: E402
 
 TARGET_MFU = 0.45  # issue 59: the default step's MFU on the active parameters
 QWEN3_30B_A3B = dict(

@@ -28,7 +28,7 @@ calls cut autotuning to one config). It prints `gpu_step_qwen3_5 start cold_s=A 
 each start's seconds went.
 The report names the Gated DeltaNet path that ran (`gdn_path`): fla's varlen kernel, or transformers'
 torch rule where fla-core is missing or refuses to train (asyncgrpo.packing.gated_deltanet.fla_refusal).
-Model FLOPs: asyncgrpo.perf (matmul weights of every layer, the full-attention layers' pairs, the
+Model FLOPs: asyncgrpo.modeling.perf (matmul weights of every layer, the full-attention layers' pairs, the
 recurrence's state products); recomputation by checkpointing is not counted.
 
 Every timed step of the process is logged with the allocator's retries, the memory reserved and the
@@ -82,10 +82,10 @@ from gpu_step import (  # noqa: E402
 )
 from gpu_training import QWEN3_5_2B, SPEED_WORKLOADS, matmul_peak, require_cuda  # noqa: E402
 
+from asyncgrpo.modeling.perf import flop_model  # noqa: E402
 from asyncgrpo.packing import gated_deltanet, kernel_choice  # noqa: E402
 from asyncgrpo.packing.planner import TokenBudgetBatcher  # noqa: E402
 from asyncgrpo.packing.tree_attention import BLOCK_SIZE  # noqa: E402
-from asyncgrpo.perf import flop_model  # noqa: E402
 
 TARGET_MFU = 0.58  # issue 59: median over the process's default-step rounds, on an H200 (0.52 on an H100)
 # name -> (ASYNCGRPO_PATH_CONV, ASYNCGRPO_GATED_NORM) of the Gated DeltaNet kernels a default step runs

@@ -33,7 +33,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 from workloads import make_groups, plain_row  # noqa: E402
 
-from asyncgrpo.logprobs import row_logprobs  # noqa: E402
+from asyncgrpo.losses.token_logprobs import row_logprobs  # noqa: E402
+from asyncgrpo.modeling.perf import flop_model  # noqa: E402
 from asyncgrpo.packing.tree_attention import (  # noqa: E402
     BLOCK_SIZE,
     build_tree_block_mask,
@@ -41,7 +42,6 @@ from asyncgrpo.packing.tree_attention import (  # noqa: E402
     tree_attention,
 )
 from asyncgrpo.packing.trie import pack_row  # noqa: E402
-from asyncgrpo.perf import flop_model  # noqa: E402
 from asyncgrpo.trainer.compile import compile_decoder_layers  # noqa: E402
 
 QWEN3 = {  # public config.json values
@@ -157,7 +157,7 @@ def check_correctness(shape: str, device, smoke: bool) -> dict:
             completion = rng.integers(0, model.config.vocab_size, int(rng.integers(50, 400)))
             tokens = np.concatenate([prompt, completion])
             trained = np.arange(len(tokens)) >= len(prompt)
-            from asyncgrpo.sample import Sample
+            from asyncgrpo.records.sample import Sample
 
             samples.append(Sample(tokens, trained, np.zeros(int(trained.sum()), np.float32), 1.0, group))
     reference = torch.cat(per_sample_logprobs(model, samples))

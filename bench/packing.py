@@ -19,7 +19,7 @@ import numpy as np
 
 from asyncgrpo.packing.planner import Placement, TokenBudgetBatcher
 from asyncgrpo.packing.trie import pack_row
-from asyncgrpo.sample import Sample
+from asyncgrpo.records.sample import Sample
 
 TARGET_TOKENS_PER_S = 500_000
 

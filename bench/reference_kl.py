@@ -35,14 +35,14 @@ import aiohttp
 import numpy as np
 import torch
 
-from asyncgrpo import cpu_use
 from asyncgrpo.cli.tiny_model import save_tiny_model
 from asyncgrpo.generation.server import ServerOptions, VLLMServer
-from asyncgrpo.logprobs import row_logprobs
-from asyncgrpo.models import load_model
+from asyncgrpo.losses.token_logprobs import row_logprobs
+from asyncgrpo.modeling.models import load_model
 from asyncgrpo.packing.planner import Placement, TokenBudgetBatcher
 from asyncgrpo.packing.tree_attention import enable_tree_attention
-from asyncgrpo.sample import Sample
+from asyncgrpo.records.sample import Sample
+from asyncgrpo.run import cpu_use
 from asyncgrpo.trainer.reference_model import ReferenceModel
 
 SHAPES = {  # groups, group size, prompt tokens, completion tokens (low, high), row token budget

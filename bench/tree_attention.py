@@ -26,7 +26,7 @@ import torch
 from workloads import GROUP_SIZE, make_groups, plain_row
 
 from asyncgrpo.cli.tiny_model import TinyModelSpec, build_model, build_tokenizer
-from asyncgrpo.logprobs import row_logprobs
+from asyncgrpo.losses.token_logprobs import row_logprobs
 from asyncgrpo.packing.tree_attention import BLOCK_SIZE, enable_tree_attention
 from asyncgrpo.packing.trie import pack_row
 

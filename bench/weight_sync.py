@@ -1,7 +1,7 @@
 """NCCL weight sync of a Qwen3-1.7B-shaped model (bf16): time per sync vs bytes, against the
 GPU-to-GPU bandwidth measured in the same call, and bit-exactness at the receiver.
 
-The receiver is the test double of vLLM's side (tests/weight_transfer_double.py) in its own
+The receiver is the test double of vLLM's side (tests/support/weight_transfer_double.py) in its own
 process on GPU 0; the trainer sends from GPU 1 through the production backend (NcclWeightSync +
 NcclTransport, ctypes NCCL). Target: effective sync bandwidth >= 70% of the measured GPU-to-GPU
 copy bandwidth.

@@ -6,7 +6,7 @@ import numpy as np
 
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.packing.trie import pack_row
-from asyncgrpo.sample import Sample
+from asyncgrpo.records.sample import Sample
 
 GROUP_SIZE = 8
 

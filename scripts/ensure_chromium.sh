@@ -8,7 +8,7 @@ for name in chromium chromium-browser google-chrome; do
 done
 install=(apt-get install -y -q chromium)
 if ! command -v apt-get >/dev/null; then
-    echo "make test needs headless Chromium for tests/test_report.py: install Chromium with your" \
+    echo "make test needs headless Chromium for tests/unit/test_report.py: install Chromium with your" \
         "system's package manager (its binary must be on PATH as chromium)." >&2
     exit 1
 fi
@@ -17,10 +17,10 @@ if [ "$(id -u)" -eq 0 ]; then
 elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
     sudo=(sudo -n)
 else
-    echo "make test needs headless Chromium for tests/test_report.py; run once:" >&2
+    echo "make test needs headless Chromium for tests/unit/test_report.py; run once:" >&2
     echo "    sudo apt-get update && sudo ${install[*]}" >&2
     exit 1
 fi
-echo "Installing Debian's chromium (headless browser for tests/test_report.py) ..."
+echo "Installing Debian's chromium (headless browser for tests/unit/test_report.py) ..."
 "${sudo[@]}" apt-get update -q
 "${sudo[@]}" "${install[@]}"

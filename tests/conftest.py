@@ -16,6 +16,7 @@ import asyncio  # noqa: E402
 import json
 import signal
 import socket
+import sys
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,10 +24,18 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+# The suite's helper modules (agents, workers, doubles) live in tests/support. Test modules import helpers of
+# other modules by name (the suite runs with pytest's default `prepend` import mode), across the folders too.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from gpu_limits import bound_gpu_tests, gpu_test_group, longest_first, one_config_autotune
 
-from asyncgrpo import AsyncGRPOConfig, cpu_use
+from asyncgrpo import AsyncGRPOConfig
 from asyncgrpo.cli.tiny_model import build_tokenizer, save_tiny_model
+from asyncgrpo.run import cpu_use
 
 if TYPE_CHECKING:  # the server module needs msgspec, which a GPU host may lack: imported where used
     from asyncgrpo.generation.server import VLLMServer
@@ -109,7 +118,7 @@ def in_group(item: pytest.Item, group: str) -> None:
 _last_users: dict[str, pytest.Item] = {}
 
 
-if torch.cuda.is_available():  # bounds on the GPU tests' time (tests/gpu_limits.py)
+if torch.cuda.is_available():  # bounds on the GPU tests' time (tests/support/gpu_limits.py)
     one_config_autotune()
 
 
@@ -130,7 +139,7 @@ def pytest_collection_modifyitems(config, items):
             in_group(item, (on_gpu and gpu_test_group(item)) or groups[item.path])
         joined = {path: group != path.stem for path, group in groups.items()}
         items.sort(key=lambda item: (not needs_server[item.path], not joined[item.path]))
-        if on_gpu:  # the long GPU tests first, side by side (tests/gpu_limits.py)
+        if on_gpu:  # the long GPU tests first, side by side (tests/support/gpu_limits.py)
             items.sort(key=longest_first)
     else:
         # One process: the modules that need no server run first, each module's tests in their order,

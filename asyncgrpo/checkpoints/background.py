@@ -31,8 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from asyncgrpo import timeline
 from asyncgrpo.errors import CheckpointError
+from asyncgrpo.run import timeline
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from asyncgrpo.checkpoints.hf_folder import DEFAULT_MAX_FILE_BYTES, TensorSpec, write_weights
 from asyncgrpo.checkpoints.layout import MANIFEST_FILE, SHARDS_DIR, ShardedManifest, is_sharded
 from asyncgrpo.checkpoints.sharded_state import model_tensor_shapes, read_model_tensors
-from asyncgrpo.durable_files import publish_directory, staging_path
+from asyncgrpo.run.durable_files import publish_directory, staging_path
 
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 # What a checkpoint holds for resuming a run, not for serving it (the loss menu's state and reference

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from asyncgrpo.durable_files import fsync_path, staging_path, write_atomically
+from asyncgrpo.run.durable_files import fsync_path, staging_path, write_atomically
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from asyncgrpo.checkpoints.hf_folder import DEFAULT_MAX_FILE_BYTES, TensorSpec, write_weights
-from asyncgrpo.sharded import full_tensor
+from asyncgrpo.modeling.sharded import full_tensor
 
 
 def is_sharded_module(model: torch.nn.Module) -> bool:

@@ -76,11 +76,11 @@ def supervised_steps(model, draw_batch, steps: int, lr: float = WARM_START_LR) -
     (prompt_ids, answer_ids) pairs, the prompt being context. Each batch is packed into one prefix-trie
     row as the trainer packs its samples (asyncgrpo/packing), so a prompt prefix the batch shares (a
     system prompt, the tools' schemas) is forwarded once. The warm start of the demo and of the agent
-    learning test (tests/test_agents_e2e.py)."""
-    from asyncgrpo.logprobs import row_logprobs
+    learning test (tests/integration/test_agents_e2e.py)."""
+    from asyncgrpo.losses.token_logprobs import row_logprobs
     from asyncgrpo.packing.tree_attention import enable_tree_attention
     from asyncgrpo.packing.trie import pack_row
-    from asyncgrpo.sample import Sample
+    from asyncgrpo.records.sample import Sample
 
     attention = model.config._attn_implementation
     enable_tree_attention(model)

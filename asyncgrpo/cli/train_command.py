@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 from asyncgrpo.cli.run_config import RunConfig, build_run_config, build_trainer, read_config
 from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.server import lora_flags_for_run
-from asyncgrpo.redaction import redact_config
+from asyncgrpo.run.redaction import redact_config
 
 RESOLVED_CONFIG_FILE = "config.yaml"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncgrpo.off_policy import ICEPOP, TOKEN_MASK, TOKEN_TRUNCATE
-from asyncgrpo.trl_compat import warn_once
+from asyncgrpo.config.correction_modes import ICEPOP, TOKEN_MASK, TOKEN_TRUNCATE
+from asyncgrpo.config.trl_compat import warn_once
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 # The loss types whose objective is GRPO's clipped surrogate (they differ in how they normalize).

@@ -28,8 +28,8 @@ from asyncgrpo.config.reward_shaping import RewardShapingFields
 from asyncgrpo.config.server import ServerFields
 from asyncgrpo.config.teacher import TeacherFields
 from asyncgrpo.config.training_arguments import TrainingArgumentsDefaults
+from asyncgrpo.config.trl_compat import TrlCompatFields
 from asyncgrpo.errors import ConfigurationError
-from asyncgrpo.trl_compat import TrlCompatFields
 
 
 # A dataclass takes its bases' fields from the last base to the first: TrainingArguments' come first

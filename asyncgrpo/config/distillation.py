@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncgrpo.config.async_grpo_config import AsyncGRPOConfig
+from asyncgrpo.config.trl_compat import warn_once
 from asyncgrpo.errors import ConfigurationError
-from asyncgrpo.trl_compat import warn_once
 
 # TRL 1.16's default teacher when teacher_server_urls is None.
 DEFAULT_TEACHER_URL = "http://localhost:8001"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncgrpo.off_policy import MODES as IS_MODES
+from asyncgrpo.config.correction_modes import MODES as IS_MODES
 
 
 @dataclass

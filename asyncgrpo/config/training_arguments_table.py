@@ -2,9 +2,9 @@
 
 AsyncGRPOTrainer runs its own loop and draws prompts from its own stream, so a field that only the
 base Trainer's loop, data loader or evaluation loop reads would do nothing here, silently. Each field
-of transformers' `TrainingArguments` has one entry in `TRAINING_ARGUMENTS` (tests/test_training_arguments.py
-fails when a transformers release adds a field this table does not place; docs/configuration.md lists
-the same table):
+of transformers' `TrainingArguments` has one entry in `TRAINING_ARGUMENTS`
+(tests/unit/test_training_arguments.py fails when a transformers release adds a field this table does not
+place; docs/configuration.md lists the same table):
 
 - honoured: by this trainer's loop, or by the base Trainer's machinery it keeps (optimizer, scheduler,
   callbacks, logging, checkpoints, the launch); the text says how, and the limits that are refused by
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo.trl_compat import warn_once
+from asyncgrpo.config.trl_compat import warn_once
 
 HONOURED, WARNS, REFUSED = "honoured", "warns", "refused"
 # Prompt orders the prompt stream can draw (asyncgrpo/rollout/prompts.py).

@@ -34,7 +34,7 @@ from asyncgrpo.generation.server_auth import (
     guard_additions,
     unguarded_frontend_error,
 )
-from asyncgrpo.redaction import redact_argv, redact_env
+from asyncgrpo.run.redaction import redact_argv, redact_env
 
 # "0" keeps a CPU server's model in its engine core process (build_command).
 VLLM_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"

@@ -7,7 +7,7 @@ mcp >= 2; the two cannot share one environment. Everything the trainer does with
 adapter or trace is attribute access and method calls, so OpenEnv's objects and these are used
 alike: a user's OpenEnv `ResourceSessionFactory`, `HarnessAdapter` or `TrainingTrace` works
 unchanged, and OpenEnv's adapters read the `ModelStepResult` and `HarnessRunLimits` the trainer
-passes them as they read their own (tests/test_openenv_conformance.py checks both ways against
+passes them as they read their own (tests/unit/test_openenv_conformance.py checks both ways against
 OpenEnv). Loop-owning sessions, the trainer's half of white-box sampling and the local-process
 harness use these types; a user writing a session or adapter without OpenEnv can too.
 """

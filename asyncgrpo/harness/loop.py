@@ -39,7 +39,7 @@ from asyncgrpo.harness.session_gate import SessionGate
 from asyncgrpo.harness.tool_metrics import ToolCallCounts, captured_tool_calls, white_box_tool_calls
 from asyncgrpo.harness.trace import CaptureContractError, turns_from_trace
 from asyncgrpo.harness.white_box import WhiteBoxSampler
-from asyncgrpo.metrics import Reduce
+from asyncgrpo.records.metrics import Reduce
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.types import Rollout, TurnRecord
 

@@ -5,7 +5,7 @@ logits to what the loss reads (log p(target), entropy, log p at the sampler's to
 log-normalizer); backward rebuilds d loss / d logits in closed form in one more pass, in place over
 the logits, and runs the two gradient matmuls. `keep_logits` keeps the head output for backward
 instead of recomputing it. On CUDA the passes are Triton kernels (`head_kernels`); elsewhere they are
-the torch functions of `head_reference`, which are also their reference (tests/test_fused_head.py).
+the torch functions of `head_reference`, which are also their reference (tests/unit/test_fused_head.py).
 Why, and the formulas: docs/gpu-performance.md#the-fused-output-head.
 """
 

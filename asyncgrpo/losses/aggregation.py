@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.off_policy import per_sequence_sum
+from asyncgrpo.losses.off_policy import per_sequence_sum
 
 
 @dataclass(frozen=True)

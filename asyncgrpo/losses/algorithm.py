@@ -1,10 +1,10 @@
 """A row's whole loss: the policy term of the configured loss, the KL to the reference and the entropy
 bonus, with TRL's metric names.
 
-`loss_type=None` runs asyncgrpo's own losses (asyncgrpo/loss.py) unchanged; a named loss type runs TRL
-1.16's formula with the sampler as the old policy, composed with the off-policy correction as TRL composes its
-vLLM importance-sampling ratio (losses/ratios.py). The KL and the entropy bonus are added the same way
-whichever policy term runs. docs/algorithm.md states every formula.
+`loss_type=None` runs asyncgrpo's own losses (asyncgrpo/losses/policy_loss.py) unchanged; a named loss type
+runs TRL 1.16's formula with the sampler as the old policy, composed with the off-policy correction as TRL
+composes its vLLM importance-sampling ratio (losses/ratios.py). The KL and the entropy bonus are added the
+same way whichever policy term runs. docs/algorithm.md states every formula.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ import torch
 
 from asyncgrpo.config.algorithm import CLIPPED_LOSS_TYPES, LOSS_TYPES
 from asyncgrpo.errors import ConfigurationError
-from asyncgrpo.loss import (
+from asyncgrpo.losses.aggregation import LossTotals, aggregate
+from asyncgrpo.losses.off_policy import Correction, CorrectionSettings, correct, per_sequence_sum
+from asyncgrpo.losses.policy_loss import (
     LossInputs,
     clip_ratio_metrics,
     clipped_surrogate_loss,
     sampling_metrics,
     score_centered_loss,
 )
-from asyncgrpo.losses.aggregation import LossTotals, aggregate
 from asyncgrpo.losses.policy_terms import cispo_term, clipped_term, sapo_term, vespo_term, vespo_weights
 from asyncgrpo.losses.ratios import correction_factor, log_importance_weights, sequence_mean
 from asyncgrpo.losses.regularizers import entropy_bonus, reference_kl
-from asyncgrpo.metrics import Reduce, Stat
-from asyncgrpo.off_policy import Correction, CorrectionSettings, correct, per_sequence_sum
+from asyncgrpo.records.metrics import Reduce, Stat
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,8 @@ def algorithm_loss(
 
 
 def _own_policy_loss(x: LossInputs, s: AlgorithmSettings, totals: LossTotals, num_samples: int):
-    """asyncgrpo's own score-centered or clipped loss (asyncgrpo/loss.py), as it always ran; the token
-    ratio and keep mask for the KL term."""
+    """asyncgrpo's own score-centered or clipped loss (asyncgrpo/losses/policy_loss.py), as it always ran; the
+    token ratio and keep mask for the KL term."""
     policy = score_centered_loss if s.score_centering else clipped_surrogate_loss
     loss, metrics = policy(
         x,

@@ -5,10 +5,10 @@ The teacher reports, per position, its top-k tokens plus the realized token (vLL
 Which of those ids the divergence runs over depends on `beta`, as in TRL 1.16 (`teacher_support`):
 beta = 0 (forward KL) the whole reported support, beta = 1 (reverse KL) the realized token alone,
 between them the teacher's top-1 and the realized token. The student's log-probs at those ids are exact
-(the trainer gathers them from its full softmax, chunked over the entries: asyncgrpo/logprobs.py). A
-tail bucket (`add_tail_bucket`) holds the mass outside the support on each side, so both sides are
-proper distributions over support + 1 outcomes; without it both are renormalized over the support.
-Pure tensor functions: the trainer's row loss calls them.
+(the trainer gathers them from its full softmax, chunked over the entries:
+asyncgrpo/losses/token_logprobs.py). A tail bucket (`add_tail_bucket`) holds the mass outside the support on
+each side, so both sides are proper distributions over support + 1 outcomes; without it both are renormalized
+over the support. Pure tensor functions: the trainer's row loss calls them.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from asyncgrpo.off_policy import per_sequence_sum
+from asyncgrpo.losses.off_policy import per_sequence_sum
 
 # VESPO works in log space with TRL's clamps: a log ratio per token within +-20, a sequence's log weight
 # within [log 1e-8, 20] (the original implementation's floor).

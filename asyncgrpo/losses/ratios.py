@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from asyncgrpo.errors import ConfigurationError
-from asyncgrpo.off_policy import Correction, per_sequence_sum
+from asyncgrpo.losses.off_policy import Correction, per_sequence_sum
 
 
 def sequence_mean(values: torch.Tensor, entry_sample: torch.Tensor, num_samples: int) -> torch.Tensor:

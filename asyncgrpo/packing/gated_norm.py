@@ -7,10 +7,10 @@ of the (P, H x D) activations; here forward is one pass (x and z read once, out 
 backward one more (x, z and d out read once, d x and d z written once, per-program partial sums of
 d weight added up by torch), fp32 inside, outputs in the inputs' dtypes. The module's own rounding of
 the normalized value to x's dtype before the weight is not reproduced: this computes the function in
-fp32 throughout (the tests hold it to the function in fp64, tests/gated_norm_check.py).
+fp32 throughout (the tests hold it to the function in fp64, tests/support/gated_norm_check.py).
 
-Tested on CPU through Triton's interpreter (tests/gated_norm_check.py), compiled for sm_90 on CPU
-(tests/tree_conv_compile_check.py), and on the GPU by tests/test_gated_deltanet_gpu.py.
+Tested on CPU through Triton's interpreter (tests/support/gated_norm_check.py), compiled for sm_90 on CPU
+(tests/support/tree_conv_compile_check.py), and on the GPU by tests/gpu/test_gated_deltanet_gpu.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton.language as tl
 # (token, head) rows per program and warps, forward and backward: 32 rows of a 128-value head, 32
 # values per thread per tensor forward (64 registers) and 16 backward (8 warps: 76 registers, where 4
 # warps took 194 and fewer programs fit on a multiprocessor). Compiled for sm_90 on CPU
-# (tests/tree_conv_compile_check.py prints the registers); bench/gdn_kernels.py times others on a GPU.
+# (tests/support/tree_conv_compile_check.py prints the registers); bench/gdn_kernels.py times others on a GPU.
 BLOCK_ROWS = 32
 FORWARD_WARPS, BACKWARD_WARPS = 4, 8
 

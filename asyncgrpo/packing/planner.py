@@ -17,7 +17,7 @@ import numpy as np
 from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.packing.trie import PrefixTrie, prediction_targets
-from asyncgrpo.sample import Sample
+from asyncgrpo.records.sample import Sample
 
 # The trainer's `min_shared_tokens` (see PrefixTrie): a prefix shorter than one attention block is not
 # shared with samples whose own tails are longer than a block. 128 is the block size of the tree

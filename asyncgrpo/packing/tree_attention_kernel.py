@@ -10,7 +10,7 @@ from the forward's log-sum-exp. Why and the measurements: docs/gpu-performance.m
 Inputs (1, H, L, D) with any token and head strides (transformers' transposed views); outputs in
 (1, L, H, D) memory, returned as (1, H, L, D) views. Rows past the row's real tokens get zero output
 and zero gradients. Only this module imports Triton (CUDA machines; CPU tests run it in Triton's
-interpreter, tests/tree_attention_kernel_check.py).
+interpreter, tests/support/tree_attention_kernel_check.py).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ keeps its gradient aside, and a small second kernel adds those reads to the few 
 (`RecurrentLayout.conv_remote_*`): deterministic, no atomics. The weight's and bias's gradients are
 per-tile partial sums, added up by torch.
 
-Tested on CPU through Triton's interpreter (tests/tree_conv_check.py), compiled for sm_90 on CPU
-(tests/tree_conv_compile_check.py), and on the GPU by tests/test_gated_deltanet_gpu.py.
+Tested on CPU through Triton's interpreter (tests/support/tree_conv_check.py), compiled for sm_90 on CPU
+(tests/support/tree_conv_compile_check.py), and on the GPU by tests/gpu/test_gated_deltanet_gpu.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Tile:
 
 # Each tap's load reads 128 contiguous channels of a row (256 bytes in bf16), 8 per thread. Forward:
 # 32 rows at 4 warps. Backward: 32 rows at 4 warps, of which the last K - 1 are the next tile's (a
-# tenth of the rows computed twice). Register counts: tests/tree_conv_compile_check.py's compiles.
+# tenth of the rows computed twice). Register counts: tests/support/tree_conv_compile_check.py's compiles.
 # A smaller backward tile (32 rows x 64 channels, 2 warps) was faster alone on an H100 but not in the
 # whole Qwen3.5-2B step measured with it: the default is the tile of the better whole step
 # (bench/RESULTS.md, "Issue 47, the device calls").

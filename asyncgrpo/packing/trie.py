@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from asyncgrpo.packing.row import PackedRow
-from asyncgrpo.sample import Sample
+from asyncgrpo.records.sample import Sample
 
 NO_TARGET = -1  # a position whose output no loss entry reads
 

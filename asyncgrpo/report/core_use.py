@@ -1,11 +1,11 @@
-"""The report's reading of the timeline's CPU counters (asyncgrpo/cpu_use.py): per process lane, the
+"""The report's reading of the timeline's CPU counters (asyncgrpo/run/cpu_use.py): per process lane, the
 cores its processes kept busy and the core each ran on, and the diagnosis's line of averages."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncgrpo.cpu_use import BUSY_COUNTER, CORE_PREFIX
+from asyncgrpo.run.cpu_use import BUSY_COUNTER, CORE_PREFIX
 
 
 @dataclass

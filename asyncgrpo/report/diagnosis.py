@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from asyncgrpo.off_policy import MISMATCH_KL_PRECISION_FLOOR
+from asyncgrpo.losses.off_policy import MISMATCH_KL_PRECISION_FLOOR
 from asyncgrpo.report.history import History
 
 # Bottleneck: the trainer "waits" when more than a fifth of its step time is rollout_wait_s. Generation

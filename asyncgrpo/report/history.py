@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncgrpo.errors import ConfigurationError
-from asyncgrpo.run_files import CONFIG_FILE, METRICS_FILE
+from asyncgrpo.run.files import CONFIG_FILE, METRICS_FILE
 
 
 @dataclass

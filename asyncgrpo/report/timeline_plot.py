@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from asyncgrpo.report.core_use import CoreSample, core_samples
-from asyncgrpo.run_files import TIMELINE_FILE
+from asyncgrpo.run.files import TIMELINE_FILE
 
 # Consecutive steps drawn: enough to see a run's rhythm, few enough that each phase stays readable.
 STEPS_DRAWN = 3

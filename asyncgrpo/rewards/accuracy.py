@@ -164,7 +164,7 @@ class _Verifier:
 def _serve(connection, parent_pid: int) -> None:
     """A verifier's main: calls from the pipe, run in this main thread (math-verify's alarm works
     here), answered one by one."""
-    from asyncgrpo.parent_watch import exit_when_parent_dies
+    from asyncgrpo.run.parent_watch import exit_when_parent_dies
 
     exit_when_parent_dies(parent_pid)  # never outlive the process that uses it
     while True:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from asyncgrpo.records.sample import Sample
 from asyncgrpo.rollout.scoring import ADVANTAGE_EPSILON, group_advantages
 from asyncgrpo.rollout.types import Rollout, RolloutGroup
-from asyncgrpo.sample import Sample
 
 
 def source_weights(reward_weights: list[float] | None, num_functions: int, num_sources: int) -> list[float]:

@@ -22,7 +22,7 @@ import functools
 import weakref
 from typing import Any, Callable, Protocol
 
-from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.records.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.chat import render_prompt_ids, tool_name, tool_schema
 from asyncgrpo.rollout.context import HookContext
 from asyncgrpo.rollout.settings import RolloutSettings

@@ -21,7 +21,7 @@ class WorkerChannels:
     rollout_buffer: Any  # Queue of GroupResult, worker -> trainer
     metrics_queue: Any  # Queue of metric windows (MetricsWindow.stats()), worker -> trainer
     timeline_queue: (
-        Any  # Queue of (timeline events, events dropped), worker -> trainer (asyncgrpo/timeline.py)
+        Any  # Queue of (timeline events, events dropped), worker -> trainer (asyncgrpo/run/timeline.py)
     )
     exception_info_queue: Any  # Queue of (name, message, traceback) of the error that stopped the worker
     # Queue of (live server URLs, {url: admission}), trainer -> worker: the run's servers changed

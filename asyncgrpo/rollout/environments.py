@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from asyncgrpo.errors import ConfigurationError, ContractError
-from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.records.metrics import MetricsWindow
 from asyncgrpo.rollout.tools import call_maybe_async
 
 RESERVED_METHODS = ("reset", "get_reward")

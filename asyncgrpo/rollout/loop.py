@@ -17,7 +17,7 @@ import numpy as np
 
 from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.client import VLLMClient
-from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.records.metrics import MetricsWindow
 from asyncgrpo.rollout.advantages import rollout_advantages
 from asyncgrpo.rollout.agent import run_tool_loop
 from asyncgrpo.rollout.concurrency import LOAD_POLL_INTERVAL_S

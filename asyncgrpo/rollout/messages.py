@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncgrpo.sample import Sample
+from asyncgrpo.records.sample import Sample
 
 
 @dataclass

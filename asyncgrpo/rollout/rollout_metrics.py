@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.records.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.advantages import is_truncated
 from asyncgrpo.rollout.sequences import ReconcileStats
 from asyncgrpo.rollout.types import Rollout, RolloutGroup

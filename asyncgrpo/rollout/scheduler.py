@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncgrpo import timeline
 from asyncgrpo.errors import ContractError, RewardError, RolloutError
 from asyncgrpo.generation.client import ServerLostError, VLLMClient
-from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.records.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.rollout.advantages import advantage_basis, is_truncated, source_weights
 from asyncgrpo.rollout.agent import record_tool_rollout_metrics
 from asyncgrpo.rollout.channels import WorkerChannels
@@ -48,6 +47,7 @@ from asyncgrpo.rollout.server_share import ServerShare, initial_servers
 from asyncgrpo.rollout.teacher import TeacherScoring, realized_teacher_logprobs, with_teacher_term
 from asyncgrpo.rollout.types import Rollout, RolloutGroup
 from asyncgrpo.rollout.worker_shares import owns_stream_index, share_of_range
+from asyncgrpo.run import timeline
 
 if TYPE_CHECKING:
     from asyncgrpo.rollout.loop import AsyncRolloutLoop

@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from asyncgrpo.records.sample import Sample
 from asyncgrpo.rollout.environments import environment_reward_sources
 from asyncgrpo.rollout.reward_errors import RewardCallFailure, RewardFunctionError
 from asyncgrpo.rollout.types import RolloutGroup
-from asyncgrpo.sample import Sample
 
 ADVANTAGE_EPSILON = 1e-4
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
 from asyncgrpo.generation.server_list import starting_servers
-from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.records.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.concurrency import RolloutSlots, initial_cap, next_cap, rescaled_cap
 from asyncgrpo.rollout.worker_shares import worker_servers

@@ -19,8 +19,8 @@ import numpy as np
 
 from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.teacher_client import TeacherClient
+from asyncgrpo.records.sample import Sample
 from asyncgrpo.rollout.settings import ServerSettings, TeacherSettings
-from asyncgrpo.sample import Sample
 
 TEACHER_ID_COLUMN = "teacher_id"
 

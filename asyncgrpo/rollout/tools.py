@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Executor
 from typing import Any, Callable
 
-from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.records.metrics import MetricsWindow, Reduce
 from asyncgrpo.rollout.activity import ActivityBoard
 from asyncgrpo.rollout.chat import tool_name
 from asyncgrpo.rollout.tool_calls import ToolCall

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.errors import RolloutError
-from asyncgrpo.parent_watch import exit_when_parent_dies
 from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.context import LoopInputs
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompts import StreamStart
 from asyncgrpo.rollout.scheduler import RolloutScheduler
-from asyncgrpo.run_files import attach_warnings_file
+from asyncgrpo.run.files import attach_warnings_file
+from asyncgrpo.run.parent_watch import exit_when_parent_dies
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ def layer_bytes_per_token(config) -> tuple[float, float]:
 # transformers' torch gated delta rule, per token and value head, in fp32 values kept for backward:
 # ~15 vectors of the head dim, the chunk's recurrent state (Dk x Dv) shared by its 64 tokens, ~5 rows
 # of the 64 x 64 chunk matrices. Fitted to the bytes autograd saves for that rule on CPU at head dims
-# 32, 64 and 128 (tests/test_activation_memory.py measures them).
+# 32, 64 and 128 (tests/unit/test_activation_memory.py measures them).
 TORCH_RULE_CHUNK = 64
 TORCH_RULE_VECTORS_PER_HEAD_DIM = 15
 TORCH_RULE_CHUNK_ROWS = 5

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncgrpo.durable_files import write_atomically
+from asyncgrpo.run.durable_files import write_atomically
 
 ALGORITHM_STATE_FILE = "algorithm_state.json"
 REFERENCE_MODEL_FILE = "reference_model.safetensors"

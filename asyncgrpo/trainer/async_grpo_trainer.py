@@ -22,17 +22,17 @@ from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import SaveStrategy, TrainOutput
 
-from asyncgrpo import timeline
 from asyncgrpo.checkpoints.layout import is_sharded
 from asyncgrpo.checkpoints.live_model import is_sharded_module
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.client import VLLMClient
-from asyncgrpo.metrics import Reduce
+from asyncgrpo.records.metrics import Reduce
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.prompts import PromptOrder
 from asyncgrpo.rollout.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from asyncgrpo.rollout.worker import RolloutWorkerPool
-from asyncgrpo.run_lock import OwnerLock
+from asyncgrpo.run import timeline
+from asyncgrpo.run.lock import OwnerLock
 from asyncgrpo.trainer.base_loop_settings import EmptyDeviceCache, input_tokens_seen
 from asyncgrpo.trainer.checkpoint import (
     ResumePoint,

@@ -29,11 +29,11 @@ from asyncgrpo.checkpoints.background import SaveResult
 from asyncgrpo.checkpoints.layout import ShardedManifest
 from asyncgrpo.checkpoints.live_model import save_consolidated
 from asyncgrpo.checkpoints.sharded_state import load_training_state
-from asyncgrpo.durable_files import publish_directory, staging_path
+from asyncgrpo.modeling.sharded import full_tensor
+from asyncgrpo.records.sample import Sample
 from asyncgrpo.rollout.prompts import PromptOrder
-from asyncgrpo.run_lock import DirectoryInUseError, OwnerLock
-from asyncgrpo.sample import Sample
-from asyncgrpo.sharded import full_tensor
+from asyncgrpo.run.durable_files import publish_directory, staging_path
+from asyncgrpo.run.lock import DirectoryInUseError, OwnerLock
 from asyncgrpo.trainer.algorithm_state import AlgorithmState
 from asyncgrpo.trainer.distributed import Processes, full_state, load_optimizer_state
 from asyncgrpo.trainer.held_samples import load_held_samples, save_held_samples
@@ -84,7 +84,7 @@ def write_full_checkpoint(
 ) -> SaveResult:
     """A checkpoint in the full layout (checkpoint_format="full", asyncgrpo/checkpoints/layout.py),
     written whole or not at all, and durable before older ones are rotated away: every file goes to a
-    hidden staging directory, flushed to the disk and renamed `checkpoint-N` (asyncgrpo/durable_files.py),
+    hidden staging directory, flushed to the disk and renamed `checkpoint-N` (asyncgrpo/run/durable_files.py),
     so neither a killed run nor a crashed host leaves a checkpoint that `resume_from_checkpoint=True`
     would pick half written. A failed write (a full disk) removes its staging directory and is
     returned, the same on every rank (checkpoints/failures.py retries it). With several processes

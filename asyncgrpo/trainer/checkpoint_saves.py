@@ -32,9 +32,9 @@ from asyncgrpo.checkpoints.background import SaveResult, ShardedWriter
 from asyncgrpo.checkpoints.failures import FailedSaves
 from asyncgrpo.checkpoints.layout import SHARDED, SHARDS_DIR, ShardedManifest
 from asyncgrpo.checkpoints.sharded_state import tied_aliases, training_state
-from asyncgrpo.durable_files import fsync_path, publish_directory, staging_path
-from asyncgrpo.metrics import MetricsWindow, Reduce
-from asyncgrpo.run_lock import DirectoryInUseError, OwnerLock
+from asyncgrpo.records.metrics import MetricsWindow, Reduce
+from asyncgrpo.run.durable_files import fsync_path, publish_directory, staging_path
+from asyncgrpo.run.lock import DirectoryInUseError, OwnerLock
 from asyncgrpo.trainer.checkpoint import (
     ResumePoint,
     note_best_checkpoint,

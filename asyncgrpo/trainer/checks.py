@@ -12,10 +12,10 @@ import transformers
 from packaging.version import Version
 
 from asyncgrpo.errors import ConfigurationError
-from asyncgrpo.peft_adapters import check_peft_config
+from asyncgrpo.modeling.peft_adapters import check_peft_config
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 
-# The lowest release pyproject.toml allows (tests/test_transformers_contract.py checks they agree).
+# The lowest release pyproject.toml allows (tests/unit/test_transformers_contract.py checks they agree).
 MIN_TRANSFORMERS = "5.17.0"
 
 

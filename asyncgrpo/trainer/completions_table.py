@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from asyncgrpo.sample import Sample
+from asyncgrpo.records.sample import Sample
 
 logger = logging.getLogger(__name__)
 

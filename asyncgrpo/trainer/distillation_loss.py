@@ -2,8 +2,9 @@
 `LossMenu`, which the training loop calls): one packed row's generalized JSD to its teachers.
 
 Each entry's support comes from its teacher's report (`teacher_support`); the student's exact log-probs
-at the support ids come from the row's forward and the chunked output head (asyncgrpo/logprobs.py: the
-(entries x vocabulary) logits never exist at once), at `teacher_temperature`; the divergence is
+at the support ids come from the row's forward and the chunked output head
+(asyncgrpo/losses/token_logprobs.py: the (entries x vocabulary) logits never exist at once), at
+`teacher_temperature`; the divergence is
 `distillation_divergence` (asyncgrpo/losses/distillation.py). As in TRL 1.16, a row's loss is the sum of
 its entries' divergences over the micro-batch's trained tokens on every process, over the gradient
 accumulation steps. Nothing lives across steps: no reference, no coefficient (docs/distillation.md).
@@ -18,9 +19,9 @@ import torch
 
 from asyncgrpo.config import AsyncDistillationConfig
 from asyncgrpo.errors import ContractError
-from asyncgrpo.logprobs import row_logprobs, to_device
 from asyncgrpo.losses.distillation import distillation_divergence, teacher_support
-from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.losses.token_logprobs import row_logprobs, to_device
+from asyncgrpo.records.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.trainer.algorithm_state import AlgorithmState
 from asyncgrpo.trainer.intake import StepBatch
 

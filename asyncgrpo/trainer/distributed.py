@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from asyncgrpo.logprobs import PACKED_FORWARD_METHOD, packed_forward
-from asyncgrpo.sharded import full_tensor
+from asyncgrpo.losses.token_logprobs import PACKED_FORWARD_METHOD, packed_forward
+from asyncgrpo.modeling.sharded import full_tensor
 
 T = TypeVar("T")
 

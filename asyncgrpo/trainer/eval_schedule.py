@@ -20,7 +20,7 @@ from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.generation.server_list import starting_servers
-from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.records.metrics import MetricsWindow
 from asyncgrpo.trainer.distributed import Processes
 from asyncgrpo.trainer.evaluator import Evaluator, dataset_rows
 from asyncgrpo.trainer.generation_session import GenerationSession

@@ -16,19 +16,19 @@ from typing import Any, Callable
 
 import torch
 
-from asyncgrpo import timeline
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient, VLLMUnavailableError
 from asyncgrpo.generation.server_info import ServerInfo, check_logprobs_mode, check_routing_replay
 from asyncgrpo.generation.server_list import starting_servers
-from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.modeling.routing_replay import moe_routers
+from asyncgrpo.records.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.records.sample import Sample
 from asyncgrpo.rollout.advantages import scale_over_batch
 from asyncgrpo.rollout.chat import render_prompt_ids
 from asyncgrpo.rollout.environments import EnvironmentOwnedData
 from asyncgrpo.rollout.worker import RolloutWorkerPool, check_worker_payload, worker_inputs
-from asyncgrpo.routing_replay import moe_routers
-from asyncgrpo.sample import Sample
+from asyncgrpo.run import timeline
 from asyncgrpo.trainer.checkpoint import ResumePoint
 from asyncgrpo.trainer.checks import check_prompt_lengths
 from asyncgrpo.trainer.distributed import Processes

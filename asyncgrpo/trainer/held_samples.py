@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncgrpo.sample import Sample
+from asyncgrpo.records.sample import Sample
 
 HELD_SAMPLES_ARRAYS = "held_samples.npz"
 HELD_SAMPLES_FIELDS = "held_samples.json"

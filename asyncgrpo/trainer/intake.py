@@ -20,12 +20,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from asyncgrpo import timeline
 from asyncgrpo.errors import TrainingError
-from asyncgrpo.metrics import MetricsWindow, Reduce
 from asyncgrpo.packing.planner import MIN_SHARED_TOKENS, MicroBatchPlan, Placement, TokenBudgetBatcher
+from asyncgrpo.records.metrics import MetricsWindow, Reduce
+from asyncgrpo.records.sample import Sample
 from asyncgrpo.rollout.worker import RolloutWorkerPool
-from asyncgrpo.sample import Sample
+from asyncgrpo.run import timeline
 from asyncgrpo.trainer.prompt_ledger import PromptLedger
 
 logger = logging.getLogger(__name__)

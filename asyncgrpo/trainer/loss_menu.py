@@ -14,7 +14,7 @@ import torch
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.losses import EntropyCoefficient
 from asyncgrpo.losses.regularizers import entropy_threshold
-from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.records.metrics import MetricsWindow, Reduce, Stat
 from asyncgrpo.trainer.algorithm_state import AlgorithmState
 from asyncgrpo.trainer.distributed import Processes, full_model_state, load_full_model_state
 from asyncgrpo.trainer.intake import StepBatch

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from asyncgrpo.off_policy import MISMATCH_KL_PRECISION_FLOOR
+from asyncgrpo.losses.off_policy import MISMATCH_KL_PRECISION_FLOOR
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.kernels.moe_experts import use_grouped_experts
-from asyncgrpo.models import freeze_outside_language_model, load_model, router_aux_loss_coef
+from asyncgrpo.modeling.models import freeze_outside_language_model, load_model, router_aux_loss_coef
+from asyncgrpo.modeling.peft_adapters import wrap_with_peft
 from asyncgrpo.packing.gated_deltanet import log_gated_delta_rule_path
 from asyncgrpo.packing.tree_attention import enable_tree_attention
-from asyncgrpo.peft_adapters import wrap_with_peft
 from asyncgrpo.rollout.tool_calls import require_call_format
 from asyncgrpo.rollout.training_templates import use_training_template
 

@@ -17,9 +17,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncgrpo.durable_files import write_atomically
 from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.rollout.prompts import PromptOrder
+from asyncgrpo.run.durable_files import write_atomically
 
 ROLLOUT_STATE_NAME = "rollout_state.json"
 

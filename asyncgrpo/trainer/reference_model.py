@@ -17,9 +17,9 @@ import logging
 import torch
 
 from asyncgrpo.errors import ConfigurationError
-from asyncgrpo.logprobs import row_logprobs
+from asyncgrpo.losses.token_logprobs import row_logprobs
+from asyncgrpo.modeling.peft_adapters import is_peft_model
 from asyncgrpo.packing.row import PackedRow
-from asyncgrpo.peft_adapters import is_peft_model
 from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.distributed import shard_model
 

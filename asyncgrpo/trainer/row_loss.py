@@ -18,14 +18,14 @@ import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ContractError
-from asyncgrpo.logprobs import row_logprobs, to_device
-from asyncgrpo.loss import LossInputs
 from asyncgrpo.losses import AlgorithmSettings, LossTotals, algorithm_loss
+from asyncgrpo.losses.off_policy import CorrectionSettings, mismatch_kl
+from asyncgrpo.losses.policy_loss import LossInputs
 from asyncgrpo.losses.regularizers import entropy_threshold, high_entropy_mask
-from asyncgrpo.metrics import Reduce, Stat
-from asyncgrpo.off_policy import CorrectionSettings, mismatch_kl
+from asyncgrpo.losses.token_logprobs import row_logprobs, to_device
+from asyncgrpo.modeling.routing_replay import replay_routing
 from asyncgrpo.packing.planner import MicroBatchPlan
-from asyncgrpo.routing_replay import replay_routing
+from asyncgrpo.records.metrics import Reduce, Stat
 from asyncgrpo.trainer.device_clock import DeviceClock
 from asyncgrpo.trainer.reference_model import ReferenceModel
 

@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from asyncgrpo import timeline
-from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.records.metrics import MetricsWindow
+from asyncgrpo.run import timeline
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
 from asyncgrpo.trainer.device_clock import DeviceClock
 from asyncgrpo.trainer.distributed import Processes

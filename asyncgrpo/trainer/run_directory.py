@@ -3,9 +3,9 @@
   config.json      the resolved AsyncGRPOConfig (every field, after defaults)
   metrics.jsonl    one JSON object per logging window: `step`, `time` and every metric logged
   warnings.log     warnings of the trainer and of the rollout worker process (bounded: run_files.py)
-  timeline.json    what each process did when (written by the trainer: asyncgrpo/timeline.py)
+  timeline.json    what each process did when (written by the trainer: asyncgrpo/run/timeline.py)
   checkpoint-N/    written by the base Trainer as usual
-  .asyncgrpo-run.lock  held by the live run: one run per directory (asyncgrpo/run_lock.py)
+  .asyncgrpo-run.lock  held by the live run: one run per directory (asyncgrpo/run/lock.py)
 
 `asyncgrpo report RUN_DIR` reads this layout. It is written by a callback, beside `report_to`
 (tensorboard, trackio, wandb keep receiving the same logs), so the training loop is unchanged.
@@ -23,9 +23,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from asyncgrpo.durable_files import remove_leftovers
-from asyncgrpo.redaction import redact_config
-from asyncgrpo.run_files import (
+from asyncgrpo.run.durable_files import remove_leftovers
+from asyncgrpo.run.files import (
     CONFIG_FILE,
     METRICS_FILE,
     RUN_LOCK_FILE,
@@ -34,7 +33,8 @@ from asyncgrpo.run_files import (
     attach_warnings_file,
     detach_warnings_file,
 )
-from asyncgrpo.run_lock import DirectoryInUseError, OwnerLock, owner_gone, read_owner
+from asyncgrpo.run.lock import DirectoryInUseError, OwnerLock, owner_gone, read_owner
+from asyncgrpo.run.redaction import redact_config
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def refuse_if_in_use(directory: str | os.PathLike) -> None:
 def hold_run_directory(directory: str | os.PathLike) -> OwnerLock:
     """Take `directory` for one run (rank 0) and clear what a crash left in it: staging files and
     directories of an interrupted save, a checkpoint moved aside while it was replaced
-    (asyncgrpo/durable_files.py), and a partial last line of metrics.jsonl, which the appends of this
+    (asyncgrpo/run/durable_files.py), and a partial last line of metrics.jsonl, which the appends of this
     run would otherwise glue to their first record. Release the returned lock when the run ends."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

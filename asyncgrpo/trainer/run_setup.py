@@ -23,7 +23,7 @@ from transformers import Trainer
 from asyncgrpo.checkpoints.layout import choose_layout, is_sharded
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.server_list import starting_servers
-from asyncgrpo.run_lock import DirectoryInUseError, OwnerLock
+from asyncgrpo.run.lock import DirectoryInUseError, OwnerLock
 from asyncgrpo.trainer.activation_memory import CheckpointToFit
 from asyncgrpo.trainer.checkpoint import ResumePoint, load_sharded_checkpoint, load_sharded_optimizer
 from asyncgrpo.trainer.checkpoint_saves import RunCheckpoints

@@ -1,5 +1,5 @@
 """Rank 0's timeline of one run: its own phases, the rollout workers' and the servers' pauses, and the
-CPU counters of its processes (asyncgrpo/cpu_use.py). Written once the run ends, also after a failure,
+CPU counters of its processes (asyncgrpo/run/cpu_use.py). Written once the run ends, also after a failure,
 so the file shows where the run stopped (docs/timeline.md)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from asyncgrpo import timeline
-from asyncgrpo.cpu_use import CpuSampler, Tracked
 from asyncgrpo.rollout.worker import RolloutWorkerPool
-from asyncgrpo.run_files import TIMELINE_FILE
+from asyncgrpo.run import timeline
+from asyncgrpo.run.cpu_use import CpuSampler, Tracked
+from asyncgrpo.run.files import TIMELINE_FILE
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from asyncgrpo import timeline
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import (
     ServerLostError,
@@ -38,7 +37,8 @@ from asyncgrpo.generation.client import (
 )
 from asyncgrpo.generation.server_info import ServerInfo, server_differences
 from asyncgrpo.generation.server_list import read_server_list
-from asyncgrpo.metrics import MetricsWindow, Reduce
+from asyncgrpo.records.metrics import MetricsWindow, Reduce
+from asyncgrpo.run import timeline
 
 logger = logging.getLogger(__name__)
 

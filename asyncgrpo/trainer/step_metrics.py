@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.modeling.perf import FlopModel, device_peak_flops, flop_model
 from asyncgrpo.packing.tree_attention import padded_length
-from asyncgrpo.perf import FlopModel, device_peak_flops, flop_model
-from asyncgrpo.sample import Sample
+from asyncgrpo.records.metrics import MetricsWindow, Reduce, Stat
+from asyncgrpo.records.sample import Sample
 from asyncgrpo.trainer.completions_table import completion_rows
 from asyncgrpo.trainer.intake import StepBatch
 from asyncgrpo.trainer.overlap import overlap_figures

@@ -11,8 +11,8 @@ from asyncgrpo.config import WEIGHT_SYNC_BACKENDS
 from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.server_info import ServerInfo
 from asyncgrpo.generation.vllm_worker_extension import WORKER_EXTENSION
-from asyncgrpo.models import is_moe
-from asyncgrpo.peft_adapters import is_peft_model
+from asyncgrpo.modeling.models import is_moe
+from asyncgrpo.modeling.peft_adapters import is_peft_model
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, serving_tensors
 from asyncgrpo.weight_sync.buckets import tensor_bytes
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync

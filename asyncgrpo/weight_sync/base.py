@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from asyncgrpo import timeline
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
-from asyncgrpo.models import is_served
-from asyncgrpo.sharded import full_tensor
+from asyncgrpo.modeling.models import is_served
+from asyncgrpo.modeling.sharded import full_tensor
+from asyncgrpo.run import timeline
 
 
 @dataclass

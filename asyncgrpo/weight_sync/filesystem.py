@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from asyncgrpo.generation.client import policy_label
-from asyncgrpo.sharded import full_tensor
+from asyncgrpo.modeling.sharded import full_tensor
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, join_gathers, serving_tensors
 
 

@@ -25,7 +25,12 @@ from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.generation.client import VLLMRequestError, policy_adapter_name, policy_label
 from asyncgrpo.generation.server import SERVABLE_LORA_RANKS, serving_lora_rank
 from asyncgrpo.generation.server_info import ServerInfo
-from asyncgrpo.peft_adapters import active_config, adapter_rank, adapter_tensors, adapter_unservable_reason
+from asyncgrpo.modeling.peft_adapters import (
+    active_config,
+    adapter_rank,
+    adapter_tensors,
+    adapter_unservable_reason,
+)
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, full_tensor
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
-from asyncgrpo.models import is_served
-from asyncgrpo.peft_adapters import is_peft_model
+from asyncgrpo.modeling.models import is_served
+from asyncgrpo.modeling.peft_adapters import is_peft_model
 from asyncgrpo.weight_sync.base import SyncTimings, WeightSyncBackend, serving_tensors
 from asyncgrpo.weight_sync.buckets import tensor_bytes
 from asyncgrpo.weight_sync.lora import LoraAdapterSync

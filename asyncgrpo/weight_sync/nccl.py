@@ -27,7 +27,7 @@ import torch
 
 from asyncgrpo.errors import WeightSyncError
 from asyncgrpo.generation.client import VLLMRequestError, VLLMUnavailableError, policy_label
-from asyncgrpo.sharded import full_tensor
+from asyncgrpo.modeling.sharded import full_tensor
 from asyncgrpo.weight_sync.base import WeightSyncBackend, join_gathers, serving_tensors
 from asyncgrpo.weight_sync.buckets import (
     DEFAULT_BUCKET_BYTES,

@@ -3,7 +3,7 @@ written to RAM-backed storage (Linux's `/dev/shm`) instead of `output_dir`, for 
 machine. Nothing reaches a disk: a version is written at memory speed, the server reads it through the
 page cache it already lives in, and the previous version's pages are freed once the servers moved on.
 
-Each run owns one directory there and holds its lock (asyncgrpo/run_lock.py, the scheme that also
+Each run owns one directory there and holds its lock (asyncgrpo/run/lock.py, the scheme that also
 keeps one run per output_dir) for as long as it lives. RAM is not freed when a process dies, so every
 run first removes the directories whose owner is gone: a killed run's weights are reclaimed by the
 next one.
@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from asyncgrpo.generation.client import VLLMRequestError
-from asyncgrpo.run_lock import OwnerLock, owner_gone
+from asyncgrpo.run.lock import OwnerLock, owner_gone
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync
 
 logger = logging.getLogger(__name__)

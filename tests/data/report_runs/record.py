@@ -1,4 +1,4 @@
-"""Records the short real runs under tests/data/report_runs/ that `tests/test_report.py` diagnoses.
+"""Records the short real runs under tests/data/report_runs/ that `tests/unit/test_report.py` diagnoses.
 
 Each case trains the tiny offline Qwen3 model (random weights, `asyncgrpo tiny-model`) for a few tens
 of steps against one real vLLM CPU server, with one setting deliberately bad, and keeps the run
