@@ -41,6 +41,7 @@ from worker_side import (  # noqa: E402 (what the rollout worker imports: tests/
     flaky_judge,
     hanging_reward,
     inf_reward,
+    noise_reward,
     prompts,
     token_parity_reward,
 )
@@ -473,9 +474,11 @@ def test_a_server_killed_and_restarted_mid_run_is_given_the_weights_and_training
             vllm_server_timeout=240,
             max_staleness=1,
         )
+        # Rewards that never saturate: at this learning rate the parity reward can leave a whole pass
+        # without signal after a few steps, which ends the run before step 6 (docs/reliability.md).
         trainer = AsyncGRPOTrainer(
             str(tiny_model_dir),
-            token_parity_reward,
+            noise_reward,
             args,
             train_dataset=prompts(),
             callbacks=[KillServerAtStep2()],
