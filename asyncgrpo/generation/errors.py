@@ -53,3 +53,7 @@ class ServerLostError(VLLMUnavailableError):
 
 # The name the client exported before there was one lost-server type; code that catches it goes on working.
 VLLMServerLostError = ServerLostError
+
+
+class MalformedResponseError(ServerError, ValueError):
+    """The server answered 200 with a body that lacks what was asked for."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from asyncgrpo.errors import ServerError
+from asyncgrpo.generation.errors import MalformedResponseError
 
 TOKEN_ID_PREFIX = "token_id:"
 _PREFIX_LEN = len(TOKEN_ID_PREFIX)
@@ -114,10 +114,6 @@ _number_rows_decoder = msgspec.json.Decoder(list[list[float]])
 # than a plain one, and JSON allows the spaces.
 _TO_NUMBER_LISTS = bytes.maketrans(b'{}:"', b"[], ")
 _generate_decoder = msgspec.json.Decoder(_GenerateResponse)
-
-
-class MalformedResponseError(ServerError, ValueError):
-    """The server answered 200 with a body that lacks what was asked for."""
 
 
 def parse_completion_response(body: bytes, num_top: int) -> Completion:

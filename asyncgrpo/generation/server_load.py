@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from asyncgrpo.generation.responses import MalformedResponseError
+from asyncgrpo.generation.errors import MalformedResponseError
 
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+(\S+)", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.rollout.activity import ActivityBoard
 from asyncgrpo.rollout.chat import RenderCache
-from asyncgrpo.rollout.sampler import PolicySampler
 from asyncgrpo.rollout.settings import RolloutSettings, rollout_settings
+
+if TYPE_CHECKING:  # the HTTP client needs msgspec, which the trainer's side of a GPU host may lack
+    from asyncgrpo.generation.client import VLLMClient
+    from asyncgrpo.rollout.sampler import PolicySampler
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,12 @@ import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from asyncgrpo.generation.client import SamplingParams
 from asyncgrpo.rollout.prompts import PromptOrder
+
+if TYPE_CHECKING:  # the HTTP client needs msgspec, which the trainer's side of a GPU host may lack
+    from asyncgrpo.generation.client import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class SamplingSettings:
 
     def request(self, max_tokens: int) -> SamplingParams:
         """The parameters of one request of at most `max_tokens` tokens."""
+        from asyncgrpo.generation.client import SamplingParams  # only the rollout process samples
+
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,

@@ -30,7 +30,6 @@ from asyncgrpo.rollout.channels import WorkerChannels
 from asyncgrpo.rollout.context import LoopInputs
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompts import StreamStart
-from asyncgrpo.rollout.scheduler import RolloutScheduler
 from asyncgrpo.run.files import attach_warnings_file
 from asyncgrpo.run.parent_watch import exit_when_parent_dies
 
@@ -97,6 +96,10 @@ def _worker_main(loop_cls, inputs: WorkerInputs, channels: WorkerChannels) -> No
     attach_warnings_file()  # the run directory's warnings.log, when the trainer keeps one
     exit_code = 0
     try:
+        # Imported here, in the rollout process: the scheduler's HTTP client needs msgspec, which the
+        # trainer's side of a GPU host may lack.
+        from asyncgrpo.rollout.scheduler import RolloutScheduler
+
         RolloutScheduler(loop_cls, inputs.loop, channels, inputs.stream).run()
     except BaseException as error:  # everything, so the trainer hears of it
         if not isinstance(

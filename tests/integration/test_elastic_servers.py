@@ -26,9 +26,10 @@ from test_trainer_e2e import PROBE, hf_greedy, prompts, restore_server, server_g
 from transformers import TrainerCallback  # noqa: E402
 from worker_side import noise_reward  # noqa: E402 (what the rollout worker imports: tests/support/worker_side.py says why)
 
-from asyncgrpo import AsyncGRPOTrainer, timeline  # noqa: E402
+from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
 from asyncgrpo.generation.client import SamplingParams, VLLMClient, policy_label  # noqa: E402
 from asyncgrpo.generation.server import ServerOptions, VLLMServer  # noqa: E402
+from asyncgrpo.run import timeline  # noqa: E402
 from asyncgrpo.weight_sync.filesystem import FilesystemWeightSync  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.many_servers]

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -180,7 +181,8 @@ def test_a_stuck_thread_cannot_keep_a_failed_worker_alive():
 
     context = multiprocessing.get_context("spawn")
     channels = WorkerChannels.create(context)
-    process = context.Process(target=_worker_main, args=(StuckThreadThenFail, {}, channels))
+    inputs = SimpleNamespace(loop=StuckThreadThenFail(), stream=None)  # what WorkerInputs holds
+    process = context.Process(target=_worker_main, args=(None, inputs, channels))
     process.start()
     process.join(60)
     assert process.exitcode == 1, "the process left by itself, its stuck thread notwithstanding"

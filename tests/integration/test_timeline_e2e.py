@@ -19,8 +19,9 @@ from timeline_checks import assert_nested, names_by_process  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from worker_side import slow_reward  # noqa: E402 (what the rollout worker imports: tests/support/worker_side.py says why)
 
-from asyncgrpo import AsyncGRPOTrainer, cpu_use  # noqa: E402
+from asyncgrpo import AsyncGRPOTrainer  # noqa: E402
 from asyncgrpo.report.core_use import core_samples  # noqa: E402
+from asyncgrpo.run import cpu_use  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

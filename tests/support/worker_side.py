@@ -145,12 +145,11 @@ def broken_judge(completions, **kwargs):
 
 
 class StuckThreadThenFail:
-    """A rollout loop whose run() starts a non-daemon thread that never ends, then fails."""
+    """A rollout loop's inputs whose settings, read as the rollout process starts its scheduler, start
+    a non-daemon thread that never ends, then fail."""
 
-    def __init__(self, **kwargs):
-        pass
-
-    def run(self):
+    @property
+    def settings(self):
         threading.Thread(target=time.sleep, args=(3600,)).start()
         raise RuntimeError("boom after starting a thread that never ends")
 

@@ -29,10 +29,10 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 import asyncgrpo.run.durable_files as durable_files  # noqa: E402
 import asyncgrpo.trainer.checkpoint as checkpoint_module  # noqa: E402
 import asyncgrpo.trainer.checkpoint_saves as checkpoint_saves  # noqa: E402
-from asyncgrpo import timeline  # noqa: E402
 from asyncgrpo.checkpoints.layout import ShardedManifest  # noqa: E402
 from asyncgrpo.report.history import load_run  # noqa: E402
 from asyncgrpo.run import files as run_files
+from asyncgrpo.run import timeline  # noqa: E402
 from asyncgrpo.run.files import RUN_LOCK_FILE, attach_warnings_file, detach_warnings_file  # noqa: E402
 from asyncgrpo.run.lock import DirectoryInUseError, Owner, OwnerLock, boot_id  # noqa: E402
 from asyncgrpo.trainer.run_directory import hold_run_directory, repair_jsonl  # noqa: E402
