@@ -311,3 +311,43 @@ def test_serve_for_a_teacher_runs_the_command_it_prints(tmp_path, capsys, monkey
     cli.main(argv)
     assert "(teacher math)" in capsys.readouterr().out
     assert format_command(*build_command(served[0])) == printed
+
+
+@pytest.mark.vllm
+def test_a_teacher_served_as_serve_for_starts_it_scores_a_sample(tiny_model_dir, tmp_path):
+    """The teacher's server as `serve --for CONFIG --teacher ID` starts it (no dev-mode routes, no weight
+    transfer) answers the teacher client: its tokenizer, and teacher_top_k candidates beyond vLLM's
+    default cap of 20, plus the realized token."""
+    import asyncio
+
+    import numpy as np
+
+    from asyncgrpo.cli.run_config import build_run_config, read_config
+    from asyncgrpo.cli.train_command import teacher_server_options
+    from asyncgrpo.generation.server import VLLMServer
+    from asyncgrpo.generation.teacher_client import TeacherClient
+
+    url = f"http://127.0.0.1:{free_port()}"
+    config = _distillation_config(
+        tmp_path,
+        teacher_server_urls={"math": url},
+        teacher_models={"math": str(tiny_model_dir)},
+        teacher_top_k=30,
+    )
+    options = teacher_server_options(build_run_config(read_config(config)), "math", cpu=True)
+
+    async def score():
+        client = TeacherClient(url, timeout=60, request_timeout=60)
+        try:
+            token_ids = await client.tokenize("one two three four five")
+            positions = np.arange(1, len(token_ids))
+            return token_ids, positions, await client.prompt_logprobs(token_ids, positions, 30, 1.0)
+        finally:
+            await client.close()
+
+    with VLLMServer(options, log_path=tmp_path / "teacher.log"):
+        token_ids, positions, (ids, logprobs) = asyncio.run(score())
+    assert ids.shape == (len(positions), 31)
+    assert (ids[:, :30] >= 0).all() and np.isfinite(logprobs[:, :30]).all()  # all 30 candidates reported
+    for row, position in enumerate(positions):
+        assert token_ids[position] in ids[row]  # the realized token, among them or after them
