@@ -84,8 +84,17 @@ def _serve_checked(argv: list[str]) -> int:
             "insecure_no_api_key": args.insecure_no_api_key or None,
         }
         return run_serve_for(
-            args.for_config, given, args.cpu, args.cpu_kv_cache_gib, extra, dry_run=args.dry_run
+            args.for_config,
+            given,
+            args.cpu,
+            args.cpu_kv_cache_gib,
+            extra,
+            dry_run=args.dry_run,
+            teacher=args.teacher,
         )
+    if args.teacher is not None:
+        print("asyncgrpo serve: --teacher ID needs --for CONFIG.yaml (the config holds the teacher's URL)")
+        return 2
     if model is None:
         print("asyncgrpo serve: give a MODEL (first, before vllm's flags), or --for CONFIG.yaml")
         return 2
@@ -150,7 +159,20 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="derive the flags from a training config (its model, dtype, URL, LoRA, top-k/top-p, "
         "token_budget); a MODEL and flags given here win, unknown arguments go to vllm",
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the command without running it")
+    parser.add_argument(
+        "--teacher",
+        default=None,
+        metavar="ID",
+        help="with --for: serve the config's teacher ID (teacher_server_urls) instead of the student: its "
+        "model from the config's teacher_models or MODEL, its URL's port, the prompt log-probs it reports, "
+        "no weight routes",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the command without running it (with --for a config with teachers and no --teacher: "
+        "the student's and each teacher's)",
+    )
     parser.add_argument("--port", type=int, default=None, help="default 8000, or the config's URL with --for")
     parser.add_argument("--host", default=None, help="default 127.0.0.1, or the config's URL with --for")
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -1,7 +1,8 @@
 """Config-file runs (`asyncgrpo train CONFIG.yaml [--key value ...]`): read, check, build.
 
-A config is one flat YAML mapping. Its keys are either the run's own keys (below) or any
-AsyncGRPOConfig field (`max_steps`, `learning_rate`, `vllm_server_base_url`, ...). Code is named by
+A config is one flat YAML mapping. Its keys are either the run's own keys (below) or any field of the
+trainer's config: AsyncGRPOConfig's (`max_steps`, `learning_rate`, `vllm_server_base_url`, ...), or with
+`trainer: distillation` AsyncDistillationConfig's (docs/distillation.md). Code is named by
 import path, `module:attribute` (`asyncgrpo.rewards:accuracy_reward`); the current directory is
 importable, as with `python -m`. Everything is checked before anything slow (model, dataset, server):
 an unknown key names the closest valid ones, a wrong type names the expected one, an import path
@@ -24,6 +25,10 @@ from typing import Any
 from asyncgrpo.errors import ConfigurationError
 
 RUN_KEYS = {
+    "trainer": "`grpo` (the default: AsyncGRPOTrainer) or `distillation` (AsyncDistillationTrainer: the "
+    "fields are AsyncDistillationConfig's; the student learns from its teachers, with no reward functions)",
+    "teacher_models": "teacher id -> the model its server serves, for `asyncgrpo serve --for CONFIG "
+    "--teacher ID`; the ids are teacher_server_urls'",
     "model": "a Hub id or a local model directory",
     "dataset": "the training prompts: a mapping (see DATASET_KEYS)",
     "eval_dataset": "held-out prompts evaluated during training: a mapping like `dataset`, or name -> one",
@@ -55,6 +60,19 @@ HARNESS_PROCESS_KEYS = {
     "agent_readable_paths": "host paths the sandboxed agent may read, a list",
     "agent_writable_paths": "host paths the sandboxed agent may write, a list (shared by every agent)",
 }
+TRAINERS = ("grpo", "distillation")
+# The run keys a distillation run has no use for, and why: AsyncDistillationTrainer learns from its teachers.
+NOT_FOR_DISTILLATION = {
+    "reward_funcs": "distillation learns from its teachers and takes no reward functions; for a reward and a "
+    "teacher together, train GRPO with teacher_kl_coef (examples/reward_and_teacher.yaml)",
+    "eval_dataset": "evaluation during distillation is not built yet (docs/distillation.md)",
+    "tools": "AsyncDistillationTrainer takes no tools",
+    "environment_factory": "AsyncDistillationTrainer takes no environments",
+    "loop_class": "AsyncDistillationTrainer takes no custom rollout loop",
+    "harness_session_factory": "the harness trains with GRPO (HarnessAsyncGRPOTrainer)",
+    "rollout_reward_fn": "the harness trains with GRPO (HarnessAsyncGRPOTrainer)",
+    "harness_timeout_s": "the harness trains with GRPO (HarnessAsyncGRPOTrainer)",
+}
 # A config file cannot name the trainer's interpreter; these names in a harness command mean it. On the
 # PATH they may name another Python (the system's, when the trainer's venv is not activated) that lacks
 # the packages the agent imports.
@@ -81,7 +99,9 @@ _FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parqu
 @dataclass
 class RunConfig:
     model: str
-    args: Any  # AsyncGRPOConfig
+    args: Any  # AsyncGRPOConfig, or AsyncDistillationConfig with trainer "distillation"
+    trainer: str = "grpo"  # one of TRAINERS
+    teacher_models: dict[str, str] = field(default_factory=dict)  # teacher id -> the model it serves
     reward_funcs: list[Callable] = field(default_factory=list)
     dataset: dict | None = None
     eval_dataset: dict | None = None  # one dataset mapping, or name -> dataset mapping
@@ -151,15 +171,18 @@ def _set_dotted(mapping: dict, key: str, value: Any) -> None:
 
 
 def build_run_config(raw: dict) -> RunConfig:
-    """Check every key, type and import path of `raw`; build the AsyncGRPOConfig."""
-    from asyncgrpo.config import AsyncGRPOConfig
-
-    arg_names = {f.name for f in fields(AsyncGRPOConfig) if f.init}
+    """Check every key, type and import path of `raw`; build the trainer's config (AsyncGRPOConfig, or
+    AsyncDistillationConfig with `trainer: distillation`)."""
+    trainer = _trainer(raw)
+    config_class = _config_class(trainer)
+    arg_names = {f.name for f in fields(config_class) if f.init}
+    _reject_keys_of_the_other_trainer(raw, trainer)
     _reject_unknown(raw, set(RUN_KEYS) | arg_names, "")
     if "model" not in raw:
         raise ConfigurationError("the config has no `model`: give a Hub id or a local model directory")
     model = _expect(raw["model"], str, "model")
-    args = _training_arguments(raw, arg_names, model)
+    args = _training_arguments(raw, config_class, arg_names, model)
+    teacher_models = _teacher_models(raw, args.teacher_server_urls)
     dataset, eval_dataset = _checked_datasets(raw)
     environment = _environment_factory(raw)
     if dataset is None and environment is None:
@@ -175,6 +198,8 @@ def build_run_config(raw: dict) -> RunConfig:
     return RunConfig(
         model=model,
         args=args,
+        trainer=trainer,
+        teacher_models=teacher_models,
         reward_funcs=[
             _reward_function(entry, f"reward_funcs[{i}]")
             for i, entry in enumerate(_as_list(raw.get("reward_funcs")))
@@ -193,11 +218,61 @@ def build_run_config(raw: dict) -> RunConfig:
     )
 
 
-def _training_arguments(raw: dict, arg_names: set[str], model: str):
-    """The AsyncGRPOConfig of the config's top-level fields, each checked against its type."""
-    from asyncgrpo.config import AsyncGRPOConfig
+def _trainer(raw: dict) -> str:
+    trainer = raw.get("trainer", "grpo")
+    if trainer not in TRAINERS:
+        raise ConfigurationError(f"trainer: expected one of {', '.join(TRAINERS)}, got {trainer!r}")
+    return trainer
 
-    arg_types = typing.get_type_hints(AsyncGRPOConfig)
+
+def _config_class(trainer: str) -> type:
+    from asyncgrpo.config import AsyncDistillationConfig, AsyncGRPOConfig
+
+    return AsyncDistillationConfig if trainer == "distillation" else AsyncGRPOConfig
+
+
+def _reject_keys_of_the_other_trainer(raw: dict, trainer: str) -> None:
+    """Distillation is asked for by `trainer: distillation` alone: a distillation field in a GRPO config,
+    or a run key distillation cannot use in a distillation config, is refused saying why."""
+    if trainer == "distillation":
+        for key, why in NOT_FOR_DISTILLATION.items():
+            if key in raw:
+                raise ConfigurationError(f"{key} with trainer: distillation: {why}")
+        return
+    grpo_fields = {f.name for f in fields(_config_class("grpo")) if f.init}
+    distillation_fields = {f.name for f in fields(_config_class("distillation")) if f.init} - grpo_fields
+    for key in raw:
+        if key in distillation_fields:
+            raise ConfigurationError(
+                f"{key} is a distillation field: add `trainer: distillation` to train on teachers alone "
+                "(examples/distillation.yaml)"
+            )
+    if raw.get("teacher_server_urls") is not None and not raw.get("teacher_kl_coef"):
+        raise ConfigurationError(
+            "teacher_server_urls without teacher_kl_coef: a GRPO run weighs its teacher by teacher_kl_coef "
+            "(examples/reward_and_teacher.yaml); to train on the teacher alone add `trainer: distillation` "
+            "(examples/distillation.yaml)"
+        )
+
+
+def _teacher_models(raw: dict, teacher_urls: dict[str, str] | None) -> dict[str, str]:
+    """`teacher_models`, checked: each id one of teacher_server_urls', each model a string."""
+    models = _expect(raw.get("teacher_models") or {}, dict, "teacher_models")
+    for teacher_id, model in models.items():
+        if teacher_id not in (teacher_urls or {}):
+            known = ", ".join(teacher_urls or {}) or "none: set teacher_server_urls"
+            raise ConfigurationError(
+                f"teacher_models.{teacher_id}: no teacher {teacher_id!r} in teacher_server_urls "
+                f"(its ids: {known})"
+            )
+        _expect(model, str, f"teacher_models.{teacher_id}")
+    return {str(teacher_id): model for teacher_id, model in models.items()}
+
+
+def _training_arguments(raw: dict, config_class: type, arg_names: set[str], model: str):
+    """The trainer's config (`config_class`) of the config's top-level fields, each checked against its
+    type."""
+    arg_types = typing.get_type_hints(config_class)
     arg_values = {}
     for name in arg_names & set(raw):
         value = raw[name]
@@ -208,9 +283,11 @@ def _training_arguments(raw: dict, arg_names: set[str], model: str):
                 f"{name}: expected {_type_name(arg_types[name])}, got {type(value).__name__} {value!r}"
             )
         arg_values[name] = value
-    arg_values.setdefault("output_dir", f"{Path(model).name or 'model'}-AsyncGRPO")
+    # The trainer's own default output_dir: MODEL-AsyncGRPO, MODEL-AsyncDistillation.
+    trainer_name = config_class.__name__.removesuffix("Config")
+    arg_values.setdefault("output_dir", f"{Path(model).name or 'model'}-{trainer_name}")
     try:
-        return AsyncGRPOConfig(**arg_values)
+        return config_class(**arg_values)
     except (ValueError, TypeError) as error:
         raise ConfigurationError(str(error)) from error
 
@@ -496,25 +573,28 @@ def load_eval_dataset(spec: dict):
 
 def build_trainer(run: RunConfig):
     """The AsyncGRPOTrainer the config describes (loads the model and the dataset, runs the warm start);
-    a HarnessAsyncGRPOTrainer when it names a harness_session_factory."""
+    a HarnessAsyncGRPOTrainer when it names a harness_session_factory, an AsyncDistillationTrainer with
+    `trainer: distillation`."""
     from asyncgrpo import AsyncGRPOTrainer
 
     trainer_class = AsyncGRPOTrainer
     if run.loop_class is not None:
         trainer_class = type("ConfiguredAsyncGRPOTrainer", (AsyncGRPOTrainer,), {"loop_cls": run.loop_class})
-    model = run.model
-    if run.warm_start is not None:
-        from transformers import AutoTokenizer
-
-        model = AsyncGRPOTrainer._load_model(run.model, run.args)
-        tokenizer = AutoTokenizer.from_pretrained(run.model)
-        result = run.warm_start["function"](model, tokenizer, **run.warm_start["kwargs"])
-        print(f"warm start {run.raw['warm_start']['function']} done (it returned {result!r})", flush=True)
+    model = _warm_started_model(run)
     peft_config = None
     if run.peft_config is not None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(**run.peft_config)
+    if run.trainer == "distillation":
+        from asyncgrpo import AsyncDistillationTrainer
+
+        return AsyncDistillationTrainer(
+            model=model,
+            args=run.args,
+            train_dataset=load_training_dataset(run.dataset) if run.dataset is not None else None,
+            peft_config=peft_config,
+        )
     if run.harness_session_factory is not None:
         from asyncgrpo import HarnessAsyncGRPOTrainer
 
@@ -539,3 +619,18 @@ def build_trainer(run: RunConfig):
         tools=run.tools or None,
         environment_factory=run.environment_factory,
     )
+
+
+def _warm_started_model(run: RunConfig):
+    """The model to train: its name, or with a warm start the model loaded and warm-started."""
+    if run.warm_start is None:
+        return run.model
+    from transformers import AutoTokenizer
+
+    from asyncgrpo import AsyncGRPOTrainer
+
+    model = AsyncGRPOTrainer._load_model(run.model, run.args)
+    tokenizer = AutoTokenizer.from_pretrained(run.model)
+    result = run.warm_start["function"](model, tokenizer, **run.warm_start["kwargs"])
+    print(f"warm start {run.raw['warm_start']['function']} done (it returned {result!r})", flush=True)
+    return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -53,14 +54,14 @@ def server_options_for(run: RunConfig, cpu: bool | None = None):
     from asyncgrpo.generation.server import ServerOptions
 
     args = run.args
-    url = urlparse(args.vllm_server_urls[0] if args.vllm_server_urls else "http://localhost:8000")
+    host, port = _listen_address(args.vllm_server_urls[0] if args.vllm_server_urls else None, 8000)
     extra = []
     if args.top_p < 1 or args.top_k > 0 or (args.min_p or 0) > 0:
         extra.append("--return-sampling-mask")  # the candidate set the trainer renormalizes over
     options = ServerOptions(
         model=run.model,
-        port=url.port or 8000,
-        host=url.hostname or "127.0.0.1",
+        port=port,
+        host=host,
         max_model_len=args.token_budget if (args.token_budget or 0) > 0 else None,  # <= 0: no budget
         dtype=None if args.dtype == "auto" else args.dtype,
         cpu=cpu,
@@ -80,16 +81,75 @@ def server_options_for(run: RunConfig, cpu: bool | None = None):
     return options
 
 
+def teacher_server_options(
+    run: RunConfig, teacher_id: str, model: str | None = None, cpu: bool | None = None
+):
+    """The `vllm serve` flags of the run's teacher `teacher_id`: its model (`model`, else the config's
+    teacher_models), host and port from its URL in teacher_server_urls, prompt log-probs up to
+    teacher_top_k plus the realized token (`--max-logprobs`), room for a sample and the one token a
+    scoring request generates, and no weight routes: a teacher is never sent weights."""
+    from asyncgrpo.generation.server import ServerOptions
+
+    args = run.args
+    urls = args.teacher_server_urls or {}
+    if teacher_id not in urls:
+        raise ConfigurationError(
+            f"--teacher {teacher_id}: the config has no such teacher (teacher_server_urls: "
+            f"{', '.join(urls) or 'none'})"
+        )
+    model = model or run.teacher_models.get(teacher_id)
+    if model is None:
+        raise ConfigurationError(
+            f"teacher {teacher_id!r} has no model: set `teacher_models: {{{teacher_id}: MODEL}}` in the "
+            f"config, or give it: asyncgrpo serve --for CONFIG.yaml --teacher {teacher_id} MODEL"
+        )
+    host, port = _listen_address(urls[teacher_id], None)
+    budget = args.token_budget if (args.token_budget or 0) > 0 else None
+    return ServerOptions(
+        model=model,
+        port=port,
+        host=host,
+        max_model_len=None if budget is None else budget + 1,  # a sample, plus the one token generated
+        cpu=cpu,
+        receives_weights=False,
+        extra_args=["--max-logprobs", str(args.teacher_top_k + 1)],
+    )
+
+
+def _listen_address(url: str | None, default_port: int | None) -> tuple[str, int]:
+    """(host, port) a server reached at `url` listens on; without a port in the URL, `default_port`, or
+    the scheme's when None."""
+    parsed = urlparse(url or f"http://localhost:{default_port}")
+    scheme_port = 443 if parsed.scheme == "https" else 80
+    return parsed.hostname or "127.0.0.1", parsed.port or default_port or scheme_port
+
+
+# Settings typed on the command line that hold for every server of a dry run's listing; the others (the
+# model, the port, vLLM's flags...) are the one served server's.
+SHARED_GIVEN = ("api_key", "insecure_no_api_key")
+
+
 def run_serve_for(
-    config_path: str, given: dict, cpu: bool, cpu_kv_cache_gib: int, extra: list[str], dry_run: bool = False
+    config_path: str,
+    given: dict,
+    cpu: bool,
+    cpu_kv_cache_gib: int,
+    extra: list[str],
+    dry_run: bool = False,
+    teacher: str | None = None,
 ) -> int:
-    """`asyncgrpo serve --for CONFIG [MODEL]`: flags from the config; `given` (the model, port, host,
-    max_model_len, dtype... typed on the command line, None when not) win over them."""
+    """`asyncgrpo serve --for CONFIG [MODEL] [--teacher ID]`: flags from the config, for the student's
+    server or, with `teacher`, that teacher's; `given` (the model, port, host, max_model_len, dtype...
+    typed on the command line, None when not) win over them. A dry run without `teacher` lists the
+    student's command and each teacher's."""
     from asyncgrpo.generation.server import build_command, format_command, serve_foreground
 
     try:
         run = build_run_config(read_config(config_path))
-        options = server_options_for(run, cpu=True if cpu else None)
+        if teacher is None:
+            options = server_options_for(run, cpu=True if cpu else None)
+        else:
+            options = teacher_server_options(run, teacher, given.get("model"), cpu=True if cpu else None)
     except ConfigurationError as error:
         print(f"asyncgrpo serve --for: {config_path}: {error}")
         return 2
@@ -98,8 +158,38 @@ def run_serve_for(
             setattr(options, name, value)
     options.cpu_kv_cache_gib = cpu_kv_cache_gib
     options.extra_args += extra
+    teachers = list(run.args.teacher_server_urls or {}) if teacher is None else []
     if dry_run:
+        if teachers:
+            print("# the student's server (sent weights)")
         print(format_command(*build_command(options)))
+        for teacher_id in teachers:
+            print(_teacher_listing(run, config_path, teacher_id, options))
         return 0
-    print(f"serving for {config_path}:", flush=True)
+    if teachers:
+        print(
+            f"asyncgrpo serve: {config_path} has teachers ({', '.join(teachers)}): serve each with "
+            f"asyncgrpo serve --for {config_path} --teacher ID",
+            file=sys.stderr,
+        )
+    print(f"serving for {config_path}{f' (teacher {teacher})' if teacher else ''}:", flush=True)
     return serve_foreground(options)  # prints the command it runs
+
+
+def _teacher_listing(run: RunConfig, config_path: str, teacher_id: str, student) -> str:
+    """A dry run's lines for one teacher: what it is, and its command (with the student's shared
+    settings: CPU, KV space, API key), or how to give its model."""
+    from asyncgrpo.generation.server import build_command, format_command
+
+    url = run.args.teacher_server_urls[teacher_id]
+    heading = f"# teacher {teacher_id!r} at {url} (never sent weights)"
+    if teacher_id not in run.teacher_models:
+        return (
+            f"{heading}: its model is not in the config; serve it with\n"
+            f"#   asyncgrpo serve --for {config_path} --teacher {teacher_id} MODEL"
+        )
+    options = teacher_server_options(run, teacher_id, cpu=student.cpu)
+    options.cpu_kv_cache_gib = student.cpu_kv_cache_gib
+    for name in SHARED_GIVEN:
+        setattr(options, name, getattr(student, name))
+    return f"{heading}\n{format_command(*build_command(options))}"

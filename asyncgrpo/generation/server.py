@@ -6,7 +6,8 @@ The trainer relies on: dev-mode endpoints (pause/resume, reload, weight transfer
 model's generation_config (`--generation-config vllm`). On CPU, vLLM needs `--enforce-eager` to
 start in seconds and a bounded KV space; on GPU the native NCCL weight transfer is enabled. A server
 with an API key requires it on every route but liveness (server_auth.py); one bound beyond loopback
-without a key is refused unless `insecure_no_api_key`.
+without a key is refused unless `insecure_no_api_key`. A distillation teacher is never sent weights, so
+its server has neither the dev-mode endpoints nor the weight transfer (`receives_weights=False`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class ServerOptions:
     api_key: str | None = field(default=None, repr=False)
     # A server bound beyond loopback without a key is refused unless this is set, by name.
     insecure_no_api_key: bool = False
+    # False for a distillation teacher, never sent weights: no dev-mode routes, no weight transfer.
+    receives_weights: bool = True
 
     @property
     def url(self) -> str:
@@ -148,9 +151,9 @@ def build_command(options: ServerOptions) -> tuple[list[str], dict[str, str]]:
         # do not support ("CPU Generator does not use offset"), and the engine dies. Every request of
         # ours is seeded, so on CPU prompts are prefilled whole.
         argv += ["--enforce-eager", "--no-enable-chunked-prefill"]
-    else:
+    elif options.receives_weights:
         argv += ["--weight-transfer-config", '{"backend": "nccl"}']
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    env = {"VLLM_SERVER_DEV_MODE": "1"} if options.receives_weights else {}
     if Path(options.model).is_dir() and "HF_HUB_OFFLINE" not in os.environ:
         # A local model needs nothing from the Hub, and vLLM's lookups there would only wait for a
         # network timeout on a machine without one. A Hub id must be free to download; a user's own

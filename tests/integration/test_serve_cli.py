@@ -218,3 +218,136 @@ def test_serve_for_a_config_with_a_model_serves_that_model_alone(capsys):
     assert cli.main([*for_config, "--api-server-count", "8", "--dry-run"]) == 0
     argv = capsys.readouterr().out.split()
     assert argv[argv.index("serve") + 1] == "Qwen/Qwen3.5-2B" and argv[-2:] == ["--api-server-count", "8"]
+
+
+def _distillation_config(tmp_path, **changes):
+    """A distillation config with two teachers, `math` of a known model and `code` of none."""
+    import yaml
+
+    config = {
+        "trainer": "distillation",
+        "model": "student/model",
+        "dataset": {"data_files": "examples/data/addition.jsonl"},
+        "vllm_server_base_url": "http://localhost:8100",
+        "teacher_server_urls": {"math": "http://localhost:9001", "code": "http://localhost:9002"},
+        "teacher_models": {"math": "teacher/math"},
+        **changes,
+    }
+    path = tmp_path / "distill.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return str(path)
+
+
+def test_serve_for_a_teacher_prints_its_command_with_the_flags_a_teacher_needs(tmp_path, capsys):
+    from asyncgrpo import cli
+
+    config = _distillation_config(tmp_path, teacher_top_k=30, token_budget=512)
+    assert cli.main(["serve", "--for", config, "--teacher", "math", "--dry-run", "--cpu"]) == 0
+    (printed,) = capsys.readouterr().out.strip().splitlines()
+    argv = printed.split()
+    assert argv[argv.index("serve") + 1] == "teacher/math" and "--port 9001" in printed
+    # teacher_top_k candidates plus the realized token; a sample plus the one token a scoring generates.
+    assert "--max-logprobs 31" in printed and "--max-model-len 513" in printed
+    assert "--logprobs-mode processed_logprobs" in printed  # teacher_temperature reaches the log-probs
+    # Never sent weights: no dev-mode routes, no LoRA.
+    assert "VLLM_SERVER_DEV_MODE" not in printed and "--enable-lora" not in printed
+    # A model typed on the command line serves a teacher the config names no model for.
+    assert cli.main(["serve", "--for", config, "--teacher", "code", "other/code", "--dry-run", "--cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert " serve other/code " in printed and "--port 9002" in printed
+
+
+def test_a_teachers_server_on_gpu_has_no_weight_transfer(tmp_path):
+    from asyncgrpo.cli.run_config import build_run_config, read_config
+    from asyncgrpo.cli.train_command import server_options_for, teacher_server_options
+
+    run = build_run_config(read_config(_distillation_config(tmp_path)))
+    teacher_argv, teacher_env = build_command(teacher_server_options(run, "math", cpu=False))
+    student_argv, student_env = build_command(server_options_for(run, cpu=False))
+    assert "--weight-transfer-config" in student_argv and student_env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "--weight-transfer-config" not in teacher_argv and "VLLM_SERVER_DEV_MODE" not in teacher_env
+    assert teacher_argv[teacher_argv.index("--max-logprobs") + 1] == "9"  # teacher_top_k=8 (TRL's) + 1
+
+
+def test_a_dry_run_for_a_distillation_config_lists_the_student_and_each_teacher(tmp_path, capsys):
+    from asyncgrpo import cli
+
+    config = _distillation_config(tmp_path)
+    assert cli.main(["serve", "--for", config, "--dry-run", "--cpu"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "# the student's server (sent weights)"
+    assert " serve student/model " in lines[1] and "--port 8100" in lines[1] and "DEV_MODE=1" in lines[1]
+    assert lines[2] == "# teacher 'math' at http://localhost:9001 (never sent weights)"
+    assert " serve teacher/math " in lines[3] and "--port 9001" in lines[3]
+    # A teacher whose model the config does not name: how to serve it.
+    assert lines[4].startswith("# teacher 'code' at http://localhost:9002 (never sent weights): its model")
+    assert lines[5] == f"#   asyncgrpo serve --for {config} --teacher code MODEL"
+    assert len(lines) == 6
+
+
+def test_serve_for_a_teacher_refuses_what_it_cannot_serve(tmp_path, capsys):
+    from asyncgrpo import cli
+
+    config = _distillation_config(tmp_path)
+    assert cli.main(["serve", "--for", config, "--teacher", "code", "--dry-run"]) == 2
+    assert "teacher 'code' has no model: set `teacher_models: {code: MODEL}`" in capsys.readouterr().out
+    assert cli.main(["serve", "--for", config, "--teacher", "physics", "--dry-run"]) == 2
+    assert "--teacher physics: the config has no such teacher (teacher_server_urls: math, code)" in (
+        capsys.readouterr().out
+    )
+    assert cli.main(["serve", "--teacher", "math", "m", "--dry-run"]) == 2
+    assert "--teacher ID needs --for CONFIG.yaml" in capsys.readouterr().out
+
+
+def test_serve_for_a_teacher_runs_the_command_it_prints(tmp_path, capsys, monkeypatch):
+    from asyncgrpo import cli
+    from asyncgrpo.generation.server import format_command
+
+    argv = ["serve", "--for", _distillation_config(tmp_path), "--teacher", "math", "--cpu"]
+    assert cli.main([*argv, "--dry-run"]) == 0
+    printed = capsys.readouterr().out.strip()
+    served = []
+    monkeypatch.setattr("asyncgrpo.generation.server.serve_foreground", served.append)
+    cli.main(argv)
+    assert "(teacher math)" in capsys.readouterr().out
+    assert format_command(*build_command(served[0])) == printed
+
+
+@pytest.mark.vllm
+def test_a_teacher_served_as_serve_for_starts_it_scores_a_sample(tiny_model_dir, tmp_path):
+    """The teacher's server as `serve --for CONFIG --teacher ID` starts it (no dev-mode routes, no weight
+    transfer) answers the teacher client: its tokenizer, and teacher_top_k candidates beyond vLLM's
+    default cap of 20, plus the realized token."""
+    import asyncio
+
+    import numpy as np
+
+    from asyncgrpo.cli.run_config import build_run_config, read_config
+    from asyncgrpo.cli.train_command import teacher_server_options
+    from asyncgrpo.generation.server import VLLMServer
+    from asyncgrpo.generation.teacher_client import TeacherClient
+
+    url = f"http://127.0.0.1:{free_port()}"
+    config = _distillation_config(
+        tmp_path,
+        teacher_server_urls={"math": url},
+        teacher_models={"math": str(tiny_model_dir)},
+        teacher_top_k=30,
+    )
+    options = teacher_server_options(build_run_config(read_config(config)), "math", cpu=True)
+
+    async def score():
+        client = TeacherClient(url, timeout=60, request_timeout=60)
+        try:
+            token_ids = await client.tokenize("one two three four five")
+            positions = np.arange(1, len(token_ids))
+            return token_ids, positions, await client.prompt_logprobs(token_ids, positions, 30, 1.0)
+        finally:
+            await client.close()
+
+    with VLLMServer(options, log_path=tmp_path / "teacher.log"):
+        token_ids, positions, (ids, logprobs) = asyncio.run(score())
+    assert ids.shape == (len(positions), 31)
+    assert (ids[:, :30] >= 0).all() and np.isfinite(logprobs[:, :30]).all()  # all 30 candidates reported
+    for row, position in enumerate(positions):
+        assert token_ids[position] in ids[row]  # the realized token, among them or after them

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -496,3 +497,97 @@ def test_the_harness_keys_of_a_config_set_the_agents_sandbox(tmp_path):
         ConfigurationError, match=r"agent_limits: SandboxLimits.processes=0 must be a positive"
     ):
         build_run_config(spec)
+
+
+DISTILLATION = {
+    "trainer": "distillation",
+    "model": "m",
+    "dataset": {"data_files": "examples/data/addition.jsonl"},
+    "teacher_server_urls": {"math": "http://localhost:8001", "code": "http://localhost:8002"},
+}
+
+
+def test_a_distillation_config_builds_an_async_distillation_config_with_trls_field_names():
+    from asyncgrpo import AsyncDistillationConfig
+
+    trl_fields = {"beta": 0.5, "teacher_temperature": 0.7, "teacher_top_k": 16, "add_tail_bucket": False}
+    run = build_run_config({**DISTILLATION, **trl_fields, "teacher_models": {"math": "big/math"}})
+    assert type(run.args) is AsyncDistillationConfig and run.trainer == "distillation"
+    assert {name: getattr(run.args, name) for name in trl_fields} == trl_fields
+    assert run.args.teacher_server_urls == DISTILLATION["teacher_server_urls"]
+    assert run.args.num_generations == 1 and run.args.output_dir == "m-AsyncDistillation"  # TRL's defaults
+    assert run.reward_funcs == [] and run.teacher_models == {"math": "big/math"}
+    # A GRPO config is unchanged: the trainer key defaults to grpo.
+    assert build(trainer="grpo").trainer == build().trainer == "grpo"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"teacher_topk": 3}, "unknown key teacher_topk; did you mean teacher_top_k"),
+        ({"teacher_top_k": "eight"}, "teacher_top_k: expected int, got str 'eight'"),
+        ({"teacher_top_k": 0}, "teacher_top_k=0 must be >= 1"),
+        ({"teacher_temperature": 0}, "teacher_temperature=0 must be > 0"),
+        ({"beta": 1.5}, r"beta=1.5 must be in \[0, 1\]"),
+        ({"teacher_server_urls": {"math": "localhost:8001"}}, r"teacher_server_urls\['math'\]"),
+        ({"teacher_models": {"physics": "big/physics"}}, "teacher_models.physics: no teacher 'physics'"),
+        ({"teacher_models": {"math": 7}}, "teacher_models.math: expected str"),
+        ({"teacher_kl_coef": 0.1}, "teacher_kl_coef=0.1: the teacher term is GRPO's"),
+        ({"trainer": "dpo"}, "trainer: expected one of grpo, distillation, got 'dpo'"),
+    ],
+)
+def test_bad_teacher_settings_are_refused_naming_the_field(changes, message):
+    with pytest.raises(ConfigurationError, match=message):
+        build_run_config({**DISTILLATION, **changes})
+
+
+@pytest.mark.parametrize(
+    "key, value, why",
+    [
+        ("reward_funcs", "asyncgrpo.rewards:accuracy_reward", "takes no reward functions.*teacher_kl_coef"),
+        ("eval_dataset", {"data_files": "examples/data/addition.jsonl"}, "not built yet"),
+        ("tools", ["examples.functions:multiply"], "takes no tools"),
+        ("harness_session_factory", "examples.functions:multiply", "HarnessAsyncGRPOTrainer"),
+    ],
+)
+def test_a_distillation_config_refuses_what_distillation_cannot_use(key, value, why):
+    with pytest.raises(ConfigurationError, match=f"{key} with trainer: distillation: .*{why}"):
+        build_run_config({**DISTILLATION, key: value})
+
+
+def test_distillation_is_asked_for_by_the_trainer_key_not_by_its_fields():
+    with pytest.raises(ConfigurationError, match="add_tail_bucket is a distillation field: add `trainer: "):
+        build(add_tail_bucket=False)
+    with pytest.raises(ConfigurationError, match="without teacher_kl_coef.*add `trainer: distillation`"):
+        build(teacher_server_urls="http://localhost:8001")
+    assert build(teacher_server_urls="http://localhost:8001", teacher_kl_coef=0.1).args.teacher_kl_coef == 0.1
+
+
+def test_train_runs_a_distillation_config_through_the_distillation_trainer(monkeypatch, tmp_path, capsys):
+    import asyncgrpo
+
+    built = []
+
+    class RecordingTrainer:  # stands in for the real one, which asks its teachers for their tokenizers
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
+        def train(self, resume_from_checkpoint=None):
+            pass
+
+    monkeypatch.setattr(asyncgrpo, "AsyncDistillationTrainer", RecordingTrainer, raising=False)
+    local = "{data_files: examples/data/addition.jsonl}"  # the example's Hub dataset, without the Hub
+    argv = ["train", "examples/distillation.yaml", "--output_dir", str(tmp_path / "run"), "--dataset", local]
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(argv) == 0
+    finally:
+        signal.signal(signal.SIGTERM, on_sigterm)  # `train` makes SIGTERM unwind like Ctrl-C
+    (kwargs,) = built
+    assert type(kwargs["args"]).__name__ == "AsyncDistillationConfig" and "reward_funcs" not in kwargs
+    assert kwargs["train_dataset"].num_rows == 100
+    assert kwargs["model"] == "Qwen/Qwen3.5-2B" and kwargs["args"].teacher_server_urls == {
+        "default": "http://localhost:8001"
+    }
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["trainer"] == "distillation"
+    assert f"run directory: {tmp_path / 'run'}" in capsys.readouterr().out
