@@ -15,13 +15,13 @@ import difflib
 import functools
 import importlib
 import sys
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.cli.config_values import accepts, as_list, expect, float_from_text, matches, type_name
 from asyncgrpo.errors import ConfigurationError
 
 RUN_KEYS = {
@@ -180,7 +180,7 @@ def build_run_config(raw: dict) -> RunConfig:
     _reject_unknown(raw, set(RUN_KEYS) | arg_names, "")
     if "model" not in raw:
         raise ConfigurationError("the config has no `model`: give a Hub id or a local model directory")
-    model = _expect(raw["model"], str, "model")
+    model = expect(raw["model"], str, "model")
     args = _training_arguments(raw, config_class, arg_names, model)
     teacher_models = _teacher_models(raw, args.teacher_server_urls)
     dataset, eval_dataset = _checked_datasets(raw)
@@ -192,7 +192,7 @@ def build_run_config(raw: dict) -> RunConfig:
     loop_class = _loop_class(raw)
     warm_start = _warm_start(raw)
     harness, rollout_reward_fn = _harness(raw)
-    peft_config = _expect(raw["peft_config"], dict, "peft_config") if "peft_config" in raw else None
+    peft_config = expect(raw["peft_config"], dict, "peft_config") if "peft_config" in raw else None
     if peft_config is not None:
         _reject_unknown(peft_config, _lora_config_keys(), "peft_config.")
     return RunConfig(
@@ -202,11 +202,11 @@ def build_run_config(raw: dict) -> RunConfig:
         teacher_models=teacher_models,
         reward_funcs=[
             _reward_function(entry, f"reward_funcs[{i}]")
-            for i, entry in enumerate(_as_list(raw.get("reward_funcs")))
+            for i, entry in enumerate(as_list(raw.get("reward_funcs")))
         ],
         dataset=dataset,
         eval_dataset=eval_dataset,
-        tools=[resolve(path, f"tools[{i}]") for i, path in enumerate(_as_list(raw.get("tools")))],
+        tools=[resolve(path, f"tools[{i}]") for i, path in enumerate(as_list(raw.get("tools")))],
         environment_factory=environment,
         loop_class=loop_class,
         peft_config=peft_config,
@@ -257,7 +257,7 @@ def _reject_keys_of_the_other_trainer(raw: dict, trainer: str) -> None:
 
 def _teacher_models(raw: dict, teacher_urls: dict[str, str] | None) -> dict[str, str]:
     """`teacher_models`, checked: each id one of teacher_server_urls', each model a string."""
-    models = _expect(raw.get("teacher_models") or {}, dict, "teacher_models")
+    models = expect(raw.get("teacher_models") or {}, dict, "teacher_models")
     for teacher_id, model in models.items():
         if teacher_id not in (teacher_urls or {}):
             known = ", ".join(teacher_urls or {}) or "none: set teacher_server_urls"
@@ -265,7 +265,7 @@ def _teacher_models(raw: dict, teacher_urls: dict[str, str] | None) -> dict[str,
                 f"teacher_models.{teacher_id}: no teacher {teacher_id!r} in teacher_server_urls "
                 f"(its ids: {known})"
             )
-        _expect(model, str, f"teacher_models.{teacher_id}")
+        expect(model, str, f"teacher_models.{teacher_id}")
     return {str(teacher_id): model for teacher_id, model in models.items()}
 
 
@@ -276,11 +276,11 @@ def _training_arguments(raw: dict, config_class: type, arg_names: set[str], mode
     arg_values = {}
     for name in arg_names & set(raw):
         value = raw[name]
-        if isinstance(value, str) and _accepts(arg_types[name], float) and not _accepts(arg_types[name], str):
-            value = _float_from_text(value, name)  # YAML reads 1e-6 (no dot) as a string
-        if not _matches(value, arg_types[name]):
+        if isinstance(value, str) and accepts(arg_types[name], float) and not accepts(arg_types[name], str):
+            value = float_from_text(value, name)  # YAML reads 1e-6 (no dot) as a string
+        if not matches(value, arg_types[name]):
             raise ConfigurationError(
-                f"{name}: expected {_type_name(arg_types[name])}, got {type(value).__name__} {value!r}"
+                f"{name}: expected {type_name(arg_types[name])}, got {type(value).__name__} {value!r}"
             )
         arg_values[name] = value
     # The trainer's own default output_dir: MODEL-AsyncGRPO, MODEL-AsyncDistillation.
@@ -299,7 +299,7 @@ def _checked_datasets(raw: dict) -> tuple[dict | None, dict | None]:
         _check_dataset_spec(dataset, "dataset")
     eval_dataset = raw.get("eval_dataset")
     if eval_dataset is not None:
-        _expect(eval_dataset, dict, "eval_dataset")
+        expect(eval_dataset, dict, "eval_dataset")
         if _is_named_datasets(eval_dataset):
             for name, spec in eval_dataset.items():
                 _check_dataset_spec(spec, f"eval_dataset.{name}")
@@ -333,11 +333,11 @@ def _warm_start(raw: dict) -> dict | None:
     warm_start = raw.get("warm_start")
     if warm_start is None:
         return None
-    _expect(warm_start, dict, "warm_start")
+    expect(warm_start, dict, "warm_start")
     _reject_unknown(warm_start, set(WARM_START_KEYS), "warm_start.")
     return {
         "function": resolve(warm_start.get("function"), "warm_start.function"),
-        "kwargs": _expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs"),
+        "kwargs": expect(warm_start.get("kwargs") or {}, dict, "warm_start.kwargs"),
     }
 
 
@@ -349,14 +349,14 @@ def _is_named_datasets(spec: dict) -> bool:
 
 
 def _check_dataset_spec(spec: Any, where: str) -> None:
-    _expect(spec, dict, where)
+    expect(spec, dict, where)
     _reject_unknown(spec, set(DATASET_KEYS), f"{where}.")
     if ("name" in spec) == ("data_files" in spec):
         raise ConfigurationError(
             f"{where}: give exactly one of `name` (a Hub id) or `data_files` (local files)"
         )
     if "columns" in spec:
-        _expect(spec["columns"], dict, f"{where}.columns")
+        expect(spec["columns"], dict, f"{where}.columns")
 
 
 def _harness(raw: dict) -> tuple[Any, Callable | None]:
@@ -377,7 +377,7 @@ def _harness(raw: dict) -> tuple[Any, Callable | None]:
     if not isinstance(spec, dict):
         return resolve(spec, "harness_session_factory"), reward_fn
     _reject_unknown(spec, set(HARNESS_PROCESS_KEYS), "harness_session_factory.")
-    command = _expect(spec.get("command"), list, "harness_session_factory.command")
+    command = expect(spec.get("command"), list, "harness_session_factory.command")
     if not command or not all(isinstance(part, str) for part in command):
         raise ConfigurationError(
             f"harness_session_factory.command: expected a list of strings, got {command!r}"
@@ -391,20 +391,20 @@ def _harness(raw: dict) -> tuple[Any, Callable | None]:
         options["timeout_s"] = float(spec["timeout_s"])
     if "env" in spec:
         options["env"] = {
-            str(k): str(v) for k, v in _expect(spec["env"], dict, "harness_session_factory.env").items()
+            str(k): str(v) for k, v in expect(spec["env"], dict, "harness_session_factory.env").items()
         }
     if "agent_columns" in spec:
-        options["agent_columns"] = _expect(
+        options["agent_columns"] = expect(
             spec["agent_columns"], list, "harness_session_factory.agent_columns"
         )
     typed = {"max_agents": int, "agent_sandbox": str}
     typed |= {"agent_readable_paths": list, "agent_writable_paths": list}
     for key, kind in typed.items():
         if key in spec:
-            options[key] = _expect(spec[key], kind, f"harness_session_factory.{key}")
+            options[key] = expect(spec[key], kind, f"harness_session_factory.{key}")
     if "agent_limits" in spec:
         where = "harness_session_factory.agent_limits"
-        options["agent_limits"] = _sandbox_limits(_expect(spec["agent_limits"], dict, where), where)
+        options["agent_limits"] = _sandbox_limits(expect(spec["agent_limits"], dict, where), where)
     return functools.partial(ProcessSessionFactory, **options), reward_fn
 
 
@@ -447,7 +447,7 @@ def _reward_function(entry: Any, where: str) -> Callable:
         return resolve(entry, where)
     _reject_unknown(entry, set(REWARD_FACTORY_KEYS), f"{where}.")
     factory = resolve(entry.get("function"), f"{where}.function")
-    kwargs = _expect(entry.get("kwargs") or {}, dict, f"{where}.kwargs")
+    kwargs = expect(entry.get("kwargs") or {}, dict, f"{where}.kwargs")
     try:
         return factory(**kwargs)
     except (TypeError, ValueError) as error:
@@ -468,66 +468,6 @@ def _lora_config_keys() -> set[str]:
     except ModuleNotFoundError as error:
         raise ConfigurationError("peft_config needs peft: pip install 'asyncgrpo[peft]'") from error
     return {f.name for f in fields(LoraConfig) if f.init}
-
-
-def _expect(value: Any, kind: type, where: str) -> Any:
-    if not isinstance(value, kind):
-        raise ConfigurationError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _as_list(value: Any) -> list:
-    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _float_from_text(value: str, name: str) -> Any:
-    try:
-        return float(value)
-    except ValueError:
-        return value  # reported as a type error by the caller
-
-
-def _accepts(hint: Any, kind: type) -> bool:
-    return any(option is kind for option in _options(hint))
-
-
-def _options(hint: Any) -> tuple:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return typing.get_args(hint)
-    return (hint,)
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    for option in _options(hint):
-        origin = typing.get_origin(option) or option
-        if option is type(None) and value is None:
-            return True
-        if option is Any:
-            return True
-        if option is bool:
-            if isinstance(value, bool):
-                return True
-        elif option is int:
-            if isinstance(value, int) and not isinstance(value, bool):
-                return True
-        elif option is float:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return True
-        elif origin is typing.Literal:
-            if value in typing.get_args(option):
-                return True
-        elif isinstance(origin, type):
-            if issubclass(origin, str) and isinstance(value, str):  # str-valued enums accept their names
-                return True
-            if isinstance(value, origin):
-                return True
-        else:
-            return True  # a hint this check cannot read: AsyncGRPOConfig's own checks decide
-    return False
-
-
-def _type_name(hint: Any) -> str:
-    return " or ".join(getattr(option, "__name__", str(option)) for option in _options(hint))
 
 
 # -- building ---------------------------------------------------------------------------------------
