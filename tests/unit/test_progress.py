@@ -66,3 +66,19 @@ def test_rich_bar_on_a_terminal(capsys):
     output = _run(Console(file=io.StringIO(), force_terminal=True, width=200), capsys)
     assert "step 2" in output and "async GRPO" in output and "2/10" in output and "ETA" in output
     assert "reward 0.5" in output  # the bar's status field
+
+
+def test_the_demo_figures_count_optimizer_steps_even_when_the_last_logged_no_reward(capsys):
+    """A step whose metrics window held no rollout's reward yet logs none: the figures line still
+    counts it (the saturation e2e test saw steps=2 printed for a run of 3)."""
+    from asyncgrpo.cli.demo import report_figures
+
+    history = [
+        {"step": 0, "eval_pass@1": 0.1},
+        {"step": 1, "reward": 0.42},
+        {"step": 2, "reward": 0.52},
+        {"step": 3, "loss": 0.1},
+        {"step": 3, "eval_pass@1": 0.2},
+    ]
+    report_figures(history, minutes=1.0, seed=0)
+    assert "steps=3 minutes=1.0 seed=0" in capsys.readouterr().out
