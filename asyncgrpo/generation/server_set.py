@@ -59,6 +59,11 @@ class ServerSet:
     def mark_down(self, url: str) -> None:
         self._down[url] = (time.monotonic(), self.admissions.get(url, 0))
 
+    def try_again(self, url: str) -> None:
+        """Forget that `url` failed, so the next request goes to it: for an owner that tries a lost
+        server again on a schedule of its own (a distillation teacher, rollout/teacher.py)."""
+        self._down.pop(url, None)
+
     def usable(self) -> list[str]:
         now = time.monotonic()
         return [

@@ -351,14 +351,18 @@ class RolloutScheduler:
         blocked_since = time.monotonic()
         group.queued_at = blocked_since
         if self.score_queue.full():
-            # Every scorer is busy; each call is bounded by reward_timeout, so a queue that does not
-            # move for longer means scoring itself is stuck.
+            # Every scorer is busy; each call is bounded by reward_timeout (and a group's wait for its
+            # teacher by vllm_server_timeout), so a queue that does not move for longer means scoring
+            # itself is stuck.
             bound = self.scoring.reward_timeout + SCORE_QUEUE_GRACE_S
+            if self.teachers is not None:
+                bound += self.teachers.timeout
             try:
                 await asyncio.wait_for(self.score_queue.put(group), bound)
             except asyncio.TimeoutError:
                 raise RewardError(
-                    f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s)"
+                    f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s"
+                    + (", + vllm_server_timeout for the teachers)" if self.teachers is not None else ")")
                 ) from None
             self.loop.metrics.record("rollout/score_block_s", time.monotonic() - blocked_since)
         else:
@@ -532,11 +536,15 @@ class RolloutScheduler:
         return samples
 
     async def _teacher_scored(self, group: RolloutGroup, samples: list) -> list:
-        """The group's samples with their teacher's report at every trained token."""
+        """The group's samples with their teacher's report at every trained token; none when its
+        teacher is lost while another answers (counted in rollout/teacher_lost_groups)."""
         started = time.monotonic()
         teacher = self.teachers.teacher_of(group.reward_kwargs, group.row_index)
-        scored = await self.teachers.score(samples, teacher)
+        scored = await self.teachers.score_group(samples, teacher)
         self.loop.metrics.record("rollout/teacher_score_s", time.monotonic() - started)
+        if scored is None:  # its teacher is lost and another carries the run (rollout/teacher.py)
+            self.loop.metrics.record("rollout/teacher_lost_groups", 1, Reduce.SUM)
+            return []
         coef = self.scoring.teacher_kl_coef
         if coef > 0:  # GRPO with a teacher: the teacher term in every trained token's advantage
             gaps = np.concatenate([s.sampler_logprobs - realized_teacher_logprobs(s) for s in scored])

@@ -5,38 +5,68 @@ Each teacher is a vLLM server that is never sent weights. A scored group's sampl
 teacher token ids in, teacher-forced (`prompt_logprobs`: the teacher's top-k tokens at each position,
 plus the realized one), and each sample leaves with the teacher's report at its trained tokens, which
 the trainer's loss reads. With several teachers (MOPD) each dataset row's `teacher_id` column picks its
-own; with one, it scores every row. A teacher that does not answer is waited for like a lone rollout
-server: its requests are retried for up to vllm_server_timeout, then the run fails naming it.
+own; with one, it scores every row.
+
+A teacher that stops answering is handled as a lost rollout server is (docs/distillation.md, "A teacher
+that is lost"). While another teacher still answers, the lost one's groups are dropped and counted, and
+it is tried again now and then: the others carry the run. While no teacher answers, each group waits
+for its own; after vllm_server_timeout without any, the run stops, naming them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import time
 from typing import Any
 
 import numpy as np
 
 from asyncgrpo.errors import ConfigurationError
+from asyncgrpo.generation.errors import VLLMUnavailableError
 from asyncgrpo.generation.teacher_client import TeacherClient
 from asyncgrpo.records.sample import Sample
 from asyncgrpo.rollout.settings import ServerSettings, TeacherSettings
 
+logger = logging.getLogger(__name__)
+
 TEACHER_ID_COLUMN = "teacher_id"
+# How long one scoring attempt waits out a teacher that refuses or drops its connections before the
+# teacher counts as lost: long enough for a dropped connection, short against a restart (which a group
+# waits out by trying again while no other teacher answers).
+TEACHER_PATIENCE_S = 10.0
+# A lost teacher is tried again at most this often; in between, its groups are dropped at once while
+# another teacher answers (trying it for each would hold every one of them for TEACHER_PATIENCE_S).
+TEACHER_RETRY_INTERVAL_S = 5.0
 
 
 class TeacherScoring:
     """One client per teacher id, in `teacher_server_urls`' order (a sample's `teacher_index`)."""
 
     def __init__(
-        self, urls: dict[str, str], top_k: int, temperature: float, timeout: float, request_timeout: float
+        self,
+        urls: dict[str, str],
+        top_k: int,
+        temperature: float,
+        timeout: float,
+        request_timeout: float,
+        patience: float = TEACHER_PATIENCE_S,
+        retry_interval: float = TEACHER_RETRY_INTERVAL_S,
     ):
+        # `timeout`: how long the run waits for a teacher, at the start and while none answers.
         self.teacher_ids = list(urls)
         self.top_k = top_k
         self.temperature = temperature
+        self.timeout = timeout
+        self.retry_interval = retry_interval
         self.clients = [
-            TeacherClient(url, timeout=timeout, request_timeout=request_timeout) for url in urls.values()
+            TeacherClient(url, timeout=min(patience, timeout), request_timeout=request_timeout)
+            for url in urls.values()
         ]
+        self.lost_since: list[float | None] = [None] * len(self.clients)  # None: it answers
+        self.last_try = [float("-inf")] * len(self.clients)
+        self.last_error = [""] * len(self.clients)
 
     @classmethod
     def of(cls, teachers: TeacherSettings | None, servers: ServerSettings) -> TeacherScoring | None:
@@ -50,7 +80,7 @@ class TeacherScoring:
     async def start(self) -> None:
         """Wait until every teacher answers, and ask which model each serves (its requests name it)."""
         for client in self.clients:
-            await client.wait_until_ready()
+            await client.wait_until_ready(self.timeout)
             await client.model_name()
 
     async def close(self) -> None:
@@ -69,8 +99,38 @@ class TeacherScoring:
             )
         return self.teacher_ids.index(chosen)
 
+    async def score_group(self, samples: list[Sample], teacher: int) -> list[Sample] | None:
+        """A group's `samples` scored by teacher `teacher`, or None when that teacher is lost while
+        another one answers: the group is dropped (the caller counts it). While no teacher answers, the
+        group waits for its own, until `timeout` has passed since the last one was lost; then it raises
+        VLLMUnavailableError naming every teacher."""
+        while True:
+            if self._worth_trying(teacher):
+                self.last_try[teacher] = time.monotonic()
+                client = self.clients[teacher]
+                client.servers.try_again(client.base_urls[0])
+                try:
+                    scored = await self.score(samples, teacher)
+                except VLLMUnavailableError as error:
+                    self._lost(teacher, error)
+                else:
+                    self._answers(teacher)
+                    return scored
+            if any(since is None for since in self.lost_since):
+                return None
+            waited = time.monotonic() - max(self.lost_since)
+            if waited > self.timeout:
+                raise VLLMUnavailableError(
+                    f"no teacher answered for {waited:.0f} s (vllm_server_timeout={self.timeout:g}): "
+                    + "; ".join(self._describe(index) for index in range(len(self.clients)))
+                    + ". Restart the teachers' servers (asyncgrpo serve --for CONFIG --teacher ID) and "
+                    "resume from the last checkpoint"
+                )
+            await asyncio.sleep(self.retry_interval / 5)
+
     async def score(self, samples: list[Sample], teacher: int) -> list[Sample]:
-        """`samples` with teacher `teacher`'s report at their trained tokens, scored concurrently."""
+        """`samples` with teacher `teacher`'s report at their trained tokens, scored concurrently; the
+        first failure cancels the other requests and is raised."""
         client = self.clients[teacher]
 
         async def one(sample: Sample) -> Sample:
@@ -82,7 +142,43 @@ class TeacherScoring:
                 sample, teacher_ids=ids, teacher_logprobs=logprobs, teacher_index=teacher
             )
 
-        return list(await asyncio.gather(*(one(sample) for sample in samples)))
+        requests = [asyncio.ensure_future(one(sample)) for sample in samples]
+        try:
+            return list(await asyncio.gather(*requests))
+        finally:
+            for request in requests:  # after a failure: the others would wait out the lost teacher too
+                request.cancel()
+
+    def _worth_trying(self, teacher: int) -> bool:
+        """A teacher that answers always is; a lost one once per retry interval (one group tries it)."""
+        since_last = time.monotonic() - self.last_try[teacher]
+        return self.lost_since[teacher] is None or since_last >= self.retry_interval
+
+    def _lost(self, teacher: int, error: Exception) -> None:
+        self.last_try[teacher] = time.monotonic()  # the retry interval counts from the failure
+        self.last_error[teacher] = str(error)
+        if self.lost_since[teacher] is None:
+            self.lost_since[teacher] = time.monotonic()
+            others = any(since is None for since in self.lost_since)
+            logger.warning(
+                "teacher %r at %s is lost (%s); %s",
+                self.teacher_ids[teacher],
+                self.clients[teacher].base_urls[0],
+                error,
+                "its groups are dropped and counted (rollout/teacher_lost_groups) while the other "
+                "teachers carry the run"
+                if others
+                else "the run waits for a teacher to answer again",
+            )
+
+    def _answers(self, teacher: int) -> None:
+        if self.lost_since[teacher] is not None:
+            self.lost_since[teacher] = None
+            logger.warning("teacher %r answers again", self.teacher_ids[teacher])
+
+    def _describe(self, teacher: int) -> str:
+        url = self.clients[teacher].base_urls[0]
+        return f"teacher {self.teacher_ids[teacher]!r} at {url} ({self.last_error[teacher]})"
 
 
 def realized_teacher_logprobs(sample: Sample) -> np.ndarray:

@@ -181,6 +181,11 @@ def even_token_reward(completion_ids, **kwargs):
     return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
+def constant_reward(completions, **kwargs):
+    """The same reward for every completion: no group advantage, so a teacher's term is the only signal."""
+    return [1.0] * len(completions)
+
+
 def nobody_scores(completions, **kwargs):
     return [None] * len(completions)
 

@@ -201,49 +201,102 @@ def test_grpo_takes_a_teacher_only_with_its_term(tmp_path):
         AsyncDistillationConfig(str(tmp_path), report_to="none", teacher_kl_coef=0.1)
 
 
-def test_a_teacher_lost_for_a_while_is_waited_for_and_one_lost_for_good_stops_the_run_naming_it():
-    """Its samples wait while the teacher's server fails (retried as a rollout server's requests are)
-    and are scored when it answers again; a teacher that never answers fails within
-    vllm_server_timeout, naming its URL."""
-    report = {"7": {"logprob": -0.1, "rank": 1}, "8": {"logprob": -2.5, "rank": 2}}
-    answer = {"choices": [{"text": "", "prompt_logprobs": [None, report, report]}]}
+TEACHER_REPORT = {"7": {"logprob": -0.1, "rank": 1}, "8": {"logprob": -2.5, "rank": 2}}
+
+
+class FakeTeacher:
+    """A teacher's server on a loopback port that answers prompt_logprobs through /v1/completions after
+    `failures` 503 answers; `stop` closes its port (connections are refused), `start` opens it again."""
+
+    def __init__(self, failures: int = 0):
+        self.failures, self.calls, self.port, self.runner = failures, [], 0, None
+
+    async def handler(self, request: web.Request) -> web.Response:
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "teacher", "max_model_len": 64}]})
+        if request.path == "/inference/v1/generate":  # a server without the token route
+            return web.json_response({"detail": "Not Found"}, status=404)
+        self.calls.append(request.path)
+        if len(self.calls) <= self.failures:
+            return web.json_response({"error": {"message": "teacher restarting"}}, status=503)
+        return web.json_response(
+            {"choices": [{"text": "", "prompt_logprobs": [None, TEACHER_REPORT, TEACHER_REPORT]}]}
+        )
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handler)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+def teacher_sample() -> Sample:
+    return Sample(np.array([1, 7, 8]), np.array([False, True, True]), np.zeros(2, np.float32), 0.0, 0)
+
+
+def test_a_lone_teacher_lost_for_a_while_is_waited_for_and_one_lost_for_good_stops_the_run_naming_it():
+    """Its groups wait while the only teacher's server fails and are scored when it answers again; a
+    teacher that never answers stops the run after vllm_server_timeout, naming its URL and its error."""
 
     async def scenario(failures: int, timeout: float):
-        calls = []
-
-        async def handler(request: web.Request) -> web.Response:
-            if request.path == "/v1/models":
-                return web.json_response({"data": [{"id": "teacher", "max_model_len": 64}]})
-            if request.path == "/inference/v1/generate":  # a server without the token route
-                return web.json_response({"detail": "Not Found"}, status=404)
-            calls.append(request.path)
-            if len(calls) <= failures:
-                return web.json_response({"error": {"message": "teacher restarting"}}, status=503)
-            return web.json_response(answer)
-
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        scoring = TeacherScoring(
-            {"default": url}, top_k=1, temperature=1.0, timeout=timeout, request_timeout=timeout
-        )
-        sample = Sample(np.array([1, 7, 8]), np.array([False, True, True]), np.zeros(2, np.float32), 0.0, 0)
+        server = FakeTeacher(failures)
+        url = await server.start()
+        scoring = TeacherScoring({"default": url}, 1, 1.0, timeout=timeout, request_timeout=timeout)
         try:
             await scoring.start()
-            return (await scoring.score([sample], 0))[0], len(calls), url
+            return (await scoring.score_group([teacher_sample()], 0))[0], len(server.calls)
         finally:
             await scoring.close()
-            await runner.cleanup()
+            await server.stop()
 
-    scored, calls, _ = asyncio.run(scenario(failures=3, timeout=30.0))
+    scored, calls = asyncio.run(scenario(failures=3, timeout=30.0))
     assert calls == 4 and scored.teacher_ids.tolist() == [[7, 8], [7, 8]]
-    with pytest.raises(VLLMUnavailableError, match=r"127\.0\.0\.1") as error:
+    with pytest.raises(VLLMUnavailableError, match=r"no teacher answered .* at http://127\.0\.0\.1") as error:
         asyncio.run(scenario(failures=10**6, timeout=2.0))
-    assert "teacher restarting" in str(error.value)
+    assert "teacher restarting" in str(error.value) and "'default'" in str(error.value)
+
+
+def test_a_lost_teacher_s_groups_are_dropped_while_another_answers_and_it_is_used_again_when_back():
+    """Two teachers (MOPD); "code" loses its server mid-run: its groups come back unscored (None, which
+    the scheduler counts and drops) without waiting, "math" goes on scoring, and "code" scores again
+    once its server is back (tried again each retry interval)."""
+
+    async def scenario():
+        math, code = FakeTeacher(), FakeTeacher()
+        urls = {"math": await math.start(), "code": await code.start()}
+        scoring = TeacherScoring(
+            urls, 1, 1.0, timeout=60, request_timeout=60, patience=0.5, retry_interval=600
+        )
+        try:
+            await scoring.start()
+            assert (await scoring.score_group([teacher_sample()], 1)) is not None
+            await code.stop()
+            assert (
+                await scoring.score_group([teacher_sample()], 1)
+            ) is None  # lost: found out within patience
+            attempts = scoring.clients[1].moved_count
+            assert (
+                await scoring.score_group([teacher_sample()], 1)
+            ) is None  # dropped: not tried before 600 s
+            assert scoring.clients[1].moved_count == attempts
+            assert (await scoring.score_group([teacher_sample()], 0))[0].teacher_index == 0
+            await code.start()  # the same port again
+            scoring.retry_interval = 0.0
+            back = await scoring.score_group([teacher_sample()], 1)
+            assert back is not None and back[0].teacher_index == 1 and scoring.lost_since == [None, None]
+        finally:
+            await scoring.close()
+            await math.stop()
+            await code.stop()
+
+    asyncio.run(scenario())
 
 
 def test_rows_naming_an_unknown_teacher_are_refused_before_the_run():
