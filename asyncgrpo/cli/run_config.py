@@ -65,7 +65,6 @@ TRAINERS = ("grpo", "distillation")
 NOT_FOR_DISTILLATION = {
     "reward_funcs": "distillation learns from its teachers and takes no reward functions; for a reward and a "
     "teacher together, train GRPO with teacher_kl_coef (examples/reward_and_teacher.yaml)",
-    "eval_dataset": "evaluation during distillation is not built yet (docs/distillation.md)",
     "tools": "AsyncDistillationTrainer takes no tools",
     "environment_factory": "AsyncDistillationTrainer takes no environments",
     "loop_class": "AsyncDistillationTrainer takes no custom rollout loop",
@@ -534,6 +533,7 @@ def build_trainer(run: RunConfig):
             args=run.args,
             train_dataset=load_training_dataset(run.dataset) if run.dataset is not None else None,
             peft_config=peft_config,
+            eval_dataset=load_eval_dataset(run.eval_dataset) if run.eval_dataset is not None else None,
         )
     if run.harness_session_factory is not None:
         from asyncgrpo import HarnessAsyncGRPOTrainer

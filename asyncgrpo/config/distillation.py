@@ -73,6 +73,27 @@ class AsyncDistillationConfig(AsyncGRPOConfig):
             self.teacher_server_urls = {"default": DEFAULT_TEACHER_URL}
         super().__post_init__()
 
+    def _resolve_evaluation(self) -> None:
+        """The best model is the one closest to its teachers: distillation's evaluation logs no reward,
+        so "best" defaults to the lowest `eval_teacher_kl`."""
+        if (
+            self.load_best_model_at_end or self.save_strategy == "best"
+        ) and self.metric_for_best_model is None:
+            self.metric_for_best_model = "teacher_kl"
+            if self.greater_is_better is None:
+                self.greater_is_better = False
+        super()._resolve_evaluation()
+
+    def _validate_evaluation(self, fail) -> None:
+        super()._validate_evaluation(fail)
+        figure = (self.metric_for_best_model or "").removeprefix("eval_")
+        if figure.startswith(("reward", "pass@")):
+            fail(
+                f"metric_for_best_model={self.metric_for_best_model!r}: a distillation run has no reward, so "
+                "its evaluation logs no reward or pass@k; use 'teacher_kl' with greater_is_better=False "
+                '(docs/distillation.md, "Evaluation")'
+            )
+
     def _validate(self) -> None:
         super()._validate()
 

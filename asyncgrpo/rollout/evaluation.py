@@ -5,8 +5,12 @@ rollout worker: eval prompts never enter the prompt stream, the staleness budget
 resume state. Rollouts come from the run's own rollout loop class (its `generate_one`, so tools,
 environments and custom loops behave as in training) with the eval settings in its config
 (`num_generations_eval`, `temperature_eval`), and are scored by the run's reward functions, summed
-as in training. The weights that sampled each response are recorded from the servers' labels, so the
-trainer can refuse an evaluation that saw more than one policy (docs/architecture.md, "Evaluation").
+as in training. With teachers (`teacher_server_urls`: distillation, or GRPO's teacher term) each
+prompt's completion tokens are also scored by the prompt's teacher, as training's scoring step picks
+it, beside the log-probs the policy's server sampled them with (rollout/eval_metrics.py turns both
+into the teacher figures). The weights that sampled each response are recorded from the servers'
+labels, so the trainer can refuse an evaluation that saw more than one policy (docs/architecture.md,
+"Evaluation").
 """
 
 from __future__ import annotations
@@ -16,11 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
+
+from asyncgrpo.errors import ServerError
 from asyncgrpo.generation.client import VLLMClient
+from asyncgrpo.records.sample import Sample
 from asyncgrpo.rollout.advantages import is_truncated, source_weights
 from asyncgrpo.rollout.context import LoopInputs, hook_context
 from asyncgrpo.rollout.environments import EnvironmentPool
-from asyncgrpo.rollout.eval_metrics import PromptOutcome
+from asyncgrpo.rollout.eval_metrics import PromptOutcome, TeacherTokens
 from asyncgrpo.rollout.prompts import CURRENT_ROW
 from asyncgrpo.rollout.reward_errors import RewardErrorBudget
 from asyncgrpo.rollout.sampler import PolicySampler
@@ -30,6 +38,9 @@ from asyncgrpo.rollout.scoring import (
     reward_function_name,
     sum_rewards,
 )
+from asyncgrpo.rollout.sequences import build_training_sequences
+from asyncgrpo.rollout.teacher import TeacherScoring, realized_teacher_logprobs
+from asyncgrpo.rollout.types import Rollout, TrainingSequence
 
 if TYPE_CHECKING:
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
@@ -46,6 +57,11 @@ class EvalSampler(PolicySampler):
     def sampled_version(self, weight_labels: tuple[str, ...], version: int, url: str | None = None) -> int:
         self.labels_seen.update(weight_labels)
         return version
+
+
+class EvalTeacherFailed(ServerError):
+    """A teacher did not score an evaluation's tokens (it stayed unreachable for vllm_server_timeout,
+    or refused the request): the evaluation is discarded, training goes on."""
 
 
 class EvalRunner:
@@ -80,6 +96,15 @@ class EvalRunner:
         # training's policy (rollout/reward_errors.py), counted over the eval prompts.
         scoring = self.settings.scoring
         self._reward_errors = RewardErrorBudget(scoring.reward_error_tolerance, scoring.reward_error_window)
+        # The run's teachers (None without any), with clients of their own: the rollout worker's live in
+        # its process. A teacher's failures in one run: {teacher id: the first error}.
+        self.teachers = TeacherScoring.of(self.settings.teachers, self.settings.servers)
+        self._teacher_failures: dict[str, str] = {}
+
+    @property
+    def several_teachers(self) -> bool:
+        """Whether the run has more than one teacher (each then gets figures of its own)."""
+        return self.teachers is not None and len(self.teachers.teacher_ids) > 1
 
     async def open(self) -> None:
         # Token ids in and out where the server offers it: that route also reports which weights
@@ -100,11 +125,17 @@ class EvalRunner:
 
     async def run(self, rows: list[dict[str, Any]], version: int) -> tuple[list[PromptOutcome], set[str]]:
         """Every row's `num_generations_eval` rollouts, scored: (one outcome per row, the weight
-        labels the servers reported for the sampled tokens)."""
+        labels the servers reported for the sampled tokens). EvalTeacherFailed, naming the teacher,
+        when a teacher failed on any row: raised once every row has finished, so that nothing of this
+        evaluation still runs against the servers when the trainer goes on (a weight sync)."""
         self.version.value = version
         self.sampler.labels_seen = set()
+        self._teacher_failures = {}
         slots = asyncio.Semaphore(self.settings.scheduling.max_concurrent_rollouts)
         outcomes = await asyncio.gather(*(self._prompt(index, row, slots) for index, row in enumerate(rows)))
+        if self._teacher_failures:
+            failures = "; ".join(f"teacher {tid!r}: {error}" for tid, error in self._teacher_failures.items())
+            raise EvalTeacherFailed(f"a teacher did not score the eval completions ({failures})")
         return list(outcomes), set(self.sampler.labels_seen)
 
     async def close(self) -> None:
@@ -114,6 +145,8 @@ class EvalRunner:
         finally:
             self._tool_executor.shutdown(wait=False, cancel_futures=True)
             self._reward_executor.shutdown(wait=False, cancel_futures=True)
+            if self.teachers is not None:
+                await self.teachers.close()
 
     async def _prompt(self, index: int, row: dict[str, Any], slots: asyncio.Semaphore) -> PromptOutcome:
         if "prompt" not in row and self.environments is None:
@@ -149,6 +182,32 @@ class EvalRunner:
             per_source=dict(zip(names, sources)),
             lengths=[sum(len(turn.output_ids) for turn in rollout.turns) for rollout in rollouts],
             clipped=[is_truncated(rollout, eos) for rollout in rollouts],
+            teacher=None if self.teachers is None else await self._teacher_tokens(rollouts, columns, index),
+        )
+
+    async def _teacher_tokens(
+        self, rollouts: list[Rollout], columns: dict[str, list], index: int
+    ) -> TeacherTokens | None:
+        """The prompt's completion tokens (those training would train on) scored by its teacher, the
+        one training's scoring step would pick; None when the teacher failed (recorded, `run` raises)."""
+        teachers = self.teachers
+        teacher = teachers.teacher_of(columns, index)
+        teacher_id = teachers.teacher_ids[teacher]
+        samples = [
+            completion_sample(sequence, index)
+            for rollout in rollouts
+            for sequence in build_training_sequences(rollout.turns)[0]
+        ]
+        try:
+            scored = await teachers.score(samples, teacher)
+        except ServerError as error:
+            self._teacher_failures.setdefault(teacher_id, f"{error} (eval dataset row {index})")
+            return None
+        none = np.zeros(0, dtype=np.float32)  # rollouts that sampled no token the teacher could score
+        return TeacherTokens(
+            teacher_id,
+            sampled=np.concatenate([none] + [sample.sampler_logprobs for sample in scored]),
+            teacher=np.concatenate([none] + [realized_teacher_logprobs(sample) for sample in scored]),
         )
 
     async def _rollout(self, row: dict[str, Any], group_id: int, slots: asyncio.Semaphore):
@@ -161,3 +220,16 @@ class EvalRunner:
             async with self.environments.episode(row) as episode:
                 rollout = await loop.generate_one(episode.prompt, loop.tools + episode.tools, group_id)
                 return rollout, episode.prompt, await self.environments.reward(episode.instance)
+
+
+def completion_sample(sequence: TrainingSequence, row_index: int) -> Sample:
+    """A sequence as the sample a teacher scores: its tokens, which of them the policy sampled, and
+    the log-probs it sampled them with. Nothing trains on it (no advantage, no group)."""
+    return Sample(
+        token_ids=sequence.token_ids,
+        trained=sequence.trained,
+        sampler_logprobs=sequence.sampler_logprobs,
+        advantage=0.0,
+        group_id=-1,
+        row_index=row_index,
+    )

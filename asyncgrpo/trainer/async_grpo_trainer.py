@@ -126,7 +126,9 @@ class AsyncGRPOTrainer(Trainer):
         agentic = bool(inputs.tools) or environment_factory is not None or self._agent_loop
         reads_tool_calls = self._reads_tool_calls()
         processing_class = prepare_tokenizer(processing_class, model_id, args, agentic, reads_tool_calls)
-        check_teachers(processing_class, model_id, args, inputs.train_dataset)  # before the model moves
+        # Eval rows read, every row's teacher checked, before the model moves: bad rows fail now, not mid-run.
+        eval_rows = named_eval_datasets(eval_dataset, "eval") if eval_dataset is not None else None
+        check_teachers(processing_class, model_id, args, inputs.train_dataset, eval_rows)
         self._compile_layers = take_compile_options(args)
         self.reward_funcs, self.tools, self.streaming = inputs.reward_funcs, inputs.tools, inputs.streaming
         self.environment_factory, self.model_id = environment_factory, model_id
@@ -152,8 +154,7 @@ class AsyncGRPOTrainer(Trainer):
         # What a run trains with and counts: `_begin_run` creates it when train() starts. Until then
         # there is no generation session (the TRL attributes below read None).
         self._run: TrainingRun | None = None
-        # The eval rows, read (and checked) now: a dataset without a length fails here, not mid-run.
-        self._eval_rows = named_eval_datasets(eval_dataset, "eval") if eval_dataset is not None else None
+        self._eval_rows = eval_rows
 
     @classmethod
     def _own_args(cls, args, model_id: str):

@@ -20,8 +20,10 @@ from asyncgrpo.trainer.distillation_loss import DistillationLoss
 class AsyncDistillationTrainer(AsyncGRPOTrainer):
     """On-policy distillation (TRL 1.16's `AsyncDistillationTrainer`, its arguments in its order): the
     student `model` samples, the teachers of `args.teacher_server_urls` score every sampled token, and
-    the student minimises the generalized JSD to them. No reward function. `eval_dataset` is not
-    supported yet."""
+    the student minimises the generalized JSD to them. No reward function. `eval_dataset` (by name,
+    after TRL's arguments, which include none) evaluates as in AsyncGRPOTrainer: the teachers score
+    the eval completions (`eval_teacher_kl`, `eval_teacher_logprob`; docs/distillation.md,
+    "Evaluation")."""
 
     # What a second trainer supplies (docs/architecture.md, "A second trainer"): its config, its loss
     # (`_make_loss`), and that its signal needs no reward function. The per-sample scoring is the
@@ -41,10 +43,17 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
         peft_config=None,
         rollout_worker=None,
         weight_transfer=None,
+        *,
+        eval_dataset=None,
     ):
         # TRL's order has no reward_funcs: the base trainer's positional order, with none.
         trl_order = (model, None, args, train_dataset, processing_class, callbacks, optimizers, peft_config)
-        super().__init__(*trl_order, rollout_worker=rollout_worker, weight_transfer=weight_transfer)
+        super().__init__(
+            *trl_order,
+            rollout_worker=rollout_worker,
+            weight_transfer=weight_transfer,
+            eval_dataset=eval_dataset,
+        )
 
     def _make_loss(self, model: PreTrainedModel, args: AsyncDistillationConfig) -> DistillationLoss:
         return DistillationLoss(args)

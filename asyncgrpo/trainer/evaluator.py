@@ -6,7 +6,9 @@ the next step. The trainer joins it before anything that would change what it me
 figures: the next weight sync, a checkpoint, the next evaluation, the end of training. The figures
 are logged at the step they measure. The servers' weight labels are read when it starts and
 reported with every sampled token: an evaluation that saw other weights than the ones it started on
-is discarded with a warning, never logged as the step's (docs/architecture.md, "Evaluation").
+is discarded with a warning, never logged as the step's (docs/architecture.md, "Evaluation"). So is
+one a teacher failed on (the run's teachers score its completions): its figures would lack the
+teacher's, which a user may judge the best model by, and training goes on either way.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from asyncgrpo.errors import ConfigurationError, WeightSyncError
 from asyncgrpo.generation.background import BackgroundLoop
 from asyncgrpo.generation.client import VLLMClient
 from asyncgrpo.rollout.eval_metrics import summarize
-from asyncgrpo.rollout.evaluation import EvalRunner
+from asyncgrpo.rollout.evaluation import EvalRunner, EvalTeacherFailed
 from asyncgrpo.trainer.rollout_inputs import RolloutInputs
 
 logger = logging.getLogger(__name__)
@@ -105,13 +107,13 @@ class Evaluator:
 
     def join(self) -> tuple[int, dict[str, float]] | None:
         """Wait for the running evaluation: (its step, its figures), or None when none runs or it was
-        discarded because the servers' weights changed under it."""
+        discarded because the servers' weights changed under it or a teacher failed on it."""
         pending, self.pending = self.pending, None
         if pending is None:
             return None
         try:
             return pending.step, pending.future.result(self.http.default_timeout_s)
-        except EvalWeightsChanged as error:
+        except (EvalWeightsChanged, EvalTeacherFailed) as error:
             logger.warning("the evaluation of step %d is discarded: %s", pending.step, error)
             return None
 
@@ -138,7 +140,7 @@ class Evaluator:
                     f"it started on weights {sorted(labels)} but sampled with {sorted(seen | after)}"
                 )
             runtime = time.perf_counter() - started
-            measured = summarize(outcomes, self.threshold)
+            measured = summarize(outcomes, self.threshold, self.runner.several_teachers)
             measured["runtime"] = runtime
             measured["samples_per_second"] = len(rows) / runtime
             measured["model_version"] = float(version)

@@ -1,7 +1,8 @@
 """A run's teachers, checked when the trainer is built (docs/distillation.md, "The teacher's server"):
 each teacher's tokenizer against the student's (samples travel to a teacher as token ids and its report
 indexes the student's vocabulary, so a teacher with another tokenizer would train the student on the
-wrong tokens, silently), and with several teachers each dataset row's `teacher_id`.
+wrong tokens, silently), and with several teachers each dataset row's `teacher_id`, the eval
+datasets' rows too (each eval completion is scored by its row's teacher).
 """
 
 from __future__ import annotations
@@ -22,12 +23,17 @@ TOKENIZER_PROBE = (
 )
 
 
-def check_teachers(tokenizer, student: str, args, train_dataset) -> None:
-    """A run's teachers: every row names one of them (`check_teacher_ids`), and each shares the
-    student's tokenizer (`check_teacher_tokenizers`). A run without teachers has nothing to check."""
+def check_teachers(
+    tokenizer, student: str, args, train_dataset, eval_rows: dict[str, list[dict]] | None = None
+) -> None:
+    """A run's teachers: every row names one of them (`check_teacher_ids`, `check_eval_teacher_ids`
+    for the eval datasets' rows, {metric prefix: rows}), and each shares the student's tokenizer
+    (`check_teacher_tokenizers`). A run without teachers has nothing to check."""
     if not getattr(args, "teacher_server_urls", None):
         return
     check_teacher_ids(train_dataset, list(args.teacher_server_urls))
+    for prefix, rows in (eval_rows or {}).items():
+        check_eval_teacher_ids(rows, list(args.teacher_server_urls), prefix)
     check_teacher_tokenizers(tokenizer, student, args)
 
 
@@ -48,6 +54,21 @@ def check_teacher_ids(train_dataset, teacher_ids: list[str]) -> None:
             f"dataset rows name teachers that teacher_server_urls does not have: {unknown} (it has "
             f"{', '.join(teacher_ids)})"
         )
+
+
+def check_eval_teacher_ids(rows: list[dict], teacher_ids: list[str], prefix: str) -> None:
+    """With several teachers, every eval row names a known one in its `teacher_id` column, as training
+    rows do: said now, not by an evaluation that fails while the run trains. `prefix`: the rows'
+    metric prefix (`eval`, `eval_{name}`), which names the eval dataset."""
+    if len(teacher_ids) < 2:
+        return
+    for index, row in enumerate(rows):
+        if row.get(TEACHER_ID_COLUMN) not in teacher_ids:
+            raise ConfigurationError(
+                f"eval dataset {prefix!r}, row {index}: {TEACHER_ID_COLUMN}={row.get(TEACHER_ID_COLUMN)!r} "
+                f"is not a teacher of teacher_server_urls ({', '.join(teacher_ids)}); with several teachers "
+                "every eval row names the one that scores it, as training rows do"
+            )
 
 
 def check_teacher_tokenizers(tokenizer, student: str, args) -> None:

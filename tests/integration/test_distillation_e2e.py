@@ -305,6 +305,42 @@ def test_trls_mopd_example_runs_with_only_the_import_changed(vllm_server, teache
     assert re.search(r"^step 3  \w+=", output, re.MULTILINE), output[-3000:]
 
 
+def test_evaluation_during_distillation_measures_the_student_against_its_teacher(
+    vllm_server, teacher, tiny_model_dir, tmp_path
+):
+    """eval_on_start and every eval_steps: the teacher scores the eval completions, and the student's
+    per-token KL to it falls as it learns; no reward figure is logged (distillation has none)."""
+    held_out = [addition_prompt(a, b) for a, b in [(4, 5), (5, 6), (6, 2), (8, 1)]]  # never trained on
+    config = make_config(
+        vllm_server,
+        tmp_path,
+        config_class=AsyncDistillationConfig,
+        teacher_server_urls={"taught": teacher.url},
+        max_completion_length=6,
+        max_steps=6,
+        learning_rate=2e-3,
+        eval_strategy="steps",
+        eval_steps=3,
+        eval_on_start=True,
+    )
+    trainer = AsyncDistillationTrainer(
+        str(tiny_model_dir),
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        eval_dataset=Dataset.from_dict({"prompt": held_out}),
+    )
+    trainer.train()
+
+    evaluations = [entry for entry in trainer.state.log_history if "eval_teacher_kl" in entry]
+    assert [entry["step"] for entry in evaluations] == [0, 3, 6]
+    first, last = evaluations[0], evaluations[-1]
+    assert last["eval_teacher_kl"] < 0.5 * first["eval_teacher_kl"], evaluations  # toward the teacher
+    assert last["eval_teacher_logprob"] > first["eval_teacher_logprob"]  # its tokens, likelier to it
+    for entry in evaluations:
+        assert entry["eval_completions/mean_length"] > 0 and entry["eval_model_version"] >= 0
+        assert not any("reward" in name or "pass@" in name for name in entry), entry
+
+
 def test_a_teacher_with_another_tokenizer_is_refused_naming_both(teacher, tiny_model_dir, tmp_path):
     other = AutoTokenizer.from_pretrained(tiny_model_dir)
     other.add_tokens(["quick"])  # the probe's words no longer split as the teacher's tokenizer splits them

@@ -88,6 +88,8 @@ class LabelledServers:
 class SampledWith:
     """Stands for the EvalRunner: every prompt's rollouts pass, sampled by weights `labels`."""
 
+    several_teachers = False  # a run without teachers
+
     def __init__(self, *labels: str):
         self.labels = set(labels)
         self.versions: list[int] = []

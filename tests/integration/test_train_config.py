@@ -545,7 +545,6 @@ def test_bad_teacher_settings_are_refused_naming_the_field(changes, message):
     "key, value, why",
     [
         ("reward_funcs", "asyncgrpo.rewards:accuracy_reward", "takes no reward functions.*teacher_kl_coef"),
-        ("eval_dataset", {"data_files": "examples/data/addition.jsonl"}, "not built yet"),
         ("tools", ["examples.functions:multiply"], "takes no tools"),
         ("harness_session_factory", "examples.functions:multiply", "HarnessAsyncGRPOTrainer"),
     ],
@@ -578,6 +577,7 @@ def test_train_runs_a_distillation_config_through_the_distillation_trainer(monke
     monkeypatch.setattr(asyncgrpo, "AsyncDistillationTrainer", RecordingTrainer, raising=False)
     local = "{data_files: examples/data/addition.jsonl}"  # the example's Hub dataset, without the Hub
     argv = ["train", "examples/distillation.yaml", "--output_dir", str(tmp_path / "run"), "--dataset", local]
+    argv += ["--eval_dataset", local]  # evaluated as a GRPO run's: the teachers score its completions
     on_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         assert main(argv) == 0
@@ -585,7 +585,7 @@ def test_train_runs_a_distillation_config_through_the_distillation_trainer(monke
         signal.signal(signal.SIGTERM, on_sigterm)  # `train` makes SIGTERM unwind like Ctrl-C
     (kwargs,) = built
     assert type(kwargs["args"]).__name__ == "AsyncDistillationConfig" and "reward_funcs" not in kwargs
-    assert kwargs["train_dataset"].num_rows == 100
+    assert kwargs["train_dataset"].num_rows == kwargs["eval_dataset"].num_rows == 100
     assert kwargs["model"] == "Qwen/Qwen3.5-2B" and kwargs["args"].teacher_server_urls == {
         "default": "http://localhost:8001"
     }
