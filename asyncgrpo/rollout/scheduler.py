@@ -44,7 +44,7 @@ from asyncgrpo.rollout.scoring import (
 )
 from asyncgrpo.rollout.sequences import build_training_sequences
 from asyncgrpo.rollout.server_share import ServerShare, initial_servers
-from asyncgrpo.rollout.teacher import TeacherScoring, realized_teacher_logprobs, with_teacher_term
+from asyncgrpo.rollout.teacher import TeacherScoring, with_teacher_terms
 from asyncgrpo.rollout.types import Rollout, RolloutGroup
 from asyncgrpo.rollout.worker_shares import owns_stream_index, share_of_range
 from asyncgrpo.run import timeline
@@ -351,18 +351,17 @@ class RolloutScheduler:
         blocked_since = time.monotonic()
         group.queued_at = blocked_since
         if self.score_queue.full():
-            # Every scorer is busy; each call is bounded by reward_timeout (and a group's wait for its
+            # Every scorer is busy; each call is bounded by reward_timeout (a group's wait for its
             # teacher by vllm_server_timeout), so a queue that does not move for longer means scoring
             # itself is stuck.
-            bound = self.scoring.reward_timeout + SCORE_QUEUE_GRACE_S
-            if self.teachers is not None:
-                bound += self.teachers.timeout
+            teachers_s = self.teachers.timeout if self.teachers is not None else 0.0
+            bound = self.scoring.reward_timeout + teachers_s + SCORE_QUEUE_GRACE_S
             try:
                 await asyncio.wait_for(self.score_queue.put(group), bound)
             except asyncio.TimeoutError:
                 raise RewardError(
-                    f"no group was scored for {bound:g} s (reward_timeout + {SCORE_QUEUE_GRACE_S:g} s"
-                    + (", + vllm_server_timeout for the teachers)" if self.teachers is not None else ")")
+                    f"no group was scored for {bound:g} s (reward_timeout, the teachers' wait and "
+                    f"{SCORE_QUEUE_GRACE_S:g} s)"
                 ) from None
             self.loop.metrics.record("rollout/score_block_s", time.monotonic() - blocked_since)
         else:
@@ -545,13 +544,10 @@ class RolloutScheduler:
         if scored is None:  # its teacher is lost and another carries the run (rollout/teacher.py)
             self.loop.metrics.record("rollout/teacher_lost_groups", 1, Reduce.SUM)
             return []
-        coef = self.scoring.teacher_kl_coef
-        if coef > 0:  # GRPO with a teacher: the teacher term in every trained token's advantage
-            gaps = np.concatenate([s.sampler_logprobs - realized_teacher_logprobs(s) for s in scored])
-            scored_gaps = gaps[~np.isnan(gaps)]
-            if len(scored_gaps):
-                self.loop.metrics.record("teacher_kl", float(scored_gaps.mean()), weight=len(scored_gaps))
-            scored = [with_teacher_term(sample, coef) for sample in scored]
+        if self.scoring.teacher_kl_coef > 0:  # GRPO with a teacher: the term in every token's advantage
+            scored, gaps = with_teacher_terms(scored, self.scoring.teacher_kl_coef)
+            if len(gaps):
+                self.loop.metrics.record("teacher_kl", float(gaps.mean()), weight=len(gaps))
         self.loop.metrics.record(
             "rollout/teacher_scored_tokens", sum(sample.num_tokens for sample in scored), Reduce.SUM
         )

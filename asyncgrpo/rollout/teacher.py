@@ -198,3 +198,10 @@ def with_teacher_term(sample: Sample, coef: float) -> Sample:
     term = realized_teacher_logprobs(sample) - sample.sampler_logprobs
     term = np.where(np.isnan(term), 0.0, term)
     return dataclasses.replace(sample, token_advantages=(sample.advantage + coef * term).astype(np.float32))
+
+
+def with_teacher_terms(samples: list[Sample], coef: float) -> tuple[list[Sample], np.ndarray]:
+    """A group's samples with the teacher term in their tokens' advantages, and the gaps
+    log p_sampler - log q of every token the teacher scored (their mean is the logged `teacher_kl`)."""
+    gaps = np.concatenate([sample.sampler_logprobs - realized_teacher_logprobs(sample) for sample in samples])
+    return [with_teacher_term(sample, coef) for sample in samples], gaps[~np.isnan(gaps)]
