@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from conftest import TEST_API_KEY, make_config  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from peft import PeftModel  # noqa: E402
 from support_paths import SUPPORT  # noqa: E402
 from tcp_relay import TcpRelay  # noqa: E402
 from test_faults import record_trained  # noqa: E402
@@ -339,6 +340,30 @@ def test_evaluation_during_distillation_measures_the_student_against_its_teacher
     for entry in evaluations:
         assert entry["eval_completions/mean_length"] > 0 and entry["eval_model_version"] >= 0
         assert not any("reward" in name or "pass@" in name for name in entry), entry
+
+
+def test_fsdp2_two_processes_distill_a_lora_adapter_from_the_teacher(
+    vllm_server, teacher, tiny_model_dir, tmp_path, monkeypatch
+):
+    """torchrun, two CPU processes over gloo (tests/support/multi_process_train.py): the student's LoRA
+    adapter, sharded with the model, is distilled from the taught teacher and synced merged; the adapter
+    it saves makes the teacher's answer likelier."""
+    from test_multi_process import torchrun
+
+    monkeypatch.setenv("ASYNCGRPO_TEST_LORA", "1")
+    monkeypatch.setenv("ASYNCGRPO_TEST_TEACHER", teacher.url)
+    result = torchrun(
+        "multi_process_train.py", vllm_server.url, str(tiny_model_dir), str(tmp_path), "4", timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    history = json.loads((tmp_path / "history-4.json").read_text())
+    assert [entry["step"] for entry in history if "jsd" in entry] == [1, 2, 3, 4]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    examples = answer_examples(AutoTokenizer.from_pretrained(tiny_model_dir))
+    before = answer_probability(base, examples)
+    tuned = PeftModel.from_pretrained(base, tmp_path / "model-4")
+    after = answer_probability(tuned, examples)
+    assert after > 5 * before, (before, after)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_naming_both(teacher, tiny_model_dir, tmp_path):

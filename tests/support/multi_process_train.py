@@ -2,6 +2,8 @@
 torchrun on two CPU processes (FSDP2 over gloo) for a few steps against a real vLLM server.
 argv: server URL, model dir, output dir, max_steps[, checkpoint to resume from]; a checkpoint every
 2 steps. With ASYNCGRPO_TEST_LORA=1 a LoRA adapter is trained (tests/integration/test_peft_vllm.py). With
+ASYNCGRPO_TEST_TEACHER=URL the run is on-policy distillation from that teacher, with no reward
+(tests/integration/test_distillation_e2e.py). With
 ASYNCGRPO_TEST_EVAL=1 the run evaluates `eval_prompts()` after every step, and calls evaluate() itself
 (prefix "mid") on the weights of step `MID_EVAL_STEP`. Rank 0 writes the logged history to
 output_dir/history-<max_steps>.json, rank r > 0 to history-<max_steps>-rank<r>.json; `save_model` writes the
@@ -66,15 +68,23 @@ def main() -> None:
     import torch.distributed as dist
     from conftest import make_config
 
-    from asyncgrpo import AsyncGRPOTrainer
+    from asyncgrpo import AsyncDistillationConfig, AsyncDistillationTrainer, AsyncGRPOTrainer
 
     url, model_dir, output_dir, max_steps = sys.argv[1:5]
     resume = sys.argv[5] if len(sys.argv) > 5 else None
     evaluating = os.environ.get("ASYNCGRPO_TEST_EVAL") == "1"
     evaluation = dict(eval_strategy="steps", eval_steps=1, num_generations_eval=2) if evaluating else {}
+    teacher = os.environ.get("ASYNCGRPO_TEST_TEACHER")
+    distillation = {}
+    if teacher is not None:
+        distillation = dict(
+            config_class=AsyncDistillationConfig,
+            teacher_server_urls={"taught": teacher},
+            max_completion_length=6,
+        )
     config = make_config(
         SimpleNamespace(url=url), output_dir, max_steps=int(max_steps), learning_rate=1e-3, use_cpu=True,
-        save_strategy="steps", save_steps=2, **evaluation,
+        save_strategy="steps", save_steps=2, **evaluation, **distillation,
     )  # fmt: skip
     peft_config = None
     if os.environ.get("ASYNCGRPO_TEST_LORA") == "1":
@@ -88,15 +98,23 @@ def main() -> None:
     if evaluating:
         reward, eval_dataset = parity_or_listed_passes, eval_prompts()
         callbacks = [evaluate_at_step(MID_EVAL_STEP)]
-    trainer = AsyncGRPOTrainer(
-        model_dir,
-        reward,
-        config,
-        train_dataset=prompts(),
-        peft_config=peft_config,
-        callbacks=callbacks,
-        eval_dataset=eval_dataset,
-    )
+    if teacher is not None:  # the teacher's sums, which it answers "7"
+        from asyncgrpo.cli.demo import addition_prompt
+
+        sums = Dataset.from_dict({"prompt": [addition_prompt(a, b) for a in range(4) for b in range(4)]})
+        trainer = AsyncDistillationTrainer(
+            model_dir, config, train_dataset=sums, peft_config=peft_config, callbacks=callbacks
+        )
+    else:
+        trainer = AsyncGRPOTrainer(
+            model_dir,
+            reward,
+            config,
+            train_dataset=prompts(),
+            peft_config=peft_config,
+            callbacks=callbacks,
+            eval_dataset=eval_dataset,
+        )
     for callback in callbacks:
         callback.trainer = trainer
     assert trainer.accelerator.num_processes == 2, "the trainer must see both processes"
