@@ -47,18 +47,16 @@ class History:
     def has(self, name: str) -> bool:
         return bool(self.series(name)[0])
 
-    def eval_prefixes(self) -> list[str]:
-        """The prefixes of the evaluations logged: `eval`, or `eval_{name}` per named eval dataset."""
-        names = {name for record in self.records for name in record if _EVAL_REWARD.fullmatch(name)}
-        return sorted(name.removesuffix("_reward") for name in names)
+    def eval_prefixes(self, figure: str = "reward") -> list[str]:
+        """The prefixes of the evaluations that logged `figure` (by default the headline, `reward`;
+        a distillation run's is `teacher_kl`): `eval`, or `eval_{name}` per named eval dataset."""
+        logged = re.compile(rf"eval(_[^/]+?)?_{re.escape(figure)}")
+        names = {name for record in self.records for name in record if logged.fullmatch(name)}
+        return sorted(name.removesuffix(f"_{figure}") for name in names)
 
     @property
     def steps(self) -> list[int]:
         return [int(record["step"]) for record in self.records]
-
-
-# An evaluation's headline figure: `eval_reward`, or `eval_{name}_reward` for a named eval dataset.
-_EVAL_REWARD = re.compile(r"eval(_[^/]+)?_reward")
 
 
 def _is_evaluation(record: dict) -> bool:

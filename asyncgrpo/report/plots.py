@@ -150,6 +150,16 @@ EVAL_PLOT = PlotSpec(
 )
 
 
+# Drawn when the run had a teacher (distillation, or GRPO's teacher term): how far the student is from it.
+TEACHER_PLOT = PlotSpec(
+    "teacher",
+    "Distance to the teacher: the trained divergence, the sampled tokens' KL, held out",
+    (Curve("jsd"), Curve("teacher_kl"), Curve("eval_teacher_kl"), Curve("rollout/teacher_lost_groups", True)),
+    "nats per token",
+    "groups lost with their teacher",
+)
+
+
 # Drawn when the run wrote checkpoints.
 CHECKPOINT_PLOT = PlotSpec(
     "checkpoints",
@@ -160,9 +170,11 @@ CHECKPOINT_PLOT = PlotSpec(
 
 
 def plots_for(history: History) -> tuple[PlotSpec, ...]:
-    """The report's plots for this run: PLOTS, the evaluation's when it evaluated, the checkpoints' when
-    it wrote any."""
+    """The report's plots for this run: PLOTS, the evaluation's when it evaluated a reward, the
+    teacher's when it had one, the checkpoints' when it wrote any."""
     plots = PLOTS + (EVAL_PLOT,) if history.eval_prefixes() else PLOTS
+    if history.has("jsd") or history.has("teacher_kl"):
+        plots += (TEACHER_PLOT,)
     saved = any("perf/checkpoint_stall_s" in record for record in history.records)
     return plots + (CHECKPOINT_PLOT,) if saved else plots
 
@@ -173,7 +185,8 @@ def _curves(spec: PlotSpec, history: History) -> list[Curve]:
     for curve in spec.curves:
         if curve.metric.startswith("eval_"):
             figure = curve.metric.removeprefix("eval_")
-            curves += [Curve(f"{prefix}_{figure}", curve.right_axis) for prefix in history.eval_prefixes()]
+            prefixes = history.eval_prefixes(figure)
+            curves += [Curve(f"{prefix}_{figure}", curve.right_axis) for prefix in prefixes]
         else:
             curves.append(curve)
     return curves

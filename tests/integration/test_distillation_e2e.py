@@ -247,11 +247,12 @@ def test_grpo_with_a_teacher_gives_every_trained_token_the_real_teachers_term(
 def test_a_distillation_run_resumes_mid_run_from_its_checkpoint(
     vllm_server, teacher, tiny_model_dir, tmp_path, monkeypatch
 ):
-    """Checkpoint 3 falls inside a group (token_budget=64): its untrained samples are saved with their
-    teacher's scores, and the resumed run trains them first, each sample once, to max_steps."""
+    """Two rollout workers, each with its own teacher clients; checkpoint 3 falls inside a group
+    (token_budget=64): its untrained samples are saved with their teacher's scores, and the resumed run
+    trains them first, each sample once, to max_steps."""
     options = dict(
         config_class=AsyncDistillationConfig, teacher_server_urls={"taught": teacher.url},
-        max_completion_length=6, token_budget=64, num_generations=4, max_staleness=8,
+        max_completion_length=6, token_budget=64, num_generations=4, max_staleness=8, num_rollout_workers=2,
         save_strategy="steps", save_steps=3, max_steps=3,
     )  # fmt: skip
     dataset = Dataset.from_dict({"prompt": PROMPTS * 4})

@@ -15,7 +15,7 @@ from support_paths import DATA
 from asyncgrpo.cli import main
 from asyncgrpo.report.diagnosis import diagnose
 from asyncgrpo.report.history import load_run
-from asyncgrpo.report.plots import CHECKPOINT_PLOT, EVAL_PLOT, PLOTS, plots_for
+from asyncgrpo.report.plots import CHECKPOINT_PLOT, EVAL_PLOT, PLOTS, TEACHER_PLOT, plots_for
 
 RUNS = DATA / "report_runs"
 # case -> (bottleneck, saturation) the report must name. The tiny model on CPU trains slower than
@@ -87,6 +87,7 @@ PLOTTED = {
     "weight_sync": ["perf/weight_sync_s"],
     "checkpoints": ["perf/checkpoint_stall_s", "perf/checkpoint_write_s"],
     "evaluation": ["reward", "eval_reward", "eval_pass@1"],
+    "teacher": ["jsd", "teacher_kl", "eval_teacher_kl", "rollout/teacher_lost_groups"],
 }
 
 
@@ -96,7 +97,9 @@ def test_each_plot_draws_every_metric_it_is_about(tmp_path):
     from asyncgrpo.report.history import History
     from asyncgrpo.report.plots import render_plot
 
-    metrics = {curve.metric for spec in PLOTS + (EVAL_PLOT, CHECKPOINT_PLOT) for curve in spec.curves}
+    metrics = {
+        curve.metric for spec in PLOTS + (EVAL_PLOT, TEACHER_PLOT, CHECKPOINT_PLOT) for curve in spec.curves
+    }
     history = History.from_records(
         [{"step": step, **{name: 0.1 * step for name in metrics}} for step in range(1, 6)],
         {"max_staleness": 2, "max_concurrent_rollouts": 8},
@@ -140,6 +143,24 @@ def test_the_evaluation_plot_draws_each_named_eval_dataset(tmp_path):
     history = History.from_records(records)
     drawn = render_plot(EVAL_PLOT, history, tmp_path / "evaluation.png")
     assert drawn == ["reward", "eval_code_reward", "eval_math_reward"]
+
+
+def test_a_distillation_run_gets_the_teacher_plot_and_no_reward_evaluation(tmp_path):
+    """A distillation run logs no reward: its evaluations (`eval_teacher_kl`, per named eval dataset) are
+    drawn in the teacher's plot, and the reward evaluation's plot is left out."""
+    from asyncgrpo.report.history import History
+    from asyncgrpo.report.plots import render_plot
+
+    records = [{"step": step, "jsd": 1.0 / step, "teacher_kl/taught": 0.5} for step in range(1, 6)]
+    records += [
+        {"step": step, "eval_math_teacher_kl": 2.0 / (step + 1), "eval_teacher_kl/taught": 1.0}
+        for step in (0, 5)
+    ]
+    history = History.from_records(records)
+    assert history.eval_prefixes() == [] and history.eval_prefixes("teacher_kl") == ["eval_math"]
+    specs = plots_for(history)
+    assert TEACHER_PLOT in specs and EVAL_PLOT not in specs
+    assert render_plot(TEACHER_PLOT, history, tmp_path / "teacher.png") == ["jsd", "eval_math_teacher_kl"]
 
 
 def test_report_names_a_missing_run(tmp_path, capsys):
