@@ -10,8 +10,12 @@ tests/integration/test_distillation_e2e.py teaches it). AsyncDistillationTrainer
 run, and the share of a group's scoring time spent waiting for the teacher. `--baseline` runs the same
 steps as GRPO on the student's server alone, with a random reward in place of the teacher (no group is
 dropped, so every step trains as many tokens): its generated tokens/s and run time are what the teacher
-is measured against. Run under the machine's heavy-job lock:
-`.venv/bin/python bench/distillation.py [--steps 30] [--baseline]`.
+is measured against. `--teacher-cost` measures the teacher's cost alone: the same GRPO run (random reward,
+the same completion lengths) twice, without a teacher and with one whose term is too small to change
+what is learned (`teacher_kl_coef=1e-3`, every token scored), and prints the second's throughput as a
+fraction of the first's, against the target (at least 0.5: the teacher must not halve it). Run under
+the machine's heavy-job lock:
+`.venv/bin/python bench/distillation.py [--steps 30] [--baseline | --teacher-cost]`.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--completion-tokens", type=int, default=32)
     parser.add_argument("--baseline", action="store_true", help="GRPO with a random reward, no teacher")
+    parser.add_argument(
+        "--teacher-cost", action="store_true", help="GRPO with a random reward, without and with a teacher"
+    )
     options = parser.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="asyncgrpo-distillation-"))
@@ -86,6 +93,16 @@ def main() -> int:
         for name, model in [("student", student_dir)]
         + ([] if options.baseline else [("teacher", teacher_dir)])
     ]
+    if options.teacher_cost:
+        try:
+            for server in servers:
+                server.launch()
+            for server in servers:
+                server.wait_ready()
+            return teacher_cost(options, work, student_dir, servers, prompts)
+        finally:
+            for server in servers:
+                server.stop()
     for server in servers:
         server.launch()
     try:
@@ -157,6 +174,57 @@ def main() -> int:
         f"teacher_scored_tok_s={scored / seconds:.0f} "
         f"teacher_share_of_scoring={teacher_s / max(score_s, 1e-9):.2f} "
         f"run_s={seconds:.0f} load={os.getloadavg()[0]:.1f}"
+    )
+    return 0
+
+
+def teacher_cost(options, work: Path, student_dir: Path, servers, prompts) -> int:
+    """The same GRPO run without and with a teacher scoring every token; prints the throughput ratio."""
+    import asyncio
+
+    from datasets import Dataset
+
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.generation.client import VLLMClient, policy_label
+
+    async def restore_student() -> None:  # the second run starts from the same weights as the first
+        async with VLLMClient(servers[0].options.url, timeout=120) as client:
+            await client.reload_weights(str(student_dir), version=policy_label(0))
+            await client.reset_prefix_cache()
+
+    figures = {}
+    for label, teacher in [("without", {}), ("with", dict(teacher_kl_coef=1e-3))]:
+        if teacher:
+            teacher["teacher_server_urls"] = {"default": servers[1].options.url}
+        asyncio.run(restore_student())
+        config = AsyncGRPOConfig(
+            output_dir=str(work / f"run-{label}"), vllm_server_base_url=servers[0].options.url,
+            num_generations=4, max_completion_length=options.completion_tokens, token_budget=512,
+            max_steps=options.steps, learning_rate=2e-3, gradient_checkpointing=False, save_strategy="no",
+            report_to="none", disable_tqdm=True, seed=0, **teacher,
+        )  # fmt: skip
+        trainer = AsyncGRPOTrainer(
+            str(student_dir), random_reward, args=config, train_dataset=Dataset.from_dict({"prompt": prompts})
+        )
+        started = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - started
+        logs = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+        forwarded = max(e.get("num_tokens", 0.0) for e in logs)  # cumulative: the trainer's tokens
+        lengths = statistics.mean(
+            e["completions/mean_length"] for e in logs if "completions/mean_length" in e
+        )
+        figures[label] = (seconds, forwarded / seconds, lengths)
+        print(
+            f"[distillation] {label} a teacher: run_s={seconds:.1f} "
+            f"forwarded_tok_s={forwarded / seconds:.0f} completion_tokens={lengths:.1f} "
+            f"load={os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+    ratio = figures["without"][0] / figures["with"][0]
+    print(
+        f"distillation_teacher_cost steps={options.steps} run_s_without={figures['without'][0]:.1f} "
+        f"run_s_with={figures['with'][0]:.1f} throughput_with_over_without={ratio:.2f} (target >= 0.50)"
     )
     return 0
 
