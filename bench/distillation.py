@@ -221,10 +221,13 @@ def teacher_cost(options, work: Path, student_dir: Path, servers, prompts) -> in
             f"load={os.getloadavg()[0]:.1f}",
             flush=True,
         )
+    # The headline: steps per second (each step trains one token_budget); tokens per second beside it.
     ratio = figures["without"][0] / figures["with"][0]
+    tokens_ratio = figures["with"][1] / figures["without"][1]
     print(
         f"distillation_teacher_cost steps={options.steps} run_s_without={figures['without'][0]:.1f} "
-        f"run_s_with={figures['with'][0]:.1f} throughput_with_over_without={ratio:.2f} (target >= 0.50)"
+        f"run_s_with={figures['with'][0]:.1f} forwarded_tok_s_ratio={tokens_ratio:.2f} "
+        f"throughput_with_over_without={ratio:.2f} (target >= 0.50)"
     )
     return 0
 
