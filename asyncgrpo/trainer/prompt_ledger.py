@@ -85,18 +85,26 @@ class PromptLedger:
         self._pending: dict[int, int] = {}  # stream index -> samples not yet trained or dropped
         self._trained: set[int] = set()  # pending stream indices with at least one trained sample
         self.epoch_prompts = epoch_prompts
-        # Prompts in a row whose groups brought nothing to train (filtered, or equal rewards).
+        # Prompts in a row, in stream order, whose groups brought nothing to train (filtered, or equal
+        # rewards). Groups finish out of order: a prompt counts once every earlier one has arrived, so a
+        # slow group that brings samples breaks the streak it belongs in (trainer/intake.py stops a
+        # run at a whole pass of them). `_arrival_watermark`: the first prompt whose group has not
+        # arrived; `_arrived_ahead`: arrived after it, with whether each brought samples. A prompt
+        # resolved before a resume counts as one that brought samples: the streak starts anew.
         self.prompts_without_samples_streak = 0
+        self._arrival_watermark = start_index
+        self._arrived_ahead: dict[int, bool] = dict.fromkeys(consumed_after or (), True)
         self._advance()
+        self._advance_arrivals()
 
     def add_group(self, stream_index: int, num_samples: int) -> None:
         """A group result arrived with `num_samples` samples for training."""
+        self._arrived_ahead[stream_index] = num_samples > 0
+        self._advance_arrivals()
         if num_samples == 0:
-            self.prompts_without_samples_streak += 1
             self.epoch_prompts += 1
             self._consume(stream_index)
         else:
-            self.prompts_without_samples_streak = 0
             self._pending[stream_index] = num_samples
 
     def sample_done(self, stream_index: int, trained: bool) -> None:
@@ -122,6 +130,14 @@ class PromptLedger:
         while self.watermark in self._consumed_ahead:
             self._consumed_ahead.discard(self.watermark)
             self.watermark += 1
+
+    def _advance_arrivals(self) -> None:
+        while self._arrival_watermark in self._arrived_ahead:
+            brought_samples = self._arrived_ahead.pop(self._arrival_watermark)
+            self.prompts_without_samples_streak = (
+                0 if brought_samples else self.prompts_without_samples_streak + 1
+            )
+            self._arrival_watermark += 1
 
     def state(self) -> tuple[int, list[int]]:
         """(first unresolved stream index, resolved indices after it)."""

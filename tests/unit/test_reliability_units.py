@@ -340,6 +340,27 @@ def test_a_pass_without_signal_before_any_training_is_an_error():
     assert "Lowest group reward" not in str(verdict)  # nothing ever scored: no reward to quote
 
 
+def test_a_pass_without_signal_counts_prompts_in_stream_order_so_a_slow_group_with_samples_breaks_it():
+    """Groups finish out of order. The first varying group arrives, then twelve prompts without samples
+    (the rest of the first pass of 8 and the whole second pass) while the other three varying groups of
+    the first pass are still being scored: no pass without signal yet (a CI run once ended at step 0
+    there, the three groups' samples never trained). They arrive, their samples are trained, and the
+    twelve prompts after them make a pass."""
+    from asyncgrpo.trainer.intake import TrainingComplete
+
+    results = group_results([(1.0, 4)] * 4 + [(1.0, 0)] * 12)
+    order = [0, *range(4, 16), 1, 2, 3]
+    intake = intake_fed([], prompts=8)
+    intake.worker.results.extend(results[index] for index in order[:13])
+    intake._drain(0.0)
+    assert intake.ledger.prompts_without_samples_streak == 0 and verdict_of(intake) is None
+    intake.worker.results.extend(results[index] for index in order[13:])
+    intake._drain(0.0)
+    assert len(intake.buffer) == 16 and intake.ledger.prompts_without_samples_streak == 12
+    intake.buffer.clear()  # trained
+    assert isinstance(verdict_of(intake), TrainingComplete)
+
+
 def test_keep_training_through_saturated_passes_warns_once_a_pass(caplog):
     intake = intake_fed([], stop_when_saturated=False)
     warnings = []
