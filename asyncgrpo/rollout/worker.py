@@ -109,6 +109,9 @@ def _worker_main(loop_cls, inputs: WorkerInputs, channels: WorkerChannels) -> No
             channels.report_failure(error)
     finally:
         channels.close_worker_side()
+        sandbox_runner = sys.modules.get("asyncgrpo.sandbox.runner")
+        if sandbox_runner is not None:  # a reward or tool may be inside run(): its finally never runs
+            sandbox_runner.end_every_run()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)  # threads stuck in user code (a reward, a tool) must not keep us alive

@@ -6,6 +6,10 @@ The command runs in a working folder of its own holding `files`, under `limits`,
 libraries (asyncgrpo/sandbox/bubblewrap.py). Whatever it does (hang, crash, fork without end, fill
 its memory or the disk) is its result, never an exception: `SandboxResult` says how it ended.
 Everything it started is gone, and its folder removed, when `run()` returns.
+
+A process that leaves with `os._exit` (the rollout worker, docs/reliability.md) skips the `finally`
+of every thread still inside `run()`: it calls `end_every_run()` first, which ends those sandboxes
+and removes their folders and cgroups, and refuses new runs.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import selectors
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +26,7 @@ from pathlib import Path, PurePosixPath
 
 from asyncgrpo.errors import ConfigurationError
 from asyncgrpo.sandbox.bubblewrap import HOME, TMP, SandboxCommand, SandboxFolders
+from asyncgrpo.sandbox.errors import SandboxError
 from asyncgrpo.sandbox.files import disk_usage, remove_tree
 from asyncgrpo.sandbox.limits import CODE_LIMITS, WATCH_INTERVAL_S, SandboxLimits
 
@@ -31,6 +37,73 @@ MAX_OUTPUT_BYTES = 2**20
 # How long, after the sandbox was killed, its end is waited for: the kernel ends a PID namespace in
 # the time it takes to deliver one SIGKILL to each process; only a failing kernel reaches this.
 END_BOUND_S = 30.0
+# How long end_every_run() waits for the runs it ended to clean up after themselves before it removes
+# what they left: their sandbox is killed, so a run's own clean-up takes one reap and one removal.
+CLEAN_UP_BOUND_S = 5.0
+
+
+class _LiveRuns:
+    """The runs in progress in this process: their folders and, once started, their sandboxes."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ending = False
+        self.runs: dict[Path, _Run] = {}
+
+    def add(self, root: Path) -> _Run:
+        with self.lock:
+            if self.ending:
+                remove_tree(root)
+                raise SandboxError("this process is ending (end_every_run() was called): no new sandbox")
+            run = self.runs[root] = _Run(root)
+            return run
+
+    def started(self, run: _Run, process: subprocess.Popen, sandbox: SandboxCommand) -> None:
+        """Record a started sandbox; SandboxError (the sandbox killed) when the process is ending."""
+        with self.lock:
+            run.process, run.sandbox = process, sandbox
+            ending = self.ending
+        if ending:
+            process.kill()
+            process.wait()
+            raise SandboxError("this process is ending (end_every_run() was called): the sandbox was ended")
+
+    def done(self, run: _Run) -> None:
+        with self.lock:
+            self.runs.pop(run.root, None)
+        run.cleaned.set()
+
+
+class _Run:
+    def __init__(self, root: Path):
+        self.root = root
+        self.process: subprocess.Popen | None = None
+        self.sandbox: SandboxCommand | None = None
+        self.cleaned = threading.Event()
+
+
+_live = _LiveRuns()
+
+
+def end_every_run() -> None:
+    """End every sandbox `run()` has running in this process, wait (boundedly) for those runs to clean
+    up, then remove what they left: their folders and cgroups. Later calls to `run()` raise
+    SandboxError. For a process about to leave with `os._exit`, whose threads never reach their
+    `finally`."""
+    with _live.lock:
+        _live.ending = True
+        runs = list(_live.runs.values())
+    for run in runs:
+        if run.process is not None and run.process.poll() is None:
+            run.process.kill()  # bubblewrap's parent-death signal takes its init, the kernel the rest
+    deadline = time.monotonic() + CLEAN_UP_BOUND_S
+    for run in runs:
+        if not run.cleaned.wait(max(0.0, deadline - time.monotonic())):
+            if run.process is not None:
+                run.process.wait(END_BOUND_S)
+            if run.sandbox is not None:
+                run.sandbox.release()
+            remove_tree(run.root)
 
 
 @dataclass(frozen=True)
@@ -72,17 +145,18 @@ def run(
     command = _checked_command(command)
     if not timeout_s > 0:
         raise ConfigurationError(f"timeout_s={timeout_s} must be > 0 (seconds the command may run)")
-    root = Path(tempfile.mkdtemp(prefix="asyncgrpo-sandbox-"))  # mode 0700
+    run = _live.add(Path(tempfile.mkdtemp(prefix="asyncgrpo-sandbox-")))  # mode 0700
     try:
-        folders = SandboxFolders.make(root)
+        folders = SandboxFolders.make(run.root)
         _write_files(folders.work, files or {})
         input_file = folders.private / "stdin"
         input_file.write_bytes(stdin.encode() if isinstance(stdin, str) else (stdin or b""))
         environment = {"PATH": DEFAULT_PATH, "HOME": HOME, "TMPDIR": TMP, "LANG": "C.UTF-8", **(env or {})}
         options = dict(search_path=environment["PATH"], readable_paths=readable_paths)
-        return _run_in(folders, command, environment, input_file, limits, timeout_s, options)
+        return _run_in(run, folders, command, environment, input_file, limits, timeout_s, options)
     finally:
-        remove_tree(root)
+        remove_tree(run.root)
+        _live.done(run)
 
 
 def _checked_command(command: Sequence[str]) -> list[str]:
@@ -104,6 +178,7 @@ def _write_files(work: Path, files: Mapping[str, str | bytes]) -> None:
 
 
 def _run_in(
+    run: _Run,
     folders: SandboxFolders,
     command: list[str],
     environment: dict[str, str],
@@ -134,6 +209,7 @@ def _run_in(
             )
         os.close(ended_write)
         ended_write = -1
+        _live.started(run, process, sandbox)
         return _watch(process, ended_read, started, folders, limits, timeout_s)
     finally:
         for fd in (ended_read, ended_write):

@@ -9,6 +9,7 @@ import copy
 import functools
 import json
 import math
+import os
 import sys
 import tempfile
 import threading
@@ -259,25 +260,21 @@ def processes_naming_the_agent() -> list:
     ]
 
 
-def agents_alive() -> int:
-    """The adversary agents alive, one per session: an agent's own children (the escapee, which a
-    supervisor adopts as its subreaper) share its command line and count with it; a process that no
-    supervisor holds counts alone (it escaped the session)."""
-    sessions = set()
+def agents_by_sandbox() -> dict[str, list[int]]:
+    """The adversary agents' processes alive, by the PID namespace they run in: each sandbox has its own,
+    and no process leaves it, so each namespace is one session's agent (its children, the escapee's
+    double fork among them, included). Not by parent chain: while a sandbox ends, or an agent's child
+    forks and exits, a parent reaped between reading a process's parent pid and looking that pid up
+    ends psutil's parents() there, and the process counted as a session of its own: the likely cause
+    of the two sessions a loaded CI run counted with one agent alive."""
+    sandboxes: dict[str, list[int]] = {}
     for process in adversary_processes():
         try:
-            holder = next(
-                (
-                    parent.pid
-                    for parent in process.parents()
-                    if any("supervisor.py" in part for part in parent.cmdline())
-                ),
-                None,
-            )
-        except psutil.Error:  # it ended meanwhile
+            namespace = os.readlink(f"/proc/{process.pid}/ns/pid")
+        except OSError:  # it ended meanwhile
             continue
-        sessions.add(holder if holder is not None else ("alone", process.pid))
-    return len(sessions)
+        sandboxes.setdefault(namespace, []).append(process.pid)
+    return sandboxes
 
 
 def host_pid(namespace_pid: int) -> int | None:
@@ -300,12 +297,15 @@ class AgentWatch(threading.Thread):
     def __init__(self, report: Path):
         super().__init__(daemon=True)
         self.report, self.most_alive, self.sleeper_ended_at = report, 0, None
+        self.crowd: dict[str, list[int]] = {}  # the agents' processes when the most were alive
         self.done = threading.Event()
 
     def run(self):
         sleeper = None
         while not self.done.wait(0.1):
-            self.most_alive = max(self.most_alive, agents_alive())
+            sandboxes = agents_by_sandbox()
+            if len(sandboxes) > self.most_alive:
+                self.most_alive, self.crowd = len(sandboxes), sandboxes
             claim = self.report / "sleeper.json"
             if sleeper is None and claim.exists() and claim.read_text():
                 sleeper = host_pid(json.loads(claim.read_text())["pid"])
@@ -441,7 +441,7 @@ def test_agents_cannot_cheat_steal_or_hang_the_run(
     assert watch.sleeper_ended_at - started < ADVERSARY_TIMEOUT_S + END_SLACK_S
     assert sum(entry.get("rollout/harness_timeout_count", 0) for entry in history) >= 1, history
     # The machine's bound: never more than max_agents agents alive, and rollouts waited for a place.
-    assert watch.most_alive <= MAX_AGENTS
+    assert watch.most_alive <= MAX_AGENTS, watch.crowd
     assert any(entry.get("rollout/harness_session_wait_s", 0) > 0 for entry in history)
     # Escape: every process that double-forked out of its agent's session is gone.
     assert len(list(report.glob("escapee-*.pid"))) >= GROUP

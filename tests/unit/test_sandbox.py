@@ -275,6 +275,63 @@ def test_run_gives_the_command_its_files_and_input_and_nothing_of_the_machine(tm
     assert not sandbox_cgroups()
 
 
+# A process like the rollout worker: a thread (a reward function) inside run() when the process leaves
+# with os._exit. It reports the sandbox's pid namespace init, run()'s folder, and what a run asked for
+# after end_every_run() raised, then leaves as the worker does.
+ENDING_PROCESS = """
+import glob, json, os, sys, tempfile, threading, time
+from asyncgrpo.sandbox import SandboxError, run
+from asyncgrpo.sandbox.runner import end_every_run
+threading.Thread(target=run, args=([sys.executable, "-c", "import time; time.sleep(600)"],),
+                 kwargs={"timeout_s": 600}, daemon=True).start()
+deadline = time.monotonic() + 60
+while not glob.glob(os.path.join(tempfile.gettempdir(), "asyncgrpo-sandbox-*", "work")):
+    assert time.monotonic() < deadline, "the sandbox's folder never appeared"
+    time.sleep(0.05)
+time.sleep(1)  # the sandbox starts
+end_every_run()
+try:
+    run(["true"])
+    refused = None
+except SandboxError as error:
+    refused = str(error)
+print(json.dumps({"refused": refused}), flush=True)
+os._exit(0)
+"""
+
+
+def test_end_every_run_ends_the_sandboxes_of_a_process_leaving_with_os_exit(tmp_path):
+    # The child leaves with os._exit, so the thread inside run() never reaches its finally: before the
+    # fix (a worker stopped while a code-execution reward ran) its folder and cgroup stayed behind.
+    marker = "sandbox-ending-marker"
+    program = ENDING_PROCESS.replace("time.sleep(600)", f"time.sleep(600)  # {marker}")
+    child = subprocess.Popen(
+        [sys.executable, "-c", program],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = child.communicate(timeout=RUN_BOUND_S)
+    assert child.returncode == 0, err
+    assert "this process is ending" in json.loads(out)["refused"]
+    assert list(tmp_path.iterdir()) == [], "run()'s folder removed though its thread never returned"
+    assert wait_until(lambda: not processes_with(marker), KILL_DELIVERY_BOUND_S), processes_with(marker)
+    if sandbox_cgroup.needs_cgroup():  # as root, the sandbox's cgroup is named by the child's pid
+        assert not list(sandbox_cgroup.cgroup_base().glob(f"asyncgrpo-sandbox-{child.pid}-*"))
+
+
+def processes_with(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_text():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 FORK_WITHOUT_END = (
     "import os, time\nn = 0\ntry:\n    while n < 500:\n        if os.fork() == 0:\n"
     "            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n)\n"
