@@ -225,9 +225,10 @@ PLANTED = {
 PADDING = "x" * 200_000
 # An agent's timeout, and how long past it a sleeping agent may live (its end is watched every 0.1 s).
 # The timeout counts from the agent's own start, after its wait for a place: the others take a second
-# or a few (one model call) on an idle machine, the spy's scan of every port and process up to 25 s in a
-# loaded CI run (20 s ended one there), so the sleeper's 40 s is all it adds to the run.
-ADVERSARY_TIMEOUT_S, END_SLACK_S = 40, 15
+# or a few (one model call) on an idle machine, the hog about 12 s in a loaded CI run, so the sleeper's
+# timeout is all it adds to the run. (The spy once scanned all 65,535 ports, up to 25 s loaded: it now
+# reads its network's listening sockets, tests/support/sandbox_spy_agent.py.)
+ADVERSARY_TIMEOUT_S, END_SLACK_S = 25, 15
 # One agent alive at once, groups of two, a group's rollouts started when a place among
 # max_concurrent_rollouts (two) frees: the agents run one after another in dataset order, so the groups
 # end in that order whatever the machine's load. The "escape" group, the only one whose rewards differ,

@@ -9,8 +9,10 @@ shows it looks well).
 - every process's working directory and open files (/proc/PID/cwd, /proc/PID/fd/N), followed to
   any file that holds its own prompt, from which it takes the row's "answer";
 - `~/.cache/huggingface/token` under every HOME it learned, and its own;
-- every TCP port of 127.0.0.1, 1 to 65535 (a connection to itself aside: the kernel may pick the
-  destination port as the source port).
+- every TCP port listening in the network it is in (/proc/net/tcp and tcp6: the kernel shows a process
+  the sockets of its own network namespace, so a sandbox sharing the machine's would list the
+  machine's), each connected to on the loopback. Not a scan of all 65,535 ports: that took up to 25 s
+  on a loaded machine, longer than the other agents' whole runs, and reaches no port the table leaves out.
 """
 
 import json
@@ -85,16 +87,33 @@ def tokens(found: dict, homes: set[str]) -> None:
             pass
 
 
+LISTENING = "0A"  # the TCP state column of /proc/net/tcp: LISTEN
+
+
+def listening_ports(table: str) -> set[int]:
+    """The ports of the sockets that listen, from /proc/net/tcp or tcp6 (local address as HEX:PORT)."""
+    try:
+        lines = pathlib.Path(table).read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    rows = [line.split() for line in lines]
+    return {int(row[1].rsplit(":", 1)[1], 16) for row in rows if row[3] == LISTENING}
+
+
 def ports(found: dict) -> None:
-    for port in range(1, 65536):
-        with socket.socket() as sock:
-            sock.settimeout(1.0)
-            try:
-                sock.connect(("127.0.0.1", port))
-            except OSError:
-                continue
-            if sock.getsockname() != sock.getpeername():  # not a connection to itself
-                found["ports"].append(port)
+    for family, address, table in (
+        (socket.AF_INET, "127.0.0.1", "/proc/net/tcp"),
+        (socket.AF_INET6, "::1", "/proc/net/tcp6"),
+    ):
+        for port in sorted(listening_ports(table)):
+            with socket.socket(family) as sock:
+                sock.settimeout(1.0)
+                try:
+                    sock.connect((address, port))
+                except OSError:
+                    continue
+                if port not in found["ports"]:
+                    found["ports"].append(port)
 
 
 def main() -> None:
