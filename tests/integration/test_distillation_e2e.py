@@ -197,8 +197,9 @@ def test_grpo_with_a_teacher_gives_every_trained_token_the_real_teachers_term(
     """GRPO with a teacher (teacher_kl_coef=0.5) and a reward that scores every completion the same (no
     group advantage, yet no group is dropped): every trained token's advantage is the rollout's plus
     0.5 x (log q - log p_sampler), with log q what the real teacher server gives that token when asked
-    again here, and the worker logs the mean gap as teacher_kl. (Whether the term alone moves the student
-    depends on the teacher's overlap with it: docs/distillation.md, "A reward and a teacher".)"""
+    again here, and the worker logs the mean gap as teacher_kl. Its evaluation reports both the reward
+    and the teacher's figures. (Whether the term alone moves the student depends on the teacher's
+    overlap with it: docs/distillation.md, "A reward and a teacher".)"""
     trained: list = []
     original = SampleIntake.next_step
 
@@ -216,16 +217,22 @@ def test_grpo_with_a_teacher_gives_every_trained_token_the_real_teachers_term(
         teacher_kl_coef=0.5,
         max_completion_length=6,
         max_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
     )
     trainer = AsyncGRPOTrainer(
         str(tiny_model_dir),
         constant_reward,
         args=config,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        eval_dataset=Dataset.from_dict({"prompt": [addition_prompt(4, 5), addition_prompt(6, 2)]}),
     )
     trainer.train()
     logged = [entry["teacher_kl"] for entry in trainer.state.log_history if "teacher_kl" in entry]
     assert logged and all(np.isfinite(logged))
+    (evaluation,) = [entry for entry in trainer.state.log_history if "eval_teacher_kl" in entry]
+    assert evaluation["step"] == 2 and evaluation["eval_reward"] == 1.0, evaluation  # the reward, and
+    assert evaluation["eval_teacher_kl"] > 0 and evaluation["eval_teacher_logprob"] < 0  # the teacher's
     assert trained and all(sample.token_advantages is not None for sample in trained)
 
     async def teachers_view(sample: Sample) -> np.ndarray:
