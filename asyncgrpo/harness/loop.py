@@ -27,7 +27,8 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -51,6 +52,11 @@ DEFAULT_WHITE_BOX_TURNS = 8
 # trace, close) by default: as long as a server request may take, so it never cuts a working session.
 DEFAULT_HARNESS_TIMEOUT_S = 1800.0
 HARNESS_TIMEOUT = "harness_timeout_s"
+# How long close() gives the sessions still being created or scored, once it has closed the live ones,
+# to see that the loop is closing and close themselves: a create() takes a fraction of a second, and the
+# rollout process leaves with os._exit after close(), so a session created after it would leave its
+# folder behind. Within the trainer's bound on stopping the rollout process (10 s, then SIGKILL).
+SETTLE_BOUND_S = 5.0
 
 
 @dataclass
@@ -105,6 +111,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         self._proxy: CaptureProxy | None = None
         self._session_pool: ThreadPoolExecutor | None = None
         self._live_sessions: set = set()
+        self._in_flight: set[Future] = set()  # _run_session calls on the pool's threads
         self._sessions_lock = threading.Lock()  # held for set operations only, never while a session starts
         self._closing = False
         self._gate = SessionGate(None)
@@ -155,6 +162,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         await asyncio.gather(*(asyncio.to_thread(self._close_quietly, session) for session in sessions))
         if self._session_pool is not None:
             self._session_pool.shutdown(wait=False, cancel_futures=True)
+            await asyncio.to_thread(wait_for_futures, list(self._in_flight), SETTLE_BOUND_S)
         if callable(getattr(self._factory, "close", None)):  # its own resources (the agents' lifeline)
             await asyncio.to_thread(
                 self._bounded, self._factory.close, self.harness.timeout_s, "the factory's close()"
@@ -172,9 +180,12 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         try:
             if self._gate.limit is not None:
                 self.metrics.record("rollout/harness_session_wait_s", waited_s)
-            result = await asyncio.get_running_loop().run_in_executor(
-                self._session_pool, self._run_session, task, group_id, version, asyncio.get_running_loop()
+            running = self._session_pool.submit(
+                self._run_session, task, group_id, version, asyncio.get_running_loop()
             )
+            self._in_flight.add(running)
+            running.add_done_callback(self._in_flight.discard)
+            result = await asyncio.wrap_future(running)
         finally:
             self._gate.release()
         metrics = self.metrics
