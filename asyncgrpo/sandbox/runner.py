@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from asyncgrpo.errors import ConfigurationError
@@ -74,12 +74,12 @@ class _LiveRuns:
         run.cleaned.set()
 
 
+@dataclass
 class _Run:
-    def __init__(self, root: Path):
-        self.root = root
-        self.process: subprocess.Popen | None = None
-        self.sandbox: SandboxCommand | None = None
-        self.cleaned = threading.Event()
+    root: Path
+    process: subprocess.Popen | None = None
+    sandbox: SandboxCommand | None = None
+    cleaned: threading.Event = field(default_factory=threading.Event)
 
 
 _live = _LiveRuns()
@@ -100,7 +100,10 @@ def end_every_run() -> None:
     for run in runs:
         if not run.cleaned.wait(max(0.0, deadline - time.monotonic())):
             if run.process is not None:
-                run.process.wait(END_BOUND_S)
+                try:
+                    run.process.wait(END_BOUND_S)
+                except subprocess.TimeoutExpired:  # never raises: its caller is about to leave
+                    pass
             if run.sandbox is not None:
                 run.sandbox.release()
             remove_tree(run.root)
